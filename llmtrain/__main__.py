@@ -1,0 +1,38 @@
+"""``python -m llmtrain``: the Hydra application (works under torchrun and accelerate launch)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import llmtrain.distributed  # noqa: F401  (before anything imports deepspeed: picks its accelerator)
+
+import hydra
+from omegaconf import DictConfig
+
+from llmtrain.config import ConfigError, register_configs
+from llmtrain.data import DataError
+from llmtrain.distributed import LaunchError
+from llmtrain.models import ModelSourceError
+from llmtrain.paths import CONF_DIR
+
+register_configs()
+log = logging.getLogger("llmtrain")
+
+# Bad input, reported as one line naming the field or file; exit status 2, nothing trained.
+USER_ERRORS = (ConfigError, DataError, ModelSourceError, LaunchError)
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> None:
+    from llmtrain.trainer import train
+
+    try:
+        train(cfg)
+    except USER_ERRORS as err:
+        print(f"llmtrain: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Typed configuration: Hydra structured-config schemas and their cross-field validation.
+
+The schemas are dataclasses registered in Hydra's ConfigStore, so a wrong type or an unknown
+key fails while Hydra composes the config, naming the key. Checks that need more than one
+field (or the world size) live in :func:`validate` and raise :class:`ConfigError`, whose
+message names the fields, their values and the fix.
+
+Recipes are YAML files in the top-level ``recipes/`` folder; :func:`register_configs` stores
+each one as an option of the Hydra group ``recipe``, typed by :class:`RecipeConfig`, so
+``+recipe=zero3`` works whether llmtrain runs from a checkout or from an installed wheel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+from llmtrain.paths import RECIPES_DIR
+
+
+class ConfigError(ValueError):
+    """A configuration value (or combination) that cannot work; the message names field and fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Which causal LM to train and where its weights and tokenizer come from.
+
+    ``source``:
+      * ``config``: random init from ``architecture`` (a ``transformers`` config as a dict; it
+        must name ``model_type``). Under ZeRO-3 the model is built already partitioned.
+      * ``pretrained``: ``AutoModelForCausalLM.from_pretrained(path)``; ``path`` is a local folder
+        (or a hub id, which needs network access).
+      * ``gguf``: a GGUF file, dequantized by ``transformers``; the file is ``path/gguf_file`` or,
+        when ``gguf_package`` is set, ``gguf_file`` inside that installed Python package.
+    ``tokenizer``: ``byte`` (a built-in byte-level tokenizer that needs no download) or ``model``
+    (the tokenizer stored with the weights) or a path to a tokenizer folder.
+    """
+
+    name: str = MISSING
+    source: str = "config"
+    path: Optional[str] = None
+    gguf_file: Optional[str] = None
+    gguf_package: Optional[str] = None
+    architecture: Dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = "model"
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    """Training data from local files, read through ``datasets``.
+
+    ``format``:
+      * ``text``: plain-text documents, tokenized, joined with EOS and packed into blocks of
+        ``seq_len`` tokens. ``path`` is a file, a folder (files matching ``glob``), or null for
+        the Python standard library's own source files (present on every machine).
+      * ``alpaca``: a JSON/JSONL list of {instruction, input, output}; prompt tokens get label
+        -100, the response and EOS are trained. ``template``: ``chat`` (the tokenizer's chat
+        template), ``alpaca`` (the Stanford Alpaca prompt) or ``auto`` (chat when the tokenizer
+        has a template).
+    ``max_bytes`` caps how much raw text is read (null: all of it); ``max_records`` caps records.
+    ``val_fraction`` of the samples (at least one) is held out for validation, chosen by ``seed``.
+    """
+
+    name: str = MISSING
+    format: str = "text"
+    path: Optional[str] = None
+    glob: str = "**/*.py"
+    max_bytes: Optional[int] = None
+    max_records: Optional[int] = None
+    seq_len: int = 256
+    val_fraction: float = 0.05
+    template: str = "auto"
+    shuffle: bool = True
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation and the loop's cadence.
+
+    Batch sizes are in samples (sequences). ``global_batch_size`` = ``micro_batch_size`` ×
+    gradient accumulation steps × data-parallel size; the accumulation steps are derived from the
+    other three, so the same config gives the same global batch on any number of ranks.
+    Learning rate: linear warmup over ``warmup_steps`` then cosine decay to
+    ``lr * min_lr_ratio`` at ``max_steps`` (Loshchilov & Hutter, SGDR, 2017, eq. 5).
+    Intervals (``eval_every``, ``save_every``, ``log_every``) are in optimizer steps; 0 = never
+    (a final checkpoint and evaluation are always made).
+    """
+
+    seed: int = 1234
+    max_steps: int = 200
+    global_batch_size: int = 16
+    micro_batch_size: int = 8
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+    eval_every: int = 50
+    eval_samples: int = 64
+    log_every: int = 1
+    save_every: int = 0
+    export_hf: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class TrackerConfig:
+    """Experiment tracking. ``wandb_mode``: ``auto`` (online when an API key is configured, else
+    offline), ``online``, ``offline`` or ``disabled``. ``metrics.jsonl`` is always written."""
+
+    wandb_mode: str = "auto"
+    project: str = "llmtrain"
+    entity: Optional[str] = None
+    run_name: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class RecipeConfig:
+    """A parallelism recipe: what to shard and how, independent of the model.
+
+    ``engine``: ``torch`` (single process or DDP, chosen by world size) or ``deepspeed``.
+    ``zero_stage``: 0-3 as in Rajbhandari et al., "ZeRO" (SC'20), section 5: 1 partitions
+    optimizer state, 2 also gradients, 3 also parameters. Offload (Ren et al., "ZeRO-Offload",
+    ATC'21) moves optimizer state (stage >= 1) and parameters (stage 3) to CPU memory.
+    """
+
+    name: str = "auto"
+    engine: str = "torch"
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    overlap_comm: bool = False
+    reduce_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 50_000_000
+
+
+@dataclass
+class Config:
+    """The whole run: model × data × parallelism recipe, plus trainer and tracker settings."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    name: str = "${model.name}-${data.name}-${recipe.name}"
+    run_dir: str = "runs/${name}"
+
+
+def register_configs() -> None:
+    """Store the schema as ``base_config`` and every ``recipes/*.yaml`` as group ``recipe``.
+
+    Raises:
+        omegaconf.errors.ConfigKeyError / ValidationError: a recipe file has an unknown key or a
+            value of the wrong type (the message names the file's key).
+    """
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for recipe_file in sorted(Path(RECIPES_DIR).glob("*.yaml")):
+        node = OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.load(recipe_file))
+        cs.store(group="recipe", name=recipe_file.stem, node=node)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def gradient_accumulation_steps(trainer: TrainerConfig, dp_size: int) -> int:
+    """Micro-batches per rank per optimizer step: global / (micro × dp).
+
+    Raises:
+        ConfigError: the global batch is not a multiple of micro-batch × data-parallel size.
+    """
+    per_pass = trainer.micro_batch_size * dp_size
+    _require(
+        trainer.global_batch_size % per_pass == 0,
+        f"trainer.global_batch_size={trainer.global_batch_size} is not divisible by "
+        f"trainer.micro_batch_size={trainer.micro_batch_size} x data-parallel size={dp_size} "
+        f"(= {per_pass}); choose a global batch that is a multiple of {per_pass}, or change "
+        f"the micro-batch size or the number of ranks.",
+    )
+    return trainer.global_batch_size // per_pass
+
+
+def validate(cfg: Any, world_size: int) -> None:
+    """Check every cross-field rule before anything is built or written.
+
+    Args:
+        cfg: the composed :class:`Config` (an OmegaConf DictConfig).
+        world_size: number of processes of the launch.
+
+    Raises:
+        ConfigError: naming the offending fields, their values and the fix.
+    """
+    m, d, t, r, tr = cfg.model, cfg.data, cfg.trainer, cfg.recipe, cfg.tracker
+    _require(m.source in ("config", "pretrained", "gguf"),
+             f"model.source={m.source!r} must be one of config, pretrained, gguf")
+    if m.source == "config":
+        _require("model_type" in m.architecture,
+                 "model.architecture must name model_type (e.g. llama) when model.source=config")
+    if m.source == "pretrained":
+        _require(m.path is not None, "model.path must be set when model.source=pretrained")
+    if m.source == "gguf":
+        _require(m.gguf_file is not None, "model.gguf_file must be set when model.source=gguf")
+        _require(m.path is not None or m.gguf_package is not None,
+                 "model.source=gguf needs model.path (folder of the file) or model.gguf_package")
+    _require(d.format in ("text", "alpaca"), f"data.format={d.format!r} must be text or alpaca")
+    _require(d.template in ("auto", "chat", "alpaca"),
+             f"data.template={d.template!r} must be auto, chat or alpaca")
+    _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be at least 2")
+    _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    for key in ("max_steps", "global_batch_size", "micro_batch_size"):
+        _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
+    for key in ("warmup_steps", "eval_every", "log_every", "save_every", "eval_samples"):
+        _require(t[key] >= 0, f"trainer.{key}={t[key]} must be >= 0")
+    _require(t.lr > 0, f"trainer.lr={t.lr} must be > 0")
+    _require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    _require(t.precision in ("fp32", "bf16"), f"trainer.precision={t.precision!r} must be fp32 or bf16")
+    _require(tr.wandb_mode in ("auto", "online", "offline", "disabled"),
+             f"tracker.wandb_mode={tr.wandb_mode!r} must be auto, online, offline or disabled")
+    _require(r.engine in ("torch", "deepspeed"),
+             f"recipe.engine={r.engine!r} must be torch or deepspeed")
+    _require(r.zero_stage in (0, 1, 2, 3), f"recipe.zero_stage={r.zero_stage} must be 0, 1, 2 or 3")
+    if r.engine == "torch":
+        _require(r.zero_stage == 0 and not (r.offload_optimizer or r.offload_params),
+                 f"recipe.zero_stage={r.zero_stage} / offload need recipe.engine=deepspeed; the "
+                 "torch engine runs plain DDP (FSDP2 recipes are not available yet)")
+    _require(not r.offload_optimizer or r.zero_stage >= 1,
+             f"recipe.offload_optimizer=true needs recipe.zero_stage>=1 (got {r.zero_stage})")
+    _require(not r.offload_params or r.zero_stage == 3,
+             f"recipe.offload_params=true needs recipe.zero_stage=3 (got {r.zero_stage})")
+    gradient_accumulation_steps(t, world_size)

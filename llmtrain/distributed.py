@@ -1,0 +1,104 @@
+"""Launch environment: rank and world size from torchrun / accelerate / SLURM, backend and device.
+
+Import this module before DeepSpeed: without CUDA it sets ``DS_ACCELERATOR=cpu`` so DeepSpeed
+selects its CPU accelerator (gloo) instead of failing to find a GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+if not _cuda_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch.distributed as dist  # noqa: E402
+
+
+class LaunchError(RuntimeError):
+    """The launch environment is inconsistent (e.g. RANK without WORLD_SIZE)."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits: ``rank`` of ``world_size`` processes, ``local_rank`` on its node."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError as err:
+        raise LaunchError(f"environment variable {name}={value!r} must be an integer") from err
+
+
+def init_distributed(timeout_s: float = 600.0, need_group: bool = False) -> DistEnv:
+    """Initialise torch.distributed from the launcher's environment (idempotent).
+
+    torchrun and ``accelerate launch`` set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+    MASTER_PORT. Without them the run is a single process; it gets a one-rank process group
+    (in-memory store, no port) only when ``need_group`` (DeepSpeed needs one).
+    Backend: nccl with CUDA, gloo otherwise.
+
+    Raises:
+        LaunchError: RANK is set without WORLD_SIZE (or the reverse), or RANK >= WORLD_SIZE.
+    """
+    rank, world_size = _int_env("RANK"), _int_env("WORLD_SIZE")
+    if (rank is None) != (world_size is None):
+        raise LaunchError("set both RANK and WORLD_SIZE (torchrun does), or neither for one process")
+    rank, world_size = rank or 0, world_size or 1
+    if not 0 <= rank < world_size:
+        raise LaunchError(f"RANK={rank} must be in [0, WORLD_SIZE={world_size})")
+    local_rank = _int_env("LOCAL_RANK") or 0
+    use_cuda = _cuda_available()
+    backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    elif need_group and not dist.is_initialized():
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over all ranks in place (no-op for one process); returns it."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

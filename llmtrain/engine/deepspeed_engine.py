@@ -1,0 +1,124 @@
+"""DeepSpeed engine: ZeRO stages 0-3 with optional CPU offload.
+
+The DeepSpeed JSON is generated from the typed recipe and trainer config by
+:func:`deepspeed_config` (one source of truth: no ``"auto"`` values to keep in sync).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import llmtrain.distributed  # noqa: F401  (sets DS_ACCELERATOR=cpu without CUDA before deepspeed loads)
+from llmtrain.engine import Engine, lr_lambda, param_groups
+
+
+def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict:
+    """DeepSpeed config dict for ``cfg.recipe`` and ``cfg.trainer``.
+
+    Batch sizes: ``train_batch_size`` = micro-batch × accumulation × world size (samples).
+    With optimizer offload DeepSpeed builds its CPU AdamW (``DeepSpeedCPUAdam``) from the
+    ``optimizer`` section; otherwise the engine passes a ``torch.optim.AdamW``.
+    """
+    r, t = cfg.recipe, cfg.trainer
+    zero: dict[str, Any] = {"stage": r.zero_stage, "overlap_comm": r.overlap_comm,
+                            "reduce_bucket_size": r.reduce_bucket_size}
+    if r.zero_stage in (1, 2):
+        zero.update(allgather_bucket_size=r.allgather_bucket_size, contiguous_gradients=True)
+    if r.zero_stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=True, stage3_prefetch_bucket_size=r.allgather_bucket_size)
+    if r.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if r.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config: dict[str, Any] = {
+        "train_batch_size": t.micro_batch_size * accumulation_steps * world_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": accumulation_steps,
+        "gradient_clipping": t.grad_clip,
+        "bf16": {"enabled": t.precision == "bf16"},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    if r.offload_optimizer:
+        config["optimizer"] = {"type": "AdamW", "params": {
+            "lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps, "weight_decay": t.weight_decay}}
+    return config
+
+
+class DeepSpeedEngine(Engine):
+    """Wraps ``deepspeed.initialize``. DeepSpeed averages gradients over data-parallel ranks and
+    (by default) divides by the accumulation steps; backward passes ``scale_wrt_gas=False`` and
+    scales by the world size so the accumulated gradient is that of the global-batch sum."""
+
+    def __init__(self, cfg: Any, env, accumulation_steps: int):
+        super().__init__(cfg, env, accumulation_steps)
+        self.ds_config = deepspeed_config(cfg, env.world_size, accumulation_steps)
+        self._hf_ds_config = None
+        import deepspeed
+
+        # Adopt the existing torch process group; zero.Init reads the world size from it.
+        deepspeed.init_distributed(dist_backend=env.backend)
+
+    def model_init_context(self):
+        import contextlib
+
+        if self.cfg.recipe.zero_stage == 3:
+            # transformers builds models inside deepspeed.zero.Init while this object is alive.
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)
+        return contextlib.nullcontext()
+
+    def setup(self, model: torch.nn.Module) -> None:
+        import deepspeed
+
+        t = self.cfg.trainer
+        if t.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        groups = param_groups(model, t.weight_decay)
+        optimizer = None
+        if "optimizer" not in self.ds_config:
+            optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        schedule = lr_lambda(t)
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, model_parameters=groups if optimizer is None else None,
+            config=self.ds_config, dist_init_required=self.env.world_size > 1,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+        # Models built later (the export's fresh copy) must not be partitioned.
+        self._hf_ds_config = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.ds.module
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.ds(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss * self.env.world_size, scale_wrt_gas=False)
+        # DeepSpeed counts micro-batches itself and applies the optimizer on the last one.
+        self.ds.step()
+
+    def step(self) -> float:
+        norm = self.ds.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def save_checkpoint(self, directory: Path, client_state: dict) -> None:
+        self.ds.save_checkpoint(str(directory.parent), tag=directory.name, client_state=client_state)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if self.cfg.recipe.zero_stage == 3:
+            state = self.ds._zero3_consolidated_16bit_state_dict()
+        else:
+            state = self.ds.module.state_dict()
+        if not self.env.is_main:
+            return None
+        return {k: v.detach().float().cpu() for k, v in state.items()}

@@ -1,0 +1,69 @@
+"""Plain PyTorch engine: one process, or DistributedDataParallel when the world size is > 1."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from llmtrain.engine import Engine, lr_lambda, param_groups
+
+
+class TorchEngine(Engine):
+    """Replicated model; gradients all-reduced (averaged) by DDP, so the loss is scaled by the
+    world size to keep the sum-over-global-batch contract."""
+
+    def setup(self, model: torch.nn.Module) -> None:
+        t = self.cfg.trainer
+        self._model = model.to(self.env.device)
+        if t.activation_checkpointing:
+            self._model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.wrapped = self._model
+        if self.env.world_size > 1:
+            device_ids = [self.env.local_rank] if self.env.device.type == "cuda" else None
+            self.wrapped = DistributedDataParallel(self._model, device_ids=device_ids)
+        self.optimizer = torch.optim.AdamW(param_groups(self._model, t.weight_decay), lr=t.lr,
+                                           betas=(t.beta1, t.beta2), eps=t.eps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t))
+        self.autocast_dtype = torch.bfloat16 if t.precision == "bf16" else None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model
+
+    def accumulate(self, is_last_micro_batch: bool):
+        if isinstance(self.wrapped, DistributedDataParallel) and not is_last_micro_batch:
+            return self.wrapped.no_sync()
+        return contextlib.nullcontext()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast(self.env.device.type, dtype=self.autocast_dtype or torch.float32,
+                            enabled=self.autocast_dtype is not None):
+            return self.wrapped(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.env.world_size).backward()
+
+    def step(self) -> float:
+        clip = self.cfg.trainer.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(), clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def save_checkpoint(self, directory: Path, client_state: dict) -> None:
+        # Replicated state: rank 0 writes it once.
+        if self.env.is_main:
+            directory.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": self._model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict(), "client_state": client_state},
+                       directory / "state.pt")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return {k: v.detach().cpu() for k, v in self._model.state_dict().items()} if self.env.is_main else None

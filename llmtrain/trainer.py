@@ -1,0 +1,191 @@
+"""The training run: sequences config validation, data, model, engine, loop, tracking, checkpoints.
+
+The loss of an optimizer step is the mean token cross-entropy over the whole global batch:
+each micro-batch contributes ``sum(CE) / N`` where ``N`` counts the target tokens of all
+micro-batches on all ranks, so gradient accumulation and data parallelism give exactly the
+gradient of one big batch, whatever the padding.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from llmtrain import checkpoint, data, distributed
+from llmtrain.config import ConfigError, gradient_accumulation_steps, validate
+from llmtrain.engine import build_engine
+from llmtrain.models import build_model, build_tokenizer, count_parameters
+from llmtrain.tracking import Tracker
+
+log = logging.getLogger("llmtrain")
+
+
+def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy (fp32 scalar) of ``logits`` ``[B, T, V]`` against
+    ``labels`` ``[B, T]`` shifted by one; labels of -100 are ignored."""
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                           ignore_index=data.IGNORE_INDEX, reduction="sum")
+
+
+def count_target_tokens(labels: torch.Tensor) -> int:
+    """Tokens that carry a loss in ``labels`` ``[B, T]`` after the one-token shift."""
+    return int((labels[:, 1:] != data.IGNORE_INDEX).sum())
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process in bytes: CUDA allocator peak, or the process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+@torch.no_grad()
+def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, float]:
+    """Validation loss (mean token CE over all ranks' batches) and perplexity = exp(loss)."""
+    engine.train(False)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        totals[0] += token_cross_entropy_sum(engine.forward(batch), batch["labels"]).double()
+        totals[1] += count_target_tokens(batch["labels"])
+    if not batches and engine.cfg.recipe.zero_stage == 3:
+        raise ConfigError("trainer.eval_samples: every rank needs a validation batch under ZeRO-3")
+    distributed.all_reduce_sum(totals)
+    engine.train(True)
+    loss = float(totals[0] / totals[1].clamp(min=1))
+    return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}
+
+
+def _prepare_run_dir(cfg: Any, env: distributed.DistEnv) -> Path:
+    run_dir = Path(cfg.run_dir)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    distributed.barrier()
+    return run_dir
+
+
+def train(cfg: Any) -> dict[str, Any]:
+    """Run training as configured; returns a summary (per-step losses, final val loss, paths).
+
+    Raises:
+        ConfigError, data.DataError, models.ModelSourceError, distributed.LaunchError: bad input,
+            raised before any checkpoint is written.
+    """
+    env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
+    validate(cfg, env.world_size)
+    t = cfg.trainer
+    accumulation = gradient_accumulation_steps(t, env.world_size)
+    # Same seed on all ranks: identical init; dropout differs only through different data.
+    seed_everything(t.seed)
+
+    tokenizer = build_tokenizer(cfg.model)
+    splits = data.load_splits(cfg.data, tokenizer, t.seed)
+    engine = build_engine(cfg, env, accumulation)
+    with engine.model_init_context():
+        model = build_model(cfg.model, t.seed)
+    vocab = model.config.vocab_size
+    if len(tokenizer) > vocab:
+        raise ConfigError(f"model.architecture.vocab_size={vocab} is smaller than the tokenizer's "
+                          f"{len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")
+    engine.setup(model)
+    engine.train(True)
+
+    run_dir = _prepare_run_dir(cfg, env)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    tracker = Tracker(cfg.tracker, run_dir, cfg.name, resolved, env.is_main)
+    n_params = count_parameters(engine.model)
+    if env.is_main:
+        log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; recipe %s "
+                 "(engine %s, ZeRO %d) on %d rank(s); global batch %d = micro %d x accumulation %d x dp %d",
+                 cfg.model.name, n_params / 1e6, cfg.data.name, len(splits.train), len(splits.val),
+                 cfg.recipe.name, cfg.recipe.engine, cfg.recipe.zero_stage, env.world_size,
+                 t.global_batch_size, t.micro_batch_size, accumulation, env.world_size)
+
+    loader, _ = data.train_loader(splits, tokenizer, cfg.data, t.seed, t.micro_batch_size, accumulation,
+                                  env, start_step=0, max_steps=t.max_steps)
+    val_batches = data.val_batches(splits, tokenizer, t.micro_batch_size, t.eval_samples, env)
+    micro_batches = iter(loader)
+    progress = _progress_bar(t, env)
+    summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(run_dir)}
+    summary["initial_val"] = evaluate(engine, val_batches, env.device)
+    tokens_seen = 0
+
+    for step in range(t.max_steps):
+        started = time.perf_counter()
+        batches = [{k: v.to(env.device) for k, v in next(micro_batches).items()} for _ in range(accumulation)]
+        counts = torch.tensor([sum(count_target_tokens(b["labels"]) for b in batches),
+                               sum(int(b["attention_mask"].sum()) for b in batches)],
+                              dtype=torch.float64, device=env.device)
+        targets, tokens = distributed.all_reduce_sum(counts).tolist()
+        lr = engine.lr()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+        for k, batch in enumerate(batches):
+            with engine.accumulate(is_last_micro_batch=k == accumulation - 1):
+                ce = token_cross_entropy_sum(engine.forward(batch), batch["labels"])
+                engine.backward(ce / targets)
+            loss_sum += ce.detach().double()
+        grad_norm = engine.step()
+        loss = float(distributed.all_reduce_sum(loss_sum)) / targets
+        elapsed = time.perf_counter() - started
+        tokens_seen += int(tokens)
+        summary["losses"].append(loss)
+        summary["lrs"].append(lr)
+
+        metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
+                   "train/tokens_per_s": tokens / elapsed, "train/step_time_s": elapsed,
+                   "train/tokens_seen": tokens_seen, "train/samples_seen": (step + 1) * t.global_batch_size,
+                   "memory/peak_bytes": _memory_bytes(env.device)}
+        done = step + 1
+        if t.eval_every and done % t.eval_every == 0 and done < t.max_steps:
+            metrics.update(evaluate(engine, val_batches, env.device))
+        if done == t.max_steps:
+            metrics.update(evaluate(engine, val_batches, env.device))
+            summary["final_val"] = {k: metrics[k] for k in ("val/loss", "val/perplexity")}
+        if (t.log_every and done % t.log_every == 0) or "val/loss" in metrics:
+            tracker.log(metrics, step=done)
+        if progress is not None:
+            progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
+            progress.update(1)
+        if "val/loss" in metrics and env.is_main:
+            log.info("step %d: train loss %.4f, val loss %.4f (ppl %.2f)", done, loss,
+                     metrics["val/loss"], metrics["val/perplexity"])
+        if (t.save_every and done % t.save_every == 0) or done == t.max_steps:
+            client_state = {"step": done, "consumed_samples": done * t.global_batch_size, "tokens_seen": tokens_seen}
+            summary["checkpoint"] = str(checkpoint.save(engine, run_dir, done, client_state))
+
+    if progress is not None:
+        progress.close()
+    if t.export_hf:
+        exported = checkpoint.export_hf(engine, cfg.model, tokenizer, run_dir / "hf")
+        if exported is not None:
+            summary["export"] = str(exported)
+            log.info("exported Hugging Face model to %s", exported)
+    tracker.finish()
+    distributed.barrier()
+    return summary
+
+
+def _progress_bar(t: Any, env: distributed.DistEnv):
+    if not (t.progress_bar and env.is_main):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=t.max_steps, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
