@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,10 @@ if not _cuda_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch.distributed as dist  # noqa: E402
+
+# DeepSpeed calls collectives that torch 2.13 renamed; the warning repeats every step.
+warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated",
+                        category=FutureWarning)
 
 
 class LaunchError(RuntimeError):

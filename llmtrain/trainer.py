@@ -41,6 +41,29 @@ def count_target_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != data.IGNORE_INDEX).sum())
 
 
+def forward_backward(engine, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+    """Accumulate the gradient of one optimizer step over this rank's micro-batches.
+
+    Each micro-batch's summed cross-entropy is divided by the target-token count of the whole
+    global batch (all micro-batches, all ranks; one all-reduce), so the accumulated gradient is
+    that of the global batch's mean token loss, independent of how it is split.
+
+    Returns:
+        (global mean token loss, tokens in the global batch including prompt tokens).
+    """
+    counts = torch.tensor([sum(count_target_tokens(b["labels"]) for b in batches),
+                           sum(int(b["attention_mask"].sum()) for b in batches)],
+                          dtype=torch.float64, device=batches[0]["input_ids"].device)
+    targets, tokens = distributed.all_reduce_sum(counts).tolist()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=counts.device)
+    for k, batch in enumerate(batches):
+        with engine.accumulate(is_last_micro_batch=k == len(batches) - 1):
+            ce = token_cross_entropy_sum(engine.forward(batch), batch["labels"])
+            engine.backward(ce / targets)
+        loss_sum += ce.detach().double()
+    return float(distributed.all_reduce_sum(loss_sum)) / targets, int(tokens)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -74,7 +97,12 @@ def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, flo
 
 
 def _prepare_run_dir(cfg: Any, env: distributed.DistEnv) -> Path:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
     run_dir = Path(cfg.run_dir)
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        run_dir = Path(HydraConfig.get().runtime.output_dir)  # one folder per sweep job
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -126,24 +154,18 @@ def train(cfg: Any) -> dict[str, Any]:
     progress = _progress_bar(t, env)
     summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(run_dir)}
     summary["initial_val"] = evaluate(engine, val_batches, env.device)
+    tracker.log(summary["initial_val"], step=0)
+    if env.is_main:
+        log.info("step 0: val loss %.4f (ppl %.2f)", summary["initial_val"]["val/loss"],
+                 summary["initial_val"]["val/perplexity"])
     tokens_seen = 0
 
     for step in range(t.max_steps):
         started = time.perf_counter()
         batches = [{k: v.to(env.device) for k, v in next(micro_batches).items()} for _ in range(accumulation)]
-        counts = torch.tensor([sum(count_target_tokens(b["labels"]) for b in batches),
-                               sum(int(b["attention_mask"].sum()) for b in batches)],
-                              dtype=torch.float64, device=env.device)
-        targets, tokens = distributed.all_reduce_sum(counts).tolist()
         lr = engine.lr()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-        for k, batch in enumerate(batches):
-            with engine.accumulate(is_last_micro_batch=k == accumulation - 1):
-                ce = token_cross_entropy_sum(engine.forward(batch), batch["labels"])
-                engine.backward(ce / targets)
-            loss_sum += ce.detach().double()
+        loss, tokens = forward_backward(engine, batches)
         grad_norm = engine.step()
-        loss = float(distributed.all_reduce_sum(loss_sum)) / targets
         elapsed = time.perf_counter() - started
         tokens_seen += int(tokens)
         summary["losses"].append(loss)

