@@ -1,0 +1,31 @@
+"""`pip install .` ships conf/ and recipes/, and the installed package finds and composes them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from conftest import REPO
+
+
+def test_installed_wheel_finds_its_configs_and_recipes(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO),
+                    "-w", str(tmp_path / "dist")], check=True, capture_output=True, cwd=tmp_path)
+    wheel = next((tmp_path / "dist").glob("llmtrain-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {f"llmtrain/{p.relative_to(REPO).as_posix()}" for folder in ("conf", "recipes")
+               for p in (REPO / folder).rglob("*.yaml")}
+    assert shipped and shipped <= names, shipped - names
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)
+    probe = ("from llmtrain.paths import CONF_DIR, RECIPES_DIR; print(CONF_DIR); print(RECIPES_DIR)\n"
+             "from llmtrain.config import register_configs; register_configs()\n"
+             "from hydra import compose, initialize_config_dir\n"
+             "with initialize_config_dir(config_dir=CONF_DIR, version_base=None):\n"
+             "    print(compose('config', overrides=['+recipe=zero3_offload']).recipe.offload_params)\n")
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True,
+                         cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}).stdout.split()
+    assert out == [str(target / "llmtrain" / "conf"), str(target / "llmtrain" / "recipes"), "True"]
