@@ -10,6 +10,7 @@ import llmtrain.distributed  # noqa: F401  (before anything imports deepspeed: p
 import hydra
 from omegaconf import DictConfig
 
+from llmtrain.checkpoint import ResumeError
 from llmtrain.config import ConfigError, register_configs
 from llmtrain.data import DataError
 from llmtrain.distributed import LaunchError
@@ -20,7 +21,7 @@ register_configs()
 log = logging.getLogger("llmtrain")
 
 # Bad input, reported as one line naming the field or file; exit status 2, nothing trained.
-USER_ERRORS = (ConfigError, DataError, ModelSourceError, LaunchError)
+USER_ERRORS = (ConfigError, DataError, ModelSourceError, LaunchError, ResumeError)
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")

@@ -1,53 +1,278 @@
-"""Checkpoints and export to a Hugging Face folder.
+"""The checkpoint protocol: the one owner of saving, validating, finding and loading checkpoints.
 
-Layout: ``RUN_DIR/checkpoints/step_<N>/`` holds the engine-native (sharded where the engine
-shards) state; ``RUN_DIR/hf/`` holds the exported model (safetensors) and tokenizer.
+Layout of ``RUN_DIR/checkpoints/step_<N>/``::
+
+    engine/             engine-native model + optimizer + LR-scheduler state (sharded per rank
+                        where the engine shards)
+    rank_<r>.pt         RNG states of rank r (python, numpy, torch CPU, CUDA where present)
+    trainer_state.json  step, consumed samples and tokens (global, rank-count independent),
+                        tracker run id, world size, global batch
+    config.yaml         the resolved config
+    COMPLETE.json       the completion marker: every other file with its size and SHA-256
+
+Protocol (crash-consistent): every rank writes into ``checkpoints/.tmp-step_<N>/``; after a
+barrier, rank 0 hashes the files, writes ``COMPLETE.json`` last, fsyncs and renames the folder
+to ``step_<N>``. Only a folder named ``step_<N>`` whose marker verifies counts as a checkpoint:
+a crash at any moment leaves the previous checkpoint as the newest valid one. There are no
+"latest" pointers. The newest ``keep`` complete checkpoints are kept; the only complete one is
+never deleted.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import random
+import re
+import shutil
+import signal
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from llmtrain import distributed
-from llmtrain.engine import Engine
 from llmtrain.models import model_config
 
 log = logging.getLogger("llmtrain")
 
-
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step_{step}"
-
-
-def save(engine: Engine, run_dir: Path, step: int, client_state: dict) -> Path:
-    """Save engine state for ``step`` (collective: every rank calls it)."""
-    directory = checkpoint_dir(run_dir, step)
-    engine.save_checkpoint(directory, client_state)
-    distributed.barrier()
-    return directory
+MARKER = "COMPLETE.json"
+STATE_FILE = "trainer_state.json"
+ENGINE_DIR = "engine"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def export_hf(engine: Engine, model_cfg: Any, tokenizer: Any, out_dir: Path) -> Path | None:
+class ResumeError(RuntimeError):
+    """An explicitly requested checkpoint is missing or invalid, or resuming cannot work."""
+
+
+@dataclass
+class TrainState:
+    """Loop position saved with every checkpoint. ``consumed_samples`` is the global sample index
+    of the next sample (independent of the number of ranks)."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    tokens_seen: int = 0
+    tracker_run_id: str | None = None
+    world_size: int = 1
+    global_batch_size: int = 0
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _maybe_inject_fault(point: str, step: int) -> None:
+    # Test hook: LLMTRAIN_FAULT=<point>:<step> kills this process at that point of the save.
+    if os.environ.get("LLMTRAIN_FAULT") == f"{point}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def capture_rng() -> dict[str, Any]:
+    """This rank's RNG states: python, numpy, torch CPU and (where present) CUDA."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def verify(directory: Path) -> str | None:
+    """Why ``directory`` is not a complete checkpoint, or None when its marker verifies:
+    marker present and parseable, and every listed file present with its size and SHA-256."""
+    marker = directory / MARKER
+    if not marker.is_file():
+        return f"no completion marker {MARKER}"
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        return f"unreadable completion marker: {err}"
+    for rel, meta in files.items():
+        path = directory / rel
+        if not path.is_file():
+            return f"missing file {rel}"
+        if path.stat().st_size != meta["bytes"]:
+            return f"truncated file {rel}: {path.stat().st_size} bytes, marker says {meta['bytes']}"
+        if _sha256(path) != meta["sha256"]:
+            return f"checksum mismatch in {rel}"
+    return None
+
+
+class CheckpointManager:
+    """Saves and finds checkpoints of one run directory (all ranks construct it)."""
+
+    def __init__(self, run_dir: Path, env: distributed.DistEnv, keep: int):
+        self.root = Path(run_dir) / "checkpoints"
+        self.env, self.keep = env, keep
+
+    def step_dirs(self) -> list[tuple[int, Path]]:
+        """Folders named ``step_<N>``, newest first (complete or not)."""
+        if not self.root.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+        return sorted(found, reverse=True)
+
+    # ---------------------------------------------------------------- resume
+    def resolve(self, resume: str) -> Path | None:
+        """The checkpoint to resume from per ``trainer.resume`` (decided on rank 0, broadcast).
+
+        Raises:
+            ResumeError: an explicit path or step that does not exist or does not verify; or
+                ``never`` with a run directory that already holds checkpoints.
+        """
+        choice: list[Any] = [None, None]
+        if self.env.is_main:
+            try:
+                choice[0] = self._resolve_on_main(str(resume))
+            except ResumeError as err:
+                choice[1] = str(err)
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        if choice[1] is not None:
+            raise ResumeError(choice[1])
+        return Path(choice[0]) if choice[0] else None
+
+    def _resolve_on_main(self, resume: str) -> str | None:
+        if resume == "never":
+            existing = self.step_dirs()
+            if existing:
+                raise ResumeError(f"trainer.resume=never but {self.root} already holds {existing[0][1].name}; "
+                                  "use a new run_dir, or trainer.resume=auto to continue it")
+            return None
+        if resume == "auto":
+            for step, path in self.step_dirs():
+                problem = verify(path)
+                if problem is None:
+                    log.info("resume=auto: resuming from %s (newest complete checkpoint)", path)
+                    return str(path)
+                log.warning("resume=auto: SKIPPING checkpoint %s: %s; trying an older one", path, problem)
+            stale = sorted(self.root.glob(".tmp-step_*")) if self.root.is_dir() else []
+            for path in stale:
+                log.warning("resume=auto: ignoring unfinished checkpoint %s (a save was interrupted)", path)
+            log.info("resume=auto: no complete checkpoint in %s; starting fresh from the configured weights", self.root)
+            return None
+        path = self.root / f"step_{resume}" if resume.isdigit() else Path(resume).expanduser()
+        what = f"step {resume}" if resume.isdigit() else f"path {resume}"
+        if not path.is_dir():
+            raise ResumeError(f"trainer.resume={resume}: checkpoint {what} does not exist ({path})")
+        problem = verify(path)
+        if problem is not None:
+            raise ResumeError(f"trainer.resume={resume}: checkpoint {path} is not usable: {problem}")
+        log.info("resume=%s: resuming from %s", resume, path)
+        return str(path)
+
+    def load(self, engine, path: Path) -> tuple[TrainState, dict[str, Any] | None]:
+        """Load engine state; returns the loop position and this rank's RNG states (None when
+        the checkpoint came from a different world size: RNG streams are per rank)."""
+        state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+        engine.load_checkpoint(path / ENGINE_DIR, saved_world_size=state.world_size)
+        rng_file = path / f"rank_{self.env.rank}.pt"
+        rng = None
+        if state.world_size == self.env.world_size and rng_file.is_file():
+            rng = torch.load(rng_file, weights_only=False)
+        elif state.world_size != self.env.world_size:
+            log.warning("checkpoint %s was written by %d rank(s), resuming on %d: model, optimizer and data "
+                        "position carry over; per-rank RNG streams (dropout) start anew",
+                        path, state.world_size, self.env.world_size)
+        return state, rng
+
+    # ---------------------------------------------------------------- save
+    def save(self, engine, state: TrainState, config_yaml: str) -> Path:
+        """Write checkpoint ``step_<state.step>`` by the protocol above. Collective call."""
+        final = self.root / f"step_{state.step}"
+        tmp = self.root / f".tmp-step_{state.step}"
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an earlier interrupted save
+            tmp.mkdir(parents=True)
+        distributed.barrier()
+        engine.save_checkpoint(tmp / ENGINE_DIR)
+        torch.save(capture_rng(), tmp / f"rank_{self.env.rank}.pt")
+        if self.env.is_main:
+            (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
+            (tmp / "config.yaml").write_text(config_yaml)
+        distributed.barrier()
+        _maybe_inject_fault("save_before_marker", state.step)
+        if self.env.is_main:
+            self._seal(tmp, final)
+            self._prune()
+        distributed.barrier()
+        return final
+
+    def _seal(self, tmp: Path, final: Path) -> None:
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            files[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+        marker_tmp = tmp / (MARKER + ".partial")
+        with open(marker_tmp, "w") as f:
+            json.dump({"files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(marker_tmp, tmp / MARKER)
+        _fsync_dir(tmp)
+        if final.exists():  # an incomplete folder of the same step (it never verified)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+
+    def _prune(self) -> None:
+        complete = [(s, p) for s, p in self.step_dirs() if verify_marker_only(p)]
+        for _, path in complete[self.keep:]:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def verify_marker_only(directory: Path) -> bool:
+    """Cheap completeness check (marker present) used for pruning, where hashing is wasted."""
+    return (directory / MARKER).is_file()
+
+
+def export_hf(engine, model_cfg: Any, tokenizer: Any, out_dir: Path) -> Path | None:
     """Write a ``from_pretrained``-loadable folder (safetensors) from the engine's weights.
 
     ZeRO-3 partitions are gathered into one state dict on rank 0. The weights are copied into a
     fresh model built from the config, which also re-ties input and output embeddings (and works
     for GGUF-loaded models, whose ``save_pretrained`` refuses). Collective call; returns the folder
     on rank 0 and None elsewhere.
+
+    Raises:
+        RuntimeError: the engine's state dict does not fit the model built from the config.
     """
     state = engine.full_state_dict()
     if not engine.env.is_main:
         return None
+    return save_hf_folder(state, model_cfg, tokenizer, out_dir)
+
+
+def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: Any, out_dir: Path) -> Path:
+    """Save a full fp32 state dict as a Hugging Face folder (model + tokenizer)."""
     from transformers import AutoModelForCausalLM
 
     config = model_config(model_cfg)
-    for attribute in ("quantization_config",):  # GGUF metadata: the export is plain fp32
-        if hasattr(config, attribute):
-            delattr(config, attribute)
+    if hasattr(config, "quantization_config"):  # GGUF metadata: the export is plain fp32
+        delattr(config, "quantization_config")
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     result = fresh.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
@@ -58,4 +283,3 @@ def export_hf(engine: Engine, model_cfg: Any, tokenizer: Any, out_dir: Path) -> 
     fresh.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return out_dir
-

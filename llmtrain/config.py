@@ -89,7 +89,13 @@ class TrainerConfig:
     Learning rate: linear warmup over ``warmup_steps`` then cosine decay to
     ``lr * min_lr_ratio`` at ``max_steps`` (Loshchilov & Hutter, SGDR, 2017, eq. 5).
     Intervals (``eval_every``, ``save_every``, ``log_every``) are in optimizer steps; 0 = never
-    (a final checkpoint and evaluation are always made).
+    (a final checkpoint and evaluation are always made); ``save_every_minutes`` adds a
+    wall-clock cadence (0 = off). ``keep_checkpoints`` newest complete checkpoints are kept.
+
+    ``resume``: ``auto`` (newest complete checkpoint of ``run_dir``, else a fresh start), ``never``
+    (fresh start; refuses a ``run_dir`` that already holds checkpoints), a checkpoint folder, or a
+    step number of this run. ``preempt_signal``: besides SIGTERM and SIGINT, the signal that
+    asks for a save-and-exit at the next step boundary (SLURM: ``--signal=USR1@120``).
     """
 
     seed: int = 1234
@@ -110,6 +116,10 @@ class TrainerConfig:
     eval_samples: int = 64
     log_every: int = 1
     save_every: int = 0
+    save_every_minutes: float = 0.0
+    keep_checkpoints: int = 3
+    resume: str = "auto"
+    preempt_signal: Optional[str] = "SIGUSR1"
     export_hf: bool = True
     progress_bar: bool = True
 
@@ -227,6 +237,13 @@ def validate(cfg: Any, world_size: int) -> None:
     for key in ("warmup_steps", "eval_every", "log_every", "save_every", "eval_samples"):
         _require(t[key] >= 0, f"trainer.{key}={t[key]} must be >= 0")
     _require(t.lr > 0, f"trainer.lr={t.lr} must be > 0")
+    _require(t.keep_checkpoints >= 1, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1")
+    _require(t.save_every_minutes >= 0, f"trainer.save_every_minutes={t.save_every_minutes} must be >= 0")
+    if t.preempt_signal is not None:
+        import signal
+
+        _require(hasattr(signal, str(t.preempt_signal)) and str(t.preempt_signal).startswith("SIG"),
+                 f"trainer.preempt_signal={t.preempt_signal!r} is not a signal name (e.g. SIGUSR1)")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _require(t.precision in ("fp32", "bf16"), f"trainer.precision={t.precision!r} must be fp32 or bf16")
     _require(tr.wandb_mode in ("auto", "online", "offline", "disabled"),

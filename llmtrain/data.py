@@ -286,8 +286,10 @@ def train_loader(splits: Splits, tokenizer: Any, data_cfg: Any, seed: int, micro
     order = GlobalSampleOrder(len(splits.train), seed, data_cfg.shuffle)
     sampler = StepBatchSampler(order, micro_batch, accumulation, env.rank, env.world_size,
                                start_step, max_steps)
-    loader = torch.utils.data.DataLoader(splits.train, batch_sampler=sampler,
-                                         collate_fn=Collator(pad_id_of(tokenizer)))
+    # Its own generator: creating the iterator must not draw from the global RNG (dropout), or a
+    # resumed run would diverge from an uninterrupted one.
+    loader = torch.utils.data.DataLoader(splits.train, batch_sampler=sampler, collate_fn=Collator(pad_id_of(tokenizer)),
+                                         generator=torch.Generator().manual_seed(seed))
     return loader, sampler
 
 

@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from llmtrain import checkpoint, data, distributed
 from llmtrain.config import ConfigError, gradient_accumulation_steps, validate
 from llmtrain.engine import build_engine
 from llmtrain.models import build_model, build_tokenizer, count_parameters
+from llmtrain.preemption import Preemption
 from llmtrain.tracking import Tracker
 
 log = logging.getLogger("llmtrain")
@@ -96,106 +98,140 @@ def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, flo
     return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}
 
 
-def _prepare_run_dir(cfg: Any, env: distributed.DistEnv) -> Path:
+def _run_dir(cfg: Any) -> Path:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    run_dir = Path(cfg.run_dir)
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        run_dir = Path(HydraConfig.get().runtime.output_dir)  # one folder per sweep job
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    distributed.barrier()
-    return run_dir
+        return Path(HydraConfig.get().runtime.output_dir)  # one folder per sweep job
+    return Path(cfg.run_dir)
+
+
+def _sample_digest(batches: list[dict[str, torch.Tensor]]) -> float:
+    """Order-free fingerprint of the samples in ``batches``: sum of CRC32s of their real tokens."""
+    return float(sum(zlib.crc32(row[mask.bool()].cpu().numpy().tobytes())
+                     for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"])))
 
 
 def train(cfg: Any) -> dict[str, Any]:
-    """Run training as configured; returns a summary (per-step losses, final val loss, paths).
+    """Run (or resume) training as configured; returns a summary (per-step losses, lrs, paths).
+
+    Order: validate → resolve the resume checkpoint → data → model → engine → load checkpoint →
+    run directory and tracker → loop (step, log, evaluate, save, preemption) → export.
 
     Raises:
-        ConfigError, data.DataError, models.ModelSourceError, distributed.LaunchError: bad input,
-            raised before any checkpoint is written.
+        ConfigError, data.DataError, models.ModelSourceError, distributed.LaunchError,
+            checkpoint.ResumeError: bad input, raised before anything is written.
     """
     env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
     validate(cfg, env.world_size)
     t = cfg.trainer
     accumulation = gradient_accumulation_steps(t, env.world_size)
-    # Same seed on all ranks: identical init; dropout differs only through different data.
     seed_everything(t.seed)
+    run_dir = _run_dir(cfg)
+    checkpoints = checkpoint.CheckpointManager(run_dir, env, t.keep_checkpoints)
+    resume_from = checkpoints.resolve(t.resume)
 
     tokenizer = build_tokenizer(cfg.model)
     splits = data.load_splits(cfg.data, tokenizer, t.seed)
     engine = build_engine(cfg, env, accumulation)
     with engine.model_init_context():
         model = build_model(cfg.model, t.seed)
-    vocab = model.config.vocab_size
-    if len(tokenizer) > vocab:
-        raise ConfigError(f"model.architecture.vocab_size={vocab} is smaller than the tokenizer's "
-                          f"{len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")
+    if len(tokenizer) > model.config.vocab_size:
+        raise ConfigError(f"model.architecture.vocab_size={model.config.vocab_size} is smaller than the "
+                          f"tokenizer's {len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")
     engine.setup(model)
     engine.train(True)
+    state, rng = checkpoint.TrainState(world_size=env.world_size, global_batch_size=t.global_batch_size), None
+    if resume_from is not None:
+        state, rng = checkpoints.load(engine, resume_from)
+        if state.consumed_samples % t.global_batch_size:
+            raise checkpoint.ResumeError(
+                f"checkpoint {resume_from} consumed {state.consumed_samples} samples, not a whole number of "
+                f"trainer.global_batch_size={t.global_batch_size} batches; resume with its global batch "
+                f"({state.global_batch_size})")
+    start_step = state.consumed_samples // t.global_batch_size
 
-    run_dir = _prepare_run_dir(cfg, env)
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    tracker = Tracker(cfg.tracker, run_dir, cfg.name, resolved, env.is_main)
-    n_params = count_parameters(engine.model)
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_yaml)
+    tracker = Tracker(cfg.tracker, run_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), env.is_main,
+                      resume_step=state.step if resume_from else None, run_id=state.tracker_run_id)
     if env.is_main:
         log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; recipe %s "
                  "(engine %s, ZeRO %d) on %d rank(s); global batch %d = micro %d x accumulation %d x dp %d",
-                 cfg.model.name, n_params / 1e6, cfg.data.name, len(splits.train), len(splits.val),
-                 cfg.recipe.name, cfg.recipe.engine, cfg.recipe.zero_stage, env.world_size,
+                 cfg.model.name, count_parameters(engine.model) / 1e6, cfg.data.name, len(splits.train),
+                 len(splits.val), cfg.recipe.name, cfg.recipe.engine, cfg.recipe.zero_stage, env.world_size,
                  t.global_batch_size, t.micro_batch_size, accumulation, env.world_size)
 
     loader, _ = data.train_loader(splits, tokenizer, cfg.data, t.seed, t.micro_batch_size, accumulation,
-                                  env, start_step=0, max_steps=t.max_steps)
-    val_batches = data.val_batches(splits, tokenizer, t.micro_batch_size, t.eval_samples, env)
+                                  env, start_step=start_step, max_steps=t.max_steps)
     micro_batches = iter(loader)
-    progress = _progress_bar(t, env)
-    summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(run_dir)}
-    summary["initial_val"] = evaluate(engine, val_batches, env.device)
-    tracker.log(summary["initial_val"], step=0)
-    if env.is_main:
-        log.info("step 0: val loss %.4f (ppl %.2f)", summary["initial_val"]["val/loss"],
-                 summary["initial_val"]["val/perplexity"])
-    tokens_seen = 0
+    val_batches = data.val_batches(splits, tokenizer, t.micro_batch_size, t.eval_samples, env)
+    summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(run_dir), "start_step": start_step}
+    if resume_from is None:
+        summary["initial_val"] = evaluate(engine, val_batches, env.device)
+        tracker.log(summary["initial_val"], step=0)
+        if env.is_main:
+            log.info("step 0: val loss %.4f (ppl %.2f)", summary["initial_val"]["val/loss"],
+                     summary["initial_val"]["val/perplexity"])
+    if rng is not None:
+        checkpoint.restore_rng(rng)  # after everything that draws random numbers at start-up
+    preemption = Preemption(t.preempt_signal, t.save_every_minutes, env.device)
+    progress = _progress_bar(t, env, start_step)
 
-    for step in range(t.max_steps):
+    def save() -> None:
+        state.tracker_run_id = tracker.run_id
+        state.world_size, state.global_batch_size = env.world_size, t.global_batch_size
+        summary["checkpoint"] = str(checkpoints.save(engine, state, config_yaml))
+        preemption.saved()
+
+    for step in range(start_step, t.max_steps):
         started = time.perf_counter()
         batches = [{k: v.to(env.device) for k, v in next(micro_batches).items()} for _ in range(accumulation)]
         lr = engine.lr()
         loss, tokens = forward_backward(engine, batches)
         grad_norm = engine.step()
+        digest = float(distributed.all_reduce_sum(
+            torch.tensor(_sample_digest(batches), dtype=torch.float64, device=env.device)))
         elapsed = time.perf_counter() - started
-        tokens_seen += int(tokens)
+        done = step + 1
+        state.step, state.consumed_samples = done, done * t.global_batch_size
+        state.tokens_seen += tokens
         summary["losses"].append(loss)
         summary["lrs"].append(lr)
 
         metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
                    "train/tokens_per_s": tokens / elapsed, "train/step_time_s": elapsed,
-                   "train/tokens_seen": tokens_seen, "train/samples_seen": (step + 1) * t.global_batch_size,
-                   "memory/peak_bytes": _memory_bytes(env.device)}
-        done = step + 1
-        if t.eval_every and done % t.eval_every == 0 and done < t.max_steps:
+                   "train/tokens_seen": state.tokens_seen, "train/samples_seen": state.consumed_samples,
+                   "data/sample_digest": digest, "memory/peak_bytes": _memory_bytes(env.device)}
+        if (t.eval_every and done % t.eval_every == 0) or done == t.max_steps:
             metrics.update(evaluate(engine, val_batches, env.device))
+            if env.is_main:
+                log.info("step %d: train loss %.4f, val loss %.4f (ppl %.2f)", done, loss,
+                         metrics["val/loss"], metrics["val/perplexity"])
         if done == t.max_steps:
-            metrics.update(evaluate(engine, val_batches, env.device))
             summary["final_val"] = {k: metrics[k] for k in ("val/loss", "val/perplexity")}
         if (t.log_every and done % t.log_every == 0) or "val/loss" in metrics:
             tracker.log(metrics, step=done)
         if progress is not None:
             progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
             progress.update(1)
-        if "val/loss" in metrics and env.is_main:
-            log.info("step %d: train loss %.4f, val loss %.4f (ppl %.2f)", done, loss,
-                     metrics["val/loss"], metrics["val/perplexity"])
-        if (t.save_every and done % t.save_every == 0) or done == t.max_steps:
-            client_state = {"step": done, "consumed_samples": done * t.global_batch_size, "tokens_seen": tokens_seen}
-            summary["checkpoint"] = str(checkpoint.save(engine, run_dir, done, client_state))
+        stop, save_by_time = preemption.agree()
+        if stop or save_by_time or (t.save_every and done % t.save_every == 0) or done == t.max_steps:
+            save()
+        if stop:
+            if env.is_main:
+                log.warning("preempted (%s): saved step %d; rerun the same command to continue",
+                            preemption.requested or "signal on another rank", done)
+            summary["preempted_at"] = done
+            break
 
+    preemption.restore()
     if progress is not None:
         progress.close()
-    if t.export_hf:
+    if t.export_hf and "preempted_at" not in summary:
         exported = checkpoint.export_hf(engine, cfg.model, tokenizer, run_dir / "hf")
         if exported is not None:
             summary["export"] = str(exported)
@@ -205,9 +241,10 @@ def train(cfg: Any) -> dict[str, Any]:
     return summary
 
 
-def _progress_bar(t: Any, env: distributed.DistEnv):
+def _progress_bar(t: Any, env: distributed.DistEnv, start_step: int):
     if not (t.progress_bar and env.is_main):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=t.max_steps, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
+    return tqdm(total=t.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                mininterval=1.0)

@@ -95,8 +95,17 @@ class Engine(ABC):
         self.model.train(mode)
 
     @abstractmethod
-    def save_checkpoint(self, directory: Path, client_state: dict) -> None:
-        """Write model, optimizer and scheduler state (engine-native, sharded where sharded)."""
+    def save_checkpoint(self, directory: Path) -> None:
+        """Write model, optimizer and LR-scheduler state into ``directory`` (engine-native,
+        sharded where the engine shards). Collective call."""
+
+    @abstractmethod
+    def load_checkpoint(self, directory: Path, saved_world_size: int) -> None:
+        """Load what :meth:`save_checkpoint` wrote, possibly by another number of ranks.
+
+        Raises:
+            ResumeError: the state cannot be resharded to this world size.
+        """
 
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -111,8 +111,22 @@ class DeepSpeedEngine(Engine):
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def save_checkpoint(self, directory: Path, client_state: dict) -> None:
-        self.ds.save_checkpoint(str(directory.parent), tag=directory.name, client_state=client_state)
+    def save_checkpoint(self, directory: Path) -> None:
+        # save_latest=False: our completion marker, not DeepSpeed's "latest" file, names checkpoints.
+        self.ds.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False)
+
+    def load_checkpoint(self, directory: Path, saved_world_size: int) -> None:
+        if saved_world_size != self.env.world_size:
+            from llmtrain.checkpoint import ResumeError
+
+            raise ResumeError(f"checkpoint {directory.parent} was written by {saved_world_size} rank(s) with "
+                              f"recipe {self.cfg.recipe.name}; resuming it on {self.env.world_size} is not supported yet")
+        path, _ = self.ds.load_checkpoint(str(directory.parent), tag=directory.name, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+        if path is None:
+            from llmtrain.checkpoint import ResumeError
+
+            raise ResumeError(f"DeepSpeed could not load {directory}")
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.cfg.recipe.zero_stage == 3:

@@ -57,13 +57,18 @@ class TorchEngine(Engine):
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def save_checkpoint(self, directory: Path, client_state: dict) -> None:
-        # Replicated state: rank 0 writes it once.
+    def save_checkpoint(self, directory: Path) -> None:
+        # Replicated state: rank 0 writes it once; any world size can load it.
         if self.env.is_main:
             directory.mkdir(parents=True, exist_ok=True)
             torch.save({"model": self._model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                        "scheduler": self.scheduler.state_dict(), "client_state": client_state},
-                       directory / "state.pt")
+                        "scheduler": self.scheduler.state_dict()}, directory / "state.pt")
+
+    def load_checkpoint(self, directory: Path, saved_world_size: int) -> None:
+        state = torch.load(directory / "state.pt", map_location=self.env.device, weights_only=True)
+        self._model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return {k: v.detach().cpu() for k, v in self._model.state_dict().items()} if self.env.is_main else None
