@@ -162,15 +162,14 @@ class CheckpointManager:
                                   "use a new run_dir, or trainer.resume=auto to continue it")
             return None
         if resume == "auto":
+            for path in sorted(self.root.glob(".tmp-step_*")) if self.root.is_dir() else []:
+                log.warning("resume=auto: ignoring unfinished checkpoint %s (a save was interrupted)", path)
             for step, path in self.step_dirs():
                 problem = verify(path)
                 if problem is None:
                     log.info("resume=auto: resuming from %s (newest complete checkpoint)", path)
                     return str(path)
                 log.warning("resume=auto: SKIPPING checkpoint %s: %s; trying an older one", path, problem)
-            stale = sorted(self.root.glob(".tmp-step_*")) if self.root.is_dir() else []
-            for path in stale:
-                log.warning("resume=auto: ignoring unfinished checkpoint %s (a save was interrupted)", path)
             log.info("resume=auto: no complete checkpoint in %s; starting fresh from the configured weights", self.root)
             return None
         path = self.root / f"step_{resume}" if resume.isdigit() else Path(resume).expanduser()
@@ -275,10 +274,14 @@ def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: An
         delattr(config, "quantization_config")
     fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     result = fresh.load_state_dict(state, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise RuntimeError(f"export: state dict does not match {config.model_type}: missing "
-                           f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
     fresh.tie_weights()
+    # A tied output embedding may be absent from a consolidated state dict: it is filled by tying.
+    loaded = {fresh.get_parameter(k).data_ptr() for k in state if k in dict(fresh.named_parameters())}
+    missing = [k for k in result.missing_keys
+               if k in dict(fresh.named_parameters(remove_duplicate=False)) and fresh.get_parameter(k).data_ptr() not in loaded]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"export: state dict does not match {config.model_type}: missing "
+                           f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
     out_dir.mkdir(parents=True, exist_ok=True)
     fresh.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

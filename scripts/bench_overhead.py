@@ -3,7 +3,7 @@
 
 Both loops train the same model from the same initial weights on the same micro-batches with
 AdamW, warmup + cosine schedule and clipping. Runs alternate (plain, llmtrain, plain, ...) so
-machine drift hits both alike; tokens/s is measured over the steps after ``--warmup`` and the
+machine drift hits both alike (the order flips every round); tokens/s is measured over the steps after ``--warmup`` and the
 median over rounds is reported with the ratio llmtrain / plain (target >= 0.97).
 
     python scripts/bench_overhead.py --rounds 3 --steps 30
@@ -88,7 +88,8 @@ def main() -> None:
         overrides = ["tracker=none", "trainer.progress_bar=false", "trainer.eval_every=0", "trainer.eval_samples=8",
                      "trainer.export_hf=false", "trainer.log_every=1", f"trainer.max_steps={args.steps}"]
         for round_index in range(args.rounds):
-            for name, loop in (("plain", plain_loop), ("llmtrain", llmtrain_loop)):
+            pair = [("plain", plain_loop), ("llmtrain", llmtrain_loop)]
+            for name, loop in (pair if round_index % 2 == 0 else pair[::-1]):  # neither always goes first
                 cfg = compose(config_name="config", overrides=overrides + [f"run_dir={tmp}/{name}{round_index}"] + args.overrides)
                 results[name].append(loop(cfg, args.warmup))
                 print(f"round {round_index}: {name:8s} {results[name][-1]:10.0f} tokens/s", flush=True)

@@ -1,0 +1,66 @@
+"""``python -m llmtrain.export CHECKPOINT OUT_DIR``: any checkpoint of any recipe → a Hugging Face
+folder (safetensors + config + tokenizer) that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+Runs in one process without a process group: DeepSpeed ZeRO shards are consolidated from their
+fp32 optimizer partitions (DeepSpeed's ``zero_to_fp32``), torch-engine checkpoints are read
+directly. The model config and tokenizer come from the checkpoint's own ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import llmtrain.distributed  # noqa: F401  (DeepSpeed accelerator choice before it is imported)
+
+import torch
+from omegaconf import OmegaConf
+
+from llmtrain.checkpoint import ENGINE_DIR, ResumeError, save_hf_folder, verify
+from llmtrain.models import ModelSourceError, build_tokenizer
+
+
+def consolidated_state_dict(checkpoint_dir: Path, engine: str) -> dict[str, torch.Tensor]:
+    """Full fp32 model state dict from a checkpoint folder written by ``engine``."""
+    engine_dir = checkpoint_dir / ENGINE_DIR
+    if engine == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=ENGINE_DIR)
+    return torch.load(engine_dir / "state.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def export_checkpoint(checkpoint_dir: Path, out_dir: Path) -> Path:
+    """Verify ``checkpoint_dir`` and write its model as a Hugging Face folder to ``out_dir``.
+
+    Raises:
+        ResumeError: the checkpoint is missing or fails verification (names the problem).
+    """
+    if not checkpoint_dir.is_dir():
+        raise ResumeError(f"checkpoint {checkpoint_dir} does not exist")
+    problem = verify(checkpoint_dir)
+    if problem is not None:
+        raise ResumeError(f"checkpoint {checkpoint_dir} is not usable: {problem}")
+    cfg = OmegaConf.load(checkpoint_dir / "config.yaml")
+    state = consolidated_state_dict(checkpoint_dir, cfg.recipe.engine)
+    return save_hf_folder(state, cfg.model, build_tokenizer(cfg.model), out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmtrain.export", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, e.g. runs/NAME/checkpoints/step_200")
+    parser.add_argument("out_dir", type=Path, help="folder to write (created)")
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(args.checkpoint, args.out_dir)
+    except (ResumeError, ModelSourceError) as err:
+        print(f"llmtrain.export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

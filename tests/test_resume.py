@@ -1,0 +1,179 @@
+"""Crash-safe checkpoints and exact resume (SIGKILL, SIGTERM, damaged and interrupted saves).
+
+Every comparison is against an uninterrupted run of the same command: per-step loss, learning
+rate and the digest of the samples seen must be identical (bitwise: fp32 on CPU). Dropout is on
+and gradient accumulation > 1; the data set is small enough that the runs cross epochs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, REPO, assert_ok, read_metrics, run_cli, subprocess_env
+
+STEPS = 8
+# 300 kB of text at seq_len 64 gives ~4,500 blocks; max_bytes=20000 gives ~300, so 8 steps of 48
+# samples cross an epoch boundary (resume lands in the second epoch).
+COMMON = [o for o in FAST if not o.startswith("data.max_bytes")] + [
+    "data.max_bytes=20000", f"trainer.max_steps={STEPS}", "trainer.global_batch_size=48",
+    "trainer.micro_batch_size=8", "trainer.save_every=2", "trainer.warmup_steps=3",
+    "model.architecture.attention_dropout=0.1", "trainer.export_hf=false"]
+
+
+def per_step(run_dir: Path) -> list[tuple]:
+    rows = [r for r in read_metrics(run_dir) if "train/loss" in r]
+    return [(r["step"], r["train/loss"], r["train/lr"], r["data/sample_digest"], r["train/samples_seen"]) for r in rows]
+
+
+def launch(overrides: list[str], nproc: int, env: dict | None = None) -> subprocess.Popen:
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "llmtrain"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "llmtrain"]
+    return subprocess.Popen(cmd + overrides, cwd=REPO, env=env or subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and any(json.loads(l).get("step", -1) >= step and "train/loss" in json.loads(l)
+                                 for l in path.read_text().splitlines() if l.strip()):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before step {step}:\n{proc.stdout.read()[-4000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """Uninterrupted runs, one per world size, computed on first use."""
+    cache: dict = {}
+
+    def get(nproc: int, recipe: str) -> list[tuple]:
+        key = (nproc, recipe)
+        if key not in cache:
+            run_dir = tmp_path_factory.mktemp(f"ref-{recipe}-{nproc}")
+            assert_ok(run_cli(COMMON + [f"+recipe={recipe}", f"run_dir={run_dir}"], nproc=nproc))
+            cache[key] = per_step(run_dir)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("recipe", ["ddp", "zero1", "zero2", "zero3", "zero3_offload"])
+def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path):
+    overrides = COMMON + [f"+recipe={recipe}", f"run_dir={tmp_path}"]
+    proc = launch(overrides, nproc=2)
+    wait_for_step(proc, tmp_path, 5)          # a checkpoint at step 4 exists, step 5+ is lost
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = run_cli(overrides, nproc=2)
+    assert_ok(resumed)
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    got = per_step(tmp_path)
+    assert [row[0] for row in got] == list(range(1, STEPS + 1))  # one record per step, none twice
+    assert got == reference(2, recipe)
+
+
+def test_kill_during_save_resumes_from_previous_checkpoint(reference, tmp_path):
+    overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}"]
+    env = subprocess_env()
+    env["LLMTRAIN_FAULT"] = "save_before_marker:6"
+    crashed = run_cli(overrides, nproc=1, env=env)
+    assert crashed.returncode != 0
+    assert (tmp_path / "checkpoints" / ".tmp-step_6").is_dir()
+    assert not (tmp_path / "checkpoints" / "step_6").exists()
+    resumed = run_cli(overrides, nproc=1)
+    assert_ok(resumed)
+    out = resumed.stdout + resumed.stderr
+    assert "ignoring unfinished checkpoint" in out and "step_4" in out
+    assert per_step(tmp_path) == reference(1, "ddp")
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage,problem", [
+    (lambda d: (d / "COMPLETE.json").unlink(), "no completion marker"),
+    (lambda d: _truncate(d / "engine" / "state.pt"), "truncated file engine/state.pt"),
+    (lambda d: _flip_byte(d / "engine" / "state.pt"), "checksum mismatch in engine/state.pt"),
+])
+def test_damaged_newest_checkpoint_is_skipped_loudly(damage, problem, reference, tmp_path):
+    overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}"]
+    assert_ok(run_cli(overrides, nproc=1))
+    damage(tmp_path / "checkpoints" / "step_8")
+    # Same command again: the finished run's newest checkpoint is bad, so steps 7-8 are redone.
+    resumed = run_cli(overrides, nproc=1)
+    assert_ok(resumed)
+    out = resumed.stdout + resumed.stderr
+    assert "SKIPPING checkpoint" in out and problem in out and "resuming from" in out and "step_6" in out
+    assert per_step(tmp_path) == reference(1, "ddp")
+
+
+def test_sigterm_saves_exits_zero_and_continues_exactly(reference, tmp_path):
+    overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}", "trainer.save_every=0"]
+    proc = launch(overrides, nproc=1)
+    wait_for_step(proc, tmp_path, 3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    saved = [p.name for p in (tmp_path / "checkpoints").iterdir()]
+    assert len(saved) == 1 and saved[0].startswith("step_") and "preempted" in out
+    assert_ok(run_cli(overrides, nproc=1))
+    assert per_step(tmp_path) == reference(1, "ddp")
+
+
+def test_preempt_signal_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
+    overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}", "trainer.save_every=0"]
+    proc = launch(overrides, nproc=2)
+    wait_for_step(proc, tmp_path, 2)
+    import psutil
+
+    workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "torch.distributed.run" not in c.cmdline()]
+    assert len(workers) == 2
+    workers[-1].send_signal(signal.SIGUSR1)   # SLURM's warning signal, to one rank only
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert len(list((tmp_path / "checkpoints").glob("step_*"))) == 1
+
+
+@pytest.mark.parametrize("resume,needle", [("7", "step 7 does not exist"), ("/nonexistent/ckpt", "path /nonexistent/ckpt does not exist")])
+def test_explicit_missing_checkpoint_fails_and_writes_nothing(resume, needle, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(COMMON + [f"run_dir={run_dir}", f"trainer.resume={resume}"])
+    assert proc.returncode != 0
+    assert needle in proc.stdout + proc.stderr
+    assert not run_dir.exists()
+
+
+def test_resume_never_refuses_to_clobber_checkpoints(tmp_path):
+    assert_ok(run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.max_steps=2"]))
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    proc = run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.resume=never"])
+    assert proc.returncode != 0 and "trainer.resume=never" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+def test_keep_k_newest_complete_checkpoints(tmp_path):
+    assert_ok(run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.save_every=1", "trainer.keep_checkpoints=2"]))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_7", "step_8"]
