@@ -182,10 +182,18 @@ class CheckpointManager:
         log.info("resume=%s: resuming from %s", resume, path)
         return str(path)
 
+    @staticmethod
+    def read_state(path: Path) -> TrainState:
+        return TrainState(**json.loads((path / STATE_FILE).read_text()))
+
+    def prepare(self, engine, path: Path) -> None:
+        """Before ``engine.setup``: let the engine convert a checkpoint of another world size."""
+        engine.prepare_resume(path / ENGINE_DIR, saved_world_size=self.read_state(path).world_size)
+
     def load(self, engine, path: Path) -> tuple[TrainState, dict[str, Any] | None]:
         """Load engine state; returns the loop position and this rank's RNG states (None when
         the checkpoint came from a different world size: RNG streams are per rank)."""
-        state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+        state = self.read_state(path)
         engine.load_checkpoint(path / ENGINE_DIR, saved_world_size=state.world_size)
         rng_file = path / f"rank_{self.env.rank}.pt"
         rng = None

@@ -88,6 +88,9 @@ def init_distributed(timeout_s: float = 600.0, need_group: bool = False) -> Dist
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     elif need_group and not dist.is_initialized():
+        # DeepSpeed reads these even for one process.
+        for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(name, value)
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 

@@ -6,6 +6,7 @@ import json
 import logging
 import netrc
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ class Tracker:
         if mode != "disabled":
             import wandb
 
-            self.run_id = run_id or wandb.util.generate_id()
+            self.run_id = run_id or secrets.token_hex(4)  # os.urandom: leaves the training RNG alone
             self._wandb_run = wandb.init(
                 project=tracker_cfg.project, entity=tracker_cfg.entity, mode=mode, id=self.run_id,
                 resume="allow" if run_id else None, name=tracker_cfg.run_name or run_name,

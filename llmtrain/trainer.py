@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 import zlib
@@ -140,11 +141,14 @@ def train(cfg: Any) -> dict[str, Any]:
     if len(tokenizer) > model.config.vocab_size:
         raise ConfigError(f"model.architecture.vocab_size={model.config.vocab_size} is smaller than the "
                           f"tokenizer's {len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")
+    if resume_from is not None:
+        checkpoints.prepare(engine, resume_from)
     engine.setup(model)
     engine.train(True)
     state, rng = checkpoint.TrainState(world_size=env.world_size, global_batch_size=t.global_batch_size), None
     if resume_from is not None:
         state, rng = checkpoints.load(engine, resume_from)
+        _dump_loaded_model(engine)
         if state.consumed_samples % t.global_batch_size:
             raise checkpoint.ResumeError(
                 f"checkpoint {resume_from} consumed {state.consumed_samples} samples, not a whole number of "
@@ -239,6 +243,16 @@ def train(cfg: Any) -> dict[str, Any]:
     tracker.finish()
     distributed.barrier()
     return summary
+
+
+def _dump_loaded_model(engine) -> None:
+    """Debugging aid: LLMTRAIN_DUMP_AFTER_LOAD=FILE writes the just-loaded model's consolidated
+    state dict (``torch.save``), to compare a resume against its checkpoint. Collective call."""
+    path = os.environ.get("LLMTRAIN_DUMP_AFTER_LOAD")
+    if path:
+        state = engine.full_state_dict()
+        if state is not None:
+            torch.save(state, path)
 
 
 def _progress_bar(t: Any, env: distributed.DistEnv, start_step: int):

@@ -61,6 +61,11 @@ class Engine(ABC):
         """Context in which the model is built (ZeRO-3 partitions parameters as they appear)."""
         return contextlib.nullcontext()
 
+    def prepare_resume(self, directory: Path, saved_world_size: int) -> None:
+        """Called before :meth:`setup` when resuming from ``directory`` (the engine folder of a
+        checkpoint written by ``saved_world_size`` ranks): a chance to convert the checkpoint or
+        configure the backend for loading it. Collective call."""
+
     @abstractmethod
     def setup(self, model: torch.nn.Module) -> None:
         """Wrap the model, build optimizer and LR scheduler."""

@@ -115,18 +115,28 @@ class DeepSpeedEngine(Engine):
         # save_latest=False: our completion marker, not DeepSpeed's "latest" file, names checkpoints.
         self.ds.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False)
 
-    def load_checkpoint(self, directory: Path, saved_world_size: int) -> None:
-        if saved_world_size != self.env.world_size:
-            from llmtrain.checkpoint import ResumeError
+    def prepare_resume(self, directory: Path, saved_world_size: int) -> None:
+        """On a world-size change, convert the ZeRO checkpoint to DeepSpeed's universal format
+        (once, on rank 0, into ``checkpoints/.universal/step_<N>``) and load from there."""
+        if saved_world_size == self.env.world_size:
+            return
+        from llmtrain import distributed
 
-            raise ResumeError(f"checkpoint {directory.parent} was written by {saved_world_size} rank(s) with "
-                              f"recipe {self.cfg.recipe.name}; resuming it on {self.env.world_size} is not supported yet")
-        path, _ = self.ds.load_checkpoint(str(directory.parent), tag=directory.name, load_optimizer_states=True,
+        step_dir = directory.parent
+        self._universal_dir = step_dir.parent / ".universal" / step_dir.name
+        self.ds_config["checkpoint"] = {"load_universal": True}
+        if self.env.is_main and not self._universal_dir.is_dir():
+            _convert_to_universal(directory, self._universal_dir)
+        distributed.barrier()
+
+    def load_checkpoint(self, directory: Path, saved_world_size: int) -> None:
+        source = getattr(self, "_universal_dir", None) if saved_world_size != self.env.world_size else directory
+        path, _ = self.ds.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
         if path is None:
             from llmtrain.checkpoint import ResumeError
 
-            raise ResumeError(f"DeepSpeed could not load {directory}")
+            raise ResumeError(f"DeepSpeed could not load {source}")
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.cfg.recipe.zero_stage == 3:
@@ -136,3 +146,22 @@ class DeepSpeedEngine(Engine):
         if not self.env.is_main:
             return None
         return {k: v.detach().float().cpu() for k, v in state.items()}
+
+
+def _convert_to_universal(engine_dir: Path, out_dir: Path) -> None:
+    """DeepSpeed's ``ds_to_universal`` on ``engine_dir``, written to a temporary folder and
+    renamed into place, so an interrupted conversion is redone rather than half-used."""
+    import logging
+    import shutil
+    from types import SimpleNamespace
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    logging.getLogger("llmtrain").info("converting %s to DeepSpeed's universal format in %s", engine_dir, out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    ds_to_universal(SimpleNamespace(input_folder=str(engine_dir), output_folder=str(tmp), num_extract_workers=1,
+                                    num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                    inject_missing_state=True))
+    tmp.rename(out_dir)
