@@ -130,9 +130,21 @@ class DeepSpeedEngine(Engine):
         distributed.barrier()
 
     def load_checkpoint(self, directory: Path, saved_world_size: int) -> None:
-        source = getattr(self, "_universal_dir", None) if saved_world_size != self.env.world_size else directory
+        universal = saved_world_size != self.env.world_size
+        source = self._universal_dir if universal else directory
+        weight_decays = [group["weight_decay"] for group in self.ds.optimizer.param_groups]
         path, _ = self.ds.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
+        if universal:
+            # DeepSpeed 0.19's ZeRO-3 universal load copies param group 0's hyperparameters into
+            # every group, which would decay norms and biases; the recipe's values are the truth.
+            for group, weight_decay in zip(self.ds.optimizer.param_groups, weight_decays):
+                group["weight_decay"] = weight_decay
+            # It also gives every parameter group the *same* step tensor, which torch's AdamW then
+            # increments once per group per step (wrong bias correction): unshare it.
+            for param_state in getattr(self.ds.optimizer, "optimizer", self.ds.optimizer).state.values():
+                if isinstance(param_state.get("step"), torch.Tensor):
+                    param_state["step"] = param_state["step"].clone()
         if path is None:
             from llmtrain.checkpoint import ResumeError
 
