@@ -12,7 +12,9 @@ samples consumed.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,28 +63,37 @@ def _main_process_first():
     return ctx()
 
 
+def _walk_sorted(root: Path, pattern: str, skip_dir: str | None = None) -> Iterator[Path]:
+    """Files under ``root`` whose relative path matches ``pattern`` (``**/`` also matches the top
+    level), in a deterministic depth-first order, lazily: a byte cap stops the walk early."""
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != skip_dir)
+        for name in sorted(files):
+            rel = os.path.relpath(os.path.join(folder, name), root)
+            if fnmatch.fnmatch(rel, pattern) or (pattern.startswith("**/") and fnmatch.fnmatch(rel, pattern[3:])):
+                yield Path(folder) / name
+
+
 def _text_files(data_cfg: Any) -> list[Path]:
     if data_cfg.path is None:
-        root = Path(sysconfig.get_paths()["stdlib"])
         # Only the standard library itself: installed third-party packages differ per machine.
-        files = [p for p in sorted(root.glob(data_cfg.glob)) if "site-packages" not in p.parts and p.is_file()]
+        root = Path(sysconfig.get_paths()["stdlib"])
+        candidates = _walk_sorted(root, data_cfg.glob, skip_dir="site-packages")
     else:
         root = Path(data_cfg.path).expanduser()
         if root.is_dir():
-            files = [p for p in sorted(root.glob(data_cfg.glob)) if p.is_file()]
+            candidates = _walk_sorted(root, data_cfg.glob)
         elif root.is_file():
-            files = [root]
+            candidates = iter([root])
         else:
             raise DataError(f"data.path: {root} does not exist (data={data_cfg.name}); "
                             f"set data.path=/path/to/your/file")
-    if data_cfg.max_bytes is not None:
-        kept, total = [], 0
-        for f in files:
-            if total >= data_cfg.max_bytes:
-                break
-            kept.append(f)
-            total += f.stat().st_size
-        files = kept
+    files, total = [], 0
+    for f in candidates:
+        if data_cfg.max_bytes is not None and total >= data_cfg.max_bytes:
+            break
+        files.append(f)
+        total += f.stat().st_size
     if not files:
         raise DataError(f"data.path: no files match {data_cfg.glob!r} under {root}")
     return files

@@ -13,11 +13,11 @@ from conftest import FAST, REPO, assert_ok, read_metrics, run_cli, subprocess_en
 
 
 def test_default_job_trains_with_falling_loss_and_exports(tmp_path):
-    proc = run_cli(["tracker=none", "trainer.progress_bar=false", "trainer.max_steps=40", "trainer.eval_every=20",
+    proc = run_cli(["tracker=none", "trainer.progress_bar=false", "trainer.max_steps=30", "trainer.eval_every=15",
                     f"run_dir={tmp_path}"])
     assert_ok(proc)
     metrics = read_metrics(tmp_path)
-    assert [m["step"] for m in metrics] == list(range(0, 41))
+    assert [m["step"] for m in metrics] == list(range(0, 31))
     losses = [m["train/loss"] for m in metrics if "train/loss" in m]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
     vals = [m["val/loss"] for m in metrics if "val/loss" in m]
@@ -25,8 +25,8 @@ def test_default_job_trains_with_falling_loss_and_exports(tmp_path):
     for key in ("train/lr", "train/grad_norm", "train/tokens_per_s", "train/step_time_s", "memory/peak_bytes"):
         assert metrics[1][key] > 0, key
     resolved = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    assert resolved["trainer"]["max_steps"] == 40 and resolved["run_dir"] == str(tmp_path)
-    assert (tmp_path / "checkpoints" / "step_40").is_dir()
+    assert resolved["trainer"]["max_steps"] == 30 and resolved["run_dir"] == str(tmp_path)
+    assert (tmp_path / "checkpoints" / "step_30" / "COMPLETE.json").is_file()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

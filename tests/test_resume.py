@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,10 +22,10 @@ import torch
 from conftest import FAST, REPO, assert_ok, read_metrics, run_cli, subprocess_env
 
 STEPS = 8
-# 300 kB of text at seq_len 64 gives ~4,500 blocks; max_bytes=20000 gives ~300, so 8 steps of 48
-# samples cross an epoch boundary (resume lands in the second epoch).
+# max_bytes=8000 gives 135 training blocks of 64 tokens: a resume at step 4 (192 samples consumed)
+# lands in the middle of the second epoch, and the 8 steps reach into the third.
 COMMON = [o for o in FAST if not o.startswith("data.max_bytes")] + [
-    "data.max_bytes=20000", f"trainer.max_steps={STEPS}", "trainer.global_batch_size=48",
+    "data.max_bytes=8000", f"trainer.max_steps={STEPS}", "trainer.global_batch_size=48",
     "trainer.micro_batch_size=8", "trainer.save_every=2", "trainer.warmup_steps=3",
     "model.architecture.attention_dropout=0.1", "trainer.export_hf=false"]
 
@@ -113,21 +114,28 @@ def _flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("finished")
+    assert_ok(run_cli(COMMON + ["+recipe=ddp", f"run_dir={run_dir}"], nproc=1))
+    return run_dir
+
+
 @pytest.mark.parametrize("damage,problem", [
     (lambda d: (d / "COMPLETE.json").unlink(), "no completion marker"),
     (lambda d: _truncate(d / "engine" / "state.pt"), "truncated file engine/state.pt"),
     (lambda d: _flip_byte(d / "engine" / "state.pt"), "checksum mismatch in engine/state.pt"),
 ])
-def test_damaged_newest_checkpoint_is_skipped_loudly(damage, problem, reference, tmp_path):
-    overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}"]
-    assert_ok(run_cli(overrides, nproc=1))
-    damage(tmp_path / "checkpoints" / "step_8")
+def test_damaged_newest_checkpoint_is_skipped_loudly(damage, problem, finished_run, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    damage(run_dir / "checkpoints" / "step_8")
     # Same command again: the finished run's newest checkpoint is bad, so steps 7-8 are redone.
-    resumed = run_cli(overrides, nproc=1)
+    resumed = run_cli(COMMON + ["+recipe=ddp", f"run_dir={run_dir}"], nproc=1)
     assert_ok(resumed)
     out = resumed.stdout + resumed.stderr
     assert "SKIPPING checkpoint" in out and problem in out and "resuming from" in out and "step_6" in out
-    assert per_step(tmp_path) == reference(1, "ddp")
+    assert per_step(run_dir) == reference(1, "ddp")
 
 
 def test_sigterm_saves_exits_zero_and_continues_exactly(reference, tmp_path):
