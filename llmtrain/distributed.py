@@ -102,6 +102,13 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of a tensor over all ranks, in place (no-op for one process)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

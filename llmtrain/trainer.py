@@ -84,15 +84,20 @@ def _memory_bytes(device: torch.device) -> int:
 
 @torch.no_grad()
 def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, float]:
-    """Validation loss (mean token CE over all ranks' batches) and perplexity = exp(loss)."""
+    """Validation loss (mean token CE over all ranks' batches) and perplexity = exp(loss).
+
+    Ranks with fewer batches run forwards on a batch without targets, so every rank makes the
+    same number of forward passes (ZeRO-3 gathers parameters collectively in each one).
+    """
     engine.train(False)
+    most = distributed.all_reduce_max(torch.tensor(len(batches), device=device))
+    no_targets = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 2, dtype=torch.long),
+                  "labels": torch.full((1, 2), data.IGNORE_INDEX, dtype=torch.long)}
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in batches:
+    for batch in list(batches) + [no_targets] * (int(most) - len(batches)):
         batch = {k: v.to(device) for k, v in batch.items()}
         totals[0] += token_cross_entropy_sum(engine.forward(batch), batch["labels"]).double()
         totals[1] += count_target_tokens(batch["labels"])
-    if not batches and engine.cfg.recipe.zero_stage == 3:
-        raise ConfigError("trainer.eval_samples: every rank needs a validation batch under ZeRO-3")
     distributed.all_reduce_sum(totals)
     engine.train(True)
     loss = float(totals[0] / totals[1].clamp(min=1))
