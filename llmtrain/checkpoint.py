@@ -249,6 +249,10 @@ class CheckpointManager:
         complete = [(s, p) for s, p in self.step_dirs() if verify_marker_only(p)]
         for _, path in complete[self.keep:]:
             shutil.rmtree(path, ignore_errors=True)
+        # Universal-format conversions (world-size changes) of checkpoints that are gone.
+        for converted in (self.root / ".universal").glob("step_*"):
+            if not (self.root / converted.name.removesuffix(".tmp")).is_dir():
+                shutil.rmtree(converted, ignore_errors=True)
 
 
 def verify_marker_only(directory: Path) -> bool:
