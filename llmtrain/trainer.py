@@ -147,6 +147,11 @@ def train(cfg: Any) -> dict[str, Any]:
         raise ConfigError(f"model.architecture.vocab_size={model.config.vocab_size} is smaller than the "
                           f"tokenizer's {len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")
     if resume_from is not None:
+        saved = checkpoints.read_state(resume_from)
+        if saved.global_batch_size != t.global_batch_size:
+            raise checkpoint.ResumeError(
+                f"checkpoint {resume_from} was trained with trainer.global_batch_size={saved.global_batch_size}; "
+                f"resume it with the same value (got {t.global_batch_size}) so steps and samples line up")
         checkpoints.prepare(engine, resume_from)
     engine.setup(model)
     engine.train(True)
@@ -154,12 +159,7 @@ def train(cfg: Any) -> dict[str, Any]:
     if resume_from is not None:
         state, rng = checkpoints.load(engine, resume_from)
         _dump_loaded_model(engine)
-        if state.consumed_samples % t.global_batch_size:
-            raise checkpoint.ResumeError(
-                f"checkpoint {resume_from} consumed {state.consumed_samples} samples, not a whole number of "
-                f"trainer.global_batch_size={t.global_batch_size} batches; resume with its global batch "
-                f"({state.global_batch_size})")
-    start_step = state.consumed_samples // t.global_batch_size
+    start_step = state.step
 
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     if env.is_main:

@@ -185,3 +185,12 @@ def test_resume_never_refuses_to_clobber_checkpoints(tmp_path):
 def test_keep_k_newest_complete_checkpoints(tmp_path):
     assert_ok(run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.save_every=1", "trainer.keep_checkpoints=2"]))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_7", "step_8"]
+
+
+def test_resume_with_another_global_batch_is_refused_before_writing(tmp_path):
+    assert_ok(run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.max_steps=2"]))
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    proc = run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.global_batch_size=24"])
+    assert proc.returncode != 0
+    assert "trainer.global_batch_size=48" in proc.stderr and "got 24" in proc.stderr
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
