@@ -255,6 +255,34 @@ class CheckpointManager:
                 shutil.rmtree(converted, ignore_errors=True)
 
 
+# Settings a resumed run may change: cadence, bookkeeping and the length of the run. Everything
+# else (model, data, recipe, optimisation, seed) defines the run being continued.
+RESUMABLE_CHANGES = ("name", "run_dir", "tracker", "trainer.max_steps", "trainer.eval_every", "trainer.eval_samples",
+                     "trainer.log_every", "trainer.save_every", "trainer.save_every_minutes", "trainer.keep_checkpoints",
+                     "trainer.resume", "trainer.preempt_signal", "trainer.export_hf", "trainer.progress_bar")
+
+
+def config_differences(checkpoint_dir: Path, current: dict) -> list[str]:
+    """``key: saved -> current`` for every setting that differs from the checkpoint's resolved
+    config, except :data:`RESUMABLE_CHANGES`."""
+    import yaml
+
+    saved = yaml.safe_load((checkpoint_dir / "config.yaml").read_text()) or {}
+
+    def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(tree, dict):
+            out: dict[str, Any] = {}
+            for key, value in tree.items():
+                out.update(flatten(value, f"{prefix}{key}."))
+            return out
+        return {prefix[:-1]: tree}
+
+    old, new = flatten(saved), flatten(current)
+    allowed = lambda key: any(key == a or key.startswith(a + ".") for a in RESUMABLE_CHANGES)  # noqa: E731
+    return [f"{k}: {old.get(k, '<absent>')} -> {new.get(k, '<absent>')}"
+            for k in sorted(set(old) | set(new)) if not allowed(k) and old.get(k) != new.get(k)]
+
+
 def verify_marker_only(directory: Path) -> bool:
     """Cheap completeness check (marker present) used for pruning, where hashing is wasted."""
     return (directory / MARKER).is_file()

@@ -69,7 +69,7 @@ class DataConfig:
 
     name: str = MISSING
     format: str = "text"
-    path: Optional[str] = None
+    path: Optional[str] = MISSING
     glob: str = "**/*.py"
     max_bytes: Optional[int] = None
     max_records: Optional[int] = None
@@ -227,6 +227,8 @@ def validate(cfg: Any, world_size: int) -> None:
         _require(m.gguf_file is not None, "model.gguf_file must be set when model.source=gguf")
         _require(m.path is not None or m.gguf_package is not None,
                  "model.source=gguf needs model.path (folder of the file) or model.gguf_package")
+    _require(not OmegaConf.is_missing(d, "path"),
+             f"data.path must be set for data={d.name}: add data.path=/path/to/your/{d.name} file")
     _require(d.format in ("text", "alpaca"), f"data.format={d.format!r} must be text or alpaca")
     _require(d.template in ("auto", "chat", "alpaca"),
              f"data.template={d.template!r} must be auto, chat or alpaca")

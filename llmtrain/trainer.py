@@ -104,6 +104,25 @@ def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, flo
     return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}
 
 
+def _check_resumable(resume_from: Path, cfg: Any, checkpoints: checkpoint.CheckpointManager) -> None:
+    """Resuming continues the *same* run: refuse a checkpoint whose model, data, recipe or
+    optimisation settings differ from the current config (naming each difference)."""
+    saved = checkpoints.read_state(resume_from)
+    if saved.global_batch_size != cfg.trainer.global_batch_size:
+        raise checkpoint.ResumeError(
+            f"checkpoint {resume_from} was trained with trainer.global_batch_size={saved.global_batch_size}; "
+            f"resume it with the same value (got {cfg.trainer.global_batch_size}) so steps and samples line up")
+    differences = checkpoint.config_differences(resume_from, OmegaConf.to_container(cfg, resolve=True))
+    if differences:
+        raise checkpoint.ResumeError(
+            f"checkpoint {resume_from} belongs to a run with other settings ({'; '.join(differences)}). "
+            "To continue it, use its settings; to start a new run, set a new run_dir (or name)")
+    if saved.step >= cfg.trainer.max_steps:
+        log.warning("checkpoint %s is at step %d >= trainer.max_steps=%d: nothing to train (raise "
+                    "trainer.max_steps to continue); evaluating and exporting only", resume_from, saved.step,
+                    cfg.trainer.max_steps)
+
+
 def _run_dir(cfg: Any) -> Path:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -135,11 +154,12 @@ def train(cfg: Any) -> dict[str, Any]:
     accumulation = gradient_accumulation_steps(t, env.world_size)
     seed_everything(t.seed)
     run_dir = _run_dir(cfg)
-    checkpoints = checkpoint.CheckpointManager(run_dir, env, t.keep_checkpoints)
-    resume_from = checkpoints.resolve(t.resume)
-
     tokenizer = build_tokenizer(cfg.model)
     splits = data.load_splits(cfg.data, tokenizer, t.seed)
+    checkpoints = checkpoint.CheckpointManager(run_dir, env, t.keep_checkpoints)
+    resume_from = checkpoints.resolve(t.resume)
+    if resume_from is not None:
+        _check_resumable(resume_from, cfg, checkpoints)
     engine = build_engine(cfg, env, accumulation)
     with engine.model_init_context():
         model = build_model(cfg.model, t.seed)
@@ -147,11 +167,6 @@ def train(cfg: Any) -> dict[str, Any]:
         raise ConfigError(f"model.architecture.vocab_size={model.config.vocab_size} is smaller than the "
                           f"tokenizer's {len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")
     if resume_from is not None:
-        saved = checkpoints.read_state(resume_from)
-        if saved.global_batch_size != t.global_batch_size:
-            raise checkpoint.ResumeError(
-                f"checkpoint {resume_from} was trained with trainer.global_batch_size={saved.global_batch_size}; "
-                f"resume it with the same value (got {t.global_batch_size}) so steps and samples line up")
         checkpoints.prepare(engine, resume_from)
     engine.setup(model)
     engine.train(True)

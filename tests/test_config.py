@@ -38,8 +38,16 @@ def test_every_group_option_composes_and_validates(group):
     options = group_options(group)
     assert options, f"no options in conf/{group}"
     for option in options:
-        cfg = make_cfg([f"{group}={option}"])
-        validate(cfg, 1)
+        overrides = [f"{group}={option}"]
+        if group == "data" and make_cfg(overrides).data.name in ("tinyshakespeare", "alpaca"):
+            overrides.append("data.path=/some/file")  # these ship without a path: the user's copy
+        validate(make_cfg(overrides), 1)
+
+
+@pytest.mark.parametrize("option", ["tinyshakespeare", "alpaca"])
+def test_data_without_a_path_asks_for_one(option):
+    with pytest.raises(ConfigError, match=f"data.path must be set for data={option}"):
+        validate(make_cfg([f"data={option}"]), 1)
 
 
 def test_default_run_is_plain_torch_and_names_run_dir():

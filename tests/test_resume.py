@@ -194,3 +194,14 @@ def test_resume_with_another_global_batch_is_refused_before_writing(tmp_path):
     assert proc.returncode != 0
     assert "trainer.global_batch_size=48" in proc.stderr and "got 24" in proc.stderr
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_resume_with_other_settings_is_refused_naming_them(tmp_path):
+    assert_ok(run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.max_steps=2"]))
+    proc = run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.lr=3e-4", "data.seq_len=32"])
+    assert proc.returncode != 0
+    assert "trainer.lr: 0.001 -> 0.0003" in proc.stderr and "data.seq_len: 64 -> 32" in proc.stderr
+    # Longer runs and other cadences are fine: that is how a run is extended.
+    longer = run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.max_steps=3", "trainer.save_every=1"])
+    assert_ok(longer)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]
