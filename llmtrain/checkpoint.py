@@ -107,8 +107,13 @@ def verify(directory: Path) -> str | None:
         return f"no completion marker {MARKER}"
     try:
         files = json.loads(marker.read_text())["files"]
+        if not isinstance(files, dict):
+            raise TypeError(f"'files' is a {type(files).__name__}, not a mapping")
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         return f"unreadable completion marker: {err}"
+    required = [STATE_FILE, "config.yaml"]
+    if not any(rel.startswith(ENGINE_DIR + "/") for rel in files) or any(r not in files for r in required):
+        return f"completion marker lists no {ENGINE_DIR}/ files or lacks {', '.join(required)}"
     for rel, meta in files.items():
         path = directory / rel
         if not path.is_file():
@@ -120,12 +125,42 @@ def verify(directory: Path) -> str | None:
     return None
 
 
+_RUN_LOCKS: list[Any] = []  # open lock files, held until the process exits
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold an exclusive lock on ``run_dir`` for the life of this process (rank 0 calls it), so
+    a second run in the same folder (or orphaned workers of a killed one) cannot interleave
+    checkpoints. The OS drops the lock when the process dies.
+
+    Raises:
+        ResumeError: another live process holds the lock.
+    """
+    import fcntl
+
+    if any(Path(h.name) == run_dir / ".lock" for h in _RUN_LOCKS):
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        raise ResumeError(f"run_dir={run_dir} is in use by another llmtrain process ({handle.read().strip() or 'pid unknown'}); "
+                          "wait for it to end (or kill it), or use another run_dir") from None
+    handle.truncate(0)
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    _RUN_LOCKS.append(handle)
+
+
 class CheckpointManager:
     """Saves and finds checkpoints of one run directory (all ranks construct it)."""
 
     def __init__(self, run_dir: Path, env: distributed.DistEnv, keep: int):
         self.root = Path(run_dir) / "checkpoints"
         self.env, self.keep = env, keep
+        self._verified: set[Path] = set()  # checkpoints this process wrote or hashed and found whole
 
     def step_dirs(self) -> list[tuple[int, Path]]:
         """Folders named ``step_<N>``, newest first (complete or not)."""
@@ -155,6 +190,8 @@ class CheckpointManager:
         return Path(choice[0]) if choice[0] else None
 
     def _resolve_on_main(self, resume: str) -> str | None:
+        if self.root.parent.is_dir():
+            lock_run_dir(self.root.parent)
         if resume == "never":
             existing = self.step_dirs()
             if existing:
@@ -167,6 +204,7 @@ class CheckpointManager:
             for step, path in self.step_dirs():
                 problem = verify(path)
                 if problem is None:
+                    self._verified.add(path)
                     log.info("resume=auto: resuming from %s (newest complete checkpoint)", path)
                     return str(path)
                 log.warning("resume=auto: SKIPPING checkpoint %s: %s; trying an older one", path, problem)
@@ -240,15 +278,26 @@ class CheckpointManager:
             os.fsync(f.fileno())
         os.replace(marker_tmp, tmp / MARKER)
         _fsync_dir(tmp)
-        if final.exists():  # an incomplete folder of the same step (it never verified)
+        if final.exists():  # resumed from an older step (resume=<step>), or a damaged folder
+            log.warning("replacing existing checkpoint %s with the one just written", final)
             shutil.rmtree(final)
+        # A universal-format conversion of the old folder would no longer match it.
+        shutil.rmtree(self.root / ".universal" / final.name, ignore_errors=True)
         os.rename(tmp, final)
         _fsync_dir(self.root)
+        self._verified.add(final)
 
     def _prune(self) -> None:
-        complete = [(s, p) for s, p in self.step_dirs() if verify_marker_only(p)]
-        for _, path in complete[self.keep:]:
+        # Count only checkpoints known to verify (hashing each unknown one once), so a damaged
+        # folder never takes the place of a good one; damaged folders are left for inspection.
+        complete = []
+        for _, path in self.step_dirs():
+            if path in self._verified or verify(path) is None:
+                self._verified.add(path)
+                complete.append(path)
+        for path in complete[self.keep:]:
             shutil.rmtree(path, ignore_errors=True)
+            self._verified.discard(path)
         # Universal-format conversions (world-size changes) of checkpoints that are gone.
         for converted in (self.root / ".universal").glob("step_*"):
             if not (self.root / converted.name.removesuffix(".tmp")).is_dir():
@@ -281,11 +330,6 @@ def config_differences(checkpoint_dir: Path, current: dict) -> list[str]:
     allowed = lambda key: any(key == a or key.startswith(a + ".") for a in RESUMABLE_CHANGES)  # noqa: E731
     return [f"{k}: {old.get(k, '<absent>')} -> {new.get(k, '<absent>')}"
             for k in sorted(set(old) | set(new)) if not allowed(k) and old.get(k) != new.get(k)]
-
-
-def verify_marker_only(directory: Path) -> bool:
-    """Cheap completeness check (marker present) used for pruning, where hashing is wasted."""
-    return (directory / MARKER).is_file()
 
 
 def export_hf(engine, model_cfg: Any, tokenizer: Any, out_dir: Path) -> Path | None:

@@ -239,13 +239,34 @@ def validate(cfg: Any, world_size: int) -> None:
     for key in ("warmup_steps", "eval_every", "log_every", "save_every", "eval_samples"):
         _require(t[key] >= 0, f"trainer.{key}={t[key]} must be >= 0")
     _require(t.lr > 0, f"trainer.lr={t.lr} must be > 0")
+    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"trainer.beta1={t.beta1}, trainer.beta2={t.beta2} must be in [0, 1)")
+    _require(t.eps > 0, f"trainer.eps={t.eps} must be > 0")
+    _require(t.weight_decay >= 0, f"trainer.weight_decay={t.weight_decay} must be >= 0")
+    _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 = no clipping)")
     _require(t.keep_checkpoints >= 1, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1")
     _require(t.save_every_minutes >= 0, f"trainer.save_every_minutes={t.save_every_minutes} must be >= 0")
     if t.preempt_signal is not None:
         import signal
 
-        _require(hasattr(signal, str(t.preempt_signal)) and str(t.preempt_signal).startswith("SIG"),
-                 f"trainer.preempt_signal={t.preempt_signal!r} is not a signal name (e.g. SIGUSR1)")
+        _require(str(t.preempt_signal) in signal.Signals.__members__ and t.preempt_signal not in ("SIGKILL", "SIGSTOP"),
+                 f"trainer.preempt_signal={t.preempt_signal!r} must name a catchable signal (e.g. SIGUSR1)")
+    if tr.wandb_mode == "online":
+        from llmtrain.tracking import wandb_api_key_configured
+
+        _require(wandb_api_key_configured(), "tracker.wandb_mode=online but no wandb API key is configured: set "
+                 "WANDB_API_KEY (or run `wandb login`), or use tracker.wandb_mode=offline")
+    if m.source == "config" and "model_type" in m.architecture:
+        arch = m.architecture
+        hidden, heads = arch.get("hidden_size"), arch.get("num_attention_heads")
+        kv_heads = arch.get("num_key_value_heads") or heads
+        if hidden and heads:
+            _require(hidden % heads == 0, f"model.architecture.hidden_size={hidden} must be divisible by "
+                     f"model.architecture.num_attention_heads={heads}")
+            _require(heads % kv_heads == 0, f"model.architecture.num_attention_heads={heads} must be divisible by "
+                     f"model.architecture.num_key_value_heads={kv_heads}")
+    _require(not (d.format == "alpaca" and d.path is None),
+             "data.path must name an alpaca JSON/JSONL file when data.format=alpaca")
+    _require(not Path(str(cfg.run_dir)).is_file(), f"run_dir={cfg.run_dir} is a file; point run_dir at a folder")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _require(t.precision in ("fp32", "bf16"), f"trainer.precision={t.precision!r} must be fp32 or bf16")
     _require(tr.wandb_mode in ("auto", "online", "offline", "disabled"),

@@ -11,7 +11,6 @@ samples consumed.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import json
 import os
@@ -47,20 +46,24 @@ class Splits:
     val: Any
 
 
-def _main_process_first():
-    # Rank 0 builds the datasets cache; the others then read it instead of racing to write it.
-    @contextlib.contextmanager
-    def ctx():
-        import torch.distributed as dist
+def _on_main_first(build):
+    """Run ``build()`` on rank 0 first (it fills the datasets cache), then on the other ranks.
+    A DataError on rank 0 is sent to every rank, so all of them fail with the same message."""
+    import torch.distributed as dist
 
-        ranked = dist.is_available() and dist.is_initialized()
-        if ranked and dist.get_rank() != 0:
-            dist.barrier()
-        yield
-        if ranked and dist.get_rank() == 0:
-            dist.barrier()
-
-    return ctx()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return build()
+    outcome: list[Any] = [None]
+    result = None
+    if dist.get_rank() == 0:
+        try:
+            result = build()
+        except DataError as err:
+            outcome[0] = str(err)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise DataError(outcome[0])
+    return result if dist.get_rank() == 0 else build()
 
 
 def _walk_sorted(root: Path, pattern: str, skip_dir: str | None = None) -> Iterator[Path]:
@@ -100,10 +103,15 @@ def _text_files(data_cfg: Any) -> list[Path]:
 
 
 def _read_records(path: Path, data_cfg: Any) -> list[dict]:
+    if path.is_dir():
+        raise DataError(f"data.path: {path} is a folder; data.format=alpaca needs a JSON or JSONL file")
     if not path.is_file():
         raise DataError(f"data.path: {path} does not exist (data={data_cfg.name}); "
                         f"set data.path=/path/to/alpaca.json")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"data.path: {path} is not UTF-8 text ({err})") from err
     if not text.strip():
         raise DataError(f"data.path: {path} is empty; it must hold alpaca records "
                         "{instruction, input, output}")
@@ -114,9 +122,12 @@ def _read_records(path: Path, data_cfg: Any) -> list[dict]:
             records = [json.loads(line) for line in text.splitlines() if line.strip()]
     except json.JSONDecodeError as err:
         raise DataError(f"data.path: {path} is not JSON or JSON lines: {err}") from err
-    for i, rec in enumerate(records[:10]):
-        if not isinstance(rec, dict) or "instruction" not in rec or "output" not in rec:
-            raise DataError(f"data.path: {path} record {i} lacks 'instruction'/'output' "
+    if not isinstance(records, list):
+        raise DataError(f"data.path: {path} must hold a JSON list of records (or JSON lines), not a {type(records).__name__}")
+    for i, rec in enumerate(records):
+        if not (isinstance(rec, dict) and isinstance(rec.get("instruction"), str) and isinstance(rec.get("output"), str)
+                and isinstance(rec.get("input") or "", str)):
+            raise DataError(f"data.path: {path} record {i} lacks string 'instruction'/'output' "
                             "(alpaca format: {instruction, input, output})")
     return records[: data_cfg.max_records] if data_cfg.max_records else records
 
@@ -202,11 +213,10 @@ def load_splits(data_cfg: Any, tokenizer: Any, seed: int) -> Splits:
     Raises:
         DataError: missing, empty or malformed files (message names ``data.path``).
     """
-    with _main_process_first():
-        if data_cfg.format == "text":
-            samples = _pack_text(_text_files(data_cfg), tokenizer, data_cfg)
-        else:
-            samples = _encode_alpaca(data_cfg, tokenizer)
+    if data_cfg.format == "text":
+        samples = _on_main_first(lambda: _pack_text(_text_files(data_cfg), tokenizer, data_cfg))
+    else:
+        samples = _on_main_first(lambda: _encode_alpaca(data_cfg, tokenizer))
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = max(1, round(len(samples) * data_cfg.val_fraction))
     return Splits(train=samples.select(sorted(order[n_val:])), val=samples.select(sorted(order[:n_val])))

@@ -72,6 +72,8 @@ def init_distributed(timeout_s: float = 600.0, need_group: bool = False) -> Dist
     if (rank is None) != (world_size is None):
         raise LaunchError("set both RANK and WORLD_SIZE (torchrun does), or neither for one process")
     rank, world_size = rank or 0, world_size or 1
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        _die_with_launcher()
     if not 0 <= rank < world_size:
         raise LaunchError(f"RANK={rank} must be in [0, WORLD_SIZE={world_size})")
     local_rank = _int_env("LOCAL_RANK") or 0
@@ -93,6 +95,26 @@ def init_distributed(timeout_s: float = 600.0, need_group: bool = False) -> Dist
             os.environ.setdefault(name, value)
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+
+
+def _die_with_launcher() -> None:
+    """torchrun starts workers in their own session, so killing the launcher's process group
+    leaves them running (and racing a restarted run). Ask Linux to SIGKILL this worker when its
+    launcher dies; the checkpoint protocol makes that a clean crash."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() != launcher:  # the launcher died before the request took effect
+        os._exit(1)
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:

@@ -77,17 +77,26 @@ def resolve_gguf(model_cfg: Any) -> tuple[str, str]:
     return folder, model_cfg.gguf_file
 
 
+def _local_or_hub(field: str, value: str) -> str:
+    # A value that looks like a path must exist: otherwise transformers would try the hub and
+    # fail with a confusing "Repo id" error.
+    local = Path(value).expanduser()
+    if value.startswith(("/", ".", "~")) and not local.exists():
+        raise ModelSourceError(f"{field}: {value} does not exist")
+    return str(local) if local.exists() else value
+
+
 def build_tokenizer(model_cfg: Any):
     """The tokenizer named by ``model.tokenizer`` (``byte``, ``model`` or a folder path)."""
     if model_cfg.tokenizer == "byte":
         return byte_tokenizer()
     if model_cfg.tokenizer != "model":
-        return AutoTokenizer.from_pretrained(model_cfg.tokenizer)
+        return AutoTokenizer.from_pretrained(_local_or_hub("model.tokenizer", model_cfg.tokenizer))
     if model_cfg.source == "gguf":
         folder, file = resolve_gguf(model_cfg)
         return AutoTokenizer.from_pretrained(folder, gguf_file=file)
     if model_cfg.source == "pretrained":
-        return AutoTokenizer.from_pretrained(model_cfg.path)
+        return AutoTokenizer.from_pretrained(_local_or_hub("model.path", model_cfg.path))
     raise ModelSourceError("model.tokenizer=model needs model.source=pretrained or gguf; "
                            "use model.tokenizer=byte or a tokenizer folder for source=config")
 
@@ -96,11 +105,16 @@ def model_config(model_cfg: Any):
     """The ``transformers`` config of the model (no weights are read)."""
     if model_cfg.source == "config":
         arch = dict(model_cfg.architecture)
-        return AutoConfig.for_model(arch.pop("model_type"), **arch)
+        model_type = arch.pop("model_type")
+        try:
+            return AutoConfig.for_model(model_type, **arch)
+        except ValueError as err:
+            raise ModelSourceError(f"model.architecture.model_type={model_type!r} is not a transformers model "
+                                   f"type (e.g. llama, qwen2, mistral): {err}") from err
     if model_cfg.source == "gguf":
         folder, file = resolve_gguf(model_cfg)
         return AutoConfig.from_pretrained(folder, gguf_file=file)
-    return AutoConfig.from_pretrained(model_cfg.path)
+    return AutoConfig.from_pretrained(_local_or_hub("model.path", model_cfg.path))
 
 
 def build_model(model_cfg: Any, seed: int) -> torch.nn.Module:
@@ -120,7 +134,7 @@ def build_model(model_cfg: Any, seed: int) -> torch.nn.Module:
         folder, file = resolve_gguf(model_cfg)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(_local_or_hub("model.path", model_cfg.path), **kwargs)
     return model
 
 

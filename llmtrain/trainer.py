@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from llmtrain import checkpoint, data, distributed
 from llmtrain.config import ConfigError, gradient_accumulation_steps, validate
 from llmtrain.engine import build_engine
-from llmtrain.models import build_model, build_tokenizer, count_parameters
+from llmtrain.models import build_model, build_tokenizer, count_parameters, model_config
 from llmtrain.preemption import Preemption
 from llmtrain.tracking import Tracker
 
@@ -160,12 +160,13 @@ def train(cfg: Any) -> dict[str, Any]:
     resume_from = checkpoints.resolve(t.resume)
     if resume_from is not None:
         _check_resumable(resume_from, cfg, checkpoints)
+    vocab_size = model_config(cfg.model).vocab_size
+    if len(tokenizer) > vocab_size:
+        raise ConfigError(f"model.architecture.vocab_size={vocab_size} is smaller than the tokenizer's "
+                          f"{len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")
     engine = build_engine(cfg, env, accumulation)
     with engine.model_init_context():
         model = build_model(cfg.model, t.seed)
-    if len(tokenizer) > model.config.vocab_size:
-        raise ConfigError(f"model.architecture.vocab_size={model.config.vocab_size} is smaller than the "
-                          f"tokenizer's {len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")
     if resume_from is not None:
         checkpoints.prepare(engine, resume_from)
     engine.setup(model)
@@ -178,7 +179,7 @@ def train(cfg: Any) -> dict[str, Any]:
 
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint.lock_run_dir(run_dir)
         (run_dir / "config.yaml").write_text(config_yaml)
     tracker = Tracker(cfg.tracker, run_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), env.is_main,
                       resume_step=state.step if resume_from else None, run_id=state.tracker_run_id)

@@ -140,3 +140,21 @@ def test_val_batches_are_sharded_across_ranks(tmp_path):
         for b in data.val_batches(splits, tok, micro_batch=2, max_samples=6, env=env):
             seen += b["input_ids"][:, 0].tolist()
     assert sorted(seen) == list(range(6))
+
+
+@pytest.mark.parametrize("bad,needle", [({"instruction": "x", "output": None}, "record 12"),
+                                        ({"instruction": 5, "output": "y"}, "record 12"),
+                                        ({"instruction": "x"}, "record 12")])
+def test_every_alpaca_record_is_checked(tmp_path, bad, needle):
+    records = [{"instruction": f"Q{i}", "input": "", "output": f"A{i}"} for i in range(12)] + [bad]
+    (tmp_path / "a.json").write_text(json.dumps(records))
+    with pytest.raises(data.DataError, match=needle):
+        data.load_splits(text_cfg(tmp_path / "a.json", format="alpaca", seq_len=64), byte_tokenizer(), seed=0)
+
+
+def test_alpaca_non_utf8_and_folder_paths_are_reported(tmp_path):
+    (tmp_path / "a.json").write_bytes(b"\xff\xfe[\x00")
+    with pytest.raises(data.DataError, match="not UTF-8"):
+        data.load_splits(text_cfg(tmp_path / "a.json", format="alpaca", seq_len=64), byte_tokenizer(), seed=0)
+    with pytest.raises(data.DataError, match="is a folder"):
+        data.load_splits(text_cfg(tmp_path, format="alpaca", seq_len=64), byte_tokenizer(), seed=0)

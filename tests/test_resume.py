@@ -8,6 +8,7 @@ and gradient accumulation > 1; the data set is small enough that the runs cross 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -197,11 +198,41 @@ def test_resume_with_another_global_batch_is_refused_before_writing(tmp_path):
 
 
 def test_resume_with_other_settings_is_refused_naming_them(tmp_path):
-    assert_ok(run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.max_steps=2"]))
+    assert_ok(run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.max_steps=4"]))
     proc = run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.lr=3e-4", "data.seq_len=32"])
     assert proc.returncode != 0
     assert "trainer.lr: 0.001 -> 0.0003" in proc.stderr and "data.seq_len: 64 -> 32" in proc.stderr
-    # Longer runs and other cadences are fine: that is how a run is extended.
-    longer = run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.max_steps=3", "trainer.save_every=1"])
+    # A longer run and other cadences are fine: that is how a run is extended; the first resumed
+    # step already follows the new schedule (warmup 3, cosine to step 6), not the old one's end.
+    longer = run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.max_steps=6", "trainer.save_every=1"])
     assert_ok(longer)
-    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]
+    metrics = read_metrics(tmp_path)
+    assert [r["step"] for r in metrics] == [0, 1, 2, 3, 4, 5, 6]
+    expected = 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (4 - 3) / (6 - 3))))
+    assert metrics[5]["train/lr"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_orphaned_workers_die_with_their_launcher(tmp_path):
+    import psutil
+
+    proc = launch(COMMON + ["+recipe=ddp", f"run_dir={tmp_path}", "trainer.max_steps=200"], nproc=2)
+    wait_for_step(proc, tmp_path, 1)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher only: workers live in their own sessions
+    proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=20)
+    assert not alive, [p.cmdline() for p in alive]
+
+
+def test_second_live_run_in_the_same_run_dir_is_refused(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from llmtrain.checkpoint import lock_run_dir; lock_run_dir(Path(sys.argv[1])); "
+                               "print('locked', flush=True); time.sleep(60)", str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        proc = run_cli(COMMON + [f"run_dir={tmp_path}"])
+        assert proc.returncode != 0 and "in use by another llmtrain process" in proc.stderr
+        assert not (tmp_path / "checkpoints").exists()
+    finally:
+        holder.kill()

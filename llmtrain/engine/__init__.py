@@ -39,6 +39,19 @@ def lr_lambda(trainer_cfg: Any) -> Callable[[int], float]:
     return multiplier
 
 
+def apply_schedule(optimizer, scheduler) -> None:
+    """Set each group's learning rate from the *current* schedule at the restored step.
+
+    A loaded LambdaLR keeps the rate it last computed, which came from the saved run's schedule;
+    after ``trainer.max_steps`` was raised that rate is stale for the first resumed step. With an
+    unchanged schedule this recomputes the identical value (same expression as LambdaLR).
+    """
+    rates = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, rate in zip(optimizer.param_groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = rates
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: decay on matrices and embeddings, none on 1-D tensors (norms, biases)."""
     decay, no_decay = [], []

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import llmtrain.distributed  # noqa: F401  (sets DS_ACCELERATOR=cpu without CUDA before deepspeed loads)
-from llmtrain.engine import Engine, lr_lambda, param_groups
+from llmtrain.engine import Engine, apply_schedule, lr_lambda, param_groups
 
 
 def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict:
@@ -149,6 +149,7 @@ class DeepSpeedEngine(Engine):
             from llmtrain.checkpoint import ResumeError
 
             raise ResumeError(f"DeepSpeed could not load {source}")
+        apply_schedule(self.scheduler.optimizer, self.scheduler)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.cfg.recipe.zero_stage == 3:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.engine import Engine, lr_lambda, param_groups
+from llmtrain.engine import Engine, apply_schedule, lr_lambda, param_groups
 
 
 class TorchEngine(Engine):
@@ -69,6 +69,7 @@ class TorchEngine(Engine):
         self._model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_schedule(self.optimizer, self.scheduler)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return {k: v.detach().cpu() for k, v in self._model.state_dict().items()} if self.env.is_main else None
