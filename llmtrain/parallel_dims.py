@@ -1,0 +1,86 @@
+"""Parallel degrees for the torch-native engine (issue 4, first piece; not wired into recipes yet).
+
+One object derives and validates the data-parallel (replicate × shard), tensor-parallel and
+pipeline-parallel degrees before any model is built, in the spirit of torchtitan's
+``ParallelDims``: every failure names the fields, their values and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmtrain.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees whose product is the world size. ``-1`` in at most one field means "whatever is
+    left of the world size". Field names match the recipe keys they will come from."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int) -> "ParallelDims":
+        """Fill in a ``-1`` degree and check that the product equals ``world_size``.
+
+        Raises:
+            ConfigError: a degree < 1 other than -1, more than one -1, a world size not divisible
+                by the fixed degrees, or a product different from the world size.
+        """
+        degrees = {"recipe.dp_replicate": dp_replicate, "recipe.dp_shard": dp_shard, "recipe.tp": tp, "recipe.pp": pp}
+        bad = {k: v for k, v in degrees.items() if v != -1 and v < 1}
+        if bad:
+            raise ConfigError(f"{', '.join(f'{k}={v}' for k, v in bad.items())}: degrees must be >= 1 (or -1 = derive)")
+        derived = [k for k, v in degrees.items() if v == -1]
+        if len(derived) > 1:
+            raise ConfigError(f"only one degree may be -1, got {', '.join(f'{k}=-1' for k in derived)}")
+        fixed = 1
+        for k, v in degrees.items():
+            if v != -1:
+                fixed *= v
+        described = " x ".join(f"{k}={v}" for k, v in degrees.items())
+        if derived:
+            if world_size % fixed:
+                raise ConfigError(f"world size {world_size} is not divisible by {described} (fixed product {fixed}); "
+                                  f"launch a multiple of {fixed} processes or change the degrees")
+            degrees[derived[0]] = world_size // fixed
+        elif fixed != world_size:
+            raise ConfigError(f"{described} = {fixed} but the world size is {world_size}; the product of the "
+                              "degrees must equal the number of processes (or set one degree to -1)")
+        return cls(degrees["recipe.dp_replicate"], degrees["recipe.dp_shard"], degrees["recipe.tp"],
+                   degrees["recipe.pp"], world_size)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: ranks that see different samples (replicate × shard)."""
+        return self.dp_replicate * self.dp_shard
+
+    def check_model(self, num_attention_heads: int, num_key_value_heads: int, num_hidden_layers: int,
+                    stages_per_rank: int = 1) -> None:
+        """Tensor parallel splits heads; pipeline parallel needs a decoder layer per stage.
+
+        Raises:
+            ConfigError: heads or KV heads not divisible by tp; fewer layers than pp stages.
+        """
+        if num_attention_heads % self.tp or num_key_value_heads % self.tp:
+            raise ConfigError(f"recipe.tp={self.tp} must divide the model's attention heads ({num_attention_heads}) "
+                              f"and KV heads ({num_key_value_heads})")
+        stages = self.pp * stages_per_rank
+        if num_hidden_layers < stages:
+            raise ConfigError(f"recipe.pp={self.pp} x stages per rank {stages_per_rank} = {stages} pipeline stages "
+                              f"but the model has {num_hidden_layers} decoder layers; lower recipe.pp")
+
+    def check_microbatches(self, accumulation_steps: int) -> None:
+        """A pipeline needs at least one micro-batch per stage per step.
+
+        Raises:
+            ConfigError: gradient accumulation steps (micro-batches per step) < pp.
+        """
+        if self.pp > 1 and accumulation_steps < self.pp:
+            raise ConfigError(f"recipe.pp={self.pp} needs at least {self.pp} micro-batches per step, but "
+                              f"trainer.global_batch_size / (trainer.micro_batch_size x dp={self.dp}) = "
+                              f"{accumulation_steps}; raise the global batch or lower the micro-batch")
