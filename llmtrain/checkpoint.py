@@ -217,6 +217,7 @@ class CheckpointManager:
         problem = verify(path)
         if problem is not None:
             raise ResumeError(f"trainer.resume={resume}: checkpoint {path} is not usable: {problem}")
+        self._verified.add(path)
         log.info("resume=%s: resuming from %s", resume, path)
         return str(path)
 

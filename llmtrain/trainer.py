@@ -134,7 +134,7 @@ def _run_dir(cfg: Any) -> Path:
 
 def _sample_digest(batches: list[dict[str, torch.Tensor]]) -> float:
     """Order-free fingerprint of the samples in ``batches``: sum of CRC32s of their real tokens."""
-    return float(sum(zlib.crc32(row[mask.bool()].cpu().numpy().tobytes())
+    return float(sum(zlib.crc32(row[mask.bool()].numpy().tobytes())
                      for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"])))
 
 
@@ -214,12 +214,14 @@ def train(cfg: Any) -> dict[str, Any]:
 
     for step in range(start_step, t.max_steps):
         started = time.perf_counter()
-        batches = [{k: v.to(env.device) for k, v in next(micro_batches).items()} for _ in range(accumulation)]
+        host_batches = [next(micro_batches) for _ in range(accumulation)]
+        # Fingerprint on the host copies: on an accelerator this avoids a device-to-host sync.
+        local_digest = _sample_digest(host_batches)
+        batches = [{k: v.to(env.device) for k, v in b.items()} for b in host_batches]
         lr = engine.lr()
         loss, tokens = forward_backward(engine, batches)
         grad_norm = engine.step()
-        digest = float(distributed.all_reduce_sum(
-            torch.tensor(_sample_digest(batches), dtype=torch.float64, device=env.device)))
+        digest = float(distributed.all_reduce_sum(torch.tensor(local_digest, dtype=torch.float64, device=env.device)))
         elapsed = time.perf_counter() - started
         done = step + 1
         state.step, state.consumed_samples = done, done * t.global_batch_size
