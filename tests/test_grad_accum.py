@@ -7,9 +7,6 @@ accumulation 4, micro-batch 4 x accumulation 1, and the same split across 2 DDP 
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -77,9 +74,9 @@ def test_accumulation_equals_one_big_batch(micro):
     assert_same(engine_grads(0, 1, micro), reference_grads())
 
 
-def _worker(rank: int, world: int, micro: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, micro: int, rendezvous: str, out: str) -> None:
+    # A file rendezvous: no free-port race with other processes on the machine.
+    torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     grads = engine_grads(rank, world, micro)
     if rank == 0:
         torch.save(grads, out)
@@ -88,9 +85,6 @@ def _worker(rank: int, world: int, micro: int, port: int, out: str) -> None:
 
 @pytest.mark.parametrize("micro", [1, 2])
 def test_two_ranks_equal_one_big_batch(tmp_path, micro):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = str(tmp_path / "grads.pt")
-    mp.spawn(_worker, args=(2, micro, port, out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, micro, str(tmp_path / "rendezvous"), out), nprocs=2, join=True)
     assert_same(torch.load(out), reference_grads())
