@@ -312,9 +312,16 @@ RESUMABLE_CHANGES = ("name", "run_dir", "tracker", "trainer.max_steps", "trainer
                      "trainer.resume", "trainer.preempt_signal", "trainer.export_hf", "trainer.progress_bar")
 
 
+# With the torch engine on both sides, the checkpoint is a Distributed Checkpoint keyed by
+# parameter name, so the parallel layout (the recipe: FSDP2 / TP / PP degrees, ZeRO stage,
+# schedule) may change on resume: DCP reshards.
+LAYOUT_KEYS = ("recipe", "engine")
+
+
 def config_differences(checkpoint_dir: Path, current: dict) -> list[str]:
     """``key: saved -> current`` for every setting that differs from the checkpoint's resolved
-    config, except :data:`RESUMABLE_CHANGES`."""
+    config, except :data:`RESUMABLE_CHANGES` (and :data:`LAYOUT_KEYS` when both the checkpoint
+    and the current run use the torch engine)."""
     import yaml
 
     saved = yaml.safe_load((checkpoint_dir / "config.yaml").read_text()) or {}
@@ -328,7 +335,10 @@ def config_differences(checkpoint_dir: Path, current: dict) -> list[str]:
         return {prefix[:-1]: tree}
 
     old, new = flatten(saved), flatten(current)
-    allowed = lambda key: any(key == a or key.startswith(a + ".") for a in RESUMABLE_CHANGES)  # noqa: E731
+    free = RESUMABLE_CHANGES
+    if old.get("recipe.engine") == new.get("recipe.engine") == "torch":
+        free = free + LAYOUT_KEYS
+    allowed = lambda key: any(key == a or key.startswith(a + ".") for a in free)  # noqa: E731
     return [f"{k}: {old.get(k, '<absent>')} -> {new.get(k, '<absent>')}"
             for k in sorted(set(old) | set(new)) if not allowed(k) and old.get(k) != new.get(k)]
 

@@ -22,6 +22,9 @@ from omegaconf import MISSING, OmegaConf
 from llmtrain.paths import RECIPES_DIR
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
 class ConfigError(ValueError):
     """A configuration value (or combination) that cannot work; the message names field and fix."""
 
@@ -39,6 +42,9 @@ class ModelConfig:
         when ``gguf_package`` is set, ``gguf_file`` inside that installed Python package.
     ``tokenizer``: ``byte`` (a built-in byte-level tokenizer that needs no download) or ``model``
     (the tokenizer stored with the weights) or a path to a tokenizer folder.
+    ``tp_plan``: tensor-parallel plan ``{module path: colwise|rowwise|colwise_gather_output}``
+    (paths relative to the causal LM, ``*`` = any layer index) for families whose transformers
+    config has none; default: the model's own plan.
     """
 
     name: str = MISSING
@@ -49,6 +55,7 @@ class ModelConfig:
     architecture: Dict[str, Any] = field(default_factory=dict)
     tokenizer: str = "model"
     attn_implementation: str = "sdpa"
+    tp_plan: Optional[Dict[str, str]] = None
 
 
 @dataclass
@@ -140,10 +147,22 @@ class TrackerConfig:
 class RecipeConfig:
     """A parallelism recipe: what to shard and how, independent of the model.
 
-    ``engine``: ``torch`` (single process or DDP, chosen by world size) or ``deepspeed``.
-    ``zero_stage``: 0-3 as in Rajbhandari et al., "ZeRO" (SC'20), section 5: 1 partitions
-    optimizer state, 2 also gradients, 3 also parameters. Offload (Ren et al., "ZeRO-Offload",
-    ATC'21) moves optimizer state (stage >= 1) and parameters (stage 3) to CPU memory.
+    ``engine``: ``torch`` (torch-native: DDP, FSDP2, tensor and pipeline parallel) or
+    ``deepspeed``. ``zero_stage``: 0-3 as in Rajbhandari et al., "ZeRO" (SC'20), section 5:
+    1 partitions optimizer state, 2 also gradients, 3 also parameters. On the torch engine
+    stage 0 replicates (DDP), 1 and 2 run FSDP2 keeping parameters gathered between forward and
+    backward (``reshard_after_forward=False``; FSDP2 has no optimizer-only sharding, so stage 1
+    also shards gradients), 3 runs FSDP2 full shard. Offload (Ren et al., "ZeRO-Offload",
+    ATC'21) moves optimizer state (stage >= 1) and parameters (stage 3) to CPU memory; FSDP2
+    offloads both together (``CPUOffloadPolicy``).
+
+    Degrees (torch engine): ``dp_replicate`` x ``dp_shard`` x ``tp`` x ``pp`` = world size, one
+    of them may be -1 (= the rest). Unset data-parallel degrees follow ``zero_stage``: stage 0
+    replicates over every data-parallel rank, stages 1-3 shard over them (HSDP = both set). ``tp`` shards attention heads and MLP columns (Shoeybi et
+    al., "Megatron-LM", 2019, section 3); ``pp`` splits the decoder layers into stages run by
+    ``pp_schedule`` (``gpipe``: Huang et al. 2019; ``1f1b``: Narayanan et al., "PipeDream-Flush",
+    2021; ``interleaved_1f1b``: Narayanan et al., SC'21, section 2.2, with
+    ``pp_stages_per_rank`` > 1 virtual stages per rank).
     """
 
     name: str = "auto"
@@ -154,6 +173,13 @@ class RecipeConfig:
     overlap_comm: bool = False
     reduce_bucket_size: int = 50_000_000
     allgather_bucket_size: int = 50_000_000
+    dp_replicate: Optional[int] = None
+    dp_shard: Optional[int] = None
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = 1
+    compile: bool = False
 
 
 @dataclass
@@ -165,6 +191,8 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    # Overrides recipe.engine: `+recipe=zero3 engine=torch` runs the ZeRO-3 recipe on FSDP2.
+    engine: Optional[str] = None
     name: str = "${model.name}-${data.name}-${recipe.name}"
     run_dir: str = "runs/${name}"
 
@@ -205,6 +233,12 @@ def gradient_accumulation_steps(trainer: TrainerConfig, dp_size: int) -> int:
     return trainer.global_batch_size // per_pass
 
 
+def apply_engine_override(cfg: Any) -> None:
+    """Top-level ``engine=...`` replaces ``recipe.engine`` (one ZeRO recipe, either engine)."""
+    if cfg.get("engine"):
+        cfg.recipe.engine = cfg.engine
+
+
 def validate(cfg: Any, world_size: int) -> None:
     """Check every cross-field rule before anything is built or written.
 
@@ -215,6 +249,7 @@ def validate(cfg: Any, world_size: int) -> None:
     Raises:
         ConfigError: naming the offending fields, their values and the fix.
     """
+    apply_engine_override(cfg)
     m, d, t, r, tr = cfg.model, cfg.data, cfg.trainer, cfg.recipe, cfg.tracker
     _require(m.source in ("config", "pretrained", "gguf"),
              f"model.source={m.source!r} must be one of config, pretrained, gguf")
@@ -274,12 +309,30 @@ def validate(cfg: Any, world_size: int) -> None:
     _require(r.engine in ("torch", "deepspeed"),
              f"recipe.engine={r.engine!r} must be torch or deepspeed")
     _require(r.zero_stage in (0, 1, 2, 3), f"recipe.zero_stage={r.zero_stage} must be 0, 1, 2 or 3")
-    if r.engine == "torch":
-        _require(r.zero_stage == 0 and not (r.offload_optimizer or r.offload_params),
-                 f"recipe.zero_stage={r.zero_stage} / offload need recipe.engine=deepspeed; the "
-                 "torch engine runs plain DDP (FSDP2 recipes are not available yet)")
     _require(not r.offload_optimizer or r.zero_stage >= 1,
              f"recipe.offload_optimizer=true needs recipe.zero_stage>=1 (got {r.zero_stage})")
     _require(not r.offload_params or r.zero_stage == 3,
              f"recipe.offload_params=true needs recipe.zero_stage=3 (got {r.zero_stage})")
-    gradient_accumulation_steps(t, world_size)
+    if r.engine == "deepspeed":
+        layout = {k: r[k] for k in ("dp_replicate", "dp_shard") if r[k] not in (None, -1)}
+        layout.update({k: r[k] for k in ("tp", "pp") if r[k] != 1})
+        _require(not layout and not r.compile, f"{', '.join(f'recipe.{k}={v}' for k, v in layout.items()) or 'recipe.compile'}"
+                 " needs engine=torch (the DeepSpeed engine shards over every rank with ZeRO and has no "
+                 "tensor or pipeline parallelism here)")
+    else:
+        _require(r.offload_params == r.offload_optimizer,
+                 f"recipe.offload_optimizer={r.offload_optimizer}, recipe.offload_params={r.offload_params}: FSDP2 "
+                 "offloads parameters, gradients and optimizer state together; set both, or use engine=deepspeed")
+        _require(not (r.zero_stage == 0 and r.dp_shard not in (None, 1)),
+                 f"recipe.dp_shard={r.dp_shard} shards data-parallel ranks but recipe.zero_stage=0 replicates; "
+                 "use zero_stage 1-3 (FSDP2) or dp_shard=1")
+    _require(r.pp_schedule in PIPELINE_SCHEDULES,
+             f"recipe.pp_schedule={r.pp_schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
+    _require(r.pp_stages_per_rank >= 1, f"recipe.pp_stages_per_rank={r.pp_stages_per_rank} must be >= 1")
+    _require((r.pp_schedule == "interleaved_1f1b") == (r.pp_stages_per_rank > 1),
+             f"recipe.pp_schedule={r.pp_schedule} with recipe.pp_stages_per_rank={r.pp_stages_per_rank}: "
+             "interleaved_1f1b needs pp_stages_per_rank >= 2, gpipe and 1f1b run one stage per rank")
+    from llmtrain.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_recipe(r, world_size)
+    dims.check_microbatches(gradient_accumulation_steps(t, dims.dp), r.pp_stages_per_rank)

@@ -22,9 +22,8 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from llmtrain import distributed
+from llmtrain.loss import IGNORE_INDEX
 from llmtrain.paths import CACHE_DIR
-
-IGNORE_INDEX = -100
 
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task{with_input}. Write a response that "
@@ -302,10 +301,11 @@ def pad_id_of(tokenizer: Any) -> int:
 
 
 def train_loader(splits: Splits, tokenizer: Any, data_cfg: Any, seed: int, micro_batch: int,
-                 accumulation: int, env: distributed.DistEnv, start_step: int, max_steps: int):
-    """A DataLoader over this rank's micro-batches from ``start_step`` to ``max_steps``."""
+                 accumulation: int, dp_rank: int, dp_size: int, start_step: int, max_steps: int):
+    """A DataLoader over data-parallel rank ``dp_rank``'s micro-batches (of ``dp_size``) from
+    ``start_step`` to ``max_steps``. Tensor- and pipeline-parallel peers share a ``dp_rank``."""
     order = GlobalSampleOrder(len(splits.train), seed, data_cfg.shuffle)
-    sampler = StepBatchSampler(order, micro_batch, accumulation, env.rank, env.world_size,
+    sampler = StepBatchSampler(order, micro_batch, accumulation, dp_rank, dp_size,
                                start_step, max_steps)
     # Its own generator: creating the iterator must not draw from the global RNG (dropout), or a
     # resumed run would diverge from an uninterrupted one.
@@ -315,9 +315,10 @@ def train_loader(splits: Splits, tokenizer: Any, data_cfg: Any, seed: int, micro
 
 
 def val_batches(splits: Splits, tokenizer: Any, micro_batch: int, max_samples: int,
-                env: distributed.DistEnv) -> list[dict[str, torch.Tensor]]:
-    """This rank's share (``rank::world``) of the first ``max_samples`` validation samples."""
+                dp_rank: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
+    """Data-parallel rank ``dp_rank``'s share (``dp_rank::dp_size``) of the first
+    ``max_samples`` validation samples."""
     n = min(len(splits.val), max_samples) if max_samples else len(splits.val)
-    mine = list(range(env.rank, n, env.world_size))
+    mine = list(range(dp_rank, n, dp_size))
     collate = Collator(pad_id_of(tokenizer))
     return [collate([splits.val[i] for i in mine[j:j + micro_batch]]) for j in range(0, len(mine), micro_batch)]

@@ -2,8 +2,8 @@
 folder (safetensors + config + tokenizer) that ``AutoModelForCausalLM.from_pretrained`` loads.
 
 Runs in one process without a process group: DeepSpeed ZeRO shards are consolidated from their
-fp32 optimizer partitions (DeepSpeed's ``zero_to_fp32``), torch-engine checkpoints are read
-directly. The model config and tokenizer come from the checkpoint's own ``config.yaml``.
+fp32 optimizer partitions (DeepSpeed's ``zero_to_fp32``), torch-engine checkpoints (Distributed
+Checkpoint, any layout: DDP, FSDP2, TP, PP) are consolidated with DCP's ``dcp_to_torch_save``. The model config and tokenizer come from the checkpoint's own ``config.yaml``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def consolidated_state_dict(checkpoint_dir: Path, engine: str) -> dict[str, torc
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=ENGINE_DIR)
-    return torch.load(engine_dir / "state.pt", map_location="cpu", weights_only=True)["model"]
+    from llmtrain.engine.dcp_state import consolidated_model
+
+    return consolidated_model(engine_dir)
 
 
 def export_checkpoint(checkpoint_dir: Path, out_dir: Path) -> Path:

@@ -160,15 +160,20 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     """
     std = float(getattr(model.config, "initializer_range", 0.02))
     for name, param in model.named_parameters():
+        if param.is_meta:
+            continue  # built on the meta device: the engine initialises its shards later
         with _gathered([param]):
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if name.endswith("bias"):
-                value = torch.zeros(param.shape)
-            elif param.dim() == 1:
-                value = torch.ones(param.shape)
-            else:
-                value = torch.randn(param.shape, generator=gen) * std
-            param.copy_(value.to(param.dtype))
+            param.copy_(initial_value(name, getattr(param, "ds_shape", param.shape), seed, std).to(param.dtype))
+
+
+def initial_value(name: str, shape: torch.Size, seed: int, std: float) -> torch.Tensor:
+    """The full fp32 initial tensor of parameter ``name`` (see :func:`init_weights`)."""
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1:
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen) * std
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -1,15 +1,20 @@
-"""Parallel degrees for the torch-native engine (issue 4, first piece; not wired into recipes yet).
+"""Parallel degrees and the device mesh of the torch-native engine.
 
 One object derives and validates the data-parallel (replicate × shard), tensor-parallel and
 pipeline-parallel degrees before any model is built, in the spirit of torchtitan's
-``ParallelDims``: every failure names the fields, their values and the fix.
+``ParallelDims``: every failure names the fields, their values and the fix. It also builds the
+``DeviceMesh`` (dims ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``, outermost first, so a
+tensor-parallel group is made of neighbouring ranks, i.e. one node where possible).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from llmtrain.config import ConfigError
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,22 @@ class ParallelDims:
         return cls(degrees["recipe.dp_replicate"], degrees["recipe.dp_shard"], degrees["recipe.tp"],
                    degrees["recipe.pp"], world_size)
 
+    @classmethod
+    def from_recipe(cls, recipe: Any, world_size: int) -> "ParallelDims":
+        """Degrees of ``recipe`` on ``world_size`` ranks. Unset data-parallel degrees follow the
+        ZeRO stage: stage 0 replicates, stages 1-3 shard; the DeepSpeed engine shards (or, at
+        stage 0, replicates) over every rank.
+
+        Raises:
+            ConfigError: see :meth:`resolve`.
+        """
+        replicate, shard = recipe.dp_replicate, recipe.dp_shard
+        if shard is None:
+            shard = -1 if recipe.zero_stage > 0 and -1 not in (replicate, recipe.tp, recipe.pp) else 1
+        if replicate is None:
+            replicate = -1 if -1 not in (shard, recipe.tp, recipe.pp) else 1
+        return cls.resolve(replicate, shard, recipe.tp, recipe.pp, world_size)
+
     @property
     def dp(self) -> int:
         """Data-parallel size: ranks that see different samples (replicate × shard)."""
@@ -74,13 +95,35 @@ class ParallelDims:
             raise ConfigError(f"recipe.pp={self.pp} x stages per rank {stages_per_rank} = {stages} pipeline stages "
                               f"but the model has {num_hidden_layers} decoder layers; lower recipe.pp")
 
-    def check_microbatches(self, accumulation_steps: int) -> None:
-        """A pipeline needs at least one micro-batch per stage per step.
+    def check_microbatches(self, accumulation_steps: int, stages_per_rank: int = 1) -> None:
+        """A pipeline needs at least one micro-batch per stage per step; the interleaved
+        schedule runs micro-batches in rounds of ``pp``, so their number must be a multiple of
+        ``accumulation_steps // pp`` (torch.distributed.pipelining's rule).
 
         Raises:
-            ConfigError: gradient accumulation steps (micro-batches per step) < pp.
+            ConfigError: gradient accumulation steps (micro-batches per step) < pp, or not a
+                multiple of the interleaved schedule's rounds.
         """
-        if self.pp > 1 and accumulation_steps < self.pp:
+        if self.pp == 1:
+            return
+        derived = (f"trainer.global_batch_size / (trainer.micro_batch_size x dp={self.dp}) = "
+                   f"{accumulation_steps} micro-batches per step")
+        if accumulation_steps < self.pp:
             raise ConfigError(f"recipe.pp={self.pp} needs at least {self.pp} micro-batches per step, but "
-                              f"trainer.global_batch_size / (trainer.micro_batch_size x dp={self.dp}) = "
-                              f"{accumulation_steps}; raise the global batch or lower the micro-batch")
+                              f"{derived}; raise the global batch or lower the micro-batch")
+        rounds = max(1, accumulation_steps // self.pp)
+        if stages_per_rank > 1 and accumulation_steps % rounds:
+            raise ConfigError(f"recipe.pp_schedule=interleaved_1f1b with recipe.pp={self.pp}: {derived}, which "
+                              f"is not a multiple of {rounds} rounds; use a multiple of recipe.pp micro-batches")
+
+    @property
+    def data_replicas(self) -> int:
+        """Ranks that see the same samples (one data-parallel rank's tp x pp group)."""
+        return self.tp * self.pp
+
+    def build_mesh(self, device_type: str):
+        """The ``DeviceMesh`` over all ranks with dims :data:`MESH_DIMS` (sizes may be 1)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=MESH_DIMS)

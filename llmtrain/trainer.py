@@ -19,52 +19,39 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from llmtrain import checkpoint, data, distributed
 from llmtrain.config import ConfigError, gradient_accumulation_steps, validate
 from llmtrain.engine import build_engine
-from llmtrain.models import build_model, build_tokenizer, count_parameters, model_config
+from llmtrain.loss import count_target_tokens, token_cross_entropy_sum  # noqa: F401  (public here too)
+from llmtrain.parallel_dims import ParallelDims
+from llmtrain.models import build_model, build_tokenizer, model_config
 from llmtrain.preemption import Preemption
 from llmtrain.tracking import Tracker
 
 log = logging.getLogger("llmtrain")
 
 
-def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy (fp32 scalar) of ``logits`` ``[B, T, V]`` against
-    ``labels`` ``[B, T]`` shifted by one; labels of -100 are ignored."""
-    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                           ignore_index=data.IGNORE_INDEX, reduction="sum")
-
-
-def count_target_tokens(labels: torch.Tensor) -> int:
-    """Tokens that carry a loss in ``labels`` ``[B, T]`` after the one-token shift."""
-    return int((labels[:, 1:] != data.IGNORE_INDEX).sum())
-
-
 def forward_backward(engine, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
     """Accumulate the gradient of one optimizer step over this rank's micro-batches.
 
     Each micro-batch's summed cross-entropy is divided by the target-token count of the whole
-    global batch (all micro-batches, all ranks; one all-reduce), so the accumulated gradient is
-    that of the global batch's mean token loss, independent of how it is split.
+    global batch (all micro-batches, all data-parallel ranks; one all-reduce), so the accumulated
+    gradient is that of the global batch's mean token loss, independent of how it is split.
+    Tensor/pipeline-parallel peers hold the same samples, so world sums are divided by
+    ``dims.data_replicas``.
 
     Returns:
         (global mean token loss, tokens in the global batch including prompt tokens).
     """
+    replicas = engine.dims.data_replicas
     counts = torch.tensor([sum(count_target_tokens(b["labels"]) for b in batches),
                            sum(int(b["attention_mask"].sum()) for b in batches)],
                           dtype=torch.float64, device=batches[0]["input_ids"].device)
-    targets, tokens = distributed.all_reduce_sum(counts).tolist()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=counts.device)
-    for k, batch in enumerate(batches):
-        with engine.accumulate(is_last_micro_batch=k == len(batches) - 1):
-            ce = token_cross_entropy_sum(engine.forward(batch), batch["labels"])
-            engine.backward(ce / targets)
-        loss_sum += ce.detach().double()
-    return float(distributed.all_reduce_sum(loss_sum)) / targets, int(tokens)
+    targets, tokens = (distributed.all_reduce_sum(counts) / replicas).tolist()
+    loss_sum = engine.forward_backward(batches, targets)
+    return float(distributed.all_reduce_sum(loss_sum)) / replicas / targets, int(tokens)
 
 
 def seed_everything(seed: int) -> None:
@@ -90,15 +77,17 @@ def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, flo
     same number of forward passes (ZeRO-3 gathers parameters collectively in each one).
     """
     engine.train(False)
+    replicas = engine.dims.data_replicas
     most = distributed.all_reduce_max(torch.tensor(len(batches), device=device))
     no_targets = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 2, dtype=torch.long),
                   "labels": torch.full((1, 2), data.IGNORE_INDEX, dtype=torch.long)}
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in list(batches) + [no_targets] * (int(most) - len(batches)):
         batch = {k: v.to(device) for k, v in batch.items()}
-        totals[0] += token_cross_entropy_sum(engine.forward(batch), batch["labels"]).double()
+        totals[0] += engine.eval_loss_sum(batch)
         totals[1] += count_target_tokens(batch["labels"])
     distributed.all_reduce_sum(totals)
+    totals /= replicas
     engine.train(True)
     loss = float(totals[0] / totals[1].clamp(min=1))
     return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}
@@ -148,10 +137,11 @@ def train(cfg: Any) -> dict[str, Any]:
         ConfigError, data.DataError, models.ModelSourceError, distributed.LaunchError,
             checkpoint.ResumeError: bad input, raised before anything is written.
     """
-    env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
+    env = distributed.init_distributed(need_group=(cfg.get("engine") or cfg.recipe.engine) == "deepspeed")
     validate(cfg, env.world_size)
     t = cfg.trainer
-    accumulation = gradient_accumulation_steps(t, env.world_size)
+    dims = ParallelDims.from_recipe(cfg.recipe, env.world_size)
+    accumulation = gradient_accumulation_steps(t, dims.dp)
     seed_everything(t.seed)
     run_dir = _run_dir(cfg)
     tokenizer = build_tokenizer(cfg.model)
@@ -160,11 +150,13 @@ def train(cfg: Any) -> dict[str, Any]:
     resume_from = checkpoints.resolve(t.resume)
     if resume_from is not None:
         _check_resumable(resume_from, cfg, checkpoints)
-    vocab_size = model_config(cfg.model).vocab_size
-    if len(tokenizer) > vocab_size:
-        raise ConfigError(f"model.architecture.vocab_size={vocab_size} is smaller than the tokenizer's "
+    hf_config = model_config(cfg.model)
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ConfigError(f"model.architecture.vocab_size={hf_config.vocab_size} is smaller than the tokenizer's "
                           f"{len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")
-    engine = build_engine(cfg, env, accumulation)
+    dims.check_model(hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
+                     or hf_config.num_attention_heads, hf_config.num_hidden_layers, cfg.recipe.pp_stages_per_rank)
+    engine = build_engine(cfg, env, accumulation, dims)
     with engine.model_init_context():
         model = build_model(cfg.model, t.seed)
     if resume_from is not None:
@@ -183,17 +175,20 @@ def train(cfg: Any) -> dict[str, Any]:
         (run_dir / "config.yaml").write_text(config_yaml)
     tracker = Tracker(cfg.tracker, run_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), env.is_main,
                       resume_step=state.step if resume_from else None, run_id=state.tracker_run_id)
+    num_parameters = engine.num_parameters()  # collective on some engines
     if env.is_main:
         log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; recipe %s "
-                 "(engine %s, ZeRO %d) on %d rank(s); global batch %d = micro %d x accumulation %d x dp %d",
-                 cfg.model.name, count_parameters(engine.model) / 1e6, cfg.data.name, len(splits.train),
+                 "(engine %s, ZeRO %d) on %d rank(s) = dp %d (replicate %d x shard %d) x tp %d x pp %d; "
+                 "global batch %d = micro %d x accumulation %d x dp %d",
+                 cfg.model.name, num_parameters / 1e6, cfg.data.name, len(splits.train),
                  len(splits.val), cfg.recipe.name, cfg.recipe.engine, cfg.recipe.zero_stage, env.world_size,
-                 t.global_batch_size, t.micro_batch_size, accumulation, env.world_size)
+                 dims.dp, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp,
+                 t.global_batch_size, t.micro_batch_size, accumulation, dims.dp)
 
     loader, _ = data.train_loader(splits, tokenizer, cfg.data, t.seed, t.micro_batch_size, accumulation,
-                                  env, start_step=start_step, max_steps=t.max_steps)
+                                  engine.dp_rank, dims.dp, start_step=start_step, max_steps=t.max_steps)
     micro_batches = iter(loader)
-    val_batches = data.val_batches(splits, tokenizer, t.micro_batch_size, t.eval_samples, env)
+    val_batches = data.val_batches(splits, tokenizer, t.micro_batch_size, t.eval_samples, engine.dp_rank, dims.dp)
     summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(run_dir), "start_step": start_step}
     if resume_from is None:
         summary["initial_val"] = evaluate(engine, val_batches, env.device)
@@ -221,7 +216,8 @@ def train(cfg: Any) -> dict[str, Any]:
         lr = engine.lr()
         loss, tokens = forward_backward(engine, batches)
         grad_norm = engine.step()
-        digest = float(distributed.all_reduce_sum(torch.tensor(local_digest, dtype=torch.float64, device=env.device)))
+        digest = float(distributed.all_reduce_sum(torch.tensor(local_digest, dtype=torch.float64, device=env.device))
+                       / dims.data_replicas)
         elapsed = time.perf_counter() - started
         done = step + 1
         state.step, state.consumed_samples = done, done * t.global_batch_size

@@ -28,7 +28,6 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from llmtrain import data  # noqa: E402
 from llmtrain.config import gradient_accumulation_steps, register_configs  # noqa: E402
-from llmtrain.distributed import DistEnv  # noqa: E402
 from llmtrain.engine import lr_lambda, param_groups  # noqa: E402
 from llmtrain.models import build_model, build_tokenizer  # noqa: E402
 from llmtrain.paths import CONF_DIR  # noqa: E402
@@ -45,8 +44,7 @@ def plain_loop(cfg, warmup: int) -> float:
     optimizer = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t))
     accumulation = gradient_accumulation_steps(t, 1)
-    env = DistEnv(0, 1, 0, torch.device("cpu"), "gloo")
-    loader, _ = data.train_loader(splits, tokenizer, cfg.data, t.seed, t.micro_batch_size, accumulation, env, 0, t.max_steps)
+    loader, _ = data.train_loader(splits, tokenizer, cfg.data, t.seed, t.micro_batch_size, accumulation, 0, 1, 0, t.max_steps)
     batches = iter(loader)
     tokens, seconds = 0, 0.0
     for step in range(t.max_steps):

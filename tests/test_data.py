@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from llmtrain import data
-from llmtrain.distributed import DistEnv
 from llmtrain.models import byte_tokenizer
 
 
@@ -136,8 +135,7 @@ def test_val_batches_are_sharded_across_ranks(tmp_path):
     splits = data.Splits(train=None, val=val)
     seen = []
     for rank in range(2):
-        env = DistEnv(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-        for b in data.val_batches(splits, tok, micro_batch=2, max_samples=6, env=env):
+        for b in data.val_batches(splits, tok, micro_batch=2, max_samples=6, dp_rank=rank, dp_size=2):
             seen += b["input_ids"][:, 0].tolist()
     assert sorted(seen) == list(range(6))
 

@@ -1,12 +1,16 @@
 """The engine boundary: everything the training loop asks of a parallelism backend.
 
-The loop only calls :class:`Engine` methods, so a new backend (FSDP2, tensor or pipeline
-parallel) is a new subclass plus a branch in :func:`build_engine`; the loop does not change.
+The loop only calls :class:`Engine` methods, so a backend is a subclass plus a branch in
+:func:`build_engine`; the loop does not change. Engines: ``TorchEngine`` (one process or DDP),
+``NativeEngine`` (FSDP2 / tensor / pipeline parallel over a device mesh), ``DeepSpeedEngine``.
 
-Loss contract: the loop passes :meth:`Engine.backward` a micro-batch loss already divided by the
-number of target tokens of the whole global batch (all micro-batches, all ranks). The engine
-must make the accumulated gradient equal the gradient of that sum, undoing whatever averaging
-over data-parallel ranks or accumulation steps its backend applies.
+Loss contract: :meth:`Engine.forward_backward` gets one rank's micro-batches of a step and the
+number of target tokens of the whole global batch (all micro-batches, all data-parallel ranks).
+Each micro-batch's summed cross-entropy is divided by that number, so the accumulated gradient
+is that of the global batch's mean token loss; the engine undoes whatever averaging over
+data-parallel ranks or accumulation steps its backend applies. Ranks of one data-parallel
+group (its tensor- and pipeline-parallel peers, ``dims.data_replicas`` of them) see the same
+samples and report the same loss.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any, Callable
 import torch
 
 from llmtrain.distributed import DistEnv
+from llmtrain.loss import token_cross_entropy_sum
+from llmtrain.parallel_dims import ParallelDims
 
 
 def lr_lambda(trainer_cfg: Any) -> Callable[[int], float]:
@@ -67,8 +73,38 @@ class Engine(ABC):
     → per optimizer step: ``accumulate``/``forward``/``backward`` per micro-batch, then ``step()``.
     """
 
-    def __init__(self, cfg: Any, env: DistEnv, accumulation_steps: int):
+    def __init__(self, cfg: Any, env: DistEnv, accumulation_steps: int, dims: ParallelDims | None = None):
         self.cfg, self.env, self.accumulation_steps = cfg, env, accumulation_steps
+        self.dims = dims or ParallelDims(env.world_size, 1, 1, 1, env.world_size)
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the ``dims.dp`` data-parallel ranks (which samples it reads)."""
+        return self.env.rank
+
+    def forward_backward(self, batches: list[dict[str, torch.Tensor]], global_targets: float) -> torch.Tensor:
+        """Accumulate the gradient of one optimizer step over this rank's micro-batches.
+
+        Args:
+            batches: micro-batches (``input_ids``, ``labels``, ``attention_mask``, each
+                ``[micro_batch, seq]``) on the engine's device.
+            global_targets: target tokens of the whole global batch (the loss normaliser).
+
+        Returns:
+            float64 scalar: summed token cross-entropy of ``batches`` (not normalised).
+        """
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        for k, batch in enumerate(batches):
+            with self.accumulate(is_last_micro_batch=k == len(batches) - 1):
+                ce = token_cross_entropy_sum(self.forward(batch), batch["labels"])
+                self.backward(ce / global_targets)
+            loss_sum += ce.detach().double()
+        return loss_sum
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed token cross-entropy (float64 scalar) of one batch, without gradients."""
+        return token_cross_entropy_sum(self.forward(batch), batch["labels"]).double()
 
     def model_init_context(self):
         """Context in which the model is built (ZeRO-3 partitions parameters as they appear)."""
@@ -125,17 +161,29 @@ class Engine(ABC):
             ResumeError: the state cannot be resharded to this world size.
         """
 
+    def num_parameters(self) -> int:
+        """Distinct parameters of the whole model (tied counted once), whatever the sharding.
+        Collective call."""
+        from llmtrain.models import count_parameters
+
+        return count_parameters(self.model)
+
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Consolidated model state dict on rank 0 (None on other ranks). Collective call."""
 
 
-def build_engine(cfg: Any, env: DistEnv, accumulation_steps: int) -> Engine:
-    """The engine named by ``recipe.engine``."""
+def build_engine(cfg: Any, env: DistEnv, accumulation_steps: int, dims: ParallelDims) -> Engine:
+    """The engine for ``recipe.engine`` and the layout: DeepSpeed; plain torch for one process or
+    pure replication (DDP); the torch-native mesh engine for any sharding, tp or pp."""
     if cfg.recipe.engine == "deepspeed":
         from llmtrain.engine.deepspeed_engine import DeepSpeedEngine
 
-        return DeepSpeedEngine(cfg, env, accumulation_steps)
-    from llmtrain.engine.torch_engine import TorchEngine
+        return DeepSpeedEngine(cfg, env, accumulation_steps, dims)
+    if env.world_size == 1 or dims.dp_replicate == env.world_size:
+        from llmtrain.engine.torch_engine import TorchEngine
 
-    return TorchEngine(cfg, env, accumulation_steps)
+        return TorchEngine(cfg, env, accumulation_steps, dims)
+    from llmtrain.engine.native import NativeEngine
+
+    return NativeEngine(cfg, env, accumulation_steps, dims)

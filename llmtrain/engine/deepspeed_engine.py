@@ -55,8 +55,8 @@ class DeepSpeedEngine(Engine):
     (by default) divides by the accumulation steps; backward passes ``scale_wrt_gas=False`` and
     scales by the world size so the accumulated gradient is that of the global-batch sum."""
 
-    def __init__(self, cfg: Any, env, accumulation_steps: int):
-        super().__init__(cfg, env, accumulation_steps)
+    def __init__(self, cfg: Any, env, accumulation_steps: int, dims=None):
+        super().__init__(cfg, env, accumulation_steps, dims)
         self.ds_config = deepspeed_config(cfg, env.world_size, accumulation_steps)
         self._hf_ds_config = None
         import deepspeed

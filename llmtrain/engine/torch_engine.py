@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.engine import Engine, apply_schedule, lr_lambda, param_groups
+from llmtrain.engine import Engine, apply_schedule, dcp_state, lr_lambda, param_groups
 
 
 class TorchEngine(Engine):
@@ -58,17 +58,12 @@ class TorchEngine(Engine):
         return self.optimizer.param_groups[0]["lr"]
 
     def save_checkpoint(self, directory: Path) -> None:
-        # Replicated state: rank 0 writes it once; any world size can load it.
-        if self.env.is_main:
-            directory.mkdir(parents=True, exist_ok=True)
-            torch.save({"model": self._model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                        "scheduler": self.scheduler.state_dict()}, directory / "state.pt")
+        # Distributed Checkpoint keyed by parameter name: DCP writes replicated tensors once,
+        # and any torch layout (FSDP2, TP, PP, another world size) can load them.
+        dcp_state.save(directory, [self._model], [self.optimizer], self.scheduler, self.env.is_main)
 
     def load_checkpoint(self, directory: Path, saved_world_size: int) -> None:
-        state = torch.load(directory / "state.pt", map_location=self.env.device, weights_only=True)
-        self._model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        dcp_state.load(directory, [self._model], [self.optimizer], [self.scheduler])
         apply_schedule(self.optimizer, self.scheduler)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

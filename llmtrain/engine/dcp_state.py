@@ -1,0 +1,78 @@
+"""Model and optimizer state through torch Distributed Checkpoint (DCP), for every torch engine.
+
+State is keyed by the model's own parameter names (``model.layers.3.mlp.up_proj.weight``) and
+the optimizer state is flattened per parameter (``state.<name>.exp_avg``,
+``param_groups.<name>.lr``), so nothing depends on the layout that wrote it: DCP reshards on
+load between one process, DDP, FSDP2 shards, tensor-parallel DTensors and pipeline stages
+(each stage loads only the names it holds). Written files (``__<rank>_0.distcp``, ``.metadata``,
+``scheduler.pt``) sit in the checkpoint's engine folder, covered by its completion marker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+METADATA = ".metadata"
+
+
+def is_dcp_checkpoint(directory: Path) -> bool:
+    return (directory / METADATA).is_file()
+
+
+def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
+    model: dict = {}
+    optim: dict = {}
+    for part, opt in zip(parts, optimizers):
+        model.update(get_model_state_dict(part, options=OPTIONS))
+        optim.update(get_optimizer_state_dict(part, opt, options=OPTIONS))
+    return {"model": model, "optimizer": optim}
+
+
+def save(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], scheduler,
+         is_main: bool) -> None:
+    """Write model parts, their optimizers and the LR scheduler into ``directory``. Collective."""
+    directory.mkdir(parents=True, exist_ok=True)
+    dcp.save(_state(parts, optimizers), checkpoint_id=str(directory))
+    if is_main:
+        torch.save(scheduler.state_dict(), directory / "scheduler.pt")
+
+
+def load(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], schedulers) -> None:
+    """Load what :func:`save` wrote, by any layout, into this layout. Collective.
+
+    Raises:
+        ResumeError: the checkpoint lacks tensors this model needs or their shapes differ.
+    """
+    from llmtrain.checkpoint import ResumeError
+
+    state = _state(parts, optimizers)
+    try:
+        dcp.load(state, checkpoint_id=str(directory))
+    except Exception as err:  # DCP raises CheckpointException wrapping per-rank errors
+        raise ResumeError(f"checkpoint {directory.parent} does not fit this model/optimizer: {err}") from err
+    for part, opt in zip(parts, optimizers):
+        own = get_model_state_dict(part, options=OPTIONS).keys()
+        set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in own}, options=OPTIONS)
+        set_optimizer_state_dict(part, opt, optim_state_dict=state["optimizer"], options=OPTIONS)
+    saved = torch.load(directory / "scheduler.pt", weights_only=True)
+    for scheduler in schedulers:
+        scheduler.load_state_dict(saved)
+
+
+def consolidated_model(directory: Path) -> dict[str, torch.Tensor]:
+    """The full model state dict from a DCP engine folder, in one process (export, tests)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(directory), f"{tmp}/full.pt")
+        return torch.load(f"{tmp}/full.pt", weights_only=True)["model"]

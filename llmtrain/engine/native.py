@@ -1,0 +1,320 @@
+"""Torch-native engine: FSDP2 (full or hybrid shard), tensor parallel and pipeline parallel over
+one device mesh, for any Hugging Face decoder.
+
+Set-up order (one owner per concern): ``ParallelDims`` → mesh → (pipeline split) → per model
+part ``llmtrain.parallelize.parallelize`` (TP → activation checkpointing → compile → FSDP2) →
+materialise and initialise the shards → optimizer and LR schedule. Models built from a config
+are created on the meta device, so no rank ever holds the whole model; pretrained weights are
+read on every rank and then sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmtrain.engine import Engine, apply_schedule, lr_lambda, param_groups
+from llmtrain.engine import dcp_state
+from llmtrain.loss import token_cross_entropy_sum
+from llmtrain.models import initial_value
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+class NativeEngine(Engine):
+    """FSDP2 / HSDP / TP / PP and their combinations on the mesh ``pp x dp_replicate x
+    dp_shard x tp``. Gradients follow the loss contract: FSDP2 averages over the data-parallel
+    ranks, so non-pipeline losses are scaled by ``dp``; pipeline schedules run with
+    ``scale_grads=False`` and the same scaling in their loss function."""
+
+    def __init__(self, cfg: Any, env, accumulation_steps: int, dims):
+        super().__init__(cfg, env, accumulation_steps, dims)
+        self.mesh = dims.build_mesh(env.device.type)
+        self.pp_rank = self.mesh.get_local_rank("pp")
+        self.tp_rank = self.mesh.get_local_rank("tp")
+        self._dp_rank = (self.mesh.get_local_rank("dp_replicate") * dims.dp_shard
+                         + self.mesh.get_local_rank("dp_shard"))
+        self.from_config = cfg.model.source == "config"
+        t = cfg.trainer
+        self.autocast_dtype = torch.bfloat16 if t.precision == "bf16" else None
+
+    @property
+    def dp_rank(self) -> int:
+        return self._dp_rank
+
+    def model_init_context(self):
+        if self.from_config:
+            # Parameters on the meta device (no memory); buffers (rotary frequencies) are real.
+            from accelerate import init_empty_weights
+
+            return init_empty_weights(include_buffers=False)
+        return contextlib.nullcontext()
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def setup(self, model: nn.Module) -> None:
+        from llmtrain.parallelize import parallelize, tp_plan
+
+        cfg, r, t = self.cfg, self.cfg.recipe, self.cfg.trainer
+        self.hf_config = model.config
+        if getattr(model.config, "tie_word_embeddings", False):
+            model.tie_weights()  # accelerate's meta-device init builds the two as separate tensors
+            if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+                raise RuntimeError("tie_word_embeddings=True but the output head is not tied after tie_weights()")
+        plan = tp_plan(model, cfg.model.get("tp_plan")) if self.dims.tp > 1 else None
+        if self.dims.pp > 1:
+            from llmtrain.pipeline import split_stages
+
+            self.stage_ids, self.parts = zip(*split_stages(model, self.dims.pp, self.pp_rank, r.pp_stages_per_rank))
+            self.stage_ids, self.parts = list(self.stage_ids), list(self.parts)
+        else:
+            self.stage_ids, self.parts = [0], [model]
+        buffers = [{n: b.detach().clone() for n, b in part.named_buffers()} for part in self.parts]
+        for part in self.parts:
+            parallelize(part, cfg, self.mesh, self.dims, plan)
+        for part, saved in zip(self.parts, buffers):
+            self._materialize(part, saved)
+        self.optimizers, self.schedulers = [], []
+        foreach = False if self.dims.tp > 1 else None  # TP mixes DTensor and plain params
+        for part in self.parts:
+            opt = torch.optim.AdamW(param_groups(part, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
+                                    eps=t.eps, foreach=foreach)
+            self.optimizers.append(opt)
+            self.schedulers.append(torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t)))
+        if self.dims.pp > 1:
+            self._setup_pipeline()
+
+    @torch.no_grad()
+    def _materialize(self, part: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+        """Allocate this rank's shards and fill them: from the seed per parameter name (config
+        models: each rank computes a full tensor at a time and keeps its shard) or from the
+        pretrained weights already in place."""
+        if not any(p.is_meta for p in part.parameters()):
+            part.to(self.env.device)
+            return
+        from torch.distributed.tensor import distribute_tensor
+
+        part.to_empty(device=self.env.device)
+        self._retie(part)
+        std = float(getattr(self.hf_config, "initializer_range", 0.02))
+        for name, param in part.named_parameters():
+            full = initial_value(name, param.shape, self.cfg.trainer.seed, std).to(param.dtype)
+            if _is_dtensor(param):
+                param._local_tensor.copy_(distribute_tensor(full, param.device_mesh, param.placements)._local_tensor)
+            else:
+                param.copy_(full)
+        for name, buf in part.named_buffers():
+            if name in buffers:
+                buf.copy_(buffers[name])
+
+    def _retie(self, part: nn.Module) -> None:
+        """``to_empty`` gives each module its own new tensor, splitting tied embeddings."""
+        if not getattr(self.hf_config, "tie_word_embeddings", False) or not hasattr(part, "lm_head"):
+            return
+        from llmtrain.pipeline import base_model
+
+        embed = getattr(base_model(part), "embed_tokens", None)
+        if embed is not None and part.lm_head.weight is not embed.weight:
+            part.lm_head.weight = embed.weight
+
+    def _setup_pipeline(self) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        from llmtrain.pipeline import TiedWeightSync, build_schedule
+
+        r = self.cfg.recipe
+        self.pp_group = self.mesh["pp"].get_group()
+        self.num_stages = self.dims.pp * r.pp_stages_per_rank
+        self.stages = [PipelineStage(part, s, self.num_stages, self.env.device, group=self.pp_group)
+                       for s, part in zip(self.stage_ids, self.parts)]
+        self.has_first = 0 in self.stage_ids
+        self.has_last = self.num_stages - 1 in self.stage_ids
+        self._normaliser = 1.0
+        self.schedule = build_schedule(r.pp_schedule, self.stages, self.accumulation_steps, self._pipeline_loss)
+        tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        self.tied_sync = TiedWeightSync(self.mesh, self.parts) if tied else None
+        ranks = dist.get_process_group_ranks(self.pp_group)
+        self._last_stage_rank = ranks[(self.num_stages - 1) % self.dims.pp]
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return token_cross_entropy_sum(logits, labels) / self._normaliser * self.dims.dp
+
+    @property
+    def model(self) -> nn.Module:
+        return self.parts[0]
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    def _autocast(self):
+        return torch.autocast(self.env.device.type, dtype=self.autocast_dtype or torch.float32,
+                              enabled=self.autocast_dtype is not None)
+
+    # ---- one step -------------------------------------------------------------------------
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with self._autocast():
+            return self.parts[0](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.dims.dp).backward()  # FSDP2 averages gradients over the dp ranks
+
+    def accumulate(self, is_last_micro_batch: bool):
+        model = self.parts[0]
+        if hasattr(model, "set_requires_gradient_sync"):
+            # Reduce-scatter once per step, not per micro-batch.
+            model.set_requires_gradient_sync(is_last_micro_batch)
+        return contextlib.nullcontext()
+
+    def forward_backward(self, batches: list[dict[str, torch.Tensor]], global_targets: float) -> torch.Tensor:
+        if self.dims.pp == 1:
+            return super().forward_backward(batches, global_targets)
+        input_ids, labels = self._pipeline_batch(batches)
+        self._normaliser = global_targets
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+            self.schedule.step(*([input_ids] if self.has_first else []), **kwargs)
+        total = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        if self.has_last:
+            # losses hold CE / normaliser * dp per micro-batch; undo to the plain summed CE.
+            total += sum(loss.detach().double() for loss in losses) * global_targets / self.dims.dp
+        dist.broadcast(total, src=self._last_stage_rank, group=self.pp_group)
+        return total
+
+    def _pipeline_batch(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Concatenate micro-batches, right-padded to ``data.seq_len``: pipeline stages
+        exchange fixed-shape activations (shapes are inferred once, at the first step)."""
+        seq, pad = self.cfg.data.seq_len, self._pad_id(batches)
+        ids, labels = [], []
+        for b in batches:
+            extra = seq - b["input_ids"].shape[1]
+            ids.append(torch.nn.functional.pad(b["input_ids"], (0, extra), value=pad))
+            labels.append(torch.nn.functional.pad(b["labels"], (0, extra), value=-100))
+        return torch.cat(ids), torch.cat(labels)
+
+    @staticmethod
+    def _pad_id(batches) -> int:
+        ids, mask = batches[0]["input_ids"], batches[0]["attention_mask"]
+        padded = ids[mask == 0]
+        return int(padded[0]) if padded.numel() else 0
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.dims.pp == 1:
+            with self._autocast():
+                return super().eval_loss_sum(batch)
+        from llmtrain.pipeline import forward_only
+
+        total = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        with self._autocast():
+            logits = forward_only(dict(zip(self.stage_ids, self.parts)), self.num_stages, self.pp_group,
+                                  batch["input_ids"], self.hf_config.hidden_size)
+        if logits is not None:
+            total += token_cross_entropy_sum(logits, batch["labels"]).double()
+        dist.broadcast(total, src=self._last_stage_rank, group=self.pp_group)
+        return total
+
+    def step(self) -> float:
+        if self.dims.pp > 1 and self.tied_sync is not None:
+            self.tied_sync.sync()
+        norm = self._grad_norm()
+        clip = self.cfg.trainer.grad_clip
+        if clip > 0:
+            # Same coefficient as torch.nn.utils.clip_grad_norm_.
+            coef = min(1.0, clip / (norm + 1e-6))
+            if coef < 1.0:
+                for part in self.parts:
+                    for p in part.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        return norm
+
+    def _grad_norm(self) -> float:
+        """Global L2 norm of all gradients: squares summed over local shards, then over the mesh
+        dims each gradient is sharded on, then over pipeline stages (tied copy counted once)."""
+        by_groups: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64,
+                                                                                device=self.env.device))
+        for part in self.parts:
+            skip = None
+            if getattr(part, "holds_tied_weight", False) and not getattr(part, "counts_tied_weight", False):
+                from llmtrain.pipeline import base_model
+
+                skip = base_model(part).embed_tokens.weight
+            for p in part.parameters():
+                if p.grad is None or p is skip:
+                    continue
+                g = p.grad
+                if _is_dtensor(g):
+                    # Shard and FSDP2's _StridedShard (2D) both split the tensor: sum over them.
+                    groups = tuple(g.device_mesh.get_group(i) for i, pl in enumerate(g.placements)
+                                   if not pl.is_replicate())
+                    g = g._local_tensor
+                else:
+                    groups = ()
+                by_groups[groups] += g.double().pow(2).sum()
+        total = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        for groups, value in sorted(by_groups.items(), key=lambda kv: len(kv[0])):
+            for group in groups:
+                dist.all_reduce(value, group=group)
+            total += value
+        if self.dims.pp > 1:
+            dist.all_reduce(total, group=self.pp_group)
+        return float(total.sqrt())
+
+    def lr(self) -> float:
+        return self.optimizers[0].param_groups[0]["lr"]
+
+    # ---- checkpoints and export -----------------------------------------------------------
+    def save_checkpoint(self, directory: Path) -> None:
+        dcp_state.save(directory, self.parts, self.optimizers, self.schedulers[0], self.env.is_main)
+
+    def load_checkpoint(self, directory: Path, saved_world_size: int) -> None:
+        dcp_state.load(directory, self.parts, self.optimizers, self.schedulers)
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            apply_schedule(opt, sched)
+
+    def num_parameters(self) -> int:
+        seen: dict[str, int] = {}
+        for part in self.parts:
+            for name, p in part.named_parameters():
+                seen[name] = p.numel()  # DTensor numel is the global size
+        counts = [None] * self.env.world_size
+        dist.all_gather_object(counts, seen)
+        merged: dict[str, int] = {}
+        for c in counts:
+            merged.update(c)
+        return sum(merged.values())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True)
+        mine: dict[str, torch.Tensor] = {}
+        for part in self.parts:
+            for k, v in get_model_state_dict(part, options=options).items():
+                mine[k] = v.detach().cpu()
+        # One rank per pipeline stage group (dp and tp rank 0) contributes its stages' tensors.
+        contribute = self._dp_rank == 0 and self.tp_rank == 0
+        gathered = [None] * self.env.world_size if self.env.is_main else None
+        dist.gather_object(mine if contribute else None, gathered, dst=0)
+        if not self.env.is_main:
+            return None
+        full: dict[str, torch.Tensor] = {}
+        for sd in gathered:
+            if sd:
+                full.update(sd)
+        return full

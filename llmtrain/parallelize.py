@@ -1,0 +1,159 @@
+"""Parallelize a Hugging Face decoder (or one pipeline stage of it), always in this order:
+
+1. tensor parallel (DTensor; the model's own Hugging Face TP plan),
+2. activation checkpointing (per decoder layer),
+3. ``torch.compile`` (per decoder layer, optional),
+4. FSDP2 (``fully_shard`` per decoder layer, then the root).
+
+TP comes first because it turns the Linear weights into DTensors that FSDP2 then shards again
+along the data-parallel mesh dims (2D); checkpointing wraps what TP produced so the recompute
+repeats the same collectives; compile sees the checkpointed layer; FSDP2 comes last so its
+per-layer all-gathers wrap everything inside the layer. The optimizer is built after all four
+(torchtitan applies the same order, ``parallelize_llama``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+from torch import nn
+
+from llmtrain.config import ConfigError
+
+# Plans for families whose transformers config has no ``base_model_tp_plan``: model_type ->
+# {module path relative to the base model (``*`` = any layer index): style}. A run can also
+# give ``model.tp_plan`` in its config, which wins over both.
+TP_PLAN_OVERRIDES: dict[str, dict[str, str]] = {}
+
+SUPPORTED_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise")
+
+
+def tp_plan(model: nn.Module, override: dict[str, str] | None = None) -> dict[str, str]:
+    """Module path -> TP style for the causal LM ``model`` (paths relative to it).
+
+    Source, first found: ``override`` (``model.tp_plan``), :data:`TP_PLAN_OVERRIDES` for the
+    model type, the config's ``base_model_tp_plan`` (prefixed with the base model's attribute,
+    e.g. ``model.``) plus the causal LM's own ``_tp_plan`` (``lm_head``). The input embedding
+    and the output head stay replicated when they share one weight (sharding one module's
+    weight would split the tie).
+
+    Raises:
+        ConfigError: no plan is known for the model type, or a style is not supported.
+    """
+    model_type = model.config.model_type
+    if override:
+        plan = dict(override)
+    else:
+        base = TP_PLAN_OVERRIDES.get(model_type) or getattr(model.config, "base_model_tp_plan", None)
+        if not base:
+            raise ConfigError(f"recipe.tp > 1 but model type {model_type!r} has no tensor-parallel plan in transformers; "
+                              "give one as model.tp_plan={'layers.*.self_attn.q_proj': colwise, ...} (paths relative to "
+                              "the causal LM) or add it to llmtrain.parallelize.TP_PLAN_OVERRIDES")
+        prefix = model.base_model_prefix
+        plan = {f"{prefix}.{path}": style for path, style in base.items()}
+        plan.update(getattr(model, "_tp_plan", None) or {})
+        if getattr(model.config, "tie_word_embeddings", False):
+            plan = {path: style for path, style in plan.items()
+                    if path not in ("lm_head", f"{prefix}.embed_tokens")}
+    unknown = {p: s for p, s in plan.items() if s not in SUPPORTED_STYLES}
+    if unknown:
+        raise ConfigError(f"tensor-parallel plan for {model_type!r} uses styles {unknown}; llmtrain supports "
+                          f"{', '.join(SUPPORTED_STYLES)}. Give a plan with those as model.tp_plan")
+    return plan
+
+
+def _style(name: str):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel()
+    if name == "embedding_rowwise":
+        return RowwiseParallel(input_layouts=Replicate())  # vocab-sharded table, all-reduced rows
+    return ColwiseParallel(output_layouts=Replicate())  # colwise_gather_output / colwise_rep
+
+
+def apply_tp(module: nn.Module, plan: dict[str, str], tp_mesh) -> None:
+    """Shard ``module``'s Linear layers named by ``plan`` over ``tp_mesh`` (Megatron-LM split:
+    column-parallel Q/K/V and gate/up, row-parallel output and down projections, so each block
+    needs one all-reduce in forward and one in backward; Shoeybi et al. 2019, section 3).
+
+    Attention modules reshape with ``-1`` heads, so they run on their local heads unchanged.
+    Paths absent from ``module`` (other pipeline stages' layers) are skipped.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    present = {name for name, _ in module.named_modules()}
+    local_plan = {path: _style(style) for path, style in plan.items()
+                  if any(fnmatch.fnmatchcase(name, path) for name in present)}
+    if local_plan:
+        parallelize_module(module, tp_mesh, local_plan)
+
+
+def apply_activation_checkpointing(layers: list[nn.Module]) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant checkpoint): memory
+    per layer drops to its input, at the cost of one more forward (Chen et al. 2016)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in layers:
+        if not hasattr(layer, "gradient_checkpointing"):
+            raise ConfigError(f"trainer.activation_checkpointing: {type(layer).__name__} is not a transformers "
+                              "GradientCheckpointingLayer; turn it off for this model")
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+
+
+def apply_compile(layers: list[nn.Module]) -> None:
+    """``torch.compile`` each decoder layer in place (names and parameters unchanged)."""
+    for layer in layers:
+        layer.compile(fullgraph=False)
+
+
+def apply_fsdp(module: nn.Module, layers: list[nn.Module], dp_mesh, reshard_after_forward: bool,
+               offload: bool) -> None:
+    """FSDP2 (``fully_shard``) each decoder layer, then ``module`` as the root.
+
+    ``dp_mesh`` is 1-D (shard) or 2-D (replicate x shard = HSDP). ``reshard_after_forward``
+    False keeps a layer's parameters gathered from forward to backward (ZeRO-2-like traffic);
+    ``offload`` keeps parameters, gradients and the optimizer step on CPU.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    import torch
+
+    # Pinned host memory needs an accelerator; on a CPU-only machine offload is plain CPU memory.
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    for layer in layers:
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+
+
+def decoder_layers(module: nn.Module) -> list[nn.Module]:
+    """The decoder layers inside ``module`` (a causal LM or a pipeline stage)."""
+    from llmtrain.pipeline import base_model
+
+    layers = base_model(module).layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+def parallelize(module: nn.Module, cfg: Any, mesh, dims, tp_plan_paths: dict[str, str] | None) -> None:
+    """Apply TP, activation checkpointing, compile and FSDP2 to ``module`` in the documented
+    order, as the recipe and trainer config ask. ``mesh`` has dims ``pp, dp_replicate,
+    dp_shard, tp`` (:class:`llmtrain.parallel_dims.ParallelDims`)."""
+    r, t = cfg.recipe, cfg.trainer
+    layers = decoder_layers(module)
+    if dims.tp > 1:
+        apply_tp(module, tp_plan_paths, mesh["tp"])
+    if t.activation_checkpointing:
+        apply_activation_checkpointing(layers)
+    if r.compile:
+        apply_compile(layers)
+    if dims.dp > 1:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        apply_fsdp(module, layers, dp_mesh, reshard_after_forward=r.zero_stage == 3,
+                   offload=r.offload_params)
