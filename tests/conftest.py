@@ -41,6 +41,17 @@ def run_cli(overrides: list[str], nproc: int = 1, launcher: str = "torchrun", ti
                           env=env or subprocess_env(), cwd=cwd or REPO)
 
 
+def run_scenarios(runs: dict[str, list[str]], nproc: int, root: Path, timeout: int = 900) -> dict[str, Path]:
+    """Train every ``name -> overrides`` run in one torchrun launch of ``nproc`` processes
+    (``tests/scenarios.py``); returns ``name -> run_dir`` (under ``root``)."""
+    spec = [[str(root / name), overrides] for name, overrides in runs.items()]
+    (root / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(REPO / "tests" / "scenarios.py"), str(root / "spec.json")]
+    assert_ok(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=REPO))
+    return {name: root / name for name in runs}
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 

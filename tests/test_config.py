@@ -21,16 +21,41 @@ def group_options(group: str) -> list[str]:
 RECIPES = sorted(p.stem for p in Path(RECIPES_DIR).glob("*.yaml"))
 
 
+# The launch sizes each recipe is meant for (fixed degrees need a multiple of their product).
+WORLD_SIZES = {"hsdp": [2, 4], "fsdp_tp": [2, 4], "pp_fsdp": [2, 4], "3d": [4, 8]}
+
+
 def test_shipped_recipes_are_the_documented_set():
-    assert RECIPES == ["ddp", "zero1", "zero2", "zero3", "zero3_offload"]
+    assert RECIPES == ["3d", "ddp", "fsdp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "tp", "zero1", "zero2", "zero3",
+                       "zero3_offload"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_every_recipe_composes_and_validates(recipe, world_size):
-    cfg = make_cfg([f"+recipe={recipe}"])
+def test_every_recipe_composes_and_validates(recipe):
+    # Micro-batch 4: a pipeline on 4-8 ranks needs >= pp micro-batches of the global batch 16.
+    cfg = make_cfg([f"+recipe={recipe}", "trainer.micro_batch_size=4"])
     assert cfg.recipe.name == recipe
-    validate(cfg, world_size)
+    for world_size in WORLD_SIZES.get(recipe, [1, 2]):
+        validate(cfg, world_size)
+
+
+@pytest.mark.parametrize("recipe,world_size,degrees", [
+    ("ddp", 4, (4, 1, 1, 1)), ("fsdp", 4, (1, 4, 1, 1)), ("hsdp", 8, (2, 4, 1, 1)), ("tp", 2, (1, 1, 2, 1)),
+    ("fsdp_tp", 8, (1, 4, 2, 1)), ("pp", 4, (1, 1, 1, 4)), ("pp_fsdp", 8, (1, 4, 1, 2)), ("3d", 8, (1, 2, 2, 2)),
+    ("zero3", 4, (1, 4, 1, 1)), ("zero1", 2, (1, 2, 1, 1)),
+])
+def test_recipe_degrees_on_a_world_size(recipe, world_size, degrees):
+    from llmtrain.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_recipe(make_cfg([f"+recipe={recipe}"]).recipe, world_size)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp) == degrees
+
+
+@pytest.mark.parametrize("recipe", ["zero1", "zero2", "zero3", "zero3_offload"])
+def test_engine_override_runs_a_zero_recipe_on_the_torch_engine(recipe):
+    cfg = make_cfg([f"+recipe={recipe}", "engine=torch"])
+    validate(cfg, 2)
+    assert cfg.recipe.engine == "torch" and cfg.recipe.name == recipe
 
 
 @pytest.mark.parametrize("group", ["model", "data", "trainer", "tracker"])
@@ -76,7 +101,19 @@ def test_unknown_key_fails_at_compose_naming_the_key():
     (["trainer.global_batch_size=16", "trainer.micro_batch_size=8"], 4, "data-parallel size=4"),
     (["trainer.precision=fp16"], 1, "trainer.precision"),
     (["+recipe=zero2", "recipe.offload_params=true"], 1, "recipe.offload_params"),
-    (["+recipe=ddp", "recipe.zero_stage=2"], 1, "recipe.engine=deepspeed"),
+    (["+recipe=zero2", "recipe.tp=2"], 2, "recipe.tp=2 needs engine=torch"),
+    (["+recipe=ddp", "recipe.dp_shard=2"], 2, "recipe.dp_shard=2 shards"),
+    (["+recipe=zero3_offload", "engine=torch", "recipe.offload_params=false"], 2, "recipe.offload_params=False"),
+    (["+recipe=pp", "recipe.pp_schedule=zigzag"], 2, "recipe.pp_schedule='zigzag'"),
+    (["+recipe=pp", "recipe.pp_schedule=interleaved_1f1b"], 2, "recipe.pp_stages_per_rank=1"),
+    (["+recipe=pp", "trainer.global_batch_size=8", "trainer.micro_batch_size=8"], 2,
+     "recipe.pp=2 needs at least 2 micro-batches per step"),
+    (["+recipe=pp", "recipe.pp_schedule=interleaved_1f1b", "recipe.pp_stages_per_rank=2",
+      "trainer.global_batch_size=40", "trainer.micro_batch_size=8"], 2, "not a multiple of 2 rounds"),
+    (["+recipe=pp_fsdp"], 1, "world size 1 is not divisible"),
+    (["+recipe=3d"], 6, "world size 6 is not divisible"),
+    (["+recipe=tp", "recipe.dp_replicate=-1"], 2, "only one degree may be -1"),
+    (["+recipe=fsdp_tp", "recipe.dp_shard=3"], 4, "recipe.dp_shard=3 x recipe.tp=2"),
     (["data.val_fraction=0"], 1, "data.val_fraction"),
     (["model.source=pretrained"], 1, "model.path"),
     (["tracker.wandb_mode=sometimes"], 1, "tracker.wandb_mode"),

@@ -1,9 +1,11 @@
-"""Every recipe, on 1 and 2 processes: equivalence to a plain single-process run, and resume on a
-different number of ranks (2 -> 1, 1 -> 2).
+"""Every recipe against a plain single-process run, and resume on another number of ranks or
+another parallel layout.
 
 Reference runs (cached per recipe and world size): 6 steps of global batch 16, checkpoints at
 steps 4 and 6, fp32 on CPU, no dropout. One process runs micro-batch 4 x accumulation 4, two run
-4 x 2 x 2 ranks, so accumulation and data parallelism are both exercised.
+4 x 2 x 2 ranks, so accumulation and data parallelism are both exercised. The torch-native
+layouts (FSDP2, HSDP, TP, PP with three schedules, and their 2D/3D combinations, on 2, 4 and 8
+processes) train the same run in one launch per world size (``tests/scenarios.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FAST, assert_ok, read_metrics, run_cli, subprocess_env
+from conftest import FAST, assert_ok, read_metrics, run_cli, run_scenarios, subprocess_env
 from llmtrain.export import consolidated_state_dict
 
 RECIPES = ["ddp", "zero1", "zero2", "zero3", "zero3_offload"]
@@ -27,20 +29,45 @@ def steps(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
 
 
+# name -> overrides of the torch-native layouts, grouped by the number of processes.
+NATIVE = {
+    2: {"fsdp": ["+recipe=fsdp"], "tp": ["+recipe=tp"], "pp": ["+recipe=pp"],
+        "pp_gpipe": ["+recipe=pp", "recipe.pp_schedule=gpipe"],
+        "pp_interleaved": ["+recipe=pp", "recipe.pp_schedule=interleaved_1f1b", "recipe.pp_stages_per_rank=2"],
+        "zero1_torch": ["+recipe=zero1", "engine=torch"], "zero2_torch": ["+recipe=zero2", "engine=torch"],
+        "zero3_torch": ["+recipe=zero3", "engine=torch"],
+        "zero3_offload_torch": ["+recipe=zero3_offload", "engine=torch"],
+        "qwen2_tp": ["model=tiny_qwen2", "+recipe=tp"], "qwen2_pp": ["model=tiny_qwen2", "+recipe=pp"]},
+    4: {"hsdp": ["+recipe=hsdp"], "fsdp_tp": ["+recipe=fsdp_tp"], "pp_fsdp": ["+recipe=pp_fsdp"],
+        "qwen2_fsdp_tp": ["model=tiny_qwen2", "+recipe=fsdp_tp"]},
+    8: {"3d": ["+recipe=3d"]},
+}
+NATIVE_CASES = [(nproc, name) for nproc, group in NATIVE.items() for name in group]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def runs(tmp_path_factory):
+    """Every run of this module that ``nproc`` processes make, trained in one launch per world
+    size (start-up paid once): the five classic recipes on 1 and 2 processes, the plain Qwen2
+    reference on 1, the torch-native layouts on 2, 4 and 8."""
     cache: dict = {}
 
-    def get(recipe: str, nproc: int) -> Path:
-        if (recipe, nproc) not in cache:
-            run_dir = tmp_path_factory.mktemp(f"{recipe}-{nproc}")
-            proc = run_cli(COMMON + [f"+recipe={recipe}", f"run_dir={run_dir}"], nproc=nproc)
-            assert_ok(proc)
-            assert f"accumulation {4 // nproc} x dp {nproc}" in proc.stdout + proc.stderr
-            cache[recipe, nproc] = run_dir
-        return cache[recipe, nproc]
+    def get(nproc: int) -> dict[str, Path]:
+        if nproc not in cache:
+            group = {recipe: [f"+recipe={recipe}"] for recipe in RECIPES} if nproc <= 2 else {}
+            if nproc == 1:
+                group["qwen2"] = ["model=tiny_qwen2", "+recipe=ddp"]
+            group.update(NATIVE.get(nproc, {}))
+            cache[nproc] = run_scenarios({name: COMMON + o for name, o in group.items()}, nproc,
+                                         tmp_path_factory.mktemp(f"runs-{nproc}"))
+        return cache[nproc]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    return lambda recipe, nproc: runs(nproc)[recipe]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -59,7 +86,9 @@ def test_two_process_recipe_matches_plain_single_process(recipe, reference):
         torch.testing.assert_close(exported[name], base[name], rtol=0, atol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+# ddp is left out: torch-engine checkpoints (DCP) across world sizes and layouts are covered by
+# test_resume_across_a_layout_change below.
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "ddp"])
 @pytest.mark.parametrize("saved_on,resumed_on", [(2, 1), (1, 2)])
 def test_resume_on_another_world_size(recipe, saved_on, resumed_on, reference, tmp_path):
     ref = reference(recipe, saved_on)
@@ -86,3 +115,52 @@ def test_resume_on_another_world_size(recipe, saved_on, resumed_on, reference, t
         assert got[step]["train/samples_seen"] == want[step]["train/samples_seen"]
         assert abs(got[step]["train/loss"] - want[step]["train/loss"]) < 1e-5, (step, got[step], want[step])
         assert got[step]["train/lr"] == pytest.approx(want[step]["train/lr"], rel=1e-12)
+
+
+
+def assert_same_run(got_dir: Path, want_dir: Path, atol: float = 1e-5) -> None:
+    want, got = steps(want_dir), steps(got_dir)
+    assert sorted(got) == list(range(1, 7))
+    for step in got:
+        assert abs(got[step]["train/loss"] - want[step]["train/loss"]) < atol, (step, got[step], want[step])
+        assert got[step]["train/lr"] == pytest.approx(want[step]["train/lr"], rel=1e-12)
+        assert got[step]["data/sample_digest"] == want[step]["data/sample_digest"]
+    assert got[6]["train/loss"] < got[1]["train/loss"]
+
+
+@pytest.mark.parametrize("nproc,name", NATIVE_CASES, ids=[name for _, name in NATIVE_CASES])
+def test_torch_native_layout_matches_plain_single_process(nproc, name, runs):
+    ours = runs(nproc)[name]
+    plain = runs(1)["qwen2" if name.startswith("qwen2") else "ddp"]
+    assert_same_run(ours, plain)
+    # The parameters gathered from every layout (the exported safetensors) equal the plain run's.
+    exported, base = load_file(str(ours / "hf" / "model.safetensors")), load_file(str(plain / "hf" / "model.safetensors"))
+    assert exported.keys() == base.keys()
+    for key in base:
+        torch.testing.assert_close(exported[key], base[key], rtol=0, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("recipe", ["zero1", "zero2", "zero3", "zero3_offload"])
+def test_zero_recipe_on_the_torch_engine_matches_deepspeed(recipe, runs):
+    assert_same_run(runs(2)[f"{recipe}_torch"], runs(2)[recipe])
+
+
+@pytest.mark.parametrize("saved,nsaved,recipe,nproc", [("tp", 2, "ddp", 1), ("pp", 2, "fsdp", 2), ("3d", 8, "tp", 2)])
+def test_resume_across_a_layout_change(saved, nsaved, recipe, nproc, runs, tmp_path):
+    """tp 2 -> one rank, pp 2 -> FSDP dp 2, pp 2 x tp 2 x dp 2 -> tp 2: DCP reshards."""
+    source = runs(nsaved)[saved]
+    checkpoint = source / "checkpoints" / "step_4"
+    env = subprocess_env()
+    env["LLMTRAIN_DUMP_AFTER_LOAD"] = str(tmp_path / "loaded.pt")
+    proc = run_cli(COMMON + [f"+recipe={recipe}", f"run_dir={tmp_path / 'run'}", f"trainer.resume={checkpoint}"],
+                   nproc=nproc, env=env)
+    assert_ok(proc)
+    saved_state, loaded = consolidated_state_dict(checkpoint, "torch"), torch.load(tmp_path / "loaded.pt")
+    assert saved_state.keys() <= loaded.keys()
+    for key in saved_state:
+        assert torch.equal(saved_state[key], loaded[key]), key
+    want, got = steps(source), steps(tmp_path / "run")
+    assert sorted(got) == [5, 6]
+    for step in (5, 6):  # same samples (data position kept), same losses to rounding
+        assert got[step]["data/sample_digest"] == want[step]["data/sample_digest"]
+        assert abs(got[step]["train/loss"] - want[step]["train/loss"]) < 1e-5, (step, got[step], want[step])
