@@ -52,17 +52,36 @@ def runs(tmp_path_factory):
     reference on 1, the torch-native layouts on 2, 4 and 8."""
     cache: dict = {}
 
+    alpaca = _alpaca_file(tmp_path_factory.mktemp("alpaca") / "alpaca.json")
+    # Padded instruction data (prompt masked, samples of different lengths): the pipeline pads
+    # micro-batches to data.seq_len and attends causally without a padding mask.
+    alpaca_run = [o for o in COMMON if not o.startswith("data.seq_len")] + [
+        "data=alpaca", f"data.path={alpaca}", "data.seq_len=256"]
+
     def get(nproc: int) -> dict[str, Path]:
         if nproc not in cache:
-            group = {recipe: [f"+recipe={recipe}"] for recipe in RECIPES} if nproc <= 2 else {}
+            group = {recipe: COMMON + [f"+recipe={recipe}"] for recipe in RECIPES} if nproc <= 2 else {}
             if nproc == 1:
-                group["qwen2"] = ["model=tiny_qwen2", "+recipe=ddp"]
-            group.update(NATIVE.get(nproc, {}))
-            cache[nproc] = run_scenarios({name: COMMON + o for name, o in group.items()}, nproc,
-                                         tmp_path_factory.mktemp(f"runs-{nproc}"))
+                group["qwen2"] = COMMON + ["model=tiny_qwen2", "+recipe=ddp"]
+                group["alpaca"] = alpaca_run + ["+recipe=ddp"]
+            if nproc == 2:
+                group["alpaca_pp"] = alpaca_run + ["+recipe=pp"]
+            group.update({name: COMMON + o for name, o in NATIVE.get(nproc, {}).items()})
+            cache[nproc] = run_scenarios(group, nproc, tmp_path_factory.mktemp(f"runs-{nproc}"))
         return cache[nproc]
 
     return get
+
+
+def _alpaca_file(path: Path) -> Path:
+    import json
+    import random
+
+    rng = random.Random(0)
+    records = [{"instruction": f"Count to {i}.", "input": "" if i % 3 else f"start at {i % 7}",
+                "output": " ".join(str(k) for k in range(rng.randint(1, 12)))} for i in range(120)]
+    path.write_text(json.dumps(records))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +157,27 @@ def test_torch_native_layout_matches_plain_single_process(nproc, name, runs):
     assert exported.keys() == base.keys()
     for key in base:
         torch.testing.assert_close(exported[key], base[key], rtol=0, atol=1e-5, msg=key)
+
+
+def test_pipeline_on_padded_instruction_data_matches_plain_single_process(runs):
+    assert_same_run(runs(2)["alpaca_pp"], runs(1)["alpaca"])
+
+
+def test_export_cli_consolidates_a_3d_checkpoint(runs, tmp_path):
+    """pp 2 x tp 2 x FSDP 2 shards (tied embedding on both end stages) -> one HF folder."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    run = runs(8)["3d"]
+    proc = subprocess.run([sys.executable, "-m", "llmtrain.export", str(run / "checkpoints" / "step_6"),
+                           str(tmp_path / "out")], capture_output=True, text=True, env=subprocess_env(), cwd=REPO)
+    assert_ok(proc)
+    exported, live = load_file(str(tmp_path / "out" / "model.safetensors")), load_file(str(run / "hf" / "model.safetensors"))
+    assert exported.keys() == live.keys()
+    for key in live:
+        assert torch.equal(exported[key], live[key]), key
 
 
 @pytest.mark.parametrize("recipe", ["zero1", "zero2", "zero3", "zero3_offload"])
