@@ -238,7 +238,7 @@ class CheckpointManager:
         rng = None
         if state.world_size == self.env.world_size and rng_file.is_file():
             rng = torch.load(rng_file, weights_only=False)
-        elif state.world_size != self.env.world_size:
+        elif state.world_size != self.env.world_size and self.env.is_main:
             log.warning("checkpoint %s was written by %d rank(s), resuming on %d: model, optimizer and data "
                         "position carry over; per-rank RNG streams (dropout) start anew",
                         path, state.world_size, self.env.world_size)
@@ -318,10 +318,8 @@ RESUMABLE_CHANGES = ("name", "run_dir", "tracker", "trainer.max_steps", "trainer
 LAYOUT_KEYS = ("recipe", "engine")
 
 
-def config_differences(checkpoint_dir: Path, current: dict) -> list[str]:
-    """``key: saved -> current`` for every setting that differs from the checkpoint's resolved
-    config, except :data:`RESUMABLE_CHANGES` (and :data:`LAYOUT_KEYS` when both the checkpoint
-    and the current run use the torch engine)."""
+def _saved_and_current(checkpoint_dir: Path, current: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint's resolved config and ``current``, both flattened to dotted keys."""
     import yaml
 
     saved = yaml.safe_load((checkpoint_dir / "config.yaml").read_text()) or {}
@@ -334,13 +332,33 @@ def config_differences(checkpoint_dir: Path, current: dict) -> list[str]:
             return out
         return {prefix[:-1]: tree}
 
-    old, new = flatten(saved), flatten(current)
+    return flatten(saved), flatten(current)
+
+
+def _differences(old: dict, new: dict, keep) -> list[str]:
+    return [f"{k}: {old.get(k, '<absent>')} -> {new.get(k, '<absent>')}"
+            for k in sorted(set(old) | set(new)) if keep(k) and old.get(k) != new.get(k)]
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == a or key.startswith(a + ".") for a in prefixes)
+
+
+def config_differences(checkpoint_dir: Path, current: dict) -> list[str]:
+    """``key: saved -> current`` for every setting that differs from the checkpoint's resolved
+    config, except :data:`RESUMABLE_CHANGES` (and :data:`LAYOUT_KEYS` when both the checkpoint
+    and the current run use the torch engine)."""
+    old, new = _saved_and_current(checkpoint_dir, current)
     free = RESUMABLE_CHANGES
     if old.get("recipe.engine") == new.get("recipe.engine") == "torch":
         free = free + LAYOUT_KEYS
-    allowed = lambda key: any(key == a or key.startswith(a + ".") for a in free)  # noqa: E731
-    return [f"{k}: {old.get(k, '<absent>')} -> {new.get(k, '<absent>')}"
-            for k in sorted(set(old) | set(new)) if not allowed(k) and old.get(k) != new.get(k)]
+    return _differences(old, new, lambda key: not _under(key, free))
+
+
+def layout_changes(checkpoint_dir: Path, current: dict) -> list[str]:
+    """``key: saved -> current`` for the parallel-layout settings (:data:`LAYOUT_KEYS`) that differ."""
+    old, new = _saved_and_current(checkpoint_dir, current)
+    return _differences(old, new, lambda key: _under(key, LAYOUT_KEYS))
 
 
 def export_hf(engine, model_cfg: Any, tokenizer: Any, out_dir: Path) -> Path | None:

@@ -234,9 +234,12 @@ def gradient_accumulation_steps(trainer: TrainerConfig, dp_size: int) -> int:
 
 
 def apply_engine_override(cfg: Any) -> None:
-    """Top-level ``engine=...`` replaces ``recipe.engine`` (one ZeRO recipe, either engine)."""
-    if cfg.get("engine"):
+    """Top-level ``engine=...`` replaces ``recipe.engine`` (one ZeRO recipe, either engine). The
+    recipe's name gets the engine appended (``zero3-torch``), so the default run directory of
+    ``+recipe=zero3 engine=torch`` is not the DeepSpeed run's."""
+    if cfg.get("engine") and cfg.engine != cfg.recipe.engine:
         cfg.recipe.engine = cfg.engine
+        cfg.recipe.name = f"{cfg.recipe.name}-{cfg.engine}"
 
 
 def validate(cfg: Any, world_size: int) -> None:

@@ -21,7 +21,6 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from llmtrain import distributed
 from llmtrain.loss import IGNORE_INDEX
 from llmtrain.paths import CACHE_DIR
 

@@ -93,19 +93,27 @@ def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, flo
     return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}
 
 
-def _check_resumable(resume_from: Path, cfg: Any, checkpoints: checkpoint.CheckpointManager) -> None:
+def _check_resumable(resume_from: Path, cfg: Any, checkpoints: checkpoint.CheckpointManager, is_main: bool) -> None:
     """Resuming continues the *same* run: refuse a checkpoint whose model, data, recipe or
-    optimisation settings differ from the current config (naming each difference)."""
+    optimisation settings differ from the current config (naming each difference). A torch-engine
+    run may change its parallel layout; that is said in the log."""
     saved = checkpoints.read_state(resume_from)
     if saved.global_batch_size != cfg.trainer.global_batch_size:
         raise checkpoint.ResumeError(
             f"checkpoint {resume_from} was trained with trainer.global_batch_size={saved.global_batch_size}; "
             f"resume it with the same value (got {cfg.trainer.global_batch_size}) so steps and samples line up")
-    differences = checkpoint.config_differences(resume_from, OmegaConf.to_container(cfg, resolve=True))
+    current = OmegaConf.to_container(cfg, resolve=True)
+    differences = checkpoint.config_differences(resume_from, current)
     if differences:
         raise checkpoint.ResumeError(
             f"checkpoint {resume_from} belongs to a run with other settings ({'; '.join(differences)}). "
             "To continue it, use its settings; to start a new run, set a new run_dir (or name)")
+    if not is_main:
+        return
+    layout = checkpoint.layout_changes(resume_from, current)
+    if layout:
+        log.warning("resuming %s with another parallel layout (%s): the Distributed Checkpoint is resharded",
+                    resume_from, "; ".join(layout))
     if saved.step >= cfg.trainer.max_steps:
         log.warning("checkpoint %s is at step %d >= trainer.max_steps=%d: nothing to train (raise "
                     "trainer.max_steps to continue); evaluating and exporting only", resume_from, saved.step,
@@ -149,7 +157,7 @@ def train(cfg: Any) -> dict[str, Any]:
     checkpoints = checkpoint.CheckpointManager(run_dir, env, t.keep_checkpoints)
     resume_from = checkpoints.resolve(t.resume)
     if resume_from is not None:
-        _check_resumable(resume_from, cfg, checkpoints)
+        _check_resumable(resume_from, cfg, checkpoints, env.is_main)
     hf_config = model_config(cfg.model)
     if len(tokenizer) > hf_config.vocab_size:
         raise ConfigError(f"model.architecture.vocab_size={hf_config.vocab_size} is smaller than the tokenizer's "
@@ -178,11 +186,12 @@ def train(cfg: Any) -> dict[str, Any]:
     num_parameters = engine.num_parameters()  # collective on some engines
     if env.is_main:
         log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; recipe %s "
-                 "(engine %s, ZeRO %d) on %d rank(s) = dp %d (replicate %d x shard %d) x tp %d x pp %d; "
+                 "(engine %s, ZeRO %d) on %d rank(s) = dp %d (replicate %d x shard %d) x tp %d x pp %d%s; "
                  "global batch %d = micro %d x accumulation %d x dp %d",
                  cfg.model.name, num_parameters / 1e6, cfg.data.name, len(splits.train),
                  len(splits.val), cfg.recipe.name, cfg.recipe.engine, cfg.recipe.zero_stage, env.world_size,
                  dims.dp, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp,
+                 f" ({cfg.recipe.pp_schedule}, {cfg.recipe.pp_stages_per_rank} stage(s) per rank)" if dims.pp > 1 else "",
                  t.global_batch_size, t.micro_batch_size, accumulation, dims.dp)
 
     loader, _ = data.train_loader(splits, tokenizer, cfg.data, t.seed, t.micro_batch_size, accumulation,

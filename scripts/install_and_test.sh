@@ -2,5 +2,5 @@
 # Fresh machine -> virtual environment with llmtrain and its test tools -> the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. scripts/setup_venv.sh "[dev]"
+LLMTRAIN_EXTRAS="[dev]" . scripts/setup_venv.sh
 python -m pytest -q "$@"

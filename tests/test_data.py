@@ -6,7 +6,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from llmtrain import data
 from llmtrain.models import byte_tokenizer

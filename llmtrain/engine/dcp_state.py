@@ -10,6 +10,8 @@ load between one process, DDP, FSDP2 shards, tensor-parallel DTensors and pipeli
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -36,11 +38,20 @@ def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> d
     return {"model": model, "optimizer": optim}
 
 
+@contextlib.contextmanager
+def _single_process_is_intended():
+    """DCP warns when it runs without a process group; for one process that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def save(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer], scheduler,
          is_main: bool) -> None:
     """Write model parts, their optimizers and the LR scheduler into ``directory``. Collective."""
     directory.mkdir(parents=True, exist_ok=True)
-    dcp.save(_state(parts, optimizers), checkpoint_id=str(directory))
+    with _single_process_is_intended():
+        dcp.save(_state(parts, optimizers), checkpoint_id=str(directory))
     if is_main:
         torch.save(scheduler.state_dict(), directory / "scheduler.pt")
 
@@ -55,7 +66,8 @@ def load(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.O
 
     state = _state(parts, optimizers)
     try:
-        dcp.load(state, checkpoint_id=str(directory))
+        with _single_process_is_intended():
+            dcp.load(state, checkpoint_id=str(directory))
     except Exception as err:  # DCP raises CheckpointException wrapping per-rank errors
         raise ResumeError(f"checkpoint {directory.parent} does not fit this model/optimizer: {err}") from err
     for part, opt in zip(parts, optimizers):
