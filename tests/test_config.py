@@ -55,7 +55,7 @@ def test_recipe_degrees_on_a_world_size(recipe, world_size, degrees):
 def test_engine_override_runs_a_zero_recipe_on_the_torch_engine(recipe):
     cfg = make_cfg([f"+recipe={recipe}", "engine=torch"])
     validate(cfg, 2)
-    assert cfg.recipe.engine == "torch" and cfg.recipe.name == recipe
+    assert cfg.recipe.engine == "torch" and cfg.recipe.name == f"{recipe}-torch"
 
 
 @pytest.mark.parametrize("group", ["model", "data", "trainer", "tracker"])
