@@ -42,9 +42,10 @@ class ModelConfig:
         when ``gguf_package`` is set, ``gguf_file`` inside that installed Python package.
     ``tokenizer``: ``byte`` (a built-in byte-level tokenizer that needs no download) or ``model``
     (the tokenizer stored with the weights) or a path to a tokenizer folder.
-    ``tp_plan``: tensor-parallel plan ``{module path: colwise|rowwise|colwise_gather_output}``
-    (paths relative to the causal LM, ``*`` = any layer index) for families whose transformers
-    config has none; default: the model's own plan.
+    ``tp_plan``: tensor-parallel plan ``{module path: colwise|rowwise|colwise_gather_output|
+    embedding_rowwise}`` with paths as in the causal LM's ``named_modules()`` (``*`` = any layer
+    index, e.g. ``model.layers.*.self_attn.q_proj``) for families whose transformers config has
+    none; unset (default): the model's own plan.
     """
 
     name: str = MISSING
@@ -55,7 +56,7 @@ class ModelConfig:
     architecture: Dict[str, Any] = field(default_factory=dict)
     tokenizer: str = "model"
     attn_implementation: str = "sdpa"
-    tp_plan: Optional[Dict[str, str]] = None
+    tp_plan: Optional[Any] = None  # Any: a dict override must replace, not merge into, the field
 
 
 @dataclass
@@ -293,6 +294,13 @@ def validate(cfg: Any, world_size: int) -> None:
 
         _require(wandb_api_key_configured(), "tracker.wandb_mode=online but no wandb API key is configured: set "
                  "WANDB_API_KEY (or run `wandb login`), or use tracker.wandb_mode=offline")
+    from llmtrain.parallelize import SUPPORTED_STYLES
+
+    _require(m.tp_plan is None or OmegaConf.is_dict(m.tp_plan),
+             f"model.tp_plan={m.tp_plan!r} must be a mapping {{module path: style}}")
+    bad_styles = {k: v for k, v in (m.tp_plan or {}).items() if v not in SUPPORTED_STYLES}
+    _require(not bad_styles, f"model.tp_plan: styles {bad_styles} are not supported; use "
+             f"{', '.join(SUPPORTED_STYLES)}")
     if m.source == "config" and "model_type" in m.architecture:
         arch = m.architecture
         hidden, heads = arch.get("hidden_size"), arch.get("num_attention_heads")

@@ -60,6 +60,12 @@ def tp_plan(model: nn.Module, override: dict[str, str] | None = None) -> dict[st
     if unknown:
         raise ConfigError(f"tensor-parallel plan for {model_type!r} uses styles {unknown}; llmtrain supports "
                           f"{', '.join(SUPPORTED_STYLES)}. Give a plan with those as model.tp_plan")
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [p for p in plan if not any(fnmatch.fnmatchcase(name, p) for name in names)]
+    if unmatched or not plan:
+        example = next((n for n in names if ".layers.0." in n), names[-1])
+        raise ConfigError(f"tensor-parallel plan paths {unmatched or '(none)'} match no module of the {model_type!r} "
+                          f"model; paths are as in named_modules(), e.g. {example!r} (use * for the layer index)")
     return plan
 
 

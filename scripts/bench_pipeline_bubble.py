@@ -221,9 +221,9 @@ def main() -> None:
             ranks = " / ".join(f"{x:.3f}" for x in per_rank)
             inter_s = f"{inter:.3f}" if inter is not None else "-"
             print(f"{name:<17} {p:>2} {m:>3} {idle:>13.3f} {ranks:>13} {theory:>20.3f} {inter_s:>18} {step_time:>7.3f} {other_cpu:>9.2f}")
-        print("note: idle = 1 - (time in stage forward/backward/loss) / step time; on this CPU-only gloo run "
-              "p2p transfers, waits and Python scheduling overhead all count as idle, so measured idle "
-              "exceeds the compute-only theory by that overhead.")
+        print("note: idle = 1 - (time in stage forward/backward/loss) / step time. With 2 CPU cores and gloo, "
+              "p2p transfers and Python/schedule overhead also count as idle (theory assumes free communication "
+              "and equal stages), so measured idle sits above theory by roughly that overhead.")
         print(f"other CPU: cores used by other processes during a row's run, out of {os.cpu_count()} "
               "(well above 0 means that row was disturbed by other load)")
     dist.destroy_process_group()

@@ -113,6 +113,9 @@ def test_smollm2_without_its_package_says_how_to_install(tmp_path):
     # Checked against the model's config after the launch: tp must split the KV heads.
     (["+recipe=tp", "model.architecture.num_key_value_heads=1"],
      "recipe.tp=2 must divide the model's attention heads (4) and KV heads (1)"),
+    # A plan path relative to the wrong module would silently shard nothing.
+    (["+recipe=tp", "model.tp_plan={layers.*.self_attn.q_proj:colwise}"],
+     "tensor-parallel plan paths ['layers.*.self_attn.q_proj'] match no module"),
 ])
 def test_layout_errors_on_two_ranks_fail_before_writing(overrides, needle, tmp_path):
     run_dir = tmp_path / "run"

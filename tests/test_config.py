@@ -51,6 +51,13 @@ def test_recipe_degrees_on_a_world_size(recipe, world_size, degrees):
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp) == degrees
 
 
+def test_tp_plan_override_composes_from_the_command_line():
+    cfg = make_cfg(["model.tp_plan={model.layers.*.self_attn.q_proj:colwise,model.layers.*.self_attn.o_proj:rowwise}"])
+    validate(cfg, 2)
+    assert dict(cfg.model.tp_plan) == {"model.layers.*.self_attn.q_proj": "colwise",
+                                       "model.layers.*.self_attn.o_proj": "rowwise"}
+
+
 @pytest.mark.parametrize("recipe", ["zero1", "zero2", "zero3", "zero3_offload"])
 def test_engine_override_runs_a_zero_recipe_on_the_torch_engine(recipe):
     cfg = make_cfg([f"+recipe={recipe}", "engine=torch"])
@@ -113,6 +120,8 @@ def test_unknown_key_fails_at_compose_naming_the_key():
     (["+recipe=pp_fsdp"], 1, "world size 1 is not divisible"),
     (["+recipe=3d"], 6, "world size 6 is not divisible"),
     (["+recipe=tp", "recipe.dp_replicate=-1"], 2, "only one degree may be -1"),
+    (["model.tp_plan={model.layers.*.mlp.up_proj:diagonal}"], 2, "model.tp_plan: styles"),
+    (["model.tp_plan=3"], 2, "model.tp_plan=3 must be a mapping"),
     (["+recipe=fsdp_tp", "recipe.dp_shard=3"], 4, "recipe.dp_shard=3 x recipe.tp=2"),
     (["data.val_fraction=0"], 1, "data.val_fraction"),
     (["model.source=pretrained"], 1, "model.path"),

@@ -92,6 +92,23 @@ class NativeEngine(Engine):
             self.schedulers.append(torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t)))
         if self.dims.pp > 1:
             self._setup_pipeline()
+        if self.dims.tp > 1:
+            self._check_tp_plan_runs()
+
+    def _check_tp_plan_runs(self) -> None:
+        """One tiny forward before anything is written: an inconsistent plan (say, a column-
+        parallel projection feeding an unsharded one) fails here as a ConfigError, not later."""
+        from llmtrain.config import ConfigError
+
+        ids = torch.zeros(1, 4, dtype=torch.long, device=self.env.device)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        try:
+            self.train(False)
+            self.eval_loss_sum(batch)
+        except RuntimeError as err:
+            raise ConfigError(f"the tensor-parallel plan does not run on this model (check model.tp_plan): {err}") from err
+        finally:
+            self.train(True)
 
     @torch.no_grad()
     def _materialize(self, part: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
