@@ -203,8 +203,10 @@ def main() -> None:
                 per_rank_idle = [statistics.median(1.0 - b / t for b, t in zip(busy_r, steps))
                                  for busy_r, _ in gathered]
                 step_time = statistics.median(steps)
-                rows.append((name, PP, m, sum(per_rank_idle) / world, per_rank_idle,
-                             (PP - 1) / (m + PP - 1), (PP - 1) / (v * m + PP - 1) if v > 1 else None, step_time, other_cpu))
+                theory = (PP - 1) / (m + PP - 1)  # GPipe, 1F1B
+                interleaved = (PP - 1) / (v * m + PP - 1) if v > 1 else None
+                rows.append((name, PP, m, sum(per_rank_idle) / world, per_rank_idle, theory, interleaved,
+                             step_time, other_cpu))
                 print(f"  done {name:<16} m={m:<3} idle={rows[-1][3]:.3f} step={step_time:.3f}s "
                       f"other CPU={other_cpu:.2f}", flush=True)
 
@@ -220,7 +222,8 @@ def main() -> None:
         for name, p, m, idle, per_rank, theory, inter, step_time, other_cpu in rows:
             ranks = " / ".join(f"{x:.3f}" for x in per_rank)
             inter_s = f"{inter:.3f}" if inter is not None else "-"
-            print(f"{name:<17} {p:>2} {m:>3} {idle:>13.3f} {ranks:>13} {theory:>20.3f} {inter_s:>18} {step_time:>7.3f} {other_cpu:>9.2f}")
+            print(f"{name:<17} {p:>2} {m:>3} {idle:>13.3f} {ranks:>13} {theory:>20.3f} {inter_s:>18} "
+                  f"{step_time:>7.3f} {other_cpu:>9.2f}")
         print("note: idle = 1 - (time in stage forward/backward/loss) / step time. With 2 CPU cores and gloo, "
               "p2p transfers and Python/schedule overhead also count as idle (theory assumes free communication "
               "and equal stages), so measured idle sits above theory by roughly that overhead.")
