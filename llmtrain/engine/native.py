@@ -211,19 +211,14 @@ class NativeEngine(Engine):
     def _pipeline_batch(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Concatenate micro-batches, right-padded to ``data.seq_len``: pipeline stages
         exchange fixed-shape activations (shapes are inferred once, at the first step)."""
-        seq, pad = self.cfg.data.seq_len, self._pad_id(batches)
-        ids, labels = [], []
+        seq, ids, labels = self.cfg.data.seq_len, [], []
         for b in batches:
             extra = seq - b["input_ids"].shape[1]
-            ids.append(torch.nn.functional.pad(b["input_ids"], (0, extra), value=pad))
+            # Any token id will do: padded positions come after every real token (causal
+            # attention never looks at them) and their label is ignored.
+            ids.append(torch.nn.functional.pad(b["input_ids"], (0, extra), value=0))
             labels.append(torch.nn.functional.pad(b["labels"], (0, extra), value=-100))
         return torch.cat(ids), torch.cat(labels)
-
-    @staticmethod
-    def _pad_id(batches) -> int:
-        ids, mask = batches[0]["input_ids"], batches[0]["attention_mask"]
-        padded = ids[mask == 0]
-        return int(padded[0]) if padded.numel() else 0
 
     @torch.no_grad()
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
