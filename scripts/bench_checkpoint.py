@@ -37,6 +37,7 @@ from llmtrain import checkpoint, data  # noqa: E402
 from llmtrain.config import gradient_accumulation_steps, register_configs  # noqa: E402
 from llmtrain.engine import build_engine  # noqa: E402
 from llmtrain.models import build_model, byte_tokenizer  # noqa: E402
+from llmtrain.parallel_dims import ParallelDims  # noqa: E402
 from llmtrain.paths import CONF_DIR  # noqa: E402
 from llmtrain.trainer import forward_backward  # noqa: E402
 
@@ -54,7 +55,8 @@ def main() -> None:
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose("config", overrides=["tracker=none"] + args.overrides)
     env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
-    engine = build_engine(cfg, env, gradient_accumulation_steps(cfg.trainer, 1))
+    dims = ParallelDims.from_recipe(cfg.recipe, 1)
+    engine = build_engine(cfg, env, gradient_accumulation_steps(cfg.trainer, 1), dims)
     with engine.model_init_context():
         model = build_model(cfg.model, cfg.trainer.seed)
     engine.setup(model)

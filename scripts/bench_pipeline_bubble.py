@@ -81,7 +81,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=320)
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
+    p.add_argument("--steps", type=int, default=7, help="timed steps per configuration")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
