@@ -28,8 +28,11 @@ def consolidated_state_dict(checkpoint_dir: Path, engine: str) -> dict[str, torc
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=ENGINE_DIR)
-    from llmtrain.engine.dcp_state import consolidated_model
+    from llmtrain.engine.dcp_state import consolidated_model, is_dcp_checkpoint
+    from llmtrain.engine.torch_engine import LEGACY_STATE
 
+    if not is_dcp_checkpoint(engine_dir) and (engine_dir / LEGACY_STATE).is_file():
+        return torch.load(engine_dir / LEGACY_STATE, map_location="cpu", weights_only=True)["model"]
     return consolidated_model(engine_dir)
 
 

@@ -52,3 +52,30 @@ def test_pruning_never_counts_a_damaged_checkpoint(tmp_path):
     good = save(fresh, 6)
     assert good.is_dir() and checkpoint.verify(good) is None
     assert damaged.is_dir()  # left for inspection, not counted as complete
+
+
+def test_torch_engine_still_loads_and_exports_a_pre_dcp_checkpoint(tmp_path):
+    """Checkpoints written before the move to Distributed Checkpoint (one ``state.pt``) resume."""
+    from conftest import make_cfg
+    from llmtrain.engine.torch_engine import TorchEngine
+    from llmtrain.export import consolidated_state_dict
+    from llmtrain.models import build_model
+
+    cfg = make_cfg(["trainer.max_steps=10"])
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    old = TorchEngine(cfg, env, accumulation_steps=1)
+    old.setup(build_model(cfg.model, seed=1))
+    for p in old.model.parameters():
+        p.grad = torch.ones_like(p)
+    old.step()
+    (tmp_path / "engine").mkdir()
+    torch.save({"model": old.model.state_dict(), "optimizer": old.optimizer.state_dict(),
+                "scheduler": old.scheduler.state_dict()}, tmp_path / "engine" / "state.pt")
+    new = TorchEngine(cfg, env, accumulation_steps=1)
+    new.setup(build_model(cfg.model, seed=2))
+    new.load_checkpoint(tmp_path / "engine", saved_world_size=1)
+    for (name, a), b in zip(old.model.state_dict().items(), new.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert new.optimizer.state_dict()["state"][0]["step"] == 1 and new.lr() == old.lr()
+    exported = consolidated_state_dict(tmp_path, "torch")
+    assert all(torch.equal(exported[k], v) for k, v in old.model.state_dict().items())

@@ -10,6 +10,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from llmtrain.engine import Engine, apply_schedule, dcp_state, lr_lambda, param_groups
 
+LEGACY_STATE = "state.pt"  # torch-engine checkpoints before DCP: {"model", "optimizer", "scheduler"}
+
 
 class TorchEngine(Engine):
     """Replicated model; gradients all-reduced (averaged) by DDP, so the loss is scaled by the
@@ -63,7 +65,15 @@ class TorchEngine(Engine):
         dcp_state.save(directory, [self._model], [self.optimizer], self.scheduler, self.env.is_main)
 
     def load_checkpoint(self, directory: Path, saved_world_size: int) -> None:
-        dcp_state.load(directory, [self._model], [self.optimizer], [self.scheduler])
+        legacy = directory / LEGACY_STATE
+        if legacy.is_file() and not dcp_state.is_dcp_checkpoint(directory):
+            # Written by llmtrain before checkpoints moved to DCP: one replicated torch.save file.
+            state = torch.load(legacy, map_location=self.env.device, weights_only=True)
+            self._model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        else:
+            dcp_state.load(directory, [self._model], [self.optimizer], [self.scheduler])
         apply_schedule(self.optimizer, self.scheduler)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
