@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
+import torch
 from torch import nn
 
 from llmtrain.config import ConfigError
@@ -129,8 +130,6 @@ def apply_fsdp(module: nn.Module, layers: list[nn.Module], dp_mesh, reshard_afte
     ``offload`` keeps parameters, gradients and the optimizer step on CPU.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
-    import torch
 
     # Pinned host memory needs an accelerator; on a CPU-only machine offload is plain CPU memory.
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()

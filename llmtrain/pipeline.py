@@ -81,7 +81,12 @@ class DecoderStage(nn.Module):
             self.lm_head = model.lm_head
         self.is_first, self.is_last = is_first, is_last
         self.holds_tied_weight = tied and (is_first or is_last)
-        self.counts_tied_weight = tied and is_first  # the copy counted once in the gradient norm
+
+    @property
+    def tied_copy(self) -> nn.Parameter | None:
+        """The last stage's copy of a tied embedding (the first stage's is the one counted in
+        the gradient norm), or None."""
+        return base_model(self).embed_tokens.weight if self.holds_tied_weight and not self.is_first else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -169,8 +174,7 @@ class TiedWeightSync:
             group = dist.new_group([a, b])
             if me in (a, b):
                 self.group = group
-        self.params = [p for part in parts if getattr(part, "holds_tied_weight", False)
-                       for p in [base_model(part).embed_tokens.weight]]
+        self.params = [base_model(part).embed_tokens.weight for part in parts if part.holds_tied_weight]
 
     def sync(self) -> None:
         for p in self.params:

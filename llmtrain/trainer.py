@@ -22,11 +22,11 @@ import torch
 from omegaconf import OmegaConf
 
 from llmtrain import checkpoint, data, distributed
-from llmtrain.config import ConfigError, gradient_accumulation_steps, validate
+from llmtrain.config import ConfigError, apply_engine_override, gradient_accumulation_steps, validate
 from llmtrain.engine import build_engine
 from llmtrain.loss import count_target_tokens, token_cross_entropy_sum  # noqa: F401  (public here too)
-from llmtrain.parallel_dims import ParallelDims
 from llmtrain.models import build_model, build_tokenizer, model_config
+from llmtrain.parallel_dims import ParallelDims
 from llmtrain.preemption import Preemption
 from llmtrain.tracking import Tracker
 
@@ -145,7 +145,8 @@ def train(cfg: Any) -> dict[str, Any]:
         ConfigError, data.DataError, models.ModelSourceError, distributed.LaunchError,
             checkpoint.ResumeError: bad input, raised before anything is written.
     """
-    env = distributed.init_distributed(need_group=(cfg.get("engine") or cfg.recipe.engine) == "deepspeed")
+    apply_engine_override(cfg)  # before the launch: DeepSpeed needs a process group even alone
+    env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
     validate(cfg, env.world_size)
     t = cfg.trainer
     dims = ParallelDims.from_recipe(cfg.recipe, env.world_size)

@@ -66,7 +66,9 @@ class NativeEngine(Engine):
 
         cfg, r, t = self.cfg, self.cfg.recipe, self.cfg.trainer
         self.hf_config = model.config
-        if getattr(model.config, "tie_word_embeddings", False):
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        self.tied_sync = None
+        if self.tied:
             model.tie_weights()  # accelerate's meta-device init builds the two as separate tensors
             if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
                 raise RuntimeError("tie_word_embeddings=True but the output head is not tied after tie_weights()")
@@ -135,7 +137,7 @@ class NativeEngine(Engine):
 
     def _retie(self, part: nn.Module) -> None:
         """``to_empty`` gives each module its own new tensor, splitting tied embeddings."""
-        if not getattr(self.hf_config, "tie_word_embeddings", False) or not hasattr(part, "lm_head"):
+        if not self.tied or not hasattr(part, "lm_head"):
             return
         from llmtrain.pipeline import base_model
 
@@ -157,8 +159,8 @@ class NativeEngine(Engine):
         self.has_last = self.num_stages - 1 in self.stage_ids
         self._normaliser = 1.0
         self.schedule = build_schedule(r.pp_schedule, self.stages, self.accumulation_steps, self._pipeline_loss)
-        tied = bool(getattr(self.hf_config, "tie_word_embeddings", False))
-        self.tied_sync = TiedWeightSync(self.mesh, self.parts) if tied else None
+        if self.tied:
+            self.tied_sync = TiedWeightSync(self.mesh, self.parts)
         ranks = dist.get_process_group_ranks(self.pp_group)
         self._last_stage_rank = ranks[(self.num_stages - 1) % self.dims.pp]
 
@@ -237,7 +239,7 @@ class NativeEngine(Engine):
         return total
 
     def step(self) -> float:
-        if self.dims.pp > 1 and self.tied_sync is not None:
+        if self.tied_sync is not None:
             self.tied_sync.sync()
         norm = self._grad_norm()
         clip = self.cfg.trainer.grad_clip
@@ -261,11 +263,7 @@ class NativeEngine(Engine):
         by_groups: dict[tuple, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64,
                                                                                 device=self.env.device))
         for part in self.parts:
-            skip = None
-            if getattr(part, "holds_tied_weight", False) and not getattr(part, "counts_tied_weight", False):
-                from llmtrain.pipeline import base_model
-
-                skip = base_model(part).embed_tokens.weight
+            skip = getattr(part, "tied_copy", None)
             for p in part.parameters():
                 if p.grad is None or p is skip:
                     continue
@@ -315,12 +313,14 @@ class NativeEngine(Engine):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True)
+        # One rank per pipeline stage group (dp and tp rank 0) contributes its stages' tensors;
+        # every rank takes part in gathering them (a collective), only contributors copy to host.
+        contribute = self._dp_rank == 0 and self.tp_rank == 0
         mine: dict[str, torch.Tensor] = {}
         for part in self.parts:
-            for k, v in get_model_state_dict(part, options=options).items():
-                mine[k] = v.detach().cpu()
-        # One rank per pipeline stage group (dp and tp rank 0) contributes its stages' tensors.
-        contribute = self._dp_rank == 0 and self.tp_rank == 0
+            full = get_model_state_dict(part, options=options)
+            if contribute:
+                mine.update({k: v.detach().cpu() for k, v in full.items()})
         gathered = [None] * self.env.world_size if self.env.is_main else None
         dist.gather_object(mine if contribute else None, gathered, dst=0)
         if not self.env.is_main:
