@@ -17,11 +17,21 @@ from llmtrain.distributed import LaunchError
 from llmtrain.models import ModelSourceError
 from llmtrain.paths import CONF_DIR
 
-register_configs()
 log = logging.getLogger("llmtrain")
 
 # Bad input, reported as one line naming the field or file; exit status 2, nothing trained.
 USER_ERRORS = (ConfigError, DataError, ModelSourceError, LaunchError, ResumeError)
+
+
+def _fail(err: Exception) -> None:
+    print(f"llmtrain: error: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+try:
+    register_configs()  # before @hydra.main composes: the recipes are options of the group
+except ConfigError as err:
+    _fail(err)
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
@@ -31,8 +41,7 @@ def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
     except USER_ERRORS as err:
-        print(f"llmtrain: error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _fail(err)
 
 
 if __name__ == "__main__":

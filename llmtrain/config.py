@@ -12,6 +12,8 @@ each one as an option of the Hydra group ``recipe``, typed by :class:`RecipeConf
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -202,14 +204,46 @@ def register_configs() -> None:
     """Store the schema as ``base_config`` and every ``recipes/*.yaml`` as group ``recipe``.
 
     Raises:
-        omegaconf.errors.ConfigKeyError / ValidationError: a recipe file has an unknown key or a
-            value of the wrong type (the message names the file's key).
+        ConfigError: a recipe file has an unknown key or a value of the wrong type (the message
+            names the file and the key).
     """
+    from omegaconf.errors import OmegaConfBaseException
+
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for recipe_file in sorted(Path(RECIPES_DIR).glob("*.yaml")):
-        node = OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.load(recipe_file))
+        try:
+            node = OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.load(recipe_file))
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"recipe file {recipe_file}: {err}".replace("\n", " ")) from err
         cs.store(group="recipe", name=recipe_file.stem, node=node)
+
+
+def check_known_keys(node: Any, prefix: str = "") -> None:
+    """Refuse keys that are not fields of the typed schema, however they were added.
+
+    Hydra's struct mode already rejects ``trainer.max_step=10``, but ``+key=value``, ``++key=value``
+    and a config file merged with ``+`` open the node and add the key, which would then be
+    stored in ``config.yaml`` and silently ignored. Free-form mappings (``model.architecture``,
+    ``model.tp_plan``) are not checked: they are passed on to ``transformers``.
+
+    Raises:
+        ConfigError: naming the unknown key and the closest field.
+    """
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return
+    fields = [f.name for f in dataclasses.fields(schema)]
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
+            owner = f"a field of {prefix.rstrip('.')}" if prefix else "a top-level field"
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"the fields are {', '.join(fields)}."
+            raise ConfigError(f"{path} is not {owner}: {hint} Fix or remove it "
+                              "(`python -m llmtrain --help` lists the groups and fields)")
+        if OmegaConf.is_config(node._get_node(key)):
+            check_known_keys(node[key], f"{path}.")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -253,6 +287,7 @@ def validate(cfg: Any, world_size: int) -> None:
     Raises:
         ConfigError: naming the offending fields, their values and the fix.
     """
+    check_known_keys(cfg)
     apply_engine_override(cfg)
     m, d, t, r, tr = cfg.model, cfg.data, cfg.trainer, cfg.recipe, cfg.tracker
     _require(m.source in ("config", "pretrained", "gguf"),
