@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from llmtrain import checkpoint, data, distributed
+from llmtrain import checkpoint, console, data, distributed
 from llmtrain.config import ConfigError, apply_engine_override, gradient_accumulation_steps, validate
 from llmtrain.engine import build_engine
 from llmtrain.loss import count_target_tokens, token_cross_entropy_sum  # noqa: F401  (public here too)
@@ -148,6 +148,7 @@ def train(cfg: Any) -> dict[str, Any]:
     apply_engine_override(cfg)  # before the launch: DeepSpeed needs a process group even alone
     env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
     validate(cfg, env.world_size)
+    console.configure_library_output(env.is_main, console.interactive())
     t = cfg.trainer
     dims = ParallelDims.from_recipe(cfg.recipe, env.world_size)
     accumulation = gradient_accumulation_steps(t, dims.dp)
@@ -209,7 +210,7 @@ def train(cfg: Any) -> dict[str, Any]:
     if rng is not None:
         checkpoint.restore_rng(rng)  # after everything that draws random numbers at start-up
     preemption = Preemption(t.preempt_signal, t.save_every_minutes, env.device)
-    progress = _progress_bar(t, env, start_step)
+    progress = console.Progress(t.progress_bar and env.is_main, t.max_steps, start_step, t.log_every)
 
     def save() -> None:
         state.tracker_run_id = tracker.run_id
@@ -239,6 +240,7 @@ def train(cfg: Any) -> dict[str, Any]:
                    "train/tokens_per_s": tokens / elapsed, "train/step_time_s": elapsed,
                    "train/tokens_seen": state.tokens_seen, "train/samples_seen": state.consumed_samples,
                    "data/sample_digest": digest, "memory/peak_bytes": _memory_bytes(env.device)}
+        progress.update(done, loss, lr, grad_norm, tokens / elapsed)
         if (t.eval_every and done % t.eval_every == 0) or done == t.max_steps:
             metrics.update(evaluate(engine, val_batches, env.device))
             if env.is_main:
@@ -248,9 +250,6 @@ def train(cfg: Any) -> dict[str, Any]:
             summary["final_val"] = {k: metrics[k] for k in ("val/loss", "val/perplexity")}
         if (t.log_every and done % t.log_every == 0) or "val/loss" in metrics:
             tracker.log(metrics, step=done)
-        if progress is not None:
-            progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / elapsed:,.0f}", refresh=False)
-            progress.update(1)
         stop, save_by_time = preemption.agree()
         if stop or save_by_time or (t.save_every and done % t.save_every == 0) or done == t.max_steps:
             save()
@@ -262,8 +261,7 @@ def train(cfg: Any) -> dict[str, Any]:
             break
 
     preemption.restore()
-    if progress is not None:
-        progress.close()
+    progress.close()
     if t.export_hf and "preempted_at" not in summary:
         exported = checkpoint.export_hf(engine, cfg.model, tokenizer, run_dir / "hf")
         if exported is not None:
@@ -283,11 +281,3 @@ def _dump_loaded_model(engine) -> None:
         if state is not None:
             torch.save(state, path)
 
-
-def _progress_bar(t: Any, env: distributed.DistEnv, start_step: int):
-    if not (t.progress_bar and env.is_main):
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=t.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
-                mininterval=1.0)

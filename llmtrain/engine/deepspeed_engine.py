@@ -59,10 +59,14 @@ class DeepSpeedEngine(Engine):
         super().__init__(cfg, env, accumulation_steps, dims)
         self.ds_config = deepspeed_config(cfg, env.world_size, accumulation_steps)
         self._hf_ds_config = None
-        import deepspeed
+        from llmtrain.console import stdout_to_debug_log
 
-        # Adopt the existing torch process group; zero.Init reads the world size from it.
-        deepspeed.init_distributed(dist_backend=env.backend)
+        # DeepSpeed prints "<op> built successfully" on every CPU launch: keep it out of the log.
+        with stdout_to_debug_log("deepspeed"):
+            import deepspeed
+
+            # Adopt the existing torch process group; zero.Init reads the world size from it.
+            deepspeed.init_distributed(dist_backend=env.backend)
 
     def model_init_context(self):
         import contextlib

@@ -1,0 +1,105 @@
+"""What a run prints: rank 0's progress, and third-party output kept out of the log.
+
+On a terminal rank 0 shows a tqdm bar (log lines go through ``tqdm.write`` so they never land
+on the bar's line). When stderr is not a terminal (a log file, SLURM's ``--output``, a pipe) a
+bar would be a stream of carriage returns glued to the next log line, so rank 0 prints one plain
+line per logged step instead, greppable with ``grep '^step'``::
+
+    step 10/200: train loss 4.3491, lr 5.50e-04, grad norm 0.532, 8,881 tokens/s, eta 0:00:52
+
+Library progress bars (``datasets`` map/filter, ``transformers`` shard writing and GGUF
+dequantization, ``huggingface_hub``) are shown only on rank 0 and only on a terminal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import logging
+import sys
+import time
+from typing import Iterator
+
+log = logging.getLogger("llmtrain")
+
+
+def interactive() -> bool:
+    """True when stderr (where progress bars draw) is a terminal."""
+    return sys.stderr.isatty()
+
+
+def configure_library_output(is_main: bool, on_terminal: bool) -> None:
+    """Disable the progress bars of ``datasets``, ``transformers`` and ``huggingface_hub``
+    unless this is rank 0 writing to a terminal (every rank would draw the same bar)."""
+    if is_main and on_terminal:
+        return
+    import datasets
+    import huggingface_hub.utils
+    import transformers.utils.logging
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+
+
+@contextlib.contextmanager
+def stdout_to_debug_log(what: str) -> Iterator[None]:
+    """Capture Python-level ``print`` output of a third-party call (DeepSpeed prints "op built
+    successfully" on every launch) and pass it to the debug log instead of the console."""
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        yield
+    for line in captured.getvalue().splitlines():
+        log.debug("%s: %s", what, line)
+
+
+class Progress:
+    """Rank 0's per-step progress; a no-op on other ranks or with ``trainer.progress_bar=false``.
+
+    Args:
+        enabled: show anything at all (rank 0 and ``trainer.progress_bar``).
+        total_steps: ``trainer.max_steps``.
+        start_step: the step a resumed run starts from (0 for a fresh run).
+        every: plain-line cadence in steps when not on a terminal (``trainer.log_every``; 0 = only
+            the last step).
+        on_terminal: draw a bar (True) or print plain lines (False); default: stderr is a TTY.
+    """
+
+    def __init__(self, enabled: bool, total_steps: int, start_step: int, every: int,
+                 on_terminal: bool | None = None):
+        self.total, self.start, self.every = total_steps, start_step, every
+        self._started = time.perf_counter()
+        self._bar = None
+        self._redirect = contextlib.ExitStack()
+        self.enabled = enabled
+        if enabled and (interactive() if on_terminal is None else on_terminal):
+            from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                             dynamic_ncols=True, mininterval=1.0)
+            self._redirect.enter_context(logging_redirect_tqdm(loggers=[logging.getLogger(), log]))
+
+    def update(self, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float) -> None:
+        """Report optimizer step ``step`` (1-based) with its loss, learning rate, gradient norm
+        (before clipping) and throughput in tokens per second."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self._bar.update(1)
+            return
+        if not ((self.every and step % self.every == 0) or step == self.total):
+            return
+        per_step = (time.perf_counter() - self._started) / max(step - self.start, 1)
+        eta = datetime.timedelta(seconds=round(per_step * (self.total - step)))
+        log.info("step %d/%d: train loss %.4f, lr %.2e, grad norm %.3f, %s tokens/s, eta %s",
+                 step, self.total, loss, lr, grad_norm, f"{tokens_per_s:,.0f}", eta)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        self._redirect.close()
+
