@@ -398,4 +398,29 @@ def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: An
     out_dir.mkdir(parents=True, exist_ok=True)
     fresh.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    _follow_umask(out_dir)
     return out_dir
+
+
+def _follow_umask(folder: Path) -> None:
+    """Give the files in ``folder`` the mode every other file of the run gets (0o666 minus the
+    process umask). safetensors creates ``model.safetensors`` with mode 0600, which teammates on
+    a shared file system cannot read."""
+    umask = _process_umask()
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
+def _process_umask() -> int:
+    # Linux reports the umask without changing it; os.umask() must set it to read it, which
+    # would briefly apply to files other threads (wandb's) create meanwhile.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
