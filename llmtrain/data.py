@@ -93,11 +93,44 @@ def _text_files(data_cfg: Any) -> list[Path]:
     for f in candidates:
         if data_cfg.max_bytes is not None and total >= data_cfg.max_bytes:
             break
+        _refuse_records_as_text(f)
         files.append(f)
         total += f.stat().st_size
     if not files:
         raise DataError(f"data.path: no files match {data_cfg.glob!r} under {root}")
     return files
+
+
+STRUCTURED_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
+
+
+def _refuse_records_as_text(path: Path) -> None:
+    """data.format=text reads files as plain text: a file of records (JSON objects, Parquet,
+    Arrow) would be trained on as its raw serialisation, braces and field names included.
+
+    Raises:
+        DataError: ``path`` holds structured records; the message names the fields seen and
+            the formats that read them.
+    """
+    if path.suffix.lower() not in STRUCTURED_SUFFIXES:
+        return
+    fields: list[str] = []
+    if path.suffix.lower() in (".json", ".jsonl"):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = f.read(1 << 20)
+        start = head.lstrip()
+        if not (start.startswith("{") or start.startswith("[") and start[1:].lstrip().startswith("{")):
+            return  # e.g. a JSON string or list of strings: text, if odd
+        try:
+            first, _ = json.JSONDecoder().raw_decode(head, head.index("{"))
+            fields = sorted(first) if isinstance(first, dict) else []
+        except ValueError:
+            pass  # the first record is longer than the head read: no field names to show
+    seen = f" with fields {fields}" if fields else ""
+    raise DataError(f"data.path: {path} holds structured records{seen}, but data.format=text would train on "
+                    "its raw text (braces and field names included). For {instruction, input, output} records "
+                    "use data=alpaca (data.format=alpaca); for plain text, point data.path at .txt files "
+                    "(or a folder with data.glob matching them)")
 
 
 def _read_records(path: Path, data_cfg: Any) -> list[dict]:
