@@ -16,9 +16,21 @@ PACKAGE_DIR = Path(llmtrain.__file__).resolve().parent
 
 
 def test_default_job_trains_with_falling_loss_and_exports(tmp_path):
-    proc = run_cli(["tracker=none", "trainer.progress_bar=false", "trainer.max_steps=30", "trainer.eval_every=15",
-                    f"run_dir={tmp_path}"])
+    umask = os.umask(0o007)  # group-readable, others nothing: the run's files must follow it
+    try:
+        proc = run_cli(["tracker=none", "trainer.max_steps=30", "trainer.eval_every=15", f"run_dir={tmp_path}"])
+    finally:
+        os.umask(umask)
     assert_ok(proc)
+    # Output captured (not a terminal): plain progress lines, no bar, no library bars.
+    output = proc.stdout + proc.stderr
+    assert "\r" not in output and "%|" not in output, output[-3000:]
+    progress = [line for line in proc.stdout.splitlines() if re.match(r"step \d+/30: train loss ", line)]
+    assert [int(line.split("/")[0][5:]) for line in progress] == list(range(1, 31))
+    # safetensors writes model.safetensors 0600; every file of the run follows the umask instead.
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*") if p.is_file()}
+    assert "hf/model.safetensors" in modes
+    assert {k: v for k, v in modes.items() if v != oct(0o660)} == {}
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics] == list(range(0, 31))
     losses = [m["train/loss"] for m in metrics if "train/loss" in m]
@@ -40,12 +52,18 @@ def test_default_job_trains_with_falling_loss_and_exports(tmp_path):
     assert model.generate(ids, max_new_tokens=5, do_sample=False).shape[1] == ids.shape[1] + 5
 
 
-def test_accelerate_launch_runs_two_processes(tmp_path):
-    proc = run_cli(FAST + ["trainer.max_steps=2", "+recipe=ddp", f"run_dir={tmp_path}"], nproc=2,
-                   launcher="accelerate")
+def test_accelerate_launch_runs_two_processes_with_deepspeed_and_a_quiet_log(tmp_path):
+    proc = run_cli([o for o in FAST if "progress_bar" not in o] + ["trainer.max_steps=2", "+recipe=zero2",
+                                                                   f"run_dir={tmp_path}"],
+                   nproc=2, launcher="accelerate")
     assert_ok(proc)
-    assert "on 2 rank(s)" in proc.stdout + proc.stderr
+    output = proc.stdout + proc.stderr
+    assert "on 2 rank(s)" in output
     assert [m["step"] for m in read_metrics(tmp_path)] == [0, 1, 2]
+    # DeepSpeed's compiler probes (gcc ... -laio) and op-built prints stayed out of the log; only
+    # rank 0 printed progress, as plain lines.
+    assert "gcc " not in output and "built successfully" not in output, output[-3000:]
+    assert re.findall(r"^step (\d+)/2: train loss", proc.stdout, re.M) == ["1", "2"]
 
 
 def test_wandb_offline_writes_a_local_run(tmp_path):
@@ -57,6 +75,30 @@ def test_wandb_offline_writes_a_local_run(tmp_path):
     assert_ok(proc)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, proc.stderr[-3000:]
+
+
+def test_help_explains_the_app_groups_recipes_and_fields():
+    proc = run_cli(["--help"])
+    assert_ok(proc)
+    text = proc.stdout
+    for group in ("model", "data", "trainer", "tracker"):
+        options = sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml"))
+        assert f"{group}: {', '.join(options)}" in text, group
+    recipes = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    assert f"recipe: {', '.join(recipes)}" in text and "+recipe=NAME" in text
+    for pointer in ("--cfg job --resolve", "python -m llmtrain.export", "README.md", "torchrun", "accelerate launch"):
+        assert pointer in text, pointer
+    # The "most used fields" show the values a plain run composes to (placeholders aside).
+    from conftest import make_cfg
+    from omegaconf import OmegaConf
+
+    cfg = make_cfg([])
+    shown = re.findall(r"^  ([a-z_]+\.[a-z_.]+)=(\S+)\s{2,}", text, re.M)
+    assert len(shown) >= 10
+    for key, value in shown:
+        if value.isupper() or "|" in value:
+            continue
+        assert OmegaConf.create(f"v: {value}").v == OmegaConf.select(cfg, key), (key, value)  # YAML as Hydra reads it
 
 
 def test_cfg_job_prints_the_composed_config():
@@ -86,6 +128,8 @@ def _assert_failed_cleanly(proc, run_dir: Path, *needles: str) -> None:
 
 @pytest.mark.parametrize("overrides,needles", [
     (["+recipe=zero9"], ["recipe/zero9", "zero3_offload"]),
+    # Accepted and ignored before the schema was closed (exit 0, stored in config.yaml).
+    (["+trainer.max_step=10"], ["trainer.max_step is not a field of trainer: did you mean trainer.max_steps?"]),
     (["trainer.max_steps=many"], ["trainer.max_steps=many"]),
     (["trainer.global_batch_size=10", "trainer.micro_batch_size=4"], ["trainer.global_batch_size=10", "trainer.micro_batch_size=4"]),
     (["data=tinyshakespeare", "data.path=/nonexistent/shakespeare.txt"], ["data.path", "/nonexistent/shakespeare.txt"]),

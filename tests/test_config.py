@@ -148,3 +148,43 @@ def test_deepspeed_config_is_generated_from_recipe_and_trainer(recipe, stage, of
     assert ("offload_param" in ds["zero_optimization"]) == offload
     assert ("optimizer" in ds) == offload
     assert "auto" not in repr(ds)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    # The failing cases a user saw: each was stored in config.yaml and ignored (exit 0).
+    (["+trainer.max_step=10"], r"trainer\.max_step is not a field of trainer: did you mean trainer\.max_steps\?"),
+    (["++trainer.max_step=10"], r"trainer\.max_step is not a field of trainer: did you mean trainer\.max_steps\?"),
+    (["+traner.lr=1"], r"traner is not a top-level field: did you mean trainer\?"),
+    (["+recipe=zero3", "+recipe.dp_shrad=2"], r"recipe\.dp_shrad is not a field of recipe: did you mean recipe\.dp_shard\?"),
+    (["+zzz=1"], r"zzz is not a top-level field: the fields are model, data, trainer"),
+])
+def test_keys_outside_the_schema_are_errors_however_added(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        validate(make_cfg(overrides), 1)
+
+
+def test_free_form_mappings_still_take_new_keys():
+    cfg = make_cfg(["+model.architecture.rope_theta=500000.0"])
+    validate(cfg, 1)
+    assert cfg.model.architecture.rope_theta == 500000.0
+
+
+@pytest.mark.parametrize("group,option,content,key", [
+    ("trainer", "mine", "max_step: 10\n", "max_step"),
+    ("recipe", "mine", "zero_stage: 3\ndp_shrad: 2\n", "dp_shrad"),
+])
+def test_group_files_with_unknown_keys_fail_at_compose(tmp_path, group, option, content, key):
+    (tmp_path / group).mkdir()
+    (tmp_path / group / f"{option}.yaml").write_text(content)
+    select = f"+{group}={option}" if group == "recipe" else f"{group}={option}"
+    with pytest.raises(ConfigCompositionException, match=f"Key '{key}' not in"):
+        make_cfg([f"hydra.searchpath=[file://{tmp_path}]", select])
+
+
+def test_a_shipped_recipe_file_with_an_unknown_key_is_a_config_error(tmp_path, monkeypatch):
+    import llmtrain.config
+
+    (tmp_path / "broken.yaml").write_text("zero_stage: 3\ndp_shrad: 2\n")
+    monkeypatch.setattr(llmtrain.config, "RECIPES_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"recipe file .*broken\.yaml: Key 'dp_shrad' not in 'RecipeConfig'"):
+        llmtrain.config.register_configs()

@@ -155,3 +155,36 @@ def test_alpaca_non_utf8_and_folder_paths_are_reported(tmp_path):
         data.load_splits(text_cfg(tmp_path / "a.json", format="alpaca", seq_len=64), byte_tokenizer(), seed=0)
     with pytest.raises(data.DataError, match="is a folder"):
         data.load_splits(text_cfg(tmp_path, format="alpaca", seq_len=64), byte_tokenizer(), seed=0)
+
+
+RECORDS = [{"instruction": "Add 2 and 3.", "input": "", "output": "5"}] * 4
+
+
+@pytest.mark.parametrize("name,write", [
+    ("records.json", lambda p: p.write_text(json.dumps(RECORDS, indent=2))),
+    ("records.jsonl", lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))),
+])
+def test_text_format_refuses_json_records_naming_their_fields(tmp_path, name, write):
+    # The failing case seen by a user: data=tinyshakespeare data.path=alpaca.json trained on raw JSON.
+    path = tmp_path / name
+    write(path)
+    with pytest.raises(data.DataError, match=r"structured records with fields \['input', 'instruction', "
+                                             r"'output'\].*data=alpaca") as err:
+        data.load_splits(text_cfg(path), byte_tokenizer(), seed=0)
+    assert str(path) in str(err.value)
+
+
+def test_text_format_refuses_parquet(tmp_path):
+    import datasets
+
+    path = tmp_path / "records.parquet"
+    datasets.Dataset.from_list(RECORDS).to_parquet(str(path))
+    with pytest.raises(data.DataError, match="structured records"):
+        data.load_splits(text_cfg(path), byte_tokenizer(), seed=0)
+
+
+def test_text_format_still_reads_a_json_suffixed_file_that_holds_no_records(tmp_path):
+    path = tmp_path / "strings.json"
+    path.write_text('"quoted text, no objects, no fields" ' * 3)
+    splits = data.load_splits(text_cfg(path), byte_tokenizer(), seed=0)
+    assert len(splits.train) + len(splits.val) == (len(path.read_bytes()) + 1) // 8

@@ -1,0 +1,45 @@
+"""What a run prints: plain progress lines in log files, library bars only where they belong."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from llmtrain import console
+
+
+def test_plain_progress_lines_every_log_every_steps_and_at_the_end(caplog):
+    progress = console.Progress(True, total_steps=5, start_step=0, every=2, on_terminal=False)
+    with caplog.at_level(logging.INFO, logger="llmtrain"):
+        for step in range(1, 6):
+            progress.update(step, loss=2.0 / step, lr=1e-3, grad_norm=0.5, tokens_per_s=12345.6)
+    progress.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split(":")[0] for line in lines] == ["step 2/5", "step 4/5", "step 5/5"]
+    assert lines[0].startswith("step 2/5: train loss 1.0000, lr 1.00e-03, grad norm 0.500, 12,346 tokens/s, eta ")
+    assert all("\r" not in line for line in lines)
+
+
+def test_progress_is_silent_when_disabled(caplog):
+    progress = console.Progress(False, total_steps=2, start_step=0, every=1, on_terminal=False)
+    with caplog.at_level(logging.INFO, logger="llmtrain"):
+        progress.update(1, 1.0, 1e-3, 0.5, 1.0)
+        progress.update(2, 1.0, 1e-3, 0.5, 1.0)
+    progress.close()
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize("is_main,on_terminal,bars", [(True, True, True), (False, True, False),
+                                                      (True, False, False), (False, False, False)])
+def test_library_progress_bars_only_on_rank_0_at_a_terminal(is_main, on_terminal, bars):
+    import datasets
+    import transformers.utils.logging
+
+    try:
+        console.configure_library_output(is_main, on_terminal)
+        assert datasets.is_progress_bar_enabled() == bars
+        assert transformers.utils.logging.is_progress_bar_enabled() == bars
+    finally:
+        datasets.enable_progress_bars()
+        transformers.utils.logging.enable_progress_bar()
