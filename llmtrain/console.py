@@ -102,4 +102,3 @@ class Progress:
             self._bar.close()
             self._bar = None
         self._redirect.close()
-

@@ -280,4 +280,3 @@ def _dump_loaded_model(engine) -> None:
         state = engine.full_state_dict()
         if state is not None:
             torch.save(state, path)
-
