@@ -29,3 +29,23 @@ def test_installed_wheel_finds_its_configs_and_recipes(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True,
                          cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}).stdout.split()
     assert out == [str(target / "llmtrain" / "conf"), str(target / "llmtrain" / "recipes"), "True"]
+
+
+def test_deepspeed_ops_link_when_the_environment_path_has_a_space(tmp_path, monkeypatch):
+    # torch writes -L<torch/lib> unquoted into DeepSpeed's op build: a venv under "/x y/" failed
+    # to link (ld: cannot find y/...). The engine points torch at a space-free symlink instead.
+    import torch.utils.cpp_extension as cpp_extension
+
+    import llmtrain.engine.deepspeed_engine as ds_engine
+
+    spaced = tmp_path / "with space" / "lib"
+    spaced.mkdir(parents=True)
+    (spaced / "libc10.so").write_text("stand-in")
+    monkeypatch.setattr(cpp_extension, "TORCH_LIB_PATH", str(spaced))
+    monkeypatch.setattr("llmtrain.paths.CACHE_DIR", tmp_path / "cache")
+    ds_engine._link_torch_libs_without_spaces()
+    linked = Path(cpp_extension.TORCH_LIB_PATH)
+    assert " " not in str(linked) and linked.is_symlink()
+    assert (linked / "libc10.so").read_text() == "stand-in"
+    ds_engine._link_torch_libs_without_spaces()  # the next rank finds the link in place
+    assert Path(cpp_extension.TORCH_LIB_PATH) == linked

@@ -50,6 +50,34 @@ def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict
     return config
 
 
+def _link_torch_libs_without_spaces() -> None:
+    """Let DeepSpeed JIT-build its CPU ops (shared-memory all-reduce, CPU Adam) when the Python
+    environment lives under a path with a space.
+
+    ``torch.utils.cpp_extension`` quotes include paths but writes ``-L<torch/lib>`` unquoted into
+    the ninja file, so the link fails (``ld: cannot find space/.../torch/lib``). The flag is read
+    from the module's ``TORCH_LIB_PATH`` when an op is built: point it at a symlink in llmtrain's
+    cache, whose path has no space. Created atomically, so ranks may race.
+    """
+    import hashlib
+    import os
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    from llmtrain.paths import CACHE_DIR
+
+    real = cpp_extension.TORCH_LIB_PATH
+    link = CACHE_DIR / "torch-lib" / hashlib.sha256(real.encode()).hexdigest()[:16]
+    if " " not in real or " " in str(link):
+        return  # nothing to fix, or no space-free place to fix it from
+    if not link.is_symlink():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        pending = link.with_name(f"{link.name}.{os.getpid()}")
+        pending.symlink_to(real, target_is_directory=True)
+        os.replace(pending, link)
+    cpp_extension.TORCH_LIB_PATH = str(link)
+
+
 class DeepSpeedEngine(Engine):
     """Wraps ``deepspeed.initialize``. DeepSpeed averages gradients over data-parallel ranks and
     (by default) divides by the accumulation steps; backward passes ``scale_wrt_gas=False`` and
@@ -61,6 +89,7 @@ class DeepSpeedEngine(Engine):
         self._hf_ds_config = None
         from llmtrain.console import stdout_to_debug_log
 
+        _link_torch_libs_without_spaces()
         # DeepSpeed prints "<op> built successfully" on every CPU launch: keep it out of the log.
         with stdout_to_debug_log("deepspeed"):
             import deepspeed
