@@ -34,13 +34,19 @@ def configure_library_output(is_main: bool, on_terminal: bool) -> None:
     unless this is rank 0 writing to a terminal (every rank would draw the same bar)."""
     if is_main and on_terminal:
         return
+    import functools
+
     import datasets
     import huggingface_hub.utils
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
     import transformers.utils.logging
 
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     huggingface_hub.utils.disable_progress_bars()
+    # GGUF dequantization draws a plain tqdm bar that ignores transformers' switch above.
+    if not isinstance(gguf_loading.tqdm, functools.partial):
+        gguf_loading.tqdm = functools.partial(gguf_loading.tqdm, disable=True)
 
 
 @contextlib.contextmanager

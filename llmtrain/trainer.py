@@ -116,7 +116,7 @@ def _check_resumable(resume_from: Path, cfg: Any, checkpoints: checkpoint.Checkp
                     resume_from, "; ".join(layout))
     if saved.step >= cfg.trainer.max_steps:
         log.warning("checkpoint %s is at step %d >= trainer.max_steps=%d: nothing to train (raise "
-                    "trainer.max_steps to continue); evaluating and exporting only", resume_from, saved.step,
+                    "trainer.max_steps to continue); exporting only", resume_from, saved.step,
                     cfg.trainer.max_steps)
 
 
@@ -205,7 +205,7 @@ def train(cfg: Any) -> dict[str, Any]:
         summary["initial_val"] = evaluate(engine, val_batches, env.device)
         tracker.log(summary["initial_val"], step=0)
         if env.is_main:
-            log.info("step 0: val loss %.4f (ppl %.2f)", summary["initial_val"]["val/loss"],
+            log.info("eval at step 0: val loss %.4f (ppl %.2f)", summary["initial_val"]["val/loss"],
                      summary["initial_val"]["val/perplexity"])
     if rng is not None:
         checkpoint.restore_rng(rng)  # after everything that draws random numbers at start-up
@@ -244,8 +244,8 @@ def train(cfg: Any) -> dict[str, Any]:
         if (t.eval_every and done % t.eval_every == 0) or done == t.max_steps:
             metrics.update(evaluate(engine, val_batches, env.device))
             if env.is_main:
-                log.info("step %d: train loss %.4f, val loss %.4f (ppl %.2f)", done, loss,
-                         metrics["val/loss"], metrics["val/perplexity"])
+                log.info("eval at step %d: val loss %.4f (ppl %.2f), train loss %.4f", done,
+                         metrics["val/loss"], metrics["val/perplexity"], loss)
         if done == t.max_steps:
             summary["final_val"] = {k: metrics[k] for k in ("val/loss", "val/perplexity")}
         if (t.log_every and done % t.log_every == 0) or "val/loss" in metrics:

@@ -27,6 +27,7 @@ def test_default_job_trains_with_falling_loss_and_exports(tmp_path):
     assert "\r" not in output and "%|" not in output, output[-3000:]
     progress = [line for line in proc.stdout.splitlines() if re.match(r"step \d+/30: train loss ", line)]
     assert [int(line.split("/")[0][5:]) for line in progress] == list(range(1, 31))
+    assert [line for line in proc.stdout.splitlines() if line.startswith("step")] == progress  # grep '^step'
     # safetensors writes model.safetensors 0600; every file of the run follows the umask instead.
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*") if p.is_file()}
     assert "hf/model.safetensors" in modes

@@ -34,12 +34,17 @@ def test_progress_is_silent_when_disabled(caplog):
                                                       (True, False, False), (False, False, False)])
 def test_library_progress_bars_only_on_rank_0_at_a_terminal(is_main, on_terminal, bars):
     import datasets
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
     import transformers.utils.logging
 
+    gguf_tqdm = gguf_loading.tqdm
     try:
         console.configure_library_output(is_main, on_terminal)
         assert datasets.is_progress_bar_enabled() == bars
         assert transformers.utils.logging.is_progress_bar_enabled() == bars
+        # Both ranks drew the GGUF dequantization bar into the log before.
+        assert gguf_loading.tqdm([1, 2]).disable == (not bars)
     finally:
         datasets.enable_progress_bars()
         transformers.utils.logging.enable_progress_bar()
+        gguf_loading.tqdm = gguf_tqdm
