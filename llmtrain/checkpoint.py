@@ -344,12 +344,22 @@ def _under(key: str, prefixes: tuple[str, ...]) -> bool:
     return any(key == a or key.startswith(a + ".") for a in prefixes)
 
 
+def keys_outside_schema(checkpoint_dir: Path, current: dict) -> list[str]:
+    """Keys of the checkpoint's config that the schema has no field for: written by runs from
+    before the schema was closed (``+trainer.max_step=10`` was stored and ignored)."""
+    from llmtrain.config import FREE_FORM_FIELDS
+
+    old, new = _saved_and_current(checkpoint_dir, current)
+    return sorted(k for k in old if k not in new and not _under(k, FREE_FORM_FIELDS))
+
+
 def config_differences(checkpoint_dir: Path, current: dict) -> list[str]:
     """``key: saved -> current`` for every setting that differs from the checkpoint's resolved
     config, except :data:`RESUMABLE_CHANGES` (and :data:`LAYOUT_KEYS` when both the checkpoint
-    and the current run use the torch engine)."""
+    and the current run use the torch engine) and :func:`keys_outside_schema`, which no run
+    ever read."""
     old, new = _saved_and_current(checkpoint_dir, current)
-    free = RESUMABLE_CHANGES
+    free = RESUMABLE_CHANGES + tuple(keys_outside_schema(checkpoint_dir, current))
     if old.get("recipe.engine") == new.get("recipe.engine") == "torch":
         free = free + LAYOUT_KEYS
     return _differences(old, new, lambda key: not _under(key, free))

@@ -219,6 +219,10 @@ def register_configs() -> None:
         cs.store(group="recipe", name=recipe_file.stem, node=node)
 
 
+# Mappings passed on to transformers as they are: any key is allowed inside them.
+FREE_FORM_FIELDS = ("model.architecture", "model.tp_plan")
+
+
 def check_known_keys(node: Any, prefix: str = "") -> None:
     """Refuse keys that are not fields of the typed schema, however they were added.
 

@@ -85,7 +85,9 @@ class Progress:
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              dynamic_ncols=True, mininterval=1.0)
-            self._redirect.enter_context(logging_redirect_tqdm(loggers=[logging.getLogger(), log]))
+            # The root logger only: llmtrain's records propagate to it, and a handler on both
+            # would print every line twice.
+            self._redirect.enter_context(logging_redirect_tqdm(loggers=[logging.getLogger()]))
 
     def update(self, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float) -> None:
         """Report optimizer step ``step`` (1-based) with its loss, learning rate, gradient norm

@@ -101,36 +101,54 @@ def _text_files(data_cfg: Any) -> list[Path]:
     return files
 
 
-STRUCTURED_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
+JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
+TABLE_SUFFIXES = (".parquet", ".arrow")
 
 
 def _refuse_records_as_text(path: Path) -> None:
-    """data.format=text reads files as plain text: a file of records (JSON objects, Parquet,
-    Arrow) would be trained on as its raw serialisation, braces and field names included.
+    """data.format=text reads files as plain text: a file of records would be trained on as its
+    raw serialisation, braces and field names included. Refused: ``.json``/``.jsonl``/``.ndjson``
+    files (also gzip/bz2/xz-compressed, also with a byte-order mark) that hold JSON objects,
+    Parquet and Arrow files, and any other file whose first line is a JSON object (JSON lines
+    saved as ``.txt``).
 
     Raises:
-        DataError: ``path`` holds structured records; the message names the fields seen and
-            the formats that read them.
+        DataError: ``path`` holds records; the message names the fields seen and what reads them.
     """
-    if path.suffix.lower() not in STRUCTURED_SUFFIXES:
-        return
-    fields: list[str] = []
-    if path.suffix.lower() in (".json", ".jsonl"):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            head = f.read(1 << 20)
-        start = head.lstrip()
-        if not (start.startswith("{") or start.startswith("[") and start[1:].lstrip().startswith("{")):
-            return  # e.g. a JSON string or list of strings: text, if odd
+    import bz2
+    import gzip
+    import lzma
+
+    suffixes = [s.lower() for s in path.suffixes]
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(suffixes[-1] if suffixes else "")
+    kind = (suffixes[-2] if opener and len(suffixes) >= 2 else suffixes[-1]) if suffixes else ""
+    if kind in TABLE_SUFFIXES:
+        fields = ""
+        if kind == ".parquet" and not opener:
+            import pyarrow.parquet
+
+            fields = f" with fields {sorted(pyarrow.parquet.read_schema(path).names)}"
+        raise DataError(f"data.path: {path} is a {kind[1:]} table{fields}; data.format=text reads plain text and "
+                        "data=alpaca reads JSON/JSONL records. Convert it first, e.g. "
+                        f"datasets.Dataset.from_{kind[1:]}('{path}').to_json('records.jsonl'), then use "
+                        "data=alpaca data.path=records.jsonl")
+    with (opener or open)(path, "rt", encoding="utf-8", errors="replace") as f:
+        # A JSON file is sniffed from its start; any other file by its first line only.
+        head = f.read(1 << 20) if kind in JSON_SUFFIXES else f.readline(1 << 20)
+    head = head.lstrip("\ufeff \t\r\n")
+    first = None
+    if head.startswith("{") or (kind in JSON_SUFFIXES and head.startswith("[") and head[1:].lstrip().startswith("{")):
         try:
             first, _ = json.JSONDecoder().raw_decode(head, head.index("{"))
-            fields = sorted(first) if isinstance(first, dict) else []
         except ValueError:
-            pass  # the first record is longer than the head read: no field names to show
-    seen = f" with fields {fields}" if fields else ""
-    raise DataError(f"data.path: {path} holds structured records{seen}, but data.format=text would train on "
-                    "its raw text (braces and field names included). For {instruction, input, output} records "
-                    "use data=alpaca (data.format=alpaca); for plain text, point data.path at .txt files "
-                    "(or a folder with data.glob matching them)")
+            first = {} if kind in JSON_SUFFIXES else None  # a record longer than the head: no names
+    if not isinstance(first, dict):
+        return  # plain text (or JSON that holds no objects: text, if odd)
+    seen = f" with fields {sorted(first)}" if first else ""
+    raise DataError(f"data.path: {path} holds JSON records{seen}, but data.format=text would train on its raw "
+                    "text (braces and field names included). For {instruction, input, output} records use "
+                    "data=alpaca (data.format=alpaca); for plain text, point data.path at text files (or a folder "
+                    "with data.glob matching them)")
 
 
 def _read_records(path: Path, data_cfg: Any) -> list[dict]:

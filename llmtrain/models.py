@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 BYTE_EOS = "<|endoftext|>"
@@ -104,7 +105,9 @@ def build_tokenizer(model_cfg: Any):
 def model_config(model_cfg: Any):
     """The ``transformers`` config of the model (no weights are read)."""
     if model_cfg.source == "config":
-        arch = dict(model_cfg.architecture)
+        # Nested values (rope_scaling={...}) must reach transformers as plain dicts too.
+        arch = OmegaConf.to_container(model_cfg.architecture, resolve=True) if OmegaConf.is_config(
+            model_cfg.architecture) else dict(model_cfg.architecture)
         model_type = arch.pop("model_type")
         try:
             return AutoConfig.for_model(model_type, **arch)

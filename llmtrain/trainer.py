@@ -110,6 +110,10 @@ def _check_resumable(resume_from: Path, cfg: Any, checkpoints: checkpoint.Checkp
             "To continue it, use its settings; to start a new run, set a new run_dir (or name)")
     if not is_main:
         return
+    ignored = checkpoint.keys_outside_schema(resume_from, current)
+    if ignored:
+        log.warning("checkpoint %s stores settings that are not config fields and were never used (%s); "
+                    "ignoring them", resume_from, ", ".join(ignored))
     layout = checkpoint.layout_changes(resume_from, current)
     if layout:
         log.warning("resuming %s with another parallel layout (%s): the Distributed Checkpoint is resharded",

@@ -79,3 +79,20 @@ def test_torch_engine_still_loads_and_exports_a_pre_dcp_checkpoint(tmp_path):
     assert new.optimizer.state_dict()["state"][0]["step"] == 1 and new.lr() == old.lr()
     exported = consolidated_state_dict(tmp_path, "torch")
     assert all(torch.equal(exported[k], v) for k, v in old.model.state_dict().items())
+
+
+def test_keys_stored_before_the_schema_was_closed_do_not_block_a_resume(tmp_path):
+    # A run launched with +trainer.max_step=10 stored the key (ignored); refusing the resume
+    # would say "use its settings", which the closed schema no longer accepts.
+    from omegaconf import OmegaConf
+
+    from conftest import make_cfg
+
+    current = OmegaConf.to_container(make_cfg([]), resolve=True)
+    saved = OmegaConf.to_container(make_cfg([]), resolve=True)
+    saved["trainer"]["max_step"] = 10
+    saved["traner"] = {"lr": 1}
+    saved["model"]["architecture"]["rope_theta"] = 5.0  # free-form: still a real difference
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    assert checkpoint.keys_outside_schema(tmp_path, current) == ["trainer.max_step", "traner.lr"]
+    assert checkpoint.config_differences(tmp_path, current) == ["model.architecture.rope_theta: 5.0 -> <absent>"]

@@ -188,3 +188,10 @@ def test_a_shipped_recipe_file_with_an_unknown_key_is_a_config_error(tmp_path, m
     monkeypatch.setattr(llmtrain.config, "RECIPES_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match=r"recipe file .*broken\.yaml: Key 'dp_shrad' not in 'RecipeConfig'"):
         llmtrain.config.register_configs()
+
+
+def test_nested_architecture_values_reach_transformers_as_plain_dicts():
+    from llmtrain.models import model_config
+
+    config = model_config(make_cfg(["+model.architecture.rope_scaling={rope_type: linear, factor: 2.0}"]).model)
+    assert config.rope_scaling["rope_type"] == "linear" and config.rope_scaling["factor"] == 2.0

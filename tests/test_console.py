@@ -48,3 +48,19 @@ def test_library_progress_bars_only_on_rank_0_at_a_terminal(is_main, on_terminal
         datasets.enable_progress_bars()
         transformers.utils.logging.enable_progress_bar()
         gguf_loading.tqdm = gguf_tqdm
+
+
+def test_log_lines_print_once_beside_the_bar_on_a_terminal(capsys):
+    # On a TTY every message logged during training appeared twice (a tqdm handler on both the
+    # llmtrain logger and the root logger it propagates to).
+    root = logging.getLogger()
+    handler = logging.StreamHandler()  # sys.stderr, as captured by capsys
+    root.addHandler(handler)
+    try:
+        progress = console.Progress(True, total_steps=2, start_step=0, every=1, on_terminal=True)
+        logging.getLogger("llmtrain").warning("eval at step 1: val loss 1.0")
+        progress.update(1, 1.0, 1e-3, 0.5, 10.0)
+        progress.close()
+    finally:
+        root.removeHandler(handler)
+    assert capsys.readouterr().err.count("eval at step 1: val loss 1.0") == 1

@@ -160,15 +160,24 @@ def test_alpaca_non_utf8_and_folder_paths_are_reported(tmp_path):
 RECORDS = [{"instruction": "Add 2 and 3.", "input": "", "output": "5"}] * 4
 
 
+def _jsonl(records) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
 @pytest.mark.parametrize("name,write", [
     ("records.json", lambda p: p.write_text(json.dumps(RECORDS, indent=2))),
-    ("records.jsonl", lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))),
+    ("records.jsonl", lambda p: p.write_text(_jsonl(RECORDS))),
+    ("records.JSONL", lambda p: p.write_text("\n\n" + _jsonl(RECORDS))),
+    ("bom.json", lambda p: p.write_text("\ufeff" + json.dumps(RECORDS), encoding="utf-8")),
+    ("records.ndjson", lambda p: p.write_text(_jsonl(RECORDS))),
+    ("records.jsonl.gz", lambda p: p.write_bytes(__import__("gzip").compress(_jsonl(RECORDS).encode()))),
+    ("lines-saved-as.txt", lambda p: p.write_text(_jsonl(RECORDS))),
 ])
 def test_text_format_refuses_json_records_naming_their_fields(tmp_path, name, write):
     # The failing case seen by a user: data=tinyshakespeare data.path=alpaca.json trained on raw JSON.
     path = tmp_path / name
     write(path)
-    with pytest.raises(data.DataError, match=r"structured records with fields \['input', 'instruction', "
+    with pytest.raises(data.DataError, match=r"JSON records with fields \['input', 'instruction', "
                                              r"'output'\].*data=alpaca") as err:
         data.load_splits(text_cfg(path), byte_tokenizer(), seed=0)
     assert str(path) in str(err.value)
@@ -179,7 +188,9 @@ def test_text_format_refuses_parquet(tmp_path):
 
     path = tmp_path / "records.parquet"
     datasets.Dataset.from_list(RECORDS).to_parquet(str(path))
-    with pytest.raises(data.DataError, match="structured records"):
+    # data=alpaca reads JSON only: the message says how to convert, not to switch format.
+    with pytest.raises(data.DataError, match=r"parquet table with fields \['input', 'instruction', 'output'\].*"
+                                             r"Dataset\.from_parquet\("):
         data.load_splits(text_cfg(path), byte_tokenizer(), seed=0)
 
 
