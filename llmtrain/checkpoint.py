@@ -347,14 +347,13 @@ def _under(key: str, prefixes: tuple[str, ...]) -> bool:
 def keys_outside_schema(checkpoint_dir: Path, current: dict) -> list[str]:
     """Keys of the checkpoint's config that the schema has no field for: written by runs from
     before the schema was closed (``+trainer.max_step=10`` was stored and ignored)."""
-    return _outside_schema(*_saved_and_current(checkpoint_dir, current))
+    return _outside_schema(_saved_and_current(checkpoint_dir, current)[0])
 
 
-def _outside_schema(old: dict, new: dict) -> list[str]:
-    from llmtrain.config import FREE_FORM_FIELDS
+def _outside_schema(old: dict) -> list[str]:
+    from llmtrain.config import is_schema_key
 
-    # Every schema field is in the current config; free-form mappings may legitimately lose keys.
-    return sorted(k for k in old if k not in new and not _under(k, FREE_FORM_FIELDS))
+    return sorted(k for k in old if not is_schema_key(k))
 
 
 def config_differences(checkpoint_dir: Path, current: dict) -> list[str]:
@@ -363,7 +362,7 @@ def config_differences(checkpoint_dir: Path, current: dict) -> list[str]:
     and the current run use the torch engine) and :func:`keys_outside_schema`, which no run
     ever read."""
     old, new = _saved_and_current(checkpoint_dir, current)
-    free = RESUMABLE_CHANGES + tuple(_outside_schema(old, new))
+    free = RESUMABLE_CHANGES + tuple(_outside_schema(old))
     if old.get("recipe.engine") == new.get("recipe.engine") == "torch":
         free = free + LAYOUT_KEYS
     return _differences(old, new, lambda key: not _under(key, free))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -219,8 +220,19 @@ def register_configs() -> None:
         cs.store(group="recipe", name=recipe_file.stem, node=node)
 
 
-# Mappings passed on to transformers as they are: any key is allowed inside them.
-FREE_FORM_FIELDS = ("model.architecture", "model.tp_plan")
+def is_schema_key(dotted_key: str) -> bool:
+    """Whether ``dotted_key`` (``trainer.lr``) names a field of :class:`Config`, or lies inside a
+    field that is not a dataclass (``model.architecture.rope_theta``: free-form mappings take any
+    key). The same notion of the schema as :func:`check_known_keys`, for plain dicts."""
+    schema: Any = Config
+    for part in dotted_key.split("."):
+        if not dataclasses.is_dataclass(schema):
+            return True
+        hints = typing.get_type_hints(schema)
+        if part not in hints:
+            return False
+        schema = hints[part]
+    return True
 
 
 def check_known_keys(node: Any, prefix: str = "") -> None:
