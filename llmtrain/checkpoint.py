@@ -374,7 +374,8 @@ def layout_changes(checkpoint_dir: Path, current: dict) -> list[str]:
     return _differences(old, new, lambda key: _under(key, LAYOUT_KEYS))
 
 
-def export_hf(engine, model_cfg: Any, tokenizer: Any, out_dir: Path) -> Path | None:
+def export_hf(engine, model_cfg: Any, tokenizer: Any, out_dir: Path,
+              end_token_ids: list[int] | None = None) -> Path | None:
     """Write a ``from_pretrained``-loadable folder (safetensors) from the engine's weights.
 
     ZeRO-3 partitions are gathered into one state dict on rank 0. The weights are copied into a
@@ -388,11 +389,16 @@ def export_hf(engine, model_cfg: Any, tokenizer: Any, out_dir: Path) -> Path | N
     state = engine.full_state_dict()
     if not engine.env.is_main:
         return None
-    return save_hf_folder(state, model_cfg, tokenizer, out_dir)
+    return save_hf_folder(state, model_cfg, tokenizer, out_dir, end_token_ids)
 
 
-def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: Any, out_dir: Path) -> Path:
-    """Save a full fp32 state dict as a Hugging Face folder (model + tokenizer)."""
+def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: Any, out_dir: Path,
+                   end_token_ids: list[int] | None = None) -> Path:
+    """Save a full fp32 state dict as a Hugging Face folder (model + tokenizer).
+
+    ``end_token_ids``: every token training taught as the end of a response (the chat
+    template's end-of-turn token and EOS, :func:`llmtrain.data.end_token_ids`); written as
+    ``generation_config.json``'s ``eos_token_id`` so ``generate()`` stops on any of them."""
     from transformers import AutoModelForCausalLM
 
     config = model_config(model_cfg)
@@ -408,6 +414,8 @@ def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: An
     if missing or result.unexpected_keys:
         raise RuntimeError(f"export: state dict does not match {config.model_type}: missing "
                            f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+    if end_token_ids:
+        fresh.generation_config.eos_token_id = end_token_ids if len(end_token_ids) > 1 else end_token_ids[0]
     out_dir.mkdir(parents=True, exist_ok=True)
     fresh.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

@@ -22,14 +22,13 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from llmtrain.errors import ConfigError
 from llmtrain.paths import RECIPES_DIR
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
-class ConfigError(ValueError):
-    """A configuration value (or combination) that cannot work; the message names field and fix."""
 
 
 @dataclass
@@ -62,32 +61,80 @@ class ModelConfig:
     tp_plan: Optional[Any] = None  # Any: a dict override must replace, not merge into, the field
 
 
-@dataclass
-class DataConfig:
-    """Training data from local files, read through ``datasets``.
+DATA_FORMATS = ("text", "instruction", "alpaca", "chat", "prompt_completion", "tokens")
+# Record fields each format reads; data.columns maps them to a file's own column names.
+FORMAT_COLUMNS = {
+    "text": ("text",),
+    "instruction": ("instruction", "input", "output"),
+    "chat": ("messages", "conversations"),
+    "prompt_completion": ("prompt", "completion"),
+    "tokens": (),
+}
 
-    ``format``:
-      * ``text``: plain-text documents, tokenized, joined with EOS and packed into blocks of
-        ``seq_len`` tokens. ``path`` is a file, a folder (files matching ``glob``), or null for
-        the Python standard library's own source files (present on every machine).
-      * ``alpaca``: a JSON/JSONL list of {instruction, input, output}; prompt tokens get label
-        -100, the response and EOS are trained. ``template``: ``chat`` (the tokenizer's chat
-        template), ``alpaca`` (the Stanford Alpaca prompt) or ``auto`` (chat when the tokenizer
-        has a template).
-    ``max_bytes`` caps how much raw text is read (null: all of it); ``max_records`` caps records.
-    ``val_fraction`` of the samples (at least one) is held out for validation, chosen by ``seed``.
-    """
+
+@dataclass
+class DataSourceConfig:
+    """One dataset: where its records come from and how to read them (see :class:`DataConfig`)."""
 
     name: str = MISSING
     format: str = "text"
     path: Optional[str] = MISSING
     glob: str = "**/*.py"
+    subset: Optional[str] = None
+    split: str = "train"
+    revision: Optional[str] = None
+    columns: Dict[str, str] = field(default_factory=dict)
+    chat_layout: str = "auto"
     max_bytes: Optional[int] = None
     max_records: Optional[int] = None
+
+
+@dataclass
+class DataConfig(DataSourceConfig):
+    """Training data, read through ``datasets``.
+
+    Sources (``path``): a local file or folder of ``.json``/``.jsonl``/``.parquet``/``.csv``/
+    ``.txt``/``.arrow`` files (``glob`` picks files in a folder), a folder written by
+    ``Dataset.save_to_disk``, or a Hugging Face Hub dataset id with ``subset``, ``split`` and
+    ``revision`` (needs network, or the dataset in the ``datasets`` cache). ``columns`` maps the
+    fields a format reads to the file's names (``columns: {text: content}``). ``text`` with
+    ``path: null`` reads the Python standard library's own source files (on every machine).
+
+    ``format``:
+      * ``text``: documents tokenized, joined with EOS and cut into blocks of ``seq_len`` tokens
+        (``document_masking``: attention and positions restart at each document).
+      * ``instruction`` (alias ``alpaca``): {instruction, input, output} records; the response
+        and its end token are trained, the prompt is not. ``template``: ``chat``/``auto`` (the
+        tokenizer's chat template when it has one), ``alpaca`` (the Stanford Alpaca prompt), or
+        a named template / Jinja file as for ``chat``.
+      * ``chat``: one conversation per record, OpenAI ``messages`` (role/content) or ShareGPT
+        ``conversations`` (from/value), told apart by ``chat_layout`` (``auto``, ``messages``,
+        ``sharegpt``). Rendered with the chat template; every assistant turn and its end-of-turn
+        token are trained. ``template``: ``auto`` (the tokenizer's), ``chatml`` (a built-in
+        template) or a path to a Jinja file.
+      * ``prompt_completion``: {prompt, completion}; the completion and EOS are trained.
+      * ``tokens``: a folder written by ``python -m llmtrain.prepare`` (memory-mapped).
+    ``truncation``: a sample longer than ``seq_len`` is cut (``right``) or dropped (``drop``); a
+    sample left without target tokens is dropped either way. ``packing``: several samples share
+    one row of ``seq_len`` tokens, with positions restarting and attention kept inside each.
+    Mixtures: ``datasets`` (a list of sources) with ``weights``; each global sample index draws
+    its source from the weights and ``trainer.seed``.
+    ``max_bytes`` caps raw text read (null: all); ``max_records`` caps records per source.
+    ``val_fraction`` of the samples (at least one) is held out for validation, chosen by the seed.
+    ``num_proc``: processes for tokenization (``datasets.map``).
+    """
+
+    name: str = MISSING
     seq_len: int = 256
     val_fraction: float = 0.05
     template: str = "auto"
+    truncation: str = "right"
+    packing: bool = False
+    document_masking: bool = False
     shuffle: bool = True
+    num_proc: int = 1
+    datasets: List[DataSourceConfig] = field(default_factory=list)
+    weights: List[float] = field(default_factory=list)
 
 
 @dataclass
@@ -293,6 +340,65 @@ def apply_engine_override(cfg: Any) -> None:
         cfg.recipe.name = f"{cfg.recipe.name}-{cfg.engine}"
 
 
+NAMED_TEMPLATES = ("chatml",)
+
+
+def _validate_source(src: Any, key: str) -> None:
+    """Checks of one source (``key`` = ``data`` or ``data.datasets.N``); see :func:`validate_data`."""
+    _require(not OmegaConf.is_missing(src, "path"),
+             f"{key}.path must be set for data={src.name}: add {key}.path=/path/to/your/{src.name} file or folder")
+    _require(src.format in DATA_FORMATS, f"{key}.format={src.format!r} must be one of {', '.join(DATA_FORMATS)}")
+    _require(src.path is not None or src.format == "text",
+             f"{key}.path must name a file, folder or Hub dataset id when {key}.format={src.format} "
+             "(only format=text has a built-in default)")
+    _require(src.chat_layout in ("auto", "messages", "sharegpt"),
+             f"{key}.chat_layout={src.chat_layout!r} must be auto, messages or sharegpt")
+    kind = "instruction" if src.format == "alpaca" else src.format
+    unknown = sorted(set(src.columns) - set(FORMAT_COLUMNS[kind]))
+    _require(not unknown, f"{key}.columns: {unknown} are not fields of format {src.format}; it reads "
+             f"{', '.join(FORMAT_COLUMNS[kind]) or 'no columns'} (map them as {key}.columns.FIELD=your_column)")
+
+
+def validate_data(d: Any) -> None:
+    """Checks of the ``data`` node (one source or a mixture) that need no file access.
+
+    Raises:
+        ConfigError: naming the field (``data.datasets.1.path``), its value and the fix.
+    """
+    if d.datasets:
+        _require(len(d.weights) == len(d.datasets),
+                 f"data.weights has {len(d.weights)} value(s) for {len(d.datasets)} data.datasets; give one weight "
+                 "per dataset")
+        _require(all(w >= 0 for w in d.weights) and sum(d.weights) > 0,
+                 f"data.weights={list(d.weights)} must be >= 0 with a positive sum")
+        names = [src.name for src in d.datasets]
+        _require(len(set(names)) == len(names), f"data.datasets names {names} must be distinct (they name the "
+                 "per-source counts data/source/<name>_samples)")
+        for i, src in enumerate(d.datasets):
+            _validate_source(src, f"data.datasets.{i}")
+    else:
+        _require(not d.weights, "data.weights is set but data.datasets is empty; list the mixture's datasets")
+        _validate_source(d, "data")
+    formats = {src.format for src in d.datasets} if d.datasets else {d.format}
+    template = str(d.template)
+    _require(template in ("auto", "chat", "alpaca") + NAMED_TEMPLATES or template.endswith((".jinja", ".j2")),
+             f"data.template={template!r} must be auto, chat, alpaca, {', '.join(NAMED_TEMPLATES)} or a Jinja file "
+             "(*.jinja)")
+    if template.endswith((".jinja", ".j2")):
+        _require(Path(template).expanduser().is_file(), f"data.template={template}: no such file")
+    _require(d.truncation in ("right", "drop"), f"data.truncation={d.truncation!r} must be right or drop")
+    _require(not (d.packing and formats & {"text", "tokens"}),
+             "data.packing=true packs variable-length samples (instruction, chat, prompt_completion); text and "
+             "tokens are already cut into full blocks: use data.document_masking=true to keep attention inside "
+             "each document")
+    _require(not (d.document_masking and formats - {"text", "tokens"}),
+             f"data.document_masking=true applies to format text/tokens (got {', '.join(sorted(formats))}); "
+             "use data.packing=true for the other formats")
+    _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be at least 2")
+    _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    _require(d.num_proc >= 1, f"data.num_proc={d.num_proc} must be >= 1")
+
+
 def validate(cfg: Any, world_size: int) -> None:
     """Check every cross-field rule before anything is built or written.
 
@@ -317,13 +423,7 @@ def validate(cfg: Any, world_size: int) -> None:
         _require(m.gguf_file is not None, "model.gguf_file must be set when model.source=gguf")
         _require(m.path is not None or m.gguf_package is not None,
                  "model.source=gguf needs model.path (folder of the file) or model.gguf_package")
-    _require(not OmegaConf.is_missing(d, "path"),
-             f"data.path must be set for data={d.name}: add data.path=/path/to/your/{d.name} file")
-    _require(d.format in ("text", "alpaca"), f"data.format={d.format!r} must be text or alpaca")
-    _require(d.template in ("auto", "chat", "alpaca"),
-             f"data.template={d.template!r} must be auto, chat or alpaca")
-    _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be at least 2")
-    _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    validate_data(d)
     for key in ("max_steps", "global_batch_size", "micro_batch_size"):
         _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
     for key in ("warmup_steps", "eval_every", "log_every", "save_every", "eval_samples"):
@@ -361,8 +461,6 @@ def validate(cfg: Any, world_size: int) -> None:
                      f"model.architecture.num_attention_heads={heads}")
             _require(heads % kv_heads == 0, f"model.architecture.num_attention_heads={heads} must be divisible by "
                      f"model.architecture.num_key_value_heads={kv_heads}")
-    _require(not (d.format == "alpaca" and d.path is None),
-             "data.path must name an alpaca JSON/JSONL file when data.format=alpaca")
     _require(not Path(str(cfg.run_dir)).is_file(), f"run_dir={cfg.run_dir} is a file; point run_dir at a folder")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _require(t.precision in ("fp32", "bf16"), f"trainer.precision={t.precision!r} must be fp32 or bf16")

@@ -47,9 +47,15 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path) -> Path:
     problem = verify(checkpoint_dir)
     if problem is not None:
         raise ResumeError(f"checkpoint {checkpoint_dir} is not usable: {problem}")
+    from llmtrain.config import DataConfig
+    from llmtrain.data import apply_template_setting, end_token_ids
+
     cfg = OmegaConf.load(checkpoint_dir / "config.yaml")
     state = consolidated_state_dict(checkpoint_dir, cfg.recipe.engine)
-    return save_hf_folder(state, cfg.model, build_tokenizer(cfg.model), out_dir)
+    # Older checkpoints lack newer data fields: the schema's defaults fill them.
+    data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), cfg.data)
+    tokenizer = apply_template_setting(data_cfg, build_tokenizer(cfg.model))
+    return save_hf_folder(state, cfg.model, tokenizer, out_dir, end_token_ids(data_cfg, tokenizer))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 BYTE_EOS = "<|endoftext|>"
 BYTE_PAD = "<pad>"
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 
 class ModelSourceError(RuntimeError):
@@ -41,7 +42,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer built in code (no download): ids 0-255 are bytes, 256 is EOS
-    (``<|endoftext|>``, also BOS) and 257 is padding. Vocabulary size 258."""
+    (``<|endoftext|>``, also BOS), 257 is padding, and 258/259 are ChatML's ``<|im_start|>`` and
+    ``<|im_end|>`` (for ``data.template=chatml``; it has no chat template of its own).
+    Vocabulary size 260."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
@@ -49,9 +52,10 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([BYTE_EOS, BYTE_PAD])
+    tok.add_special_tokens([BYTE_EOS, BYTE_PAD, *CHATML_TOKENS])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=BYTE_EOS, bos_token=BYTE_EOS,
-                                   pad_token=BYTE_PAD, model_max_length=1 << 30)
+                                   pad_token=BYTE_PAD, additional_special_tokens=list(CHATML_TOKENS),
+                                   model_max_length=1 << 30)
 
 
 def resolve_gguf(model_cfg: Any) -> tuple[str, str]:

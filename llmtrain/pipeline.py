@@ -81,6 +81,16 @@ class DecoderStage(nn.Module):
             self.lm_head = model.lm_head
         self.is_first, self.is_last = is_first, is_last
         self.holds_tied_weight = tied and (is_first or is_last)
+        self._packed_positions: list[torch.Tensor] | None = None
+        self._forward_calls = 0
+
+    def use_positions(self, chunks: list[torch.Tensor] | None) -> None:
+        """Position ids ``[micro_batch, seq]`` of the coming forwards, one per micro-batch, for
+        packed rows (positions restart at each sample, attention stays inside it); None: plain
+        ``0..T-1``. Stages exchange only hidden states, so every stage is given the positions;
+        every schedule runs a stage's forwards in micro-batch order, so the k-th call takes
+        chunk k."""
+        self._packed_positions, self._forward_calls = chunks, 0
 
     @property
     def tied_copy(self) -> nn.Parameter | None:
@@ -93,7 +103,11 @@ class DecoderStage(nn.Module):
 
         body = base_model(self)
         h = body.embed_tokens(x) if self.is_first else x
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        if self._packed_positions is not None:
+            positions = self._packed_positions[self._forward_calls]
+            self._forward_calls += 1
+        else:
+            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         rotary = body.rotary_emb(h, position_ids=positions)
         layer_types = getattr(self.config, "layer_types", None)
         masks: dict[str, Any] = {}

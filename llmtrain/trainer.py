@@ -200,8 +200,9 @@ def train(cfg: Any) -> dict[str, Any]:
                  f" ({cfg.recipe.pp_schedule}, {cfg.recipe.pp_stages_per_rank} stage(s) per rank)" if dims.pp > 1 else "",
                  t.global_batch_size, t.micro_batch_size, accumulation, dims.dp)
 
-    loader, _ = data.train_loader(splits, tokenizer, cfg.data, t.seed, t.micro_batch_size, accumulation,
-                                  engine.dp_rank, dims.dp, start_step=start_step, max_steps=t.max_steps)
+        log.info("%s", data.describe(splits))
+    loader, sampler = data.train_loader(splits, tokenizer, cfg.data, t.seed, t.micro_batch_size, accumulation,
+                                        engine.dp_rank, dims.dp, start_step=start_step, max_steps=t.max_steps)
     micro_batches = iter(loader)
     val_batches = data.val_batches(splits, tokenizer, t.micro_batch_size, t.eval_samples, engine.dp_rank, dims.dp)
     summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(run_dir), "start_step": start_step}
@@ -244,6 +245,9 @@ def train(cfg: Any) -> dict[str, Any]:
                    "train/tokens_per_s": tokens / elapsed, "train/step_time_s": elapsed,
                    "train/tokens_seen": state.tokens_seen, "train/samples_seen": state.consumed_samples,
                    "data/sample_digest": digest, "memory/peak_bytes": _memory_bytes(env.device)}
+        if len(splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed
+            counts = sampler.source_counts(step, len(splits.names))
+            metrics.update({f"data/source/{name}_samples": n for name, n in zip(splits.names, counts)})
         progress.update(done, loss, lr, grad_norm, tokens / elapsed)
         if (t.eval_every and done % t.eval_every == 0) or done == t.max_steps:
             metrics.update(evaluate(engine, val_batches, env.device))
@@ -267,7 +271,8 @@ def train(cfg: Any) -> dict[str, Any]:
     preemption.restore()
     progress.close()
     if t.export_hf and "preempted_at" not in summary:
-        exported = checkpoint.export_hf(engine, cfg.model, tokenizer, run_dir / "hf")
+        exported = checkpoint.export_hf(engine, cfg.model, tokenizer, run_dir / "hf",
+                                        end_token_ids=data.end_token_ids(cfg.data, tokenizer))
         if exported is not None:
             summary["export"] = str(exported)
             log.info("exported Hugging Face model to %s", exported)

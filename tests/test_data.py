@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
-
 import pytest
+from omegaconf import OmegaConf
 
 from llmtrain import data
 from llmtrain.models import byte_tokenizer
 
 
 def text_cfg(path, seq_len=8, **kw):
-    base = dict(name="t", format="text", path=str(path), glob="*.txt", max_bytes=None, max_records=None,
-                seq_len=seq_len, val_fraction=0.25, template="alpaca", shuffle=True)
+    from llmtrain.config import DataConfig
+
+    base = dict(name="t", format="text", path=str(path), glob="*.txt", seq_len=seq_len, val_fraction=0.25,
+                template="alpaca")
     base.update(kw)
-    return SimpleNamespace(**base)
+    return OmegaConf.merge(OmegaConf.structured(DataConfig), base)
 
 
 def test_byte_tokenizer_round_trips_any_text():
@@ -24,7 +25,8 @@ def test_byte_tokenizer_round_trips_any_text():
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert ids == list(text.encode("utf-8"))
     assert tok.decode(ids) == text
-    assert (tok.eos_token_id, tok.pad_token_id, len(tok)) == (256, 257, 258)
+    assert (tok.eos_token_id, tok.pad_token_id, len(tok)) == (256, 257, 260)
+    assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [258, 259]
 
 
 def test_text_is_packed_into_full_blocks_with_eos_between_documents(tmp_path):
@@ -52,7 +54,9 @@ def test_text_errors_name_the_path(tmp_path, content, needle):
 
 
 @pytest.mark.parametrize("content,needle", [(None, "does not exist"), ("", "is empty"),
-                                            ("{not json", "not JSON"), ('[{"x": 1}]', "lacks")])
+                                            ("{not json", "could not be read as json"),
+                                            ('[{"x": 1}]', r"reads the column 'instruction', which is missing; its "
+                                                           r"columns are \['x'\]")])
 def test_alpaca_errors_name_the_path(tmp_path, content, needle):
     path = tmp_path / "alpaca.json"
     if content is not None:
@@ -151,9 +155,10 @@ def test_every_alpaca_record_is_checked(tmp_path, bad, needle):
 
 def test_alpaca_non_utf8_and_folder_paths_are_reported(tmp_path):
     (tmp_path / "a.json").write_bytes(b"\xff\xfe[\x00")
-    with pytest.raises(data.DataError, match="not UTF-8"):
+    with pytest.raises(data.DataError, match="a.json could not be read as json: it is not UTF-8"):
         data.load_splits(text_cfg(tmp_path / "a.json", format="alpaca", seq_len=64), byte_tokenizer(), seed=0)
-    with pytest.raises(data.DataError, match="is a folder"):
+    # A folder is read as all its record files; the bad one is named.
+    with pytest.raises(data.DataError, match="a.json could not be read as json: it is not UTF-8"):
         data.load_splits(text_cfg(tmp_path, format="alpaca", seq_len=64), byte_tokenizer(), seed=0)
 
 
@@ -171,31 +176,36 @@ def _jsonl(records) -> str:
     ("bom.json", lambda p: p.write_text("\ufeff" + json.dumps(RECORDS), encoding="utf-8")),
     ("records.ndjson", lambda p: p.write_text(_jsonl(RECORDS))),
     ("records.jsonl.gz", lambda p: p.write_bytes(__import__("gzip").compress(_jsonl(RECORDS).encode()))),
-    ("lines-saved-as.txt", lambda p: p.write_text(_jsonl(RECORDS))),
 ])
-def test_text_format_refuses_json_records_naming_their_fields(tmp_path, name, write):
+def test_text_format_reads_json_records_by_column_and_names_a_missing_one(tmp_path, name, write):
     # The failing case seen by a user: data=tinyshakespeare data.path=alpaca.json trained on raw JSON.
     path = tmp_path / name
     write(path)
+    with pytest.raises(data.DataError, match=r"format text reads the column 'text', which is missing; its columns "
+                                             r"are \['instruction', 'input', 'output'\].*data.columns.text=YOUR_COLUMN"
+                                             r", or read these records as data.format=instruction") as err:
+        data.load_splits(text_cfg(path), byte_tokenizer(), seed=0)
+    assert str(path) in str(err.value)
+    splits = data.load_splits(text_cfg(path, columns={"text": "output"}, seq_len=2), byte_tokenizer(), seed=0)
+    assert len(splits.train) + len(splits.val) == 4  # four documents "5" + EOS: 8 tokens, blocks of 2
+
+
+def test_text_format_refuses_json_lines_saved_as_txt(tmp_path):
+    path = tmp_path / "lines-saved-as.txt"
+    path.write_text(_jsonl(RECORDS))
     with pytest.raises(data.DataError, match=r"JSON records with fields \['input', 'instruction', "
-                                             r"'output'\].*data=alpaca") as err:
+                                             r"'output'\].*data.columns.text=FIELD") as err:
         data.load_splits(text_cfg(path), byte_tokenizer(), seed=0)
     assert str(path) in str(err.value)
 
 
-def test_text_format_refuses_parquet(tmp_path):
+def test_text_format_reads_a_parquet_column(tmp_path):
     import datasets
 
-    path = tmp_path / "records.parquet"
-    datasets.Dataset.from_list(RECORDS).to_parquet(str(path))
-    # data=alpaca reads JSON only: the message says how to convert, not to switch format.
-    with pytest.raises(data.DataError, match=r"parquet table with fields \['input', 'instruction', 'output'\].*"
-                                             r"Dataset\.from_parquet\("):
-        data.load_splits(text_cfg(path), byte_tokenizer(), seed=0)
-
-
-def test_text_format_still_reads_a_json_suffixed_file_that_holds_no_records(tmp_path):
-    path = tmp_path / "strings.json"
-    path.write_text('"quoted text, no objects, no fields" ' * 3)
-    splits = data.load_splits(text_cfg(path), byte_tokenizer(), seed=0)
-    assert len(splits.train) + len(splits.val) == (len(path.read_bytes()) + 1) // 8
+    path = tmp_path / "docs.parquet"
+    datasets.Dataset.from_list([{"content": "abc"}, {"content": "defg"}]).to_parquet(str(path))
+    splits = data.load_splits(text_cfg(path, columns={"text": "content"}, seq_len=3), byte_tokenizer(), seed=0)
+    blocks = [list(map(int, splits.train[i]["input_ids"])) for i in range(len(splits.train))]
+    blocks += [list(map(int, splits.val[i]["input_ids"])) for i in range(len(splits.val))]
+    eos = byte_tokenizer().eos_token_id
+    assert sorted(blocks) == sorted([[97, 98, 99], [eos, 100, 101], [102, 103, eos]])

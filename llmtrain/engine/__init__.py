@@ -58,6 +58,16 @@ def apply_schedule(optimizer, scheduler) -> None:
     scheduler._last_lr = rates
 
 
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Keyword arguments of the model's forward for ``batch``. Packed rows carry ``position_ids``
+    restarting at each sample: then the attention mask is left out, so ``transformers`` builds
+    block-diagonal causal attention from the positions (``masking_utils.find_packed_sequence_indices``;
+    it needs no cache, hence ``use_cache=False``). Unpacked batches pass their padding mask."""
+    if "position_ids" in batch:
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW groups: decay on matrices and embeddings, none on 1-D tensors (norms, biases)."""
     decay, no_decay = [], []

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import llmtrain.distributed  # noqa: F401  (sets DS_ACCELERATOR=cpu without CUDA before deepspeed loads)
-from llmtrain.engine import Engine, apply_schedule, lr_lambda, param_groups
+from llmtrain.engine import Engine, apply_schedule, lr_lambda, model_inputs, param_groups
 
 
 def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict:
@@ -130,7 +130,7 @@ class DeepSpeedEngine(Engine):
         return self.ds.module
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.ds(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return self.ds(**model_inputs(batch)).logits
 
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss * self.env.world_size, scale_wrt_gas=False)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmtrain.engine import Engine, apply_schedule, lr_lambda, param_groups
+from llmtrain.engine import Engine, apply_schedule, lr_lambda, model_inputs, param_groups
 from llmtrain.engine import dcp_state
 from llmtrain.loss import token_cross_entropy_sum
 from llmtrain.models import initial_value
@@ -182,7 +182,7 @@ class NativeEngine(Engine):
     # ---- one step -------------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with self._autocast():
-            return self.parts[0](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            return self.parts[0](**model_inputs(batch)).logits
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.dims.dp).backward()  # FSDP2 averages gradients over the dp ranks
@@ -197,12 +197,19 @@ class NativeEngine(Engine):
     def forward_backward(self, batches: list[dict[str, torch.Tensor]], global_targets: float) -> torch.Tensor:
         if self.dims.pp == 1:
             return super().forward_backward(batches, global_targets)
-        input_ids, labels = self._pipeline_batch(batches)
+        input_ids, labels, positions = self._pipeline_batch(batches)
         self._normaliser = global_targets
         losses: list[torch.Tensor] = []
-        with self._autocast():
-            kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-            self.schedule.step(*([input_ids] if self.has_first else []), **kwargs)
+        for part in self.parts:
+            # The schedule splits the concatenated batch into one micro-batch per accumulation step.
+            part.use_positions(None if positions is None else list(positions.chunk(len(batches))))
+        try:
+            with self._autocast():
+                kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+                self.schedule.step(*([input_ids] if self.has_first else []), **kwargs)
+        finally:
+            for part in self.parts:
+                part.use_positions(None)
         total = torch.zeros((), dtype=torch.float64, device=self.env.device)
         if self.has_last:
             # losses hold CE / normaliser * dp per micro-batch; undo to the plain summed CE.
@@ -210,17 +217,23 @@ class NativeEngine(Engine):
         dist.broadcast(total, src=self._last_stage_rank, group=self.pp_group)
         return total
 
-    def _pipeline_batch(self, batches: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pipeline_batch(self, batches: list[dict[str, torch.Tensor]]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Concatenate micro-batches, right-padded to ``data.seq_len``: pipeline stages
-        exchange fixed-shape activations (shapes are inferred once, at the first step)."""
-        seq, ids, labels = self.cfg.data.seq_len, [], []
+        exchange fixed-shape activations (shapes are inferred once, at the first step).
+        Returns ``input_ids``, ``labels`` and, for packed rows, ``position_ids`` (padding
+        continues as one more sequence), each ``[micro_batches * micro_batch, seq_len]``."""
+        seq, ids, labels, positions = self.cfg.data.seq_len, [], [], []
         for b in batches:
             extra = seq - b["input_ids"].shape[1]
             # Any token id will do: padded positions come after every real token (causal
             # attention never looks at them) and their label is ignored.
             ids.append(torch.nn.functional.pad(b["input_ids"], (0, extra), value=0))
             labels.append(torch.nn.functional.pad(b["labels"], (0, extra), value=-100))
-        return torch.cat(ids), torch.cat(labels)
+            if "position_ids" in b:
+                tail = torch.arange(extra, device=b["position_ids"].device).expand(len(b["position_ids"]), -1)
+                positions.append(torch.cat([b["position_ids"], tail], dim=1))
+        return torch.cat(ids), torch.cat(labels), torch.cat(positions) if positions else None
 
     @torch.no_grad()
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -230,9 +243,15 @@ class NativeEngine(Engine):
         from llmtrain.pipeline import forward_only
 
         total = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        with self._autocast():
-            logits = forward_only(dict(zip(self.stage_ids, self.parts)), self.num_stages, self.pp_group,
-                                  batch["input_ids"], self.hf_config.hidden_size)
+        for part in self.parts:
+            part.use_positions([batch["position_ids"]] if "position_ids" in batch else None)
+        try:
+            with self._autocast():
+                logits = forward_only(dict(zip(self.stage_ids, self.parts)), self.num_stages, self.pp_group,
+                                      batch["input_ids"], self.hf_config.hidden_size)
+        finally:
+            for part in self.parts:
+                part.use_positions(None)
         if logits is not None:
             total += token_cross_entropy_sum(logits, batch["labels"]).double()
         dist.broadcast(total, src=self._last_stage_rank, group=self.pp_group)

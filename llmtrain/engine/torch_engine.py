@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.engine import Engine, apply_schedule, dcp_state, lr_lambda, param_groups
+from llmtrain.engine import Engine, apply_schedule, dcp_state, lr_lambda, model_inputs, param_groups
 
 LEGACY_STATE = "state.pt"  # torch-engine checkpoints before DCP: {"model", "optimizer", "scheduler"}
 
@@ -43,7 +43,7 @@ class TorchEngine(Engine):
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.autocast(self.env.device.type, dtype=self.autocast_dtype or torch.float32,
                             enabled=self.autocast_dtype is not None):
-            return self.wrapped(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            return self.wrapped(**model_inputs(batch)).logits
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.env.world_size).backward()

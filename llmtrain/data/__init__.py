@@ -1,0 +1,286 @@
+"""Training data: sources read through ``datasets``, formats encoded into samples, and the
+deterministic global sample order shared by all ranks.
+
+A *sample* is one training sequence: a block of ``seq_len`` tokens (``text``, ``tokens``), one
+encoded record (``instruction``, ``chat``, ``prompt_completion``), or a row of several packed
+records (``packing``). Modules, one job each:
+
+* :mod:`~llmtrain.data.sources`: files, folders, ``save_to_disk`` folders, Hub ids -> records.
+* :mod:`~llmtrain.data.formats`: records -> samples (chat templates, label masks, truncation).
+* :mod:`~llmtrain.data.tokens`: memory-mapped token folders (``llmtrain.prepare``; text cache).
+* :mod:`~llmtrain.data.order`: global sample order, mixtures, packing, batching.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from llmtrain.data.formats import (ALPACA_PROMPT, apply_template_setting, end_of_turn,  # noqa: F401
+                                   end_token_ids, encode_records, prompt_and_response, uses_chat_template)
+from llmtrain.data.order import (Collator, GlobalSampleOrder, MixtureOrder, StepBatchSampler,  # noqa: F401
+                                 pack, packed_samples)
+from llmtrain.data.sources import (RECORD_BUILDERS, _kind, column, is_saved_dataset, load_hub,  # noqa: F401
+                                   load_records, looks_like_local_path, refuse_records_as_text, source_files)
+from llmtrain.data.tokens import MANIFEST, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
+from llmtrain.errors import ConfigError, DataError
+from llmtrain.loss import IGNORE_INDEX  # noqa: F401  (public here too)
+from llmtrain.paths import CACHE_DIR
+
+log = logging.getLogger("llmtrain")
+TOKEN_CACHE = CACHE_DIR / "tokens"
+
+
+class Concat(torch.utils.data.Dataset):
+    """Several datasets indexed as one (a mixture's sources, in ``data.datasets`` order)."""
+
+    def __init__(self, parts: list[Any]):
+        self.parts = parts
+        self.offsets = [0]
+        for part in parts:
+            self.offsets.append(self.offsets[-1] + len(part))
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def __getitem__(self, i: int) -> dict:
+        import bisect
+
+        k = bisect.bisect_right(self.offsets, i) - 1
+        return self.parts[k][i - self.offsets[k]]
+
+
+@dataclass
+class Splits:
+    """Training and validation samples. A sample is a dict with ``input_ids`` and ``labels``
+    (length <= seq_len, -100 where no loss is taken) and, when packed, ``position_ids``.
+    ``names``/``sizes``/``weights`` describe the sources (one entry unless a mixture)."""
+
+    train: Any
+    val: Any
+    names: list[str] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+    def order(self, seed: int, shuffle: bool):
+        """The global sample order over ``train`` (:class:`MixtureOrder` for several sources)."""
+        if len(self.sizes) > 1:
+            return MixtureOrder(self.sizes, self.weights, seed, shuffle)
+        return GlobalSampleOrder(len(self.train), seed, shuffle)
+
+
+def _on_main_first(build: Callable[[], Any]) -> Any:
+    """Run ``build()`` on rank 0 first (it fills the caches), then on one rank per other node,
+    then on the rest, which find the caches built. A DataError on rank 0 is sent to every rank,
+    so all of them fail with the same message."""
+    import os
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return build()
+    outcome: list[Any] = [None]
+    result = None
+    rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    if rank == 0:
+        try:
+            result = build()
+        except (DataError, ConfigError) as err:
+            outcome[0] = (type(err), str(err))
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise outcome[0][0](outcome[0][1])
+    if rank != 0 and local_rank == 0:
+        result = build()  # node-local caches: one rank per node builds
+    dist.barrier()
+    return result if (rank == 0 or local_rank == 0) else build()
+
+
+def _documents(src: Any, key: str):
+    """The documents of a text source as a ``datasets.Dataset`` with one ``text`` column."""
+    import datasets
+
+    path = Path(str(src.path)).expanduser() if src.path is not None else None
+    plain = src.path is None or (path.exists() and not (path.is_dir() and is_saved_dataset(path)) and all(
+        _kind(f) not in RECORD_BUILDERS for f in source_files(src, key)))
+    if plain:
+        files = source_files(src, key)
+        for f in files:
+            refuse_records_as_text(f)
+        docs = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document",
+                                     split="train", cache_dir=str(CACHE_DIR / "datasets"))
+        where = str(files[0] if len(files) == 1 else src.path)
+    else:
+        records = load_records(src, key)
+        where = str(src.path)
+        name = column(records, src, "text", key, "text", f"{key}.path: {where}")
+        if name != "text":
+            records = records.rename_column(name, "text")
+        docs = records.select_columns(["text"])
+        bad = next((i for i, t in enumerate(docs["text"]) if not isinstance(t, str)), None)
+        if bad is not None:
+            raise DataError(f"{key}.path: {where} record {bad}: field {name!r} must be a string")
+    docs = docs.filter(lambda ex: len(ex["text"].strip()) > 0)
+    if len(docs) == 0:
+        raise DataError(f"{key}.path: {where} holds no text")
+    return docs
+
+
+def _cache_key(src: Any, tokenizer: Any, key: str) -> str:
+    """Cache folder name of a text source's tokens: tokenizer, source files (path, size, mtime),
+    and every setting that changes the ids."""
+    desc: dict[str, Any] = {"tokenizer": tokenizer_fingerprint(tokenizer), "format": src.format,
+                            "columns": dict(src.columns), "max_bytes": src.max_bytes, "max_records": src.max_records}
+    path = Path(str(src.path)).expanduser() if src.path is not None else None
+    if path is None or path.exists():
+        if path is not None and path.is_dir() and is_saved_dataset(path):
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+        else:
+            files = source_files(src, key)
+        desc["files"] = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    else:
+        desc["hub"] = [src.path, src.subset, src.split, src.revision]
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def token_source(src: Any, key: str, tokenizer: Any, num_proc: int):
+    """Memory-mapped ids of a ``text`` or ``tokens`` source; text is tokenized once into the
+    cache (``~/.cache/llmtrain/tokens/<key>``, keyed by tokenizer, files and settings)."""
+    if src.format == "tokens":
+        return open_tokens(Path(src.path).expanduser(), tokenizer, key)
+    folder = TOKEN_CACHE / _cache_key(src, tokenizer, key)
+    if not (folder / MANIFEST).is_file():
+        source = str(src.path) if src.path is not None else "python stdlib"
+        write_token_folder(_documents(src, key), tokenizer, folder, num_proc, source)
+    return open_tokens(folder, tokenizer, key)
+
+
+def _split(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_val = max(1, round(n * val_fraction))
+    return order[n_val:].sort().values, order[:n_val].sort().values
+
+
+def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int) -> tuple[Any, Any, dict]:
+    """(train, val, stats) of one source."""
+    if src.format in ("text", "tokens"):
+        tokens, manifest = _on_main_first(lambda: token_source(src, key, tokenizer, data_cfg.num_proc))
+        n = num_blocks(tokens, data_cfg.seq_len)
+        if n < 2:
+            raise DataError(f"{key}: {src.name} yields {n} block(s) of data.seq_len={data_cfg.seq_len} tokens; need at "
+                            "least 2 (one to train, one to validate)")
+        blocks = TokenBlocks(tokens, data_cfg.seq_len, torch.arange(n), manifest["eos_token_id"],
+                             data_cfg.document_masking)
+        train_idx, val_idx = _split(n, data_cfg.val_fraction, seed)
+        return blocks.select(train_idx), blocks.select(val_idx), {"tokens": manifest["num_tokens"], "samples": n}
+
+    def encode():
+        records = load_records(src, key)
+        return encode_records(records, src, data_cfg, tokenizer, key, f"{key}.path: {src.path}")
+
+    samples, counts = _on_main_first(encode)
+    train_idx, val_idx = _split(len(samples), data_cfg.val_fraction, seed)
+    train, val = samples.select(train_idx.tolist()), samples.select(val_idx.tolist())
+    stats = dict(counts, samples=len(samples))
+    if data_cfg.packing:
+        unpacked = len(train)
+        train = packed_samples(train, data_cfg.seq_len)
+        stats["packed_rows"], stats["packed_samples"] = len(train), unpacked
+    return train, val, stats
+
+
+def load_splits(data_cfg: Any, tokenizer: Any, seed: int) -> Splits:
+    """Read, tokenize and encode the configured data (one source or a mixture) and hold out
+    ``val_fraction`` of each source's samples (at least 1), chosen by ``seed``.
+
+    Raises:
+        DataError: missing, empty or malformed data (the message names the file, record and field).
+        ConfigError: the format needs a chat template the tokenizer lacks (names ``data.template``).
+    """
+    apply_template_setting(data_cfg, tokenizer)
+    sources = list(data_cfg.datasets) or [data_cfg]
+    keys = [f"data.datasets.{i}" for i in range(len(sources))] if data_cfg.datasets else ["data"]
+    trains, vals, stats = [], [], {}
+    for src, key in zip(sources, keys):
+        train, val, source_stats = _load_source(src, key, data_cfg, tokenizer, seed)
+        trains.append(train)
+        vals.append(val)
+        stats[src.name] = source_stats
+    weights = list(data_cfg.weights) if data_cfg.datasets else [1.0]
+    return Splits(train=trains[0] if len(trains) == 1 else Concat(trains),
+                  val=vals[0] if len(vals) == 1 else Concat(vals),
+                  names=[s.name for s in sources], sizes=[len(t) for t in trains], weights=weights, stats=stats)
+
+
+def describe(splits: Splits) -> str:
+    """One log line per source: records, samples, truncated and dropped counts, packing."""
+    lines = []
+    for name, s in splits.stats.items():
+        if "records" in s:
+            line = (f"data {name}: {s['records']} records -> {s['samples']} samples (truncated {s['truncated']}, "
+                    f"dropped {s['dropped_too_long']} too long and {s['dropped_no_target']} without a target token)")
+        else:
+            line = f"data {name}: {s['tokens']} tokens -> {s['samples']} blocks"
+        if "packed_rows" in s:
+            line += f"; {s['packed_samples']} training samples packed into {s['packed_rows']} rows"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def pad_id_of(tokenizer: Any) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def train_loader(splits: Splits, tokenizer: Any, data_cfg: Any, seed: int, micro_batch: int,
+                 accumulation: int, dp_rank: int, dp_size: int, start_step: int, max_steps: int):
+    """A DataLoader over data-parallel rank ``dp_rank``'s micro-batches (of ``dp_size``) from
+    ``start_step`` to ``max_steps``, and its sampler. Tensor- and pipeline-parallel peers share a
+    ``dp_rank``."""
+    sampler = StepBatchSampler(splits.order(seed, data_cfg.shuffle), micro_batch, accumulation, dp_rank, dp_size,
+                               start_step, max_steps)
+    # Its own generator: creating the iterator must not draw from the global RNG (dropout), or a
+    # resumed run would diverge from an uninterrupted one.
+    loader = torch.utils.data.DataLoader(splits.train, batch_sampler=sampler, collate_fn=Collator(pad_id_of(tokenizer)),
+                                         generator=torch.Generator().manual_seed(seed))
+    return loader, sampler
+
+
+def val_batches(splits: Splits, tokenizer: Any, micro_batch: int, max_samples: int,
+                dp_rank: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
+    """Data-parallel rank ``dp_rank``'s share (``dp_rank::dp_size``) of the first
+    ``max_samples`` validation samples."""
+    n = min(len(splits.val), max_samples) if max_samples else len(splits.val)
+    mine = list(range(dp_rank, n, dp_size))
+    collate = Collator(pad_id_of(tokenizer))
+    return [collate([splits.val[i] for i in mine[j:j + micro_batch]]) for j in range(0, len(mine), micro_batch)]
+
+
+def encode_instruction(rec: dict, tokenizer: Any, seq_len: int, use_chat: bool) -> dict | None:
+    """Tokenize one {instruction, input, output} record (see :mod:`~llmtrain.data.formats`).
+
+    Returns ``{"input_ids", "labels"}`` truncated to ``seq_len`` tokens, or None when truncation
+    leaves no response token.
+    """
+    from types import SimpleNamespace
+
+    import datasets
+
+    cfg = SimpleNamespace(template="chat" if use_chat else "alpaca", datasets=[], seq_len=seq_len,
+                          truncation="right", num_proc=1)
+    src = SimpleNamespace(format="instruction", columns={}, name="record")
+    records = datasets.Dataset.from_list([{"instruction": rec["instruction"], "input": rec.get("input") or "",
+                                           "output": rec["output"]}])
+    from llmtrain.data.formats import encoder
+
+    ids, labels = encoder(records, src, cfg, tokenizer, "data", "record")(records[0], 0)
+    ids, labels = ids[:seq_len], labels[:seq_len]
+    if all(label == IGNORE_INDEX for label in labels[1:]):
+        return None
+    return {"input_ids": ids, "labels": labels}

@@ -1,0 +1,291 @@
+"""Records -> training samples: instruction, chat and prompt/completion encoders, chat templates
+and the end-of-turn token.
+
+A sample is ``{"input_ids": list[int], "labels": list[int]}`` (same length, at most ``seq_len``);
+labels are -100 where no loss is taken. Chat conversations are rendered with the tokenizer's
+chat template and tokenized exactly as ``tokenizer.apply_chat_template(messages, tokenize=True)``
+does, so the token ids equal the tokenizer's own rendering; the loss is on every assistant turn up
+to and including its end-of-turn token.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from llmtrain.data.sources import column
+from llmtrain.errors import ConfigError, DataError
+from llmtrain.loss import IGNORE_INDEX
+
+log = logging.getLogger("llmtrain")
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task{with_input}. Write a response that "
+    "appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}"
+    "### Response:\n"
+)
+# ChatML (as in Qwen and SmolLM2): `data.template=chatml` for tokenizers without a template.
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+NAMED_TEMPLATES = {"chatml": CHATML}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+MESSAGE_ROLES = ("system", "user", "assistant")
+
+
+def apply_template_setting(data_cfg: Any, tokenizer: Any) -> Any:
+    """Install ``data.template`` on ``tokenizer`` when it names a template (``chatml``) or a Jinja
+    file; the exported tokenizer then carries the template training used. Returns ``tokenizer``."""
+    template = str(data_cfg.template)
+    if template in NAMED_TEMPLATES:
+        tokenizer.chat_template = NAMED_TEMPLATES[template]
+    elif template.endswith((".jinja", ".j2")):
+        tokenizer.chat_template = Path(template).expanduser().read_text(encoding="utf-8")
+    return tokenizer
+
+
+def uses_chat_template(data_cfg: Any, fmt: str, tokenizer: Any) -> bool:
+    """Whether samples of format ``fmt`` are rendered with the chat template.
+
+    Raises:
+        ConfigError: the format needs a chat template and the tokenizer has none (names
+            ``data.template`` and its values).
+    """
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if fmt == "chat" or (fmt in ("instruction", "alpaca") and data_cfg.template == "chat"):
+        if not has:
+            raise ConfigError(
+                f"data.format={fmt} renders conversations with a chat template, and this tokenizer has none. "
+                "Set data.template=chatml (the built-in ChatML template) or data.template=/path/to/template.jinja"
+                + ("" if fmt == "chat" else ", or data.template=alpaca for the Alpaca prompt"))
+        return True
+    return fmt in ("instruction", "alpaca") and data_cfg.template != "alpaca" and has
+
+
+def end_of_turn(tokenizer: Any) -> tuple[str | None, int | None]:
+    """The token the chat template closes an assistant turn with (``<|im_end|>`` for ChatML), as
+    (text, id), found by rendering a probe conversation; (None, None) when the template closes a
+    turn with ordinary text only."""
+    probe = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "XYZZY"}]
+    full = tokenizer.apply_chat_template(probe, tokenize=False)
+    after = full[full.rindex("XYZZY") + len("XYZZY"):]
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    if ids and ids[0] in special:
+        return tokenizer.decode([ids[0]]), ids[0]
+    return None, None
+
+
+def end_token_ids(data_cfg: Any, tokenizer: Any) -> list[int]:
+    """Every token training teaches as the end of a response: the chat template's end-of-turn
+    token (when samples go through the template) and the tokenizer's EOS. The exported
+    ``generation_config.json`` stops on all of them."""
+    sources = list(data_cfg.datasets) or [data_cfg]
+    ends: list[int] = []
+    if any(s.format != "text" and s.format != "tokens" and s.format != "prompt_completion"
+           and uses_chat_template(data_cfg, s.format, tokenizer) for s in sources):
+        eot = end_of_turn(tokenizer)[1]
+        if eot is not None:
+            ends.append(eot)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ends:
+        ends.append(tokenizer.eos_token_id)
+    return ends
+
+
+class ChatEncoder:
+    """Tokenizes conversations with the chat template and labels every assistant turn.
+
+    Each assistant turn's characters run from the end of the rendered prefix with a generation
+    prompt to the end of the template's end-of-turn token; tokens starting inside those spans are
+    trained. The template must render a conversation's prefix as a prefix of the whole
+    conversation (true of ChatML, Llama, Mistral and most templates).
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.eot_text, self.eot_id = end_of_turn(tokenizer)
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        if not messages:
+            return ""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def __call__(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
+        """Token ids and labels of one conversation (``[{"role", "content"}]``)."""
+        full = self._render(messages, False)
+        spans = []
+        for j, turn in enumerate(messages):
+            if turn["role"] != "assistant":
+                continue
+            prefix = self._render(messages[:j], True)
+            if not full.startswith(prefix):
+                raise DataError(f"{where}: the chat template renders turn {j}'s context differently inside the whole "
+                                "conversation, so assistant turns cannot be located; use another data.template")
+            end = len(self._render(messages[:j + 1], False))
+            if self.eot_text is not None:
+                close = full.rfind(self.eot_text, len(prefix), end)
+                end = close + len(self.eot_text) if close >= 0 else end
+            spans.append((len(prefix), end))
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        labels, k = [], 0
+        for token, (start, _) in zip(enc["input_ids"], enc["offset_mapping"]):
+            while k < len(spans) and start >= spans[k][1]:
+                k += 1
+            labels.append(token if k < len(spans) and spans[k][0] <= start < spans[k][1] else IGNORE_INDEX)
+        return list(enc["input_ids"]), labels
+
+
+def conversation(record: dict, field: str, layout: str, where: str) -> list[dict]:
+    """A record's turns as ``[{"role", "content"}]`` with roles system/user/assistant.
+
+    ``layout``: ``messages`` (OpenAI role/content) or ``sharegpt`` (from/value, human/gpt/system).
+
+    Raises:
+        DataError: not a list of turns, a turn with an unknown role or non-string content (names
+            the record, the turn index and the field).
+    """
+    turns = record[field]
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: field {field!r} must be a non-empty list of turns, got {type(turns).__name__}")
+    role_key, text_key = ("role", "content") if layout == "messages" else ("from", "value")
+    allowed = MESSAGE_ROLES if layout == "messages" else tuple(SHAREGPT_ROLES)
+    out = []
+    for j, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+            raise DataError(f"{where} turn {j}: a {layout} turn needs the keys {role_key!r} and {text_key!r}, got "
+                            f"{sorted(turn) if isinstance(turn, dict) else type(turn).__name__}")
+        role, text = turn[role_key], turn[text_key]
+        if role not in allowed:
+            raise DataError(f"{where} turn {j}: {role_key}={role!r} is not a known role; expected one of "
+                            f"{', '.join(allowed)}")
+        if not isinstance(text, str):
+            raise DataError(f"{where} turn {j}: {text_key!r} must be a string, got {type(text).__name__}")
+        out.append({"role": role if layout == "messages" else SHAREGPT_ROLES[role], "content": text})
+    return out
+
+
+def chat_field(records: Any, src: Any, key: str, where: str) -> tuple[str, str]:
+    """(column, layout) of a chat source: ``chat_layout`` or, when ``auto``, whichever of the
+    ``messages`` and ``conversations`` columns is present."""
+    if src.chat_layout == "messages" or (src.chat_layout == "auto" and "conversations" not in src.columns and (
+            "messages" in src.columns or src.columns.get("messages", "messages") in records.column_names)):
+        return column(records, src, "messages", key, "chat (messages layout)", where), "messages"
+    if src.chat_layout == "sharegpt" or src.columns.get("conversations", "conversations") in records.column_names:
+        return column(records, src, "conversations", key, "chat (sharegpt layout)", where), "sharegpt"
+    raise DataError(f"{where}: format chat reads a 'messages' (OpenAI role/content) or 'conversations' (ShareGPT "
+                    f"from/value) column; its columns are {list(records.column_names)}. Map yours with "
+                    f"{key}.columns.messages=COLUMN or {key}.columns.conversations=COLUMN")
+
+
+def _text(record: dict, name: str, where: str, optional: bool = False) -> str:
+    value = record.get(name)
+    if value is None and optional:
+        return ""
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def encoder(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str):
+    """A function ``(record, index) -> (input_ids, labels) | None`` for the source's format; None
+    means the record has nothing to train on (a conversation without an assistant turn)."""
+    fmt = "instruction" if src.format == "alpaca" else src.format
+    eos = tokenizer.eos_token_id
+    if fmt == "chat":
+        field, layout = chat_field(records, src, key, where)
+        uses_chat_template(data_cfg, "chat", tokenizer)
+        chat = ChatEncoder(tokenizer)
+
+        def encode_chat(rec: dict, i: int):
+            turns = conversation(rec, field, layout, f"{where} record {i}")
+            if not any(t["role"] == "assistant" for t in turns):
+                return None
+            return chat(turns, f"{where} record {i}")
+        return encode_chat
+    if fmt == "instruction":
+        cols = {f: column(records, src, f, key, "instruction", where) for f in ("instruction", "output")}
+        input_col = src.columns.get("input", "input")
+        use_chat = uses_chat_template(data_cfg, fmt, tokenizer)
+        chat = ChatEncoder(tokenizer) if use_chat else None
+
+        def encode_instruction_record(rec: dict, i: int):
+            at = f"{where} record {i}"
+            instruction = _text(rec, cols["instruction"], at).strip()
+            context = _text(rec, input_col, at, optional=True).strip()
+            output = _text(rec, cols["output"], at).strip()
+            if chat is not None:
+                content = instruction + (f"\n\n{context}" if context else "")
+                return chat([{"role": "user", "content": content}, {"role": "assistant", "content": output}], at)
+            prompt = ALPACA_PROMPT.format(
+                with_input=", paired with an input that provides further context" if context else "",
+                instruction=instruction, input_block=f"### Input:\n{context}\n\n" if context else "")
+            return prompt_and_response(tokenizer, prompt, output, eos)
+        return encode_instruction_record
+    if fmt == "prompt_completion":
+        cols = {f: column(records, src, f, key, "prompt_completion", where) for f in ("prompt", "completion")}
+
+        def encode_prompt_completion(rec: dict, i: int):
+            at = f"{where} record {i}"
+            return prompt_and_response(tokenizer, _text(rec, cols["prompt"], at), _text(rec, cols["completion"], at), eos)
+        return encode_prompt_completion
+    raise ValueError(f"no record encoder for format {src.format}")
+
+
+def prompt_and_response(tokenizer: Any, prompt: str, response: str, eos: int) -> tuple[list[int], list[int]]:
+    """Prompt tokens (label -100) followed by response tokens and EOS (trained). EOS is appended
+    as an id, so its label survives even when the pad token is EOS."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [eos]
+    return prompt_ids + response_ids, [IGNORE_INDEX] * len(prompt_ids) + response_ids
+
+
+def encode_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str):
+    """Encode every record of a source into samples, truncating (``data.truncation=right``) or
+    dropping (``drop``) samples over ``data.seq_len``; samples without a target token are dropped.
+
+    Returns:
+        (``datasets.Dataset`` of ``input_ids``/``labels``, counts ``{"records", "truncated",
+        "dropped_too_long", "dropped_no_target"}``).
+
+    Raises:
+        DataError: a malformed record (names file, record index and field), or no usable sample.
+    """
+    encode = encoder(records, src, data_cfg, tokenizer, key, where)
+    seq_len, drop_long = data_cfg.seq_len, data_cfg.truncation == "drop"
+
+    def encode_batch(batch: dict, indices: list[int]) -> dict:
+        out: dict[str, list] = {"input_ids": [], "labels": [], "outcome": []}
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        for rec, i in zip(rows, indices):
+            encoded = encode(rec, i)
+            outcome = "kept"
+            if encoded is None:
+                outcome = "dropped_no_target"
+            else:
+                ids, labels = encoded
+                if len(ids) > seq_len:
+                    outcome = "dropped_too_long" if drop_long else "truncated"
+                    ids, labels = ids[:seq_len], labels[:seq_len]
+                if outcome != "dropped_too_long" and all(label == IGNORE_INDEX for label in labels[1:]):
+                    outcome = "dropped_no_target"
+            out["outcome"].append(outcome)
+            keep = outcome in ("kept", "truncated")
+            out["input_ids"].append(ids if keep else [])
+            out["labels"].append(labels if keep else [])
+        return out
+
+    encoded = records.map(encode_batch, batched=True, with_indices=True, remove_columns=records.column_names,
+                          num_proc=data_cfg.num_proc if len(records) >= 2 * data_cfg.num_proc else None,
+                          desc=f"encode {src.name}")
+    outcomes = encoded["outcome"]
+    counts = {"records": len(records)}
+    for kind in ("truncated", "dropped_too_long", "dropped_no_target"):
+        counts[kind] = outcomes.count(kind)
+    keep = [i for i, o in enumerate(outcomes) if o in ("kept", "truncated")]
+    samples = encoded.select(keep).remove_columns("outcome")
+    if len(samples) < 2:
+        raise DataError(f"{where}: {len(samples)} of {len(records)} records give a usable sample at "
+                        f"data.seq_len={seq_len} (truncated {counts['truncated']}, dropped as too long "
+                        f"{counts['dropped_too_long']}, without an assistant/target token "
+                        f"{counts['dropped_no_target']}); need at least 2")
+    return samples, counts

@@ -1,0 +1,254 @@
+"""Where records come from: local files and folders, ``save_to_disk`` folders and Hub datasets,
+all read through ``datasets`` (cached under ``~/.cache/llmtrain/datasets``), with column mapping.
+
+Every error names the source (``data.path`` or ``data.datasets.N.path``), the file and the fix.
+"""
+
+from __future__ import annotations
+
+import bz2
+import difflib
+import gzip
+import json
+import lzma
+import os
+import socket
+import sysconfig
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlparse
+
+from llmtrain.errors import DataError
+from llmtrain.paths import CACHE_DIR
+
+# File suffix -> the `datasets` packaged builder that reads it.
+RECORD_BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet",
+                   ".csv": "csv", ".arrow": "arrow"}
+COMPRESSIONS = (".gz", ".bz2", ".xz")
+DATASETS_CACHE = CACHE_DIR / "datasets"
+
+
+def _kind(path: Path) -> str:
+    """The format suffix of ``path`` ignoring a compression suffix (``a.jsonl.gz`` -> ``.jsonl``)."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
+def walk_sorted(root: Path, pattern: str, skip_dir: str | None = None) -> Iterator[Path]:
+    """Files under ``root`` whose relative path matches ``pattern`` (``**/`` also matches the top
+    level), in a deterministic depth-first order, lazily: a byte cap stops the walk early."""
+    import fnmatch
+
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != skip_dir)
+        for name in sorted(files):
+            rel = os.path.relpath(os.path.join(folder, name), root)
+            if fnmatch.fnmatch(rel, pattern) or (pattern.startswith("**/") and fnmatch.fnmatch(rel, pattern[3:])):
+                yield Path(folder) / name
+
+
+def is_saved_dataset(folder: Path) -> bool:
+    """Whether ``folder`` was written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
+    return (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file()
+
+
+def source_files(src: Any, key: str) -> list[Path]:
+    """The local files of a source, in a deterministic order (``max_bytes`` caps the total).
+
+    A folder contributes the files matching ``glob`` for ``format=text``; for record formats, the
+    files with a record suffix (.json, .jsonl, .parquet, .csv, .arrow). ``path=null`` (text
+    only) reads the Python standard library's own files.
+
+    Raises:
+        DataError: nothing matches, a path does not exist, or a file is empty.
+    """
+    if src.path is None:
+        # Only the standard library itself: installed third-party packages differ per machine.
+        root = Path(sysconfig.get_paths()["stdlib"])
+        candidates: Iterator[Path] = walk_sorted(root, src.glob, skip_dir="site-packages")
+    else:
+        root = Path(src.path).expanduser()
+        if root.is_dir():
+            if src.format == "text":
+                candidates = walk_sorted(root, src.glob)
+            else:
+                candidates = (f for f in walk_sorted(root, "**/*") if _kind(f) in RECORD_BUILDERS)
+        elif root.is_file():
+            candidates = iter([root])
+        else:
+            raise DataError(f"{key}.path: {root} does not exist (data={src.name}); set {key}.path=/path/to/your/file")
+    files, total = [], 0
+    for f in candidates:
+        if src.max_bytes is not None and total >= src.max_bytes:
+            break
+        files.append(f)
+        total += f.stat().st_size
+    if not files:
+        wanted = repr(src.glob) if src.format == "text" else "*.json, *.jsonl, *.parquet, *.csv or *.arrow"
+        raise DataError(f"{key}.path: no files match {wanted} under {root}")
+    return files
+
+
+def looks_like_local_path(value: str) -> bool:
+    """A value that names a file system path rather than a Hub id (``owner/name``)."""
+    return (value.startswith(("/", ".", "~")) or Path(value).suffix.lower() in RECORD_BUILDERS
+            or Path(value).suffix.lower() in (".txt",) + COMPRESSIONS or value.count("/") > 1)
+
+
+def refuse_records_as_text(path: Path) -> None:
+    """``format=text`` reads a plain file as one document: a file of records would be trained on
+    as its raw serialisation, braces and field names included. Refused: plain (non-JSON-suffixed)
+    files, also compressed or BOM-prefixed, whose first line is a JSON object (JSON lines saved
+    as ``.txt``).
+
+    Raises:
+        DataError: ``path`` holds records; the message names the fields seen and what reads them.
+    """
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(path.suffix.lower())
+    with (opener or open)(path, "rt", encoding="utf-8", errors="replace") as f:
+        head = f.readline(1 << 20).lstrip("\ufeff \t\r\n")
+    if not head.startswith("{"):
+        return
+    try:
+        first, _ = json.JSONDecoder().raw_decode(head)
+    except ValueError:
+        return
+    if isinstance(first, dict):
+        raise DataError(f"data.path: {path} holds JSON records with fields {sorted(first)}, but data.format=text "
+                        "would train on its raw text (braces and field names included). Save it as .jsonl and "
+                        "use data.format=text with data.columns.text=FIELD, or data=alpaca "
+                        "(data.format=instruction) for {instruction, input, output} records")
+
+
+def _check_file(path: Path, builder: str, key: str) -> None:
+    if path.stat().st_size == 0:
+        raise DataError(f"{key}.path: {path} is empty")
+    if builder == "parquet":
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"PAR1":
+            raise DataError(f"{key}.path: {path} is not a Parquet file (it does not start with the Parquet "
+                            "magic bytes PAR1); convert it, or give it the suffix of its real format")
+
+
+def _explain(err: BaseException) -> str:
+    """The innermost message of a ``datasets`` builder failure (which wraps the parser's)."""
+    chain, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    for e in chain:
+        if isinstance(e, UnicodeDecodeError):
+            return f"it is not UTF-8 text ({e})"
+    return str(chain[-1]).splitlines()[0] if str(chain[-1]) else type(chain[-1]).__name__
+
+
+def load_records(src: Any, key: str):
+    """The raw records of one source as a ``datasets.Dataset`` (columns renamed per ``columns``
+    happen later, in :mod:`llmtrain.data.formats`).
+
+    Raises:
+        DataError: missing/empty/malformed files, an unreachable Hub, a missing split.
+    """
+    import datasets
+
+    path = Path(str(src.path)).expanduser()
+    if path.is_dir() and is_saved_dataset(path):
+        try:
+            saved = datasets.load_from_disk(str(path))
+        except Exception as err:  # noqa: BLE001 - any reader failure is a data error here
+            raise DataError(f"{key}.path: {path} could not be read as a save_to_disk folder: {_explain(err)}") from err
+        if isinstance(saved, datasets.DatasetDict):
+            if src.split not in saved:
+                raise DataError(f"{key}.split={src.split!r} is not a split of {path} (splits: {sorted(saved)})")
+            saved = saved[src.split]
+        return _cap(saved, src)
+    if not path.exists() and not looks_like_local_path(str(src.path)):
+        return _cap(load_hub(src, key), src)
+    files = source_files(src, key)
+    kinds = sorted({_kind(f) for f in files})
+    builders = {RECORD_BUILDERS.get(k) for k in kinds}
+    if len(builders) != 1 or None in builders:
+        raise DataError(f"{key}.path: {path} mixes or holds unsupported file kinds {kinds}; give files of one "
+                        f"kind among {', '.join(RECORD_BUILDERS)}")
+    builder = builders.pop()
+    for f in files:
+        _check_file(f, builder, key)
+    try:
+        records = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                        cache_dir=str(DATASETS_CACHE))
+    except Exception as err:  # noqa: BLE001
+        raise DataError(f"{key}.path: {files[0] if len(files) == 1 else path} could not be read as {builder}: "
+                        f"{_explain(err)}") from err
+    if len(records) == 0:
+        raise DataError(f"{key}.path: {path} holds no records")
+    return _cap(records, src)
+
+
+def _cap(records: Any, src: Any):
+    return records.select(range(min(len(records), src.max_records))) if src.max_records else records
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to the Hub endpoint (``HF_ENDPOINT``) opens within ``timeout_s``."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or os.environ.get("HF_DATASETS_OFFLINE", "0") \
+            not in ("0", "", "false"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_hub(src: Any, key: str):
+    """A Hub dataset ``src.path`` (``subset``, ``split``, ``revision``): the cached copy when there
+    is one, else a download. Offline, a single error says how to bring the data here."""
+    import datasets
+    import datasets.config
+    import huggingface_hub.constants
+
+    kwargs = {"name": src.subset, "split": src.split, "revision": src.revision, "cache_dir": str(DATASETS_CACHE)}
+    saved = (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)
+    try:
+        datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+        return datasets.load_dataset(str(src.path), **kwargs)
+    except Exception:  # noqa: BLE001 - not cached: try the network below
+        pass
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
+    call = f"datasets.load_dataset({str(src.path)!r}" + "".join(
+        f", {k}={v!r}" for k, v in (("name", src.subset), ("split", src.split), ("revision", src.revision)) if v) + ")"
+    if not hub_reachable():
+        raise DataError(f"{key}.path={src.path!r} is not a local file or folder, and the Hugging Face Hub cannot be "
+                        f"reached from here to download it as a dataset. On a machine with network, run "
+                        f"`{call}.save_to_disk('DIR')`, copy DIR here and set {key}.path=DIR")
+    try:
+        return datasets.load_dataset(str(src.path), **kwargs)
+    except Exception as err:  # noqa: BLE001
+        raise DataError(f"{key}.path={src.path!r}: {call} failed: {_explain(err)}") from err
+
+
+def column(records: Any, src: Any, field: str, key: str, fmt: str, where: str) -> str:
+    """The column of ``records`` that holds ``field`` (``src.columns`` maps it).
+
+    Raises:
+        DataError: the column is missing; names the columns present, the closest one and the fix.
+    """
+    name = src.columns.get(field, field)
+    present = list(records.column_names)
+    if name in present:
+        return name
+    close = difflib.get_close_matches(name, present, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    mapped = f"{key}.columns.{field}={name} names" if field in src.columns else f"format {fmt} reads"
+    fits = [f for f, cols in (("instruction", {"instruction", "output"}), ("chat", {"messages"}),
+                              ("chat", {"conversations"}), ("prompt_completion", {"prompt", "completion"}),
+                              ("text", {"text"})) if cols <= set(present) and not fmt.startswith(f)]
+    other = f", or read these records as {key}.format={fits[0]}" if fits else ""
+    raise DataError(f"{where}: {mapped} the column {name!r}, which is missing{hint}; its columns are {present}. "
+                    f"Map yours with {key}.columns.{field}=YOUR_COLUMN{other}")

@@ -1,0 +1,148 @@
+"""Token folders: a corpus tokenized once into one flat memory-mapped array of token ids.
+
+Layout of a folder (written by ``python -m llmtrain.prepare``, and by ``format=text`` into its
+cache): ``tokens.bin`` (little-endian uint16 when the vocabulary fits, else uint32; documents
+concatenated, each followed by EOS) and ``manifest.json`` (tokenizer name and SHA-256, dtype,
+token and document counts, EOS id, source). Training memory-maps ``tokens.bin``: resident
+memory holds the pages read, not the corpus. Sample ``i`` is tokens ``[i*L, (i+1)*L)`` for
+``L = data.seq_len``; the tail shorter than ``L`` is not used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmtrain.errors import DataError
+from llmtrain.loss import IGNORE_INDEX
+
+MANIFEST = "manifest.json"
+TOKENS = "tokens.bin"
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """SHA-256 of the tokenizer's full definition (vocabulary, merges, normalizer, special
+    tokens): two tokenizers with the same fingerprint produce the same ids."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def write_token_folder(documents: Any, tokenizer: Any, out: Path, num_proc: int, source: str,
+                       text_column: str = "text") -> dict:
+    """Tokenize ``documents`` (a ``datasets.Dataset`` with a text column) into ``out``.
+
+    Tokenization runs in ``num_proc`` processes (``datasets.map``); the ids are then written in
+    document order, so the result does not depend on ``num_proc``. The folder appears atomically
+    (written beside it, then renamed), so a killed run never leaves a half-written one.
+
+    Returns:
+        The manifest (dict).
+    """
+    eos = tokenizer.eos_token_id
+    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
+
+    def tokenize(batch: dict) -> dict:
+        ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        return {"ids": [np.asarray(doc + [eos], dtype=dtype) for doc in ids]}
+
+    started = time.perf_counter()
+    tokenized = documents.map(tokenize, batched=True, remove_columns=documents.column_names,
+                              num_proc=num_proc if num_proc > 1 and len(documents) >= num_proc else None,
+                              desc="tokenize")
+    out = Path(out)
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    count = 0
+    with open(partial / TOKENS, "wb") as f:
+        for batch in tokenized.with_format("numpy").iter(batch_size=1024):
+            for doc in batch["ids"]:
+                f.write(np.asarray(doc, dtype=dtype).tobytes())
+                count += len(doc)
+    manifest = {"tokenizer": getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__,
+                "tokenizer_sha256": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer),
+                "dtype": np.dtype(dtype).name, "num_tokens": count, "num_documents": len(documents),
+                "eos_token_id": eos, "source": source, "seconds": round(time.perf_counter() - started, 3)}
+    (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+    return manifest
+
+
+def read_manifest(folder: Path, key: str) -> dict:
+    """The manifest of a token folder.
+
+    Raises:
+        DataError: ``folder`` is not a token folder (names ``key`` and the command that makes one).
+    """
+    manifest = Path(folder) / MANIFEST
+    if not manifest.is_file() or not (Path(folder) / TOKENS).is_file():
+        raise DataError(f"{key}.path: {folder} is not a token folder (no {MANIFEST} and {TOKENS}); make one with "
+                        "`python -m llmtrain.prepare <model and data overrides> out=DIR`")
+    return json.loads(manifest.read_text())
+
+
+def open_tokens(folder: Path, tokenizer: Any, key: str) -> tuple[np.memmap, dict]:
+    """Memory-map a token folder's ids, checking they were made with ``tokenizer``.
+
+    Raises:
+        DataError: another tokenizer made the folder (names both), or it is not a token folder.
+    """
+    manifest = read_manifest(folder, key)
+    mine = tokenizer_fingerprint(tokenizer)
+    if manifest["tokenizer_sha256"] != mine:
+        raise DataError(f"{key}.path: {folder} was tokenized with {manifest['tokenizer']} (sha256 "
+                        f"{manifest['tokenizer_sha256'][:12]}), but this run's tokenizer is "
+                        f"{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__} (sha256 {mine[:12]}); "
+                        "prepare the folder again with this model's tokenizer, or train with the model it was made for")
+    tokens = np.memmap(Path(folder) / TOKENS, dtype=manifest["dtype"], mode="r")
+    return tokens, manifest
+
+
+class TokenBlocks(torch.utils.data.Dataset):
+    """Samples of ``seq_len`` tokens cut from a memory-mapped token array.
+
+    Item ``k`` is block ``indices[k]``: ``input_ids`` and ``labels`` (int64 arrays ``[seq_len]``).
+    With ``document_masking`` it also has ``position_ids`` restarting after each EOS, and the
+    first token of each document after the first gets label -100 (it is not predicted across a
+    document boundary), so attention and loss stay inside documents.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, indices: torch.Tensor, eos_id: int,
+                 document_masking: bool):
+        self.tokens, self.seq_len, self.indices = tokens, seq_len, indices
+        self.eos_id, self.document_masking = eos_id, document_masking
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def select(self, indices: Any) -> "TokenBlocks":
+        return TokenBlocks(self.tokens, self.seq_len, self.indices[torch.as_tensor(indices, dtype=torch.long)],
+                           self.eos_id, self.document_masking)
+
+    def __getitem__(self, k: int) -> dict:
+        start = int(self.indices[k]) * self.seq_len
+        ids = np.asarray(self.tokens[start:start + self.seq_len], dtype=np.int64)
+        sample = {"input_ids": ids, "labels": ids.copy()}
+        if self.document_masking:
+            starts = np.zeros(len(ids), dtype=bool)
+            starts[1:] = ids[:-1] == self.eos_id
+            segment = np.cumsum(starts)
+            first = np.flatnonzero(np.r_[True, starts[1:]])
+            sample["position_ids"] = np.arange(len(ids)) - first[segment]
+            sample["labels"][starts] = IGNORE_INDEX
+        return sample
+
+
+def num_blocks(tokens: np.ndarray, seq_len: int) -> int:
+    return len(tokens) // seq_len
