@@ -335,9 +335,23 @@ def _saved_and_current(checkpoint_dir: Path, current: dict) -> tuple[dict[str, A
     return flatten(saved), flatten(current)
 
 
+# Values renamed since older checkpoints were written: same meaning, new spelling.
+ALIASES = {("data.format", "alpaca"): "instruction"}
+
+
 def _differences(old: dict, new: dict, keep) -> list[str]:
+    from llmtrain.config import added_at_default
+
+    def same(k: str) -> bool:
+        if k not in old and k in new:
+            return added_at_default(k, new[k])  # a field newer than the checkpoint, at its default
+        return canonical(k, old.get(k)) == canonical(k, new.get(k))
+
+    def canonical(k: str, value: Any) -> Any:
+        return ALIASES.get((k, value), value) if isinstance(value, str) else value
+
     return [f"{k}: {old.get(k, '<absent>')} -> {new.get(k, '<absent>')}"
-            for k in sorted(set(old) | set(new)) if keep(k) and old.get(k) != new.get(k)]
+            for k in sorted(set(old) | set(new)) if keep(k) and not same(k)]
 
 
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:

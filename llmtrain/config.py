@@ -73,6 +73,27 @@ FORMAT_COLUMNS = {
 
 
 @dataclass
+class ColumnsConfig:
+    """The file's column for each field a format reads (null: the field's own name), e.g.
+    ``data.columns.text=content`` or ``data.columns.messages=dialog``."""
+
+    text: Optional[str] = None
+    instruction: Optional[str] = None
+    input: Optional[str] = None
+    output: Optional[str] = None
+    messages: Optional[str] = None
+    conversations: Optional[str] = None
+    prompt: Optional[str] = None
+    completion: Optional[str] = None
+
+
+def mapped_columns(columns: Any) -> dict[str, str]:
+    """``{field: column}`` for the fields a source maps (``columns`` as config node or dict)."""
+    items = columns.items() if hasattr(columns, "items") else vars(columns).items()
+    return {k: v for k, v in items if v is not None}
+
+
+@dataclass
 class DataSourceConfig:
     """One dataset: where its records come from and how to read them (see :class:`DataConfig`)."""
 
@@ -83,7 +104,7 @@ class DataSourceConfig:
     subset: Optional[str] = None
     split: str = "train"
     revision: Optional[str] = None
-    columns: Dict[str, str] = field(default_factory=dict)
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)
     chat_layout: str = "auto"
     max_bytes: Optional[int] = None
     max_records: Optional[int] = None
@@ -282,6 +303,32 @@ def is_schema_key(dotted_key: str) -> bool:
     return True
 
 
+_NO_DEFAULT = object()
+
+
+def schema_default(dotted_key: str) -> Any:
+    """The schema's default of ``dotted_key`` (``data.packing`` -> False), as plain data; a
+    sentinel when the key has no default of its own (inside a free-form mapping or a list)."""
+    node: Any = OmegaConf.structured(Config)
+    for part in dotted_key.split("."):
+        if not OmegaConf.is_dict(node) or part not in node or OmegaConf.get_type(node) is dict:
+            return _NO_DEFAULT
+        node = node._get_node(part)
+        if OmegaConf.is_config(node):
+            continue
+        if node._is_missing():
+            return _NO_DEFAULT
+        node = node._value()
+    return OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
+
+
+def added_at_default(dotted_key: str, value: Any) -> bool:
+    """Whether ``dotted_key`` = ``value`` is a field at its schema default (used when a checkpoint
+    predates the field: the default reproduces what that run did)."""
+    default = schema_default(dotted_key)
+    return default is not _NO_DEFAULT and default == value
+
+
 def check_known_keys(node: Any, prefix: str = "") -> None:
     """Refuse keys that are not fields of the typed schema, however they were added.
 
@@ -354,7 +401,7 @@ def _validate_source(src: Any, key: str) -> None:
     _require(src.chat_layout in ("auto", "messages", "sharegpt"),
              f"{key}.chat_layout={src.chat_layout!r} must be auto, messages or sharegpt")
     kind = "instruction" if src.format == "alpaca" else src.format
-    unknown = sorted(set(src.columns) - set(FORMAT_COLUMNS[kind]))
+    unknown = sorted(set(mapped_columns(src.columns)) - set(FORMAT_COLUMNS[kind]))
     _require(not unknown, f"{key}.columns: {unknown} are not fields of format {src.format}; it reads "
              f"{', '.join(FORMAT_COLUMNS[kind]) or 'no columns'} (map them as {key}.columns.FIELD=your_column)")
 

@@ -96,3 +96,21 @@ def test_keys_stored_before_the_schema_was_closed_do_not_block_a_resume(tmp_path
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
     assert checkpoint.keys_outside_schema(tmp_path, current) == ["trainer.max_step", "traner.lr"]
     assert checkpoint.config_differences(tmp_path, current) == ["model.architecture.rope_theta: 5.0 -> <absent>"]
+
+
+def test_a_checkpoint_older_than_new_data_fields_still_resumes(tmp_path):
+    # Written before data.columns/packing/... existed, with the old spelling format: alpaca.
+    from omegaconf import OmegaConf
+
+    from conftest import make_cfg
+
+    current = OmegaConf.to_container(make_cfg(["data=alpaca", "data.path=a.json"]), resolve=True)
+    saved = OmegaConf.to_container(make_cfg(["data=alpaca", "data.path=a.json"]), resolve=True)
+    for key in ("columns", "packing", "document_masking", "truncation", "datasets", "weights", "subset", "split",
+                "revision", "chat_layout", "num_proc"):
+        del saved["data"][key]
+    saved["data"]["format"] = "alpaca"
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    assert checkpoint.config_differences(tmp_path, current) == []
+    current["data"]["packing"] = True  # a new field away from its default changes the run
+    assert checkpoint.config_differences(tmp_path, current) == ["data.packing: <absent> -> True"]

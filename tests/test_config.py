@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 from hydra.errors import ConfigCompositionException
 
 from conftest import make_cfg
@@ -71,15 +72,38 @@ def test_every_group_option_composes_and_validates(group):
     assert options, f"no options in conf/{group}"
     for option in options:
         overrides = [f"{group}={option}"]
-        if group == "data" and make_cfg(overrides).data.name in ("tinyshakespeare", "alpaca"):
+        composed = make_cfg(overrides).data
+        if group == "data" and composed.datasets:
+            overrides += [f"data.datasets.{i}.path=/some/file" for i in range(len(composed.datasets))]
+        elif group == "data" and OmegaConf.is_missing(composed, "path"):
             overrides.append("data.path=/some/file")  # these ship without a path: the user's copy
         validate(make_cfg(overrides), 1)
 
 
-@pytest.mark.parametrize("option", ["tinyshakespeare", "alpaca"])
+@pytest.mark.parametrize("option", ["tinyshakespeare", "alpaca", "chat", "tokens"])
 def test_data_without_a_path_asks_for_one(option):
     with pytest.raises(ConfigError, match=f"data.path must be set for data={option}"):
         validate(make_cfg([f"data={option}"]), 1)
+
+
+def test_a_mixture_without_paths_names_each_entry():
+    with pytest.raises(ConfigError, match="data.datasets.0.path must be set for data=alpaca"):
+        validate(make_cfg(["data=mix"]), 1)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("data.format=csv", "data.format='csv' must be one of text, instruction, alpaca, chat, prompt_completion, tokens"),
+    ("data.columns.output=body", r"data.columns: \['output'\] are not fields of format text; it reads text"),
+    ("data.chat_layout=openai", "data.chat_layout='openai' must be auto, messages or sharegpt"),
+    ("data.truncation=left", "data.truncation='left' must be right or drop"),
+    ("data.template=vicuna", "data.template='vicuna' must be auto, chat, alpaca, chatml or a Jinja file"),
+    ("data.template=/no/such.jinja", "data.template=/no/such.jinja: no such file"),
+    ("data.packing=true", "data.packing=true packs variable-length samples .* use data.document_masking=true"),
+    ("data.num_proc=0", "data.num_proc=0 must be >= 1"),
+])
+def test_data_field_errors_name_the_field(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        validate(make_cfg([override]), 1)
 
 
 def test_default_run_is_plain_torch_and_names_run_dir():

@@ -108,6 +108,12 @@ def test_the_readme_has_the_blocks_this_test_expects():
 @pytest.mark.parametrize("heading,command", COMMANDS, ids=[c[:60] for _, c in COMMANDS])
 def test_command_line(heading, command, tmp_path):
     tokens = shlex.split(command)
+    if tokens[1:3] == ["-m", "llmtrain.prepare"]:
+        from llmtrain.config import validate_data
+
+        validate_data(make_cfg([t for t in tokens[3:] if not t.startswith("out=")]).data)
+        assert sum(t.startswith("out=") for t in tokens) == 1, command
+        return
     parsed = llmtrain_args(tokens)
     if parsed is None:
         if tuple(tokens[:2]) in SETUP_COMMANDS or tuple(tokens[:3]) in SETUP_COMMANDS:

@@ -65,18 +65,36 @@ KILL_RECIPES = ["ddp", "zero2", "zero3", "zero3_offload", "fsdp", "tp", "pp"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict:
-    """Uninterrupted runs: every KILL_RECIPES run on 2 processes in one launch, plain on 1."""
+def mixture(tmp_path_factory) -> list[str]:
+    """Overrides of a packed 0.7/0.3 mixture of instruction records and ShareGPT conversations
+    (written here, so the test needs no shared data), on FSDP."""
+    folder = tmp_path_factory.mktemp("mix-data")
+    (folder / "alpaca.json").write_text(json.dumps(
+        [{"instruction": f"Add {i} and {i % 7}.", "input": "", "output": str(i + i % 7)} for i in range(150)]))
+    (folder / "sharegpt.json").write_text(json.dumps([{"conversations": [
+        {"from": "human", "value": f"Who is {i}?"}, {"from": "gpt", "value": f"{i} is a number."},
+        {"from": "human", "value": "Sure?"}, {"from": "gpt", "value": "Yes."}]} for i in range(60)]))
+    return ["data=mix", f"data.datasets.0.path={folder / 'alpaca.json'}", f"data.datasets.1.path={folder / 'sharegpt.json'}",
+            "data.template=chatml", "data.seq_len=128", "data.packing=true", "+recipe=fsdp"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, mixture) -> dict:
+    """Uninterrupted runs: every KILL_RECIPES run (and the mixture) on 2 processes in one launch,
+    plain on 1."""
     cache: dict = {}
 
     def get(nproc: int, recipe: str) -> list[tuple]:
         if nproc not in cache:
-            recipes = KILL_RECIPES if nproc == 2 else ["ddp"]
-            dirs = run_scenarios({r: COMMON + [f"+recipe={r}"] for r in recipes}, nproc,
-                                 tmp_path_factory.mktemp(f"ref-{nproc}"))
+            runs = {r: COMMON + [f"+recipe={r}"] for r in (KILL_RECIPES if nproc == 2 else ["ddp"])}
+            if nproc == 2:
+                runs["mix"] = COMMON + mixture
+            dirs = run_scenarios(runs, nproc, tmp_path_factory.mktemp(f"ref-{nproc}"))
             cache[nproc] = {r: per_step(d) for r, d in dirs.items()}
+            cache[nproc, "metrics"] = {r: read_metrics(d) for r, d in dirs.items()}
         return cache[nproc][recipe]
 
+    get.metrics = lambda nproc, recipe: cache[nproc, "metrics"][recipe]
     return get
 
 
@@ -93,6 +111,23 @@ def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path
     got = per_step(tmp_path)
     assert [row[0] for row in got] == list(range(1, STEPS + 1))  # one record per step, none twice
     assert got == reference(2, recipe)
+
+
+def test_sigkill_of_a_packed_mixture_continues_exactly_and_counts_sources(mixture, reference, tmp_path):
+    overrides = COMMON + mixture + [f"run_dir={tmp_path}"]
+    proc = launch(overrides, nproc=2)
+    wait_for_step(proc, tmp_path, 5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert_ok(run_cli(overrides, nproc=2))
+    got = per_step(tmp_path)
+    assert [row[0] for row in got] == list(range(1, STEPS + 1))
+    assert got == reference(2, "mix")
+    counts = [(r["data/source/alpaca_samples"], r["data/source/sharegpt_samples"])
+              for r in reference.metrics(2, "mix") if "train/loss" in r]
+    assert all(a + b == 48 for a, b in counts)  # the global batch, split between the sources
+    share = sum(a for a, _ in counts) / (48 * len(counts))
+    assert abs(share - 0.7) < 3 * (0.7 * 0.3 / (48 * len(counts))) ** 0.5, share  # within 3 sigma
 
 
 def test_kill_during_save_resumes_from_previous_checkpoint(reference, tmp_path):

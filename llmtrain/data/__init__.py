@@ -29,6 +29,7 @@ from llmtrain.data.order import (Collator, GlobalSampleOrder, MixtureOrder, Step
 from llmtrain.data.sources import (RECORD_BUILDERS, _kind, column, is_saved_dataset, load_hub,  # noqa: F401
                                    load_records, looks_like_local_path, refuse_records_as_text, source_files)
 from llmtrain.data.tokens import MANIFEST, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
+from llmtrain.config import mapped_columns
 from llmtrain.errors import ConfigError, DataError
 from llmtrain.loss import IGNORE_INDEX  # noqa: F401  (public here too)
 from llmtrain.paths import CACHE_DIR
@@ -137,7 +138,7 @@ def _cache_key(src: Any, tokenizer: Any, key: str) -> str:
     """Cache folder name of a text source's tokens: tokenizer, source files (path, size, mtime),
     and every setting that changes the ids."""
     desc: dict[str, Any] = {"tokenizer": tokenizer_fingerprint(tokenizer), "format": src.format,
-                            "columns": dict(src.columns), "max_bytes": src.max_bytes, "max_records": src.max_records}
+                            "columns": mapped_columns(src.columns), "max_bytes": src.max_bytes, "max_records": src.max_records}
     path = Path(str(src.path)).expanduser() if src.path is not None else None
     if path is None or path.exists():
         if path is not None and path.is_dir() and is_saved_dataset(path):

@@ -167,10 +167,13 @@ def conversation(record: dict, field: str, layout: str, where: str) -> list[dict
 def chat_field(records: Any, src: Any, key: str, where: str) -> tuple[str, str]:
     """(column, layout) of a chat source: ``chat_layout`` or, when ``auto``, whichever of the
     ``messages`` and ``conversations`` columns is present."""
-    if src.chat_layout == "messages" or (src.chat_layout == "auto" and "conversations" not in src.columns and (
-            "messages" in src.columns or src.columns.get("messages", "messages") in records.column_names)):
+    from llmtrain.config import mapped_columns
+
+    mapped = mapped_columns(src.columns)
+    if src.chat_layout == "messages" or (src.chat_layout == "auto" and "conversations" not in mapped and (
+            "messages" in mapped or "messages" in records.column_names)):
         return column(records, src, "messages", key, "chat (messages layout)", where), "messages"
-    if src.chat_layout == "sharegpt" or src.columns.get("conversations", "conversations") in records.column_names:
+    if src.chat_layout == "sharegpt" or mapped.get("conversations", "conversations") in records.column_names:
         return column(records, src, "conversations", key, "chat (sharegpt layout)", where), "sharegpt"
     raise DataError(f"{where}: format chat reads a 'messages' (OpenAI role/content) or 'conversations' (ShareGPT "
                     f"from/value) column; its columns are {list(records.column_names)}. Map yours with "
@@ -204,7 +207,9 @@ def encoder(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, whe
         return encode_chat
     if fmt == "instruction":
         cols = {f: column(records, src, f, key, "instruction", where) for f in ("instruction", "output")}
-        input_col = src.columns.get("input", "input")
+        from llmtrain.config import mapped_columns
+
+        input_col = mapped_columns(src.columns).get("input", "input")
         use_chat = uses_chat_template(data_cfg, fmt, tokenizer)
         chat = ChatEncoder(tokenizer) if use_chat else None
 

@@ -239,13 +239,15 @@ def column(records: Any, src: Any, field: str, key: str, fmt: str, where: str) -
     Raises:
         DataError: the column is missing; names the columns present, the closest one and the fix.
     """
-    name = src.columns.get(field, field)
+    from llmtrain.config import mapped_columns
+
+    name = mapped_columns(src.columns).get(field, field)
     present = list(records.column_names)
     if name in present:
         return name
     close = difflib.get_close_matches(name, present, n=1, cutoff=0.5)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    mapped = f"{key}.columns.{field}={name} names" if field in src.columns else f"format {fmt} reads"
+    mapped = f"{key}.columns.{field}={name} names" if field in mapped_columns(src.columns) else f"format {fmt} reads"
     fits = [f for f, cols in (("instruction", {"instruction", "output"}), ("chat", {"messages"}),
                               ("chat", {"conversations"}), ("prompt_completion", {"prompt", "completion"}),
                               ("text", {"text"})) if cols <= set(present) and not fmt.startswith(f)]
