@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -171,3 +172,19 @@ def test_layout_errors_on_two_ranks_fail_before_writing(overrides, needle, tmp_p
     run_dir = tmp_path / "run"
     proc = run_cli(["tracker=none", f"run_dir={run_dir}"] + overrides, nproc=2)
     _assert_failed_cleanly(proc, run_dir, needle)
+
+
+@pytest.mark.parametrize("records,extra,needle", [
+    # The tiny model's byte tokenizer has no chat template: named on every rank, before writing.
+    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 4, [],
+     "data.format=chat renders conversations with a chat template, and this tokenizer has none. Set data.template=chatml"),
+    ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 4
+     + [{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}], ["data.template=chatml"],
+     "record 4 turn 1: role='robot' is not a known role"),
+])
+def test_bad_chat_data_on_two_ranks_fails_before_writing(records, extra, needle, tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    run_dir = tmp_path / "run"
+    proc = run_cli(["tracker=none", "data=chat", f"data.path={path}", f"run_dir={run_dir}"] + extra, nproc=2)
+    _assert_failed_cleanly(proc, run_dir, needle, str(path) if extra else "data.template")

@@ -314,3 +314,19 @@ def test_a_token_folder_from_another_tokenizer_is_refused_naming_both(tmp_path):
         data.load_splits(cfg(tmp_path / "tok", format="tokens", seq_len=4), other, seed=0)
     splits = data.load_splits(cfg(tmp_path / "tok", format="tokens", seq_len=4), byte_tokenizer(), seed=0)
     assert len(splits.train) + len(splits.val) == (12 * 4) // 4
+
+
+def test_the_export_stops_generation_on_every_end_token_training_taught(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from llmtrain.checkpoint import save_hf_folder
+    from tests.conftest import make_cfg
+
+    c = make_cfg(["data=chat", f"data.path={tmp_path / 'c.json'}", "data.template=chatml"])
+    tok = data.apply_template_setting(c.data, byte_tokenizer())
+    model = _tiny_model()
+    save_hf_folder(model.state_dict(), c.model, tok, tmp_path / "hf", data.end_token_ids(c.data, tok))
+    assert GenerationConfig.from_pretrained(tmp_path / "hf").eos_token_id == [IM_END, 256]
+    # The exported tokenizer carries the template training rendered with.
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == data.formats.CHATML
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").generation_config.eos_token_id == [IM_END, 256]

@@ -61,11 +61,20 @@ def runs(tmp_path_factory):
     def get(nproc: int) -> dict[str, Path]:
         if nproc not in cache:
             group = {recipe: COMMON + [f"+recipe={recipe}"] for recipe in RECIPES} if nproc <= 2 else {}
+            packed = alpaca_run + ["data.packing=true"]
+            docmask = COMMON + ["data.document_masking=true"]
             if nproc == 1:
                 group["qwen2"] = COMMON + ["model=tiny_qwen2", "+recipe=ddp"]
                 group["alpaca"] = alpaca_run + ["+recipe=ddp"]
+                group["alpaca_packed"] = packed + ["+recipe=ddp"]
+                group["docmask"] = docmask + ["+recipe=ddp"]
             if nproc == 2:
                 group["alpaca_pp"] = alpaca_run + ["+recipe=pp"]
+                # Packed rows: every pipeline stage gets the per-sample positions.
+                group["alpaca_packed_pp"] = packed + ["+recipe=pp"]
+                group["alpaca_packed_zero3"] = packed + ["+recipe=zero3"]
+                group["docmask_pp"] = docmask + ["+recipe=pp", "recipe.pp_schedule=interleaved_1f1b",
+                                                 "recipe.pp_stages_per_rank=2"]
             group.update({name: COMMON + o for name, o in NATIVE.get(nproc, {}).items()})
             cache[nproc] = run_scenarios(group, nproc, tmp_path_factory.mktemp(f"runs-{nproc}"))
         return cache[nproc]
@@ -165,6 +174,15 @@ def test_torch_native_layout_matches_plain_single_process(nproc, name, runs):
 
 def test_pipeline_on_padded_instruction_data_matches_plain_single_process(runs):
     assert_same_run(runs(2)["alpaca_pp"], runs(1)["alpaca"])
+
+
+@pytest.mark.parametrize("name,plain", [("alpaca_packed_pp", "alpaca_packed"), ("alpaca_packed_zero3", "alpaca_packed"),
+                                        ("docmask_pp", "docmask")])
+def test_packed_rows_on_two_ranks_match_plain_single_process(name, plain, runs):
+    assert_same_run(runs(2)[name], runs(1)[plain])
+    # Packing changes the rows (several samples each), not what a sample contributes.
+    if plain == "alpaca_packed":
+        assert steps(runs(1)["alpaca_packed"])[1]["train/tokens_seen"] > steps(runs(1)["alpaca"])[1]["train/tokens_seen"]
 
 
 def test_export_cli_consolidates_a_3d_checkpoint(runs, tmp_path):

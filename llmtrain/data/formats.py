@@ -82,8 +82,8 @@ def end_token_ids(data_cfg: Any, tokenizer: Any) -> list[int]:
     ``generation_config.json`` stops on all of them."""
     sources = list(data_cfg.datasets) or [data_cfg]
     ends: list[int] = []
-    if any(s.format != "text" and s.format != "tokens" and s.format != "prompt_completion"
-           and uses_chat_template(data_cfg, s.format, tokenizer) for s in sources):
+    if any(s.format in ("chat", "instruction", "alpaca") and uses_chat_template(data_cfg, s.format, tokenizer)
+           for s in sources):
         eot = end_of_turn(tokenizer)[1]
         if eot is not None:
             ends.append(eot)
