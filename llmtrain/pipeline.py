@@ -81,33 +81,22 @@ class DecoderStage(nn.Module):
             self.lm_head = model.lm_head
         self.is_first, self.is_last = is_first, is_last
         self.holds_tied_weight = tied and (is_first or is_last)
-        self._packed_positions: list[torch.Tensor] | None = None
-        self._forward_calls = 0
-
-    def use_positions(self, chunks: list[torch.Tensor] | None) -> None:
-        """Position ids ``[micro_batch, seq]`` of the coming forwards, one per micro-batch, for
-        packed rows (positions restart at each sample, attention stays inside it); None: plain
-        ``0..T-1``. Stages exchange only hidden states, so every stage is given the positions;
-        every schedule runs a stage's forwards in micro-batch order, so the k-th call takes
-        chunk k."""
-        self._packed_positions, self._forward_calls = chunks, 0
-
     @property
     def tied_copy(self) -> nn.Parameter | None:
         """The last stage's copy of a tied embedding (the first stage's is the one counted in
         the gradient norm), or None."""
         return base_model(self).embed_tokens.weight if self.holds_tied_weight and not self.is_first else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``x``: token ids ``[B, T]`` (first stage) or hidden states ``[B, T, hidden]``.
+        ``position_ids`` ``[B, T]``: packed rows' positions, restarting at each sample, so that
+        attention stays inside it (every stage gets them: the schedule splits keyword arguments
+        into micro-batches for all stages); None: ``0..T-1``."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         body = base_model(self)
         h = body.embed_tokens(x) if self.is_first else x
-        if self._packed_positions is not None:
-            positions = self._packed_positions[self._forward_calls]
-            self._forward_calls += 1
-        else:
-            positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        positions = position_ids if position_ids is not None else torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         rotary = body.rotary_emb(h, position_ids=positions)
         layer_types = getattr(self.config, "layer_types", None)
         masks: dict[str, Any] = {}
@@ -153,9 +142,10 @@ def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn: Callab
 
 @torch.no_grad()
 def forward_only(stages: dict[int, nn.Module], num_stages: int, pp_group, x: torch.Tensor,
-                 hidden_size: int) -> torch.Tensor | None:
-    """Run one batch ``x`` ``[B, T]`` through all stages with blocking send/recv (evaluation;
-    any batch shape). Returns the logits on the rank of the last stage, None elsewhere."""
+                 hidden_size: int, position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Run one batch ``x`` ``[B, T]`` (with packed rows' ``position_ids``) through all stages
+    with blocking send/recv (evaluation; any batch shape). Returns the logits on the rank of the
+    last stage, None elsewhere."""
     ranks = dist.get_process_group_ranks(pp_group)
     pp, me = len(ranks), dist.get_rank(pp_group)
     h = None
@@ -165,7 +155,7 @@ def forward_only(stages: dict[int, nn.Module], num_stages: int, pp_group, x: tor
         if s > 0:
             h = torch.empty(x.shape[0], x.shape[1], hidden_size, dtype=torch.float32, device=x.device)
             dist.recv(h, src=ranks[(s - 1) % pp], group=pp_group)
-        out = stages[s](x if s == 0 else h)
+        out = stages[s](x if s == 0 else h, position_ids=position_ids)
         if s == num_stages - 1:
             return out
         dist.send(out.float().contiguous(), dst=ranks[(s + 1) % pp], group=pp_group)

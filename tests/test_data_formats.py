@@ -245,9 +245,9 @@ def test_packed_rows_give_each_sample_its_unpacked_token_losses(tmp_path, fmt):
         for k in range(len(splits.train)):
             batch = data.Collator(257)([splits.train[k]])
             logits = model(**model_inputs(batch)).logits
-            for stage in stages:  # the pipeline-parallel path: positions given to every stage
-                stage.use_positions([batch["position_ids"]])
-            piped = stages[1](stages[0](batch["input_ids"]))
+            # The pipeline-parallel path: every stage is given the positions.
+            piped = stages[1](stages[0](batch["input_ids"], position_ids=batch["position_ids"]),
+                              position_ids=batch["position_ids"])
             assert torch.allclose(piped, logits, atol=1e-5)
             losses = _token_losses(logits, batch["labels"])
             starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist() + [batch["input_ids"].shape[1]]

@@ -61,7 +61,8 @@ def runs(tmp_path_factory):
     def get(nproc: int) -> dict[str, Path]:
         if nproc not in cache:
             group = {recipe: COMMON + [f"+recipe={recipe}"] for recipe in RECIPES} if nproc <= 2 else {}
-            packed = alpaca_run + ["data.packing=true"]
+            # Rows of 512 tokens hold two or three of these samples.
+            packed = [o for o in alpaca_run if o != "data.seq_len=256"] + ["data.seq_len=512", "data.packing=true"]
             docmask = COMMON + ["data.document_masking=true"]
             if nproc == 1:
                 group["qwen2"] = COMMON + ["model=tiny_qwen2", "+recipe=ddp"]
@@ -73,6 +74,7 @@ def runs(tmp_path_factory):
                 # Packed rows: every pipeline stage gets the per-sample positions.
                 group["alpaca_packed_pp"] = packed + ["+recipe=pp"]
                 group["alpaca_packed_zero3"] = packed + ["+recipe=zero3"]
+                group["alpaca_packed_tp"] = packed + ["+recipe=tp"]
                 group["docmask_pp"] = docmask + ["+recipe=pp", "recipe.pp_schedule=interleaved_1f1b",
                                                  "recipe.pp_stages_per_rank=2"]
             group.update({name: COMMON + o for name, o in NATIVE.get(nproc, {}).items()})
@@ -177,12 +179,12 @@ def test_pipeline_on_padded_instruction_data_matches_plain_single_process(runs):
 
 
 @pytest.mark.parametrize("name,plain", [("alpaca_packed_pp", "alpaca_packed"), ("alpaca_packed_zero3", "alpaca_packed"),
-                                        ("docmask_pp", "docmask")])
+                                        ("alpaca_packed_tp", "alpaca_packed"), ("docmask_pp", "docmask")])
 def test_packed_rows_on_two_ranks_match_plain_single_process(name, plain, runs):
     assert_same_run(runs(2)[name], runs(1)[plain])
     # Packing changes the rows (several samples each), not what a sample contributes.
     if plain == "alpaca_packed":
-        assert steps(runs(1)["alpaca_packed"])[1]["train/tokens_seen"] > steps(runs(1)["alpaca"])[1]["train/tokens_seen"]
+        assert steps(runs(1)["alpaca_packed"])[1]["train/tokens_seen"] > 2 * steps(runs(1)["alpaca"])[1]["train/tokens_seen"]
 
 
 def test_export_cli_consolidates_a_3d_checkpoint(runs, tmp_path):

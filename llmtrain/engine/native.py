@@ -200,16 +200,11 @@ class NativeEngine(Engine):
         input_ids, labels, positions = self._pipeline_batch(batches)
         self._normaliser = global_targets
         losses: list[torch.Tensor] = []
-        for part in self.parts:
-            # The schedule splits the concatenated batch into one micro-batch per accumulation step.
-            part.use_positions(None if positions is None else list(positions.chunk(len(batches))))
-        try:
-            with self._autocast():
-                kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-                self.schedule.step(*([input_ids] if self.has_first else []), **kwargs)
-        finally:
-            for part in self.parts:
-                part.use_positions(None)
+        with self._autocast():
+            kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+            if positions is not None:  # split into micro-batches for every stage by the schedule
+                kwargs["position_ids"] = positions
+            self.schedule.step(*([input_ids] if self.has_first else []), **kwargs)
         total = torch.zeros((), dtype=torch.float64, device=self.env.device)
         if self.has_last:
             # losses hold CE / normaliser * dp per micro-batch; undo to the plain summed CE.
@@ -243,15 +238,9 @@ class NativeEngine(Engine):
         from llmtrain.pipeline import forward_only
 
         total = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        for part in self.parts:
-            part.use_positions([batch["position_ids"]] if "position_ids" in batch else None)
-        try:
-            with self._autocast():
-                logits = forward_only(dict(zip(self.stage_ids, self.parts)), self.num_stages, self.pp_group,
-                                      batch["input_ids"], self.hf_config.hidden_size)
-        finally:
-            for part in self.parts:
-                part.use_positions(None)
+        with self._autocast():
+            logits = forward_only(dict(zip(self.stage_ids, self.parts)), self.num_stages, self.pp_group,
+                                  batch["input_ids"], self.hf_config.hidden_size, batch.get("position_ids"))
         if logits is not None:
             total += token_cross_entropy_sum(logits, batch["labels"]).double()
         dist.broadcast(total, src=self._last_stage_rank, group=self.pp_group)
