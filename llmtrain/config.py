@@ -134,7 +134,7 @@ class DataConfig(DataSourceConfig):
         token are trained. ``template``: ``auto`` (the tokenizer's), ``chatml`` (a built-in
         template) or a path to a Jinja file.
       * ``prompt_completion``: {prompt, completion}; the completion and EOS are trained.
-      * ``tokens``: a folder written by ``python -m llmtrain.prepare`` (memory-mapped).
+      * ``tokens``: a folder written by ``python -m llmtrain.prepare`` (read by block from disk).
     ``truncation``: a sample longer than ``seq_len`` is cut (``right``) or dropped (``drop``); a
     sample left without target tokens is dropped either way. ``packing``: several samples share
     one row of ``seq_len`` tokens, with positions restarting and attention kept inside each.

@@ -1,5 +1,5 @@
 """``python -m llmtrain.prepare [MODEL AND DATA OVERRIDES] out=DIR``: tokenize a text corpus once
-into a memory-mapped token folder, for corpora larger than memory.
+into a token folder on disk, read block by block: for corpora larger than memory.
 
 The overrides are those of ``python -m llmtrain`` (``model=...`` picks the tokenizer, ``data=...``
 and ``data.*`` the text source; ``data.num_proc=N`` tokenizes in N processes). Train on the

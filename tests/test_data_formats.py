@@ -330,3 +330,18 @@ def test_the_export_stops_generation_on_every_end_token_training_taught(tmp_path
     # The exported tokenizer carries the template training rendered with.
     assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == data.formats.CHATML
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").generation_config.eos_token_id == [IM_END, 256]
+
+
+def test_the_split_covers_every_sample_once_and_stores_only_the_validation_indices():
+    import numpy as np
+
+    from llmtrain.data import _split
+
+    train, val = _split(1000, 0.05, seed=4)
+    got = [train[k] for k in range(len(train))]
+    assert len(val) == 50 and sorted(got + val.tolist()) == list(range(1000)) and got == sorted(got)
+    assert train._shift.nbytes == 50 * 8
+    again_train, again_val = _split(1000, 0.05, seed=4)
+    assert np.array_equal(again_val, val) and not np.array_equal(_split(1000, 0.05, seed=5)[1], val)
+    with pytest.raises(IndexError):
+        train[len(train)]

@@ -7,7 +7,7 @@ records (``packing``). Modules, one job each:
 
 * :mod:`~llmtrain.data.sources`: files, folders, ``save_to_disk`` folders, Hub ids -> records.
 * :mod:`~llmtrain.data.formats`: records -> samples (chat templates, label masks, truncation).
-* :mod:`~llmtrain.data.tokens`: memory-mapped token folders (``llmtrain.prepare``; text cache).
+* :mod:`~llmtrain.data.tokens`: token folders read without loading them (``llmtrain.prepare``; text cache).
 * :mod:`~llmtrain.data.order`: global sample order, mixtures, packing, batching.
 """
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from llmtrain.data.formats import (ALPACA_PROMPT, apply_template_setting, end_of_turn,  # noqa: F401
@@ -28,7 +29,7 @@ from llmtrain.data.order import (Collator, GlobalSampleOrder, MixtureOrder, Step
                                  pack, packed_samples)
 from llmtrain.data.sources import (RECORD_BUILDERS, _kind, column, is_saved_dataset, load_hub,  # noqa: F401
                                    load_records, looks_like_local_path, refuse_records_as_text, source_files)
-from llmtrain.data.tokens import MANIFEST, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
+from llmtrain.data.tokens import MANIFEST, Complement, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
 from llmtrain.config import mapped_columns
 from llmtrain.errors import ConfigError, DataError
 from llmtrain.loss import IGNORE_INDEX  # noqa: F401  (public here too)
@@ -163,10 +164,13 @@ def token_source(src: Any, key: str, tokenizer: Any, num_proc: int):
     return open_tokens(folder, tokenizer, key)
 
 
-def _split(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+def _split(n: int, val_fraction: float, seed: int) -> tuple[Complement, np.ndarray]:
+    """(train, val) sample indices: ``max(1, round(n * val_fraction))`` validation samples drawn
+    without replacement with ``seed`` (sorted), the rest for training, in order. Memory grows with
+    the validation set only, so a token corpus of billions of tokens splits in kilobytes."""
     n_val = max(1, round(n * val_fraction))
-    return order[n_val:].sort().values, order[:n_val].sort().values
+    val = np.sort(np.random.default_rng(seed).choice(n, size=n_val, replace=False))
+    return Complement(n, val), val
 
 
 def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int) -> tuple[Any, Any, dict]:
@@ -177,10 +181,10 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int) -
         if n < 2:
             raise DataError(f"{key}: {src.name} yields {n} block(s) of data.seq_len={data_cfg.seq_len} tokens; need at "
                             "least 2 (one to train, one to validate)")
-        blocks = TokenBlocks(tokens, data_cfg.seq_len, torch.arange(n), manifest["eos_token_id"],
-                             data_cfg.document_masking)
         train_idx, val_idx = _split(n, data_cfg.val_fraction, seed)
-        return blocks.select(train_idx), blocks.select(val_idx), {"tokens": manifest["num_tokens"], "samples": n}
+        eos, masking = manifest["eos_token_id"], data_cfg.document_masking
+        return (TokenBlocks(tokens, data_cfg.seq_len, train_idx, eos, masking),
+                TokenBlocks(tokens, data_cfg.seq_len, val_idx, eos, masking), {"tokens": manifest["num_tokens"], "samples": n})
 
     def encode():
         records = load_records(src, key)
@@ -188,7 +192,7 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int) -
 
     samples, counts = _on_main_first(encode)
     train_idx, val_idx = _split(len(samples), data_cfg.val_fraction, seed)
-    train, val = samples.select(train_idx.tolist()), samples.select(val_idx.tolist())
+    train, val = samples.select([train_idx[k] for k in range(len(train_idx))]), samples.select(val_idx.tolist())
     stats = dict(counts, samples=len(samples))
     if data_cfg.packing:
         unpacked = len(train)

@@ -1,10 +1,10 @@
-"""Token folders: a corpus tokenized once into one flat memory-mapped array of token ids.
+"""Token folders: a corpus tokenized once into one flat array of token ids on disk, read by block.
 
 Layout of a folder (written by ``python -m llmtrain.prepare``, and by ``format=text`` into its
 cache): ``tokens.bin`` (little-endian uint16 when the vocabulary fits, else uint32; documents
 concatenated, each followed by EOS) and ``manifest.json`` (tokenizer name and SHA-256, dtype,
-token and document counts, EOS id, source). Training memory-maps ``tokens.bin``: resident
-memory holds the pages read, not the corpus. Sample ``i`` is tokens ``[i*L, (i+1)*L)`` for
+token and document counts, EOS id, source). Training reads the blocks it needs with
+``os.pread`` (:class:`TokenFile`): resident memory does not hold the corpus. Sample ``i`` is tokens ``[i*L, (i+1)*L)`` for
 ``L = data.seq_len``; the tail shorter than ``L`` is not used.
 """
 
@@ -92,8 +92,36 @@ def read_manifest(folder: Path, key: str) -> dict:
     return json.loads(manifest.read_text())
 
 
-def open_tokens(folder: Path, tokenizer: Any, key: str) -> tuple[np.memmap, dict]:
-    """Memory-map a token folder's ids, checking they were made with ``tokenizer``.
+class TokenFile:
+    """Read-only random access to ``tokens.bin`` with ``os.pread``: ``file[a:b]`` is a numpy
+    array of ids. Unlike a memory map, reads leave no file pages mapped into the process, so
+    resident memory does not grow with the corpus or with the steps taken (this machine's
+    read-ahead mapped ~0.9 MiB per random 256-byte read of a memory map, ``MADV_RANDOM``
+    or not). Opened lazily per process, so it survives ``fork``."""
+
+    def __init__(self, path: Path, dtype: str):
+        self.path, self.dtype = Path(path), np.dtype(dtype)
+        self._len = self.path.stat().st_size // self.dtype.itemsize
+        self._fd, self._pid = None, None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, step = index.indices(self._len)
+        if step != 1:
+            raise ValueError("TokenFile reads contiguous ranges only")
+        if self._pid != os.getpid():
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        size = self.dtype.itemsize
+        return np.frombuffer(os.pread(self._fd, (stop - start) * size, start * size), dtype=self.dtype)
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, _fd=None, _pid=None)
+
+
+def open_tokens(folder: Path, tokenizer: Any, key: str) -> tuple[TokenFile, dict]:
+    """Open a token folder's ids for random reads, checking they were made with ``tokenizer``.
 
     Raises:
         DataError: another tokenizer made the folder (names both), or it is not a token folder.
@@ -105,30 +133,43 @@ def open_tokens(folder: Path, tokenizer: Any, key: str) -> tuple[np.memmap, dict
                         f"{manifest['tokenizer_sha256'][:12]}), but this run's tokenizer is "
                         f"{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__} (sha256 {mine[:12]}); "
                         "prepare the folder again with this model's tokenizer, or train with the model it was made for")
-    tokens = np.memmap(Path(folder) / TOKENS, dtype=manifest["dtype"], mode="r")
-    return tokens, manifest
+    return TokenFile(Path(folder) / TOKENS, manifest["dtype"]), manifest
+
+
+class Complement:
+    """The indices ``0..n-1`` except the sorted ``excluded`` ones, in order, without
+    materialising them: memory is 8 bytes per excluded index, not per index. Item ``k`` is
+    ``k + #{excluded j : excluded_j - j <= k}`` (one binary search)."""
+
+    def __init__(self, n: int, excluded: np.ndarray):
+        self.n = n
+        self._shift = np.asarray(excluded, dtype=np.int64) - np.arange(len(excluded))
+
+    def __len__(self) -> int:
+        return self.n - len(self._shift)
+
+    def __getitem__(self, k: int) -> int:
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        return k + int(np.searchsorted(self._shift, k, side="right"))
 
 
 class TokenBlocks(torch.utils.data.Dataset):
-    """Samples of ``seq_len`` tokens cut from a memory-mapped token array.
+    """Samples of ``seq_len`` tokens cut from a token array on disk (:class:`TokenFile`) or in memory.
 
-    Item ``k`` is block ``indices[k]``: ``input_ids`` and ``labels`` (int64 arrays ``[seq_len]``).
-    With ``document_masking`` it also has ``position_ids`` restarting after each EOS, and the
-    first token of each document after the first gets label -100 (it is not predicted across a
-    document boundary), so attention and loss stay inside documents.
+    Item ``k`` is block ``indices[k]`` (``indices``: an integer array or a :class:`Complement`):
+    ``input_ids`` and ``labels`` (int64 arrays ``[seq_len]``). With ``document_masking`` it also
+    has ``position_ids`` restarting after each EOS, and the first token of each document after
+    the first gets label -100 (it is not predicted across a document boundary), so attention and
+    loss stay inside documents.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, indices: torch.Tensor, eos_id: int,
-                 document_masking: bool):
+    def __init__(self, tokens: np.ndarray, seq_len: int, indices: Any, eos_id: int, document_masking: bool):
         self.tokens, self.seq_len, self.indices = tokens, seq_len, indices
         self.eos_id, self.document_masking = eos_id, document_masking
 
     def __len__(self) -> int:
         return len(self.indices)
-
-    def select(self, indices: Any) -> "TokenBlocks":
-        return TokenBlocks(self.tokens, self.seq_len, self.indices[torch.as_tensor(indices, dtype=torch.long)],
-                           self.eos_id, self.document_masking)
 
     def __getitem__(self, k: int) -> dict:
         start = int(self.indices[k]) * self.seq_len
