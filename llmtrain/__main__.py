@@ -28,8 +28,28 @@ def _fail(err: Exception) -> None:
     sys.exit(2)
 
 
+def check_recipe_selection(args: list[str]) -> None:
+    """The recipe group is selected once, as ``+recipe=NAME``. Hydra lets a plain ``recipe=B``
+    silently override ``+recipe=A`` in either order, so the run would not be the one the
+    command line seems to ask for; both spellings together, or either twice, are refused.
+
+    Raises:
+        ConfigError: naming every selection given.
+    """
+    import re
+
+    chosen = [a for a in args if re.match(r"^(\+\+|\+|~)?recipe(@[\w.]*)?(=|$)", a)]
+    if len(chosen) > 1:
+        raise ConfigError(f"the recipe is selected {len(chosen)} times ({', '.join(chosen)}); select it once, as "
+                          "+recipe=NAME (a sweep: +recipe=A,B with -m)")
+    if chosen and chosen[0].startswith("recipe"):
+        raise ConfigError(f"{chosen[0]}: the recipe group has no default to override; select it with "
+                          f"+{chosen[0]}")
+
+
 try:
     register_configs()  # before @hydra.main composes: the recipes are options of the group
+    check_recipe_selection(sys.argv[1:])
 except ConfigError as err:
     _fail(err)
 

@@ -106,6 +106,31 @@ def build_tokenizer(model_cfg: Any):
                            "use model.tokenizer=byte or a tokenizer folder for source=config")
 
 
+def check_sequence_length(config: Any, seq_len: int) -> str | None:
+    """Check ``data.seq_len`` against the model's position range before anything is written.
+
+    Returns:
+        A warning for rotary models (positions beyond ``max_position_embeddings`` work but were
+        not trained), else None.
+
+    Raises:
+        ConfigError: learned absolute positions (GPT-2, OPT, ...) cannot index past the table.
+    """
+    from llmtrain.errors import ConfigError
+
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is None or seq_len <= limit:
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if rope is None and getattr(config, "rope_theta", None) is None:
+        raise ConfigError(f"data.seq_len={seq_len} exceeds the {config.model_type} model's {limit} learned positions "
+                          f"(max_position_embeddings={limit}); use data.seq_len<={limit}, or a model with more "
+                          "positions (model.architecture.max_position_embeddings for a model built from config)")
+    return (f"data.seq_len={seq_len} exceeds the model's max_position_embeddings={limit}: rotary positions past "
+            f"{limit} were never trained (rope settings {rope}); lower data.seq_len or set rope scaling "
+            "(model.architecture.rope_scaling)")
+
+
 def model_config(model_cfg: Any):
     """The ``transformers`` config of the model (no weights are read)."""
     if model_cfg.source == "config":

@@ -25,7 +25,7 @@ from llmtrain import checkpoint, console, data, distributed
 from llmtrain.config import ConfigError, apply_engine_override, gradient_accumulation_steps, validate
 from llmtrain.engine import build_engine
 from llmtrain.loss import count_target_tokens, token_cross_entropy_sum  # noqa: F401  (public here too)
-from llmtrain.models import build_model, build_tokenizer, model_config
+from llmtrain.models import build_model, build_tokenizer, check_sequence_length, model_config
 from llmtrain.parallel_dims import ParallelDims
 from llmtrain.preemption import Preemption
 from llmtrain.tracking import Tracker
@@ -159,15 +159,19 @@ def train(cfg: Any) -> dict[str, Any]:
     seed_everything(t.seed)
     run_dir = _run_dir(cfg)
     tokenizer = build_tokenizer(cfg.model)
+    # The model's limits against the tokenizer and the data, before the data is tokenized.
+    hf_config = model_config(cfg.model)
+    if len(tokenizer) > hf_config.vocab_size:
+        raise ConfigError(f"model.architecture.vocab_size={hf_config.vocab_size} is smaller than the tokenizer's "
+                          f"{len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")
+    too_long = check_sequence_length(hf_config, cfg.data.seq_len)
+    if too_long and env.is_main:
+        log.warning("%s", too_long)
     splits = data.load_splits(cfg.data, tokenizer, t.seed)
     checkpoints = checkpoint.CheckpointManager(run_dir, env, t.keep_checkpoints)
     resume_from = checkpoints.resolve(t.resume)
     if resume_from is not None:
         _check_resumable(resume_from, cfg, checkpoints, env.is_main)
-    hf_config = model_config(cfg.model)
-    if len(tokenizer) > hf_config.vocab_size:
-        raise ConfigError(f"model.architecture.vocab_size={hf_config.vocab_size} is smaller than the tokenizer's "
-                          f"{len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")
     dims.check_model(hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
                      or hf_config.num_attention_heads, hf_config.num_hidden_layers, cfg.recipe.pp_stages_per_rank)
     engine = build_engine(cfg, env, accumulation, dims)

@@ -136,6 +136,13 @@ def _assert_failed_cleanly(proc, run_dir: Path, *needles: str) -> None:
     (["trainer.global_batch_size=10", "trainer.micro_batch_size=4"], ["trainer.global_batch_size=10", "trainer.micro_batch_size=4"]),
     (["data=tinyshakespeare", "data.path=/nonexistent/shakespeare.txt"], ["data.path", "/nonexistent/shakespeare.txt"]),
     (["data=alpaca", "data.path=/nonexistent/alpaca.json"], ["data.path", "/nonexistent/alpaca.json"]),
+    # Hydra composed fsdp here (either order) while the line also asks for zero3.
+    (["recipe=fsdp", "+recipe=zero3"], ["the recipe is selected 2 times (recipe=fsdp, +recipe=zero3)"]),
+    (["+recipe=fsdp", "recipe=zero3"], ["the recipe is selected 2 times (+recipe=fsdp, recipe=zero3)"]),
+    (["recipe=fsdp"], ["recipe=fsdp: the recipe group has no default to override; select it with +recipe=fsdp"]),
+    # Learned positions: an IndexError at the first evaluation, after the run folder was made.
+    (["model.architecture.model_type=gpt2", "model.architecture.max_position_embeddings=32", "data.seq_len=64"],
+     ["data.seq_len=64 exceeds the gpt2 model's 32 learned positions", "data.seq_len<=32"]),
 ])
 def test_bad_input_fails_cleanly(tmp_path, overrides, needles):
     run_dir = tmp_path / "run"

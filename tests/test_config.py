@@ -219,3 +219,16 @@ def test_nested_architecture_values_reach_transformers_as_plain_dicts():
 
     config = model_config(make_cfg(["+model.architecture.rope_scaling={rope_type: linear, factor: 2.0}"]).model)
     assert config.rope_scaling["rope_type"] == "linear" and config.rope_scaling["factor"] == 2.0
+
+
+def test_rotary_models_past_their_position_range_are_warned_about_and_learned_ones_refused():
+    from transformers import AutoConfig
+
+    from llmtrain.models import check_sequence_length
+
+    llama = AutoConfig.for_model("llama", max_position_embeddings=64)
+    assert check_sequence_length(llama, 64) is None
+    assert "data.seq_len=65 exceeds the model's max_position_embeddings=64: rotary positions past 64" in \
+        check_sequence_length(llama, 65)
+    with pytest.raises(ConfigError, match="data.seq_len=2048 exceeds the gpt2 model's 1024 learned positions"):
+        check_sequence_length(AutoConfig.for_model("gpt2"), 2048)
