@@ -14,6 +14,7 @@ from llmtrain.checkpoint import ResumeError
 from llmtrain.config import ConfigError, register_configs
 from llmtrain.data import DataError
 from llmtrain.distributed import LaunchError
+from llmtrain.errors import TrainingStopped
 from llmtrain.models import ModelSourceError
 from llmtrain.paths import CONF_DIR
 
@@ -62,6 +63,9 @@ def main(cfg: DictConfig) -> None:
         train(cfg)
     except USER_ERRORS as err:
         _fail(err)
+    except TrainingStopped as err:
+        print(f"llmtrain: stopped: {err}", file=sys.stderr, flush=True)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,13 @@ class TrainerConfig:
     (a final checkpoint and evaluation are always made); ``save_every_minutes`` adds a
     wall-clock cadence (0 = off). ``keep_checkpoints`` newest complete checkpoints are kept.
 
+    ``nonfinite``: what a non-finite loss or gradient norm does (checked every step on values every
+    rank already shares, so no extra collective): ``stop`` (default) exits with status 3 naming the
+    step, the value and the last healthy checkpoint, before anything is saved or exported from the
+    bad state; ``skip`` (torch engine) drops that update (parameters and optimizer state unchanged;
+    the step, its samples and the LR schedule still advance) and stops after ``max_skipped_steps``
+    skipped steps in a row.
+
     ``resume``: ``auto`` (newest complete checkpoint of ``run_dir``, else a fresh start), ``never``
     (fresh start; refuses a ``run_dir`` that already holds checkpoints), a checkpoint folder, or a
     step number of this run. ``preempt_signal``: besides SIGTERM and SIGINT, the signal that
@@ -199,6 +206,8 @@ class TrainerConfig:
     keep_checkpoints: int = 3
     resume: str = "auto"
     preempt_signal: Optional[str] = "SIGUSR1"
+    nonfinite: str = "stop"
+    max_skipped_steps: int = 5
     export_hf: bool = True
     progress_bar: bool = True
 
@@ -481,6 +490,12 @@ def validate(cfg: Any, world_size: int) -> None:
     _require(t.weight_decay >= 0, f"trainer.weight_decay={t.weight_decay} must be >= 0")
     _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 = no clipping)")
     _require(t.keep_checkpoints >= 1, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1")
+    _require(t.nonfinite in ("stop", "skip"), f"trainer.nonfinite={t.nonfinite!r} must be stop or skip")
+    _require(t.max_skipped_steps >= 1, f"trainer.max_skipped_steps={t.max_skipped_steps} must be >= 1")
+    _require(not (t.nonfinite == "skip" and r.engine == "deepspeed"),
+             "trainer.nonfinite=skip needs engine=torch: DeepSpeed applies the update inside its own step, before "
+             "llmtrain sees the gradient norm (ZeRO-3 and ZeRO-0 would apply a NaN update); use trainer.nonfinite=stop "
+             "or engine=torch")
     _require(t.save_every_minutes >= 0, f"trainer.save_every_minutes={t.save_every_minutes} must be >= 0")
     if t.preempt_signal is not None:
         import signal

@@ -10,3 +10,9 @@ class ConfigError(ValueError):
 class DataError(ValueError):
     """The data files are missing, empty or malformed; the message names the file, the record
     index and the field where one is at fault."""
+
+
+class TrainingStopped(RuntimeError):
+    """Training stopped itself to protect the run (a non-finite loss or gradient norm): nothing
+    was saved or exported from the bad state; the message names the step, the value and the
+    last healthy checkpoint. ``python -m llmtrain`` exits with status 3."""

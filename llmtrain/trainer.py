@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 from llmtrain import checkpoint, console, data, distributed
 from llmtrain.config import ConfigError, apply_engine_override, gradient_accumulation_steps, validate
+from llmtrain.errors import TrainingStopped
 from llmtrain.engine import build_engine
 from llmtrain.loss import count_target_tokens, token_cross_entropy_sum  # noqa: F401  (public here too)
 from llmtrain.models import build_model, build_tokenizer, check_sequence_length, model_config
@@ -227,6 +228,7 @@ def train(cfg: Any) -> dict[str, Any]:
         summary["checkpoint"] = str(checkpoints.save(engine, state, config_yaml))
         preemption.saved()
 
+    skipped_in_a_row = 0
     for step in range(start_step, t.max_steps):
         started = time.perf_counter()
         host_batches = [next(micro_batches) for _ in range(accumulation)]
@@ -235,7 +237,11 @@ def train(cfg: Any) -> dict[str, Any]:
         batches = [{k: v.to(env.device) for k, v in b.items()} for b in host_batches]
         lr = engine.lr()
         loss, tokens = forward_backward(engine, batches)
-        grad_norm = engine.step()
+        # Loss and gradient norm are global values every rank holds: checking them needs no collective.
+        grad_norm = engine.step(keep_update=(lambda norm: math.isfinite(norm) and math.isfinite(loss))
+                                if t.nonfinite == "skip" else None)
+        healthy = math.isfinite(loss) and math.isfinite(grad_norm)
+        skipped_in_a_row = 0 if healthy else skipped_in_a_row + 1
         digest = float(distributed.all_reduce_sum(torch.tensor(local_digest, dtype=torch.float64, device=env.device))
                        / dims.data_replicas)
         elapsed = time.perf_counter() - started
@@ -260,8 +266,14 @@ def train(cfg: Any) -> dict[str, Any]:
                          metrics["val/loss"], metrics["val/perplexity"], loss)
         if done == t.max_steps:
             summary["final_val"] = {k: metrics[k] for k in ("val/loss", "val/perplexity")}
-        if (t.log_every and done % t.log_every == 0) or "val/loss" in metrics:
+        if not healthy:
+            metrics["train/skipped_update"] = int(t.nonfinite == "skip")
+        if (t.log_every and done % t.log_every == 0) or "val/loss" in metrics or not healthy:
             tracker.log(metrics, step=done)
+        if not healthy:
+            _on_nonfinite(t, done, loss, grad_norm, skipped_in_a_row,
+                          summary.get("checkpoint") or (str(resume_from) if resume_from else None),
+                          lambda: (progress.close(), preemption.restore(), tracker.finish()))
         stop, save_by_time = preemption.agree()
         if stop or save_by_time or (t.save_every and done % t.save_every == 0) or done == t.max_steps:
             save()
@@ -283,6 +295,30 @@ def train(cfg: Any) -> dict[str, Any]:
     tracker.finish()
     distributed.barrier()
     return summary
+
+
+def _on_nonfinite(t: Any, step: int, loss: float, grad_norm: float, skipped_in_a_row: int,
+                  last_healthy: str | None, close: Any) -> None:
+    """Apply ``trainer.nonfinite`` to a step whose loss or gradient norm is not finite: with
+    ``skip`` (the update was already dropped) log it until ``max_skipped_steps`` in a row;
+    otherwise close the run's outputs and raise before anything is saved or exported.
+
+    Raises:
+        TrainingStopped: naming the step, the values and the last healthy checkpoint.
+    """
+    values = f"train loss {loss}, grad norm {grad_norm}"
+    if t.nonfinite == "skip" and skipped_in_a_row < t.max_skipped_steps:
+        log.warning("step %d: non-finite %s: update skipped (%d in a row; trainer.max_skipped_steps=%d)",
+                    step, values, skipped_in_a_row, t.max_skipped_steps)
+        return
+    close()
+    why = (f"{skipped_in_a_row} updates in a row were skipped (trainer.max_skipped_steps={t.max_skipped_steps})"
+           if t.nonfinite == "skip" else "trainer.nonfinite=stop")
+    restart = (f"the last healthy checkpoint is {last_healthy}: resume from it (trainer.resume=auto) with a lower "
+               "trainer.lr or stronger clipping" if last_healthy else
+               "no checkpoint was written before it: lower trainer.lr or raise trainer.warmup_steps")
+    raise TrainingStopped(f"step {step}: non-finite {values} ({why}); nothing was saved or exported from this state; "
+                          f"{restart}")
 
 
 def _dump_loaded_model(engine) -> None:

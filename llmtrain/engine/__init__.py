@@ -147,9 +147,13 @@ class Engine(ABC):
         """Accumulate gradients of ``loss`` (a scalar normalised by global target tokens)."""
 
     @abstractmethod
-    def step(self) -> float:
+    def step(self, keep_update: Callable[[float], bool] | None = None) -> float:
         """Clip, apply the optimizer and LR schedule, zero gradients; returns the pre-clip
-        global gradient L2 norm."""
+        global gradient L2 norm.
+
+        ``keep_update(norm)``: when given and False, the update is dropped (gradients zeroed,
+        parameters and optimizer state untouched) while the LR schedule still advances. Engines
+        that cannot decide before updating (DeepSpeed) refuse it at validation."""
 
     @abstractmethod
     def lr(self) -> float:

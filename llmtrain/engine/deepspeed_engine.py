@@ -137,7 +137,8 @@ class DeepSpeedEngine(Engine):
         # DeepSpeed counts micro-batches itself and applies the optimizer on the last one.
         self.ds.step()
 
-    def step(self) -> float:
+    def step(self, keep_update=None) -> float:
+        # keep_update is refused for DeepSpeed at validation: its update already happened in backward().
         norm = self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 

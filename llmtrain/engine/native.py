@@ -246,10 +246,15 @@ class NativeEngine(Engine):
         dist.broadcast(total, src=self._last_stage_rank, group=self.pp_group)
         return total
 
-    def step(self) -> float:
+    def step(self, keep_update=None) -> float:
         if self.tied_sync is not None:
             self.tied_sync.sync()
         norm = self._grad_norm()
+        if keep_update is not None and not keep_update(norm):
+            for opt, sched in zip(self.optimizers, self.schedulers):
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+            return norm
         clip = self.cfg.trainer.grad_clip
         if clip > 0:
             # Same coefficient as torch.nn.utils.clip_grad_norm_.

@@ -48,13 +48,14 @@ class TorchEngine(Engine):
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.env.world_size).backward()
 
-    def step(self) -> float:
+    def step(self, keep_update=None) -> float:
         clip = self.cfg.trainer.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self._model.parameters(), clip if clip > 0 else float("inf"))
-        self.optimizer.step()
+        norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), clip if clip > 0 else float("inf")))
+        if keep_update is None or keep_update(norm):
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
