@@ -62,6 +62,9 @@ class TrainState:
     tracker_run_id: str | None = None
     world_size: int = 1
     global_batch_size: int = 0
+    # The checkpoint this one continues (``step_4``): the previous save of the same lineage, or
+    # the checkpoint the run resumed from. None for the first checkpoint of a fresh run.
+    parent: str | None = None
 
 
 def _sha256(path: Path) -> str:
@@ -223,7 +226,34 @@ class CheckpointManager:
 
     @staticmethod
     def read_state(path: Path) -> TrainState:
-        return TrainState(**json.loads((path / STATE_FILE).read_text()))
+        saved = json.loads((path / STATE_FILE).read_text())
+        known = set(TrainState.__dataclass_fields__)
+        return TrainState(**{k: v for k, v in saved.items() if k in known})
+
+    def start_branch(self, resumed: Path) -> Path | None:
+        """Make ``resumed`` the head of the lineage this run continues: checkpoints of this run
+        with a later step (the future a resume from an older step abandons, or damaged newer
+        folders that ``auto`` skipped) are moved, never deleted, into
+        ``checkpoints/abandoned-<UTC time>/``. Then ``resume=auto`` continues the branch that ran
+        last, and ``keep_checkpoints`` counts this branch only. Rank 0; returns the folder the
+        checkpoints went to, or None."""
+        match = _STEP_DIR.match(resumed.name)
+        if not self.env.is_main or resumed.parent.resolve() != self.root.resolve() or not match:
+            return None
+        later = [p for step, p in self.step_dirs() if step > int(match.group(1))]
+        if not later:
+            return None
+        import time
+
+        dest = self.root / f"abandoned-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        dest.mkdir(exist_ok=True)
+        for path in later:
+            os.rename(path, dest / path.name)
+            self._verified.discard(path)
+        _fsync_dir(self.root)
+        log.warning("resuming from %s starts a new branch: the later checkpoints %s were moved to %s (kept; "
+                    "resume=auto now continues this branch)", resumed.name, ", ".join(p.name for p in later), dest)
+        return dest
 
     def prepare(self, engine, path: Path) -> None:
         """Before ``engine.setup``: let the engine convert a checkpoint of another world size."""

@@ -185,6 +185,8 @@ def train(cfg: Any) -> dict[str, Any]:
     state, rng = checkpoint.TrainState(world_size=env.world_size, global_batch_size=t.global_batch_size), None
     if resume_from is not None:
         state, rng = checkpoints.load(engine, resume_from)
+        state.parent = resume_from.name
+        checkpoints.start_branch(resume_from)
         _dump_loaded_model(engine)
     start_step = state.step
 
@@ -226,6 +228,7 @@ def train(cfg: Any) -> dict[str, Any]:
         state.tracker_run_id = tracker.run_id
         state.world_size, state.global_batch_size = env.world_size, t.global_batch_size
         summary["checkpoint"] = str(checkpoints.save(engine, state, config_yaml))
+        state.parent = Path(summary["checkpoint"]).name  # the next checkpoint continues this one
         preemption.saved()
 
     skipped_in_a_row = 0

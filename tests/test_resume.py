@@ -277,3 +277,27 @@ def test_second_live_run_in_the_same_run_dir_is_refused(tmp_path):
         assert not (tmp_path / "checkpoints").exists()
     finally:
         holder.kill()
+
+
+def test_a_branch_from_an_older_step_is_continued_and_the_abandoned_future_kept(tmp_path):
+    # Before: with keep_checkpoints=1 the branch's steps 5 and 6 were pruned as soon as written
+    # (the old step 8 ranked higher), and resume=auto after a crash went back to the old step 8.
+    base = [o for o in COMMON if not o.startswith(("trainer.save_every", "model.architecture"))] + ["+recipe=ddp",
+                                                                                                  f"run_dir={tmp_path}"]
+    assert_ok(run_cli(base + ["trainer.save_every=2", "trainer.keep_checkpoints=4"]))
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4", "step_6", "step_8"]
+    env = subprocess_env()
+    env["LLMTRAIN_FAULT"] = "save_before_marker:7"
+    crashed = run_cli(base + ["trainer.resume=4", "trainer.save_every=1", "trainer.keep_checkpoints=1"], env=env)
+    assert crashed.returncode != 0
+    abandoned = [p for p in root.iterdir() if p.name.startswith("abandoned-")]
+    assert len(abandoned) == 1 and sorted(p.name for p in abandoned[0].iterdir()) == ["step_6", "step_8"]
+    assert "starts a new branch" in crashed.stdout + crashed.stderr
+    # keep 1 on this branch: step_6 is the newest written (step_4, step_5 pruned), the crash left step 7 unsealed.
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith("abandoned-")) == [".tmp-step_7", "step_6"]
+    assert json.loads((root / "step_6" / "trainer_state.json").read_text())["parent"] == "step_5"
+    resumed = run_cli(base + ["trainer.save_every=1", "trainer.keep_checkpoints=1"])
+    assert_ok(resumed)
+    assert f"resuming from {root / 'step_6'}" in resumed.stdout + resumed.stderr
+    assert sorted(p.name for p in abandoned[0].iterdir()) == ["step_6", "step_8"]  # never deleted
