@@ -61,6 +61,35 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def seed_streams(seed: int, dp_rank: int, pp_rank: int, start_step: int) -> int:
+    """Seed this rank's random stream (dropout) for the training loop; returns the stream seed.
+
+    Scheme: one stream per (data-parallel rank, pipeline rank), so data-parallel ranks draw
+    different masks for their different samples and each pipeline stage its own (as Megatron-LM
+    and torchtitan seed pipeline stages apart; unlike their default, data-parallel ranks differ
+    too, because llmtrain's initialisation never draws from this stream: parameters come from
+    (seed, parameter name), see :func:`llmtrain.models.init_weights`). Tensor-parallel ranks share
+    their stream: dropout on replicated activations agrees across the TP group; dropout on
+    sharded activations (per-head attention probabilities) then repeats the same pattern on each
+    TP rank's heads, where Megatron-LM's model-parallel RNG tracker would draw them apart.
+    Exact resume restores each rank's saved state instead; a resume on another world size (whose
+    saved states do not map onto the new ranks) reseeds with the resumed step mixed in, so no
+    rank replays the masks of step 0. Rank (0, 0) of a fresh run keeps ``seed`` itself, so a
+    single process draws exactly what it always did.
+    """
+    if (dp_rank, pp_rank, start_step) == (0, 0, 0):
+        stream = seed
+    else:
+        import hashlib
+
+        digest = hashlib.sha256(f"{seed}/dp{dp_rank}/pp{pp_rank}/step{start_step}".encode()).digest()
+        stream = int.from_bytes(digest[:8], "little") % 2**63
+    random.seed(stream)
+    np.random.seed(stream % 2**32)
+    torch.manual_seed(stream)
+    return stream
+
+
 def _memory_bytes(device: torch.device) -> int:
     """Peak memory of this process in bytes: CUDA allocator peak, or the process's peak RSS."""
     if device.type == "cuda":
@@ -219,8 +248,11 @@ def train(cfg: Any) -> dict[str, Any]:
         if env.is_main:
             log.info("eval at step 0: val loss %.4f (ppl %.2f)", summary["initial_val"]["val/loss"],
                      summary["initial_val"]["val/perplexity"])
+    # After everything that draws random numbers at start-up: the dropout streams of the loop.
     if rng is not None:
-        checkpoint.restore_rng(rng)  # after everything that draws random numbers at start-up
+        checkpoint.restore_rng(rng)
+    else:
+        seed_streams(t.seed, engine.dp_rank, getattr(engine, "pp_rank", 0), start_step)
     preemption = Preemption(t.preempt_signal, t.save_every_minutes, env.device)
     progress = console.Progress(t.progress_bar and env.is_main, t.max_steps, start_step, t.log_every)
 

@@ -92,10 +92,22 @@ def reference(tmp_path_factory, mixture) -> dict:
             dirs = run_scenarios(runs, nproc, tmp_path_factory.mktemp(f"ref-{nproc}"))
             cache[nproc] = {r: per_step(d) for r, d in dirs.items()}
             cache[nproc, "metrics"] = {r: read_metrics(d) for r, d in dirs.items()}
+            cache[nproc, "dirs"] = dirs
         return cache[nproc][recipe]
 
     get.metrics = lambda nproc, recipe: cache[nproc, "metrics"][recipe]
+    get.run_dir = lambda nproc, recipe: (get(nproc, recipe), cache[nproc, "dirs"][recipe])[1]
     return get
+
+
+@pytest.mark.parametrize("recipe,equal", [("ddp", False), ("pp", False), ("tp", True)])
+def test_each_data_parallel_rank_and_pipeline_stage_draws_its_own_dropout_stream(recipe, equal, reference):
+    # Before: every rank seeded with trainer.seed, so both ranks saved equal states everywhere.
+    import torch
+
+    step_dir = reference.run_dir(2, recipe) / "checkpoints" / f"step_{STEPS}"
+    states = [torch.load(step_dir / f"rank_{r}.pt", weights_only=False)["torch"] for r in (0, 1)]
+    assert torch.equal(states[0], states[1]) == equal  # TP ranks share a stream, DP ranks and stages do not
 
 
 @pytest.mark.parametrize("recipe", KILL_RECIPES)
