@@ -55,7 +55,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tok.add_special_tokens([BYTE_EOS, BYTE_PAD, *CHATML_TOKENS])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=BYTE_EOS, bos_token=BYTE_EOS,
                                    pad_token=BYTE_PAD, additional_special_tokens=list(CHATML_TOKENS),
-                                   model_max_length=1 << 30)
+                                   model_max_length=1 << 30, name_or_path="llmtrain byte tokenizer")
 
 
 def resolve_gguf(model_cfg: Any) -> tuple[str, str]:

@@ -33,13 +33,21 @@ def main() -> int:
         folder, kwargs = args.model, {}
     else:
         parser.error("give a model folder or --smollm2")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(folder, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
-    inputs = tok.apply_chat_template([{"role": "user", "content": args.question}], add_generation_prompt=True,
-                                     return_tensors="pt", return_dict=True)
+    if tok.chat_template:
+        inputs = tok.apply_chat_template([{"role": "user", "content": args.question}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)
+    else:
+        print("(no chat template in this tokenizer: continuing the question as plain text)", file=sys.stderr)
+        inputs = tok(args.question, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
-    print(tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    answer = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    print(answer or "(empty answer: the model ended its response at once)")
     return 0
 
 

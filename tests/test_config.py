@@ -80,7 +80,7 @@ def test_every_group_option_composes_and_validates(group):
         validate(make_cfg(overrides), 1)
 
 
-@pytest.mark.parametrize("option", ["tinyshakespeare", "alpaca", "chat", "tokens"])
+@pytest.mark.parametrize("option", ["text", "tinyshakespeare", "alpaca", "chat", "prompt_completion", "tokens"])
 def test_data_without_a_path_asks_for_one(option):
     with pytest.raises(ConfigError, match=f"data.path must be set for data={option}"):
         validate(make_cfg([f"data={option}"]), 1)

@@ -233,6 +233,8 @@ def describe(splits: Splits) -> str:
                     f"dropped {s['dropped_too_long']} too long and {s['dropped_no_target']} without a target token)")
         else:
             line = f"data {name}: {s['tokens']} tokens -> {s['samples']} blocks"
+        if "records" in s and s["truncated"] + s["dropped_too_long"] > s["records"] // 10:
+            line += " - over 10% of the records exceed data.seq_len: consider a larger data.seq_len"
         if "packed_rows" in s:
             line += f"; {s['packed_samples']} training samples packed into {s['packed_rows']} rows"
         lines.append(line)

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +53,6 @@ def write_token_folder(documents: Any, tokenizer: Any, out: Path, num_proc: int,
         ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
         return {"ids": [np.asarray(doc + [eos], dtype=dtype) for doc in ids]}
 
-    started = time.perf_counter()
     tokenized = documents.map(tokenize, batched=True, remove_columns=documents.column_names,
                               num_proc=num_proc if num_proc > 1 and len(documents) >= num_proc else None,
                               desc="tokenize")
@@ -71,7 +69,7 @@ def write_token_folder(documents: Any, tokenizer: Any, out: Path, num_proc: int,
     manifest = {"tokenizer": getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__,
                 "tokenizer_sha256": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer),
                 "dtype": np.dtype(dtype).name, "num_tokens": count, "num_documents": len(documents),
-                "eos_token_id": eos, "source": source, "seconds": round(time.perf_counter() - started, 3)}
+                "eos_token_id": eos, "source": source}
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     if out.exists():
         shutil.rmtree(out)
