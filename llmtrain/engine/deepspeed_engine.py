@@ -44,6 +44,11 @@ def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
+    if t.precision == "bf16" and r.zero_stage >= 1:
+        # Accumulate and reduce gradients in fp32 (DeepSpeed's default is the model dtype, bf16:
+        # each of the accumulation steps would round the running sum to 8 mantissa bits).
+        # DeepSpeed supports this mix under ZeRO only.
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     if r.offload_optimizer:
         config["optimizer"] = {"type": "AdamW", "params": {
             "lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps, "weight_decay": t.weight_decay}}
