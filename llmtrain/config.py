@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -425,8 +426,8 @@ def validate_data(d: Any) -> None:
         _require(len(d.weights) == len(d.datasets),
                  f"data.weights has {len(d.weights)} value(s) for {len(d.datasets)} data.datasets; give one weight "
                  "per dataset")
-        _require(all(w >= 0 for w in d.weights) and sum(d.weights) > 0,
-                 f"data.weights={list(d.weights)} must be >= 0 with a positive sum")
+        _require(all(math.isfinite(w) and w >= 0 for w in d.weights) and sum(d.weights) > 0,
+                 f"data.weights={list(d.weights)} must be finite and >= 0 with a positive sum")
         names = [src.name for src in d.datasets]
         _require(len(set(names)) == len(names), f"data.datasets names {names} must be distinct (they name the "
                  "per-source counts data/source/<name>_samples)")

@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(outs) != 1 or not outs[0][4:]:
             raise ConfigError("give the output folder once, as out=DIR")
         out = Path(outs[0][4:]).expanduser()
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"out={out} is a file; give a folder to create")
         if out.exists() and any(out.iterdir()):
             raise ConfigError(f"out={out} exists and is not empty; choose a new folder (nothing is overwritten)")
         register_configs()

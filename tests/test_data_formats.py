@@ -292,7 +292,7 @@ def test_mixture_weights_must_match_the_datasets():
     with pytest.raises(ConfigError, match=r"data.weights has 1 value\(s\) for 2 data.datasets"):
         validate_data(c.data)
     c = make_cfg(["data=mix", "data.datasets.0.path=a.json", "data.datasets.1.path=b.json", "data.weights=[1,-1]"])
-    with pytest.raises(ConfigError, match=r"data.weights=\[1.0, -1.0\] must be >= 0"):
+    with pytest.raises(ConfigError, match=r"data.weights=\[1.0, -1.0\] must be finite and >= 0"):
         validate_data(c.data)
     c = make_cfg(["data=mix", "data.datasets.0.path=a.json"])
     with pytest.raises(ConfigError, match=r"data.datasets.1.path must be set"):
@@ -345,3 +345,72 @@ def test_the_split_covers_every_sample_once_and_stores_only_the_validation_indic
     assert np.array_equal(again_val, val) and not np.array_equal(_split(1000, 0.05, seed=5)[1], val)
     with pytest.raises(IndexError):
         train[len(train)]
+
+
+# ---- break-it findings: each was a traceback, a silent run or a misleading count ----
+
+def _token_folder(tmp_path):
+    docs = datasets.Dataset.from_list([{"text": "hello world, " * 20}] * 8)
+    data.write_token_folder(docs, byte_tokenizer(), tmp_path / "tok", num_proc=1, source="test")
+    return tmp_path / "tok"
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda f: (f / "tokens.bin").write_bytes((f / "tokens.bin").read_bytes()[:-3]), r"holds \d+ bytes, but manifest"),
+    (lambda f: (f / "manifest.json").write_text("{"), "manifest.json is not valid JSON"),
+    (lambda f: (f / "manifest.json").write_text(json.dumps(dict(json.loads((f / "manifest.json").read_text()),
+                                                               dtype="uint32"))), r"holds \d+ bytes, but manifest"),
+    (lambda f: (f / "manifest.json").write_text(json.dumps(dict(json.loads((f / "manifest.json").read_text()),
+                                                               eos_token_id=999))), "the manifest was edited"),
+])
+def test_a_damaged_token_folder_is_refused(tmp_path, damage, needle):
+    folder = _token_folder(tmp_path)
+    damage(folder)
+    with pytest.raises(DataError, match=needle):
+        data.load_splits(cfg(folder, format="tokens", seq_len=8), byte_tokenizer(), seed=0)
+
+
+def test_text_and_records_that_are_not_utf8_are_named(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1") * 50)
+    with pytest.raises(DataError, match=r"latin1.txt could not be read as text: it is not UTF-8 .* convert it to UTF-8"):
+        data.load_splits(cfg(tmp_path / "latin1.txt", format="text", seq_len=8), byte_tokenizer(), seed=0)
+    (tmp_path / "latin1.jsonl").write_bytes(json.dumps({"instruction": "x", "output": "y"}).encode() + b"\n" +
+                                            '{"instruction": "caf\xe9", "output": "y"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match="latin1.jsonl: a record is not UTF-8 text"):
+        data.load_splits(cfg(tmp_path / "latin1.jsonl", format="instruction"), byte_tokenizer(), seed=0)
+
+
+def test_a_failing_chat_template_names_the_record_and_the_template(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps(SHAREGPT))
+    (tmp_path / "raise.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'user' and "
+                                          "m['content'].startswith('Question 3') %}{{ raise_exception('no 3s') }}"
+                                          "{% endif %}{% endfor %}")
+    with pytest.raises(DataError, match=r"record 3: the chat template failed: TemplateError: no 3s"):
+        data.load_splits(cfg(tmp_path / "c.json", template=str(tmp_path / "raise.jinja")), byte_tokenizer(), seed=0)
+    (tmp_path / "empty.jinja").write_text("  \n")
+    with pytest.raises(ConfigError, match="empty.jinja is empty"):
+        data.load_splits(cfg(tmp_path / "c.json", template=str(tmp_path / "empty.jinja")), byte_tokenizer(), seed=0)
+    with pytest.raises(ConfigError, match="data.template=alpaca is the Alpaca prompt for instruction records"):
+        data.load_splits(cfg(tmp_path / "c.json", template="alpaca"), byte_tokenizer(), seed=0)
+
+
+def test_an_explicitly_mapped_optional_column_must_exist(tmp_path):
+    (tmp_path / "a.csv").write_text("instruction,output\nq1,a1\nq2,a2\nq3,a3\n")
+    with pytest.raises(DataError, match="data.columns.input=nosuch names the column 'nosuch', which is missing"):
+        data.load_splits(cfg(tmp_path / "a.csv", format="instruction", columns={"input": "nosuch"}), byte_tokenizer(), 0)
+
+
+def test_samples_cut_before_their_first_target_are_counted_as_such(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps(SHAREGPT))
+    with pytest.raises(DataError, match=r"truncated 0, dropped as too long 0, cut before their first target token 12, "
+                                        r"without an assistant/target token 0\); need at least 2; raise data.seq_len"):
+        data.load_splits(cfg(tmp_path / "c.json", seq_len=8), byte_tokenizer(), seed=0)
+
+
+def test_mixture_weights_must_be_finite():
+    from llmtrain.config import validate_data
+    from tests.conftest import make_cfg
+
+    c = make_cfg(["data=mix", "data.datasets.0.path=a.json", "data.datasets.1.path=b.json", "data.weights=[inf,1]"])
+    with pytest.raises(ConfigError, match=r"data.weights=\[inf, 1.0\] must be finite"):
+        validate_data(c.data)

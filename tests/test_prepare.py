@@ -47,6 +47,7 @@ def test_prepare_refuses_bad_input_and_writes_nothing(tmp_path):
         "no out": (SOURCE, "give the output folder once, as out=DIR"),
         "chat": (["data=chat", "data.path=x.json", f"out={tmp_path / 'a'}"], "tokenizes one format=text source"),
         "typo": (["data.max_byte=5", f"out={tmp_path / 'b'}"], "max_byte"),
+        "a file": (SOURCE + [f"out={tmp_path / 'taken' / 'keep.txt'}"], "keep.txt is a file"),
     }
     for name, (args, needle) in cases.items():
         proc = prepare(args)

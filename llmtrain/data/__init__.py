@@ -27,7 +27,7 @@ from llmtrain.data.formats import (ALPACA_PROMPT, apply_template_setting, end_of
                                    end_token_ids, encode_records, prompt_and_response, uses_chat_template)
 from llmtrain.data.order import (Collator, GlobalSampleOrder, MixtureOrder, StepBatchSampler,  # noqa: F401
                                  pack, packed_samples)
-from llmtrain.data.sources import (RECORD_BUILDERS, _kind, column, is_saved_dataset, load_hub,  # noqa: F401
+from llmtrain.data.sources import (RECORD_BUILDERS, _explain, _kind, column, is_saved_dataset, load_hub,  # noqa: F401
                                    load_records, looks_like_local_path, refuse_records_as_text, source_files)
 from llmtrain.data.tokens import MANIFEST, Complement, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
 from llmtrain.config import mapped_columns
@@ -116,9 +116,17 @@ def _documents(src: Any, key: str):
         files = source_files(src, key)
         for f in files:
             refuse_records_as_text(f)
-        docs = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document",
-                                     split="train", cache_dir=str(CACHE_DIR / "datasets"))
         where = str(files[0] if len(files) == 1 else src.path)
+        # The standard library (path null) has a few files in other encodings: replaced, as they
+        # are only a default corpus. A user's file that is not UTF-8 is an error naming it.
+        try:
+            docs = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document",
+                                         split="train", cache_dir=str(CACHE_DIR / "datasets"),
+                                         encoding_errors="replace" if src.path is None else "strict")
+        except Exception as err:  # noqa: BLE001 - the builder wraps the decoder's error
+            bad = next((f for f in files if not _is_utf8(f)), None)
+            raise DataError(f"{key}.path: {bad or where} could not be read as text: {_explain(err)}; convert it to "
+                            "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from err
     else:
         records = load_records(src, key)
         where = str(src.path)
@@ -133,6 +141,16 @@ def _documents(src: Any, key: str):
     if len(docs) == 0:
         raise DataError(f"{key}.path: {where} holds no text")
     return docs
+
+
+def _is_utf8(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            while f.read(1 << 20):
+                pass
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def _cache_key(src: Any, tokenizer: Any, key: str) -> str:
@@ -230,10 +248,11 @@ def describe(splits: Splits) -> str:
     for name, s in splits.stats.items():
         if "records" in s:
             line = (f"data {name}: {s['records']} records -> {s['samples']} samples (truncated {s['truncated']}, "
-                    f"dropped {s['dropped_too_long']} too long and {s['dropped_no_target']} without a target token)")
+                    f"dropped {s['dropped_too_long']} too long, {s['dropped_truncated_away']} cut before their first "
+                    f"target token and {s['dropped_no_target']} without a target token)")
         else:
             line = f"data {name}: {s['tokens']} tokens -> {s['samples']} blocks"
-        if "records" in s and s["truncated"] + s["dropped_too_long"] > s["records"] // 10:
+        if "records" in s and s["truncated"] + s["dropped_too_long"] + s["dropped_truncated_away"] > s["records"] // 10:
             line += " - over 10% of the records exceed data.seq_len: consider a larger data.seq_len"
         if "packed_rows" in s:
             line += f"; {s['packed_samples']} training samples packed into {s['packed_rows']} rows"

@@ -40,7 +40,10 @@ def apply_template_setting(data_cfg: Any, tokenizer: Any) -> Any:
     if template in NAMED_TEMPLATES:
         tokenizer.chat_template = NAMED_TEMPLATES[template]
     elif template.endswith((".jinja", ".j2")):
-        tokenizer.chat_template = Path(template).expanduser().read_text(encoding="utf-8")
+        text = Path(template).expanduser().read_text(encoding="utf-8")
+        if not text.strip():
+            raise ConfigError(f"data.template={template} is empty; give a Jinja chat template")
+        tokenizer.chat_template = text
     return tokenizer
 
 
@@ -52,6 +55,9 @@ def uses_chat_template(data_cfg: Any, fmt: str, tokenizer: Any) -> bool:
             ``data.template`` and its values).
     """
     has = bool(getattr(tokenizer, "chat_template", None))
+    if fmt == "chat" and data_cfg.template == "alpaca":
+        raise ConfigError("data.template=alpaca is the Alpaca prompt for instruction records; data.format=chat needs a "
+                          "chat template: data.template=auto (the tokenizer's), chatml, or a .jinja file")
     if fmt == "chat" or (fmt in ("instruction", "alpaca") and data_cfg.template == "chat"):
         if not has:
             raise ConfigError(
@@ -62,12 +68,30 @@ def uses_chat_template(data_cfg: Any, fmt: str, tokenizer: Any) -> bool:
     return fmt in ("instruction", "alpaca") and data_cfg.template != "alpaca" and has
 
 
+def render(tokenizer: Any, messages: list[dict], generation_prompt: bool, where: str) -> str:
+    """``apply_chat_template(..., tokenize=False)``; a template that fails is a data error.
+
+    Raises:
+        DataError: the template raised (names ``where`` and the template's message).
+    """
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as err:  # noqa: BLE001 - jinja2's TemplateError and whatever a template raises
+        if type(err).__module__.split(".")[0] != "jinja2" and not isinstance(err, (TypeError, ValueError)):
+            raise
+        raise DataError(f"{where or 'data.template'}: the chat template failed: {type(err).__name__}: {err} "
+                        "(check data.template)") from err
+
+
 def end_of_turn(tokenizer: Any) -> tuple[str | None, int | None]:
     """The token the chat template closes an assistant turn with (``<|im_end|>`` for ChatML), as
     (text, id), found by rendering a probe conversation; (None, None) when the template closes a
     turn with ordinary text only."""
     probe = [{"role": "user", "content": "U"}, {"role": "assistant", "content": "XYZZY"}]
-    full = tokenizer.apply_chat_template(probe, tokenize=False)
+    full = render(tokenizer, probe, False, "data.template (rendering a probe user/assistant exchange)")
+    if "XYZZY" not in full:
+        raise DataError("data.template: the chat template does not render an assistant message's content, so no "
+                        "turn can be trained; use a template that renders every message")
     after = full[full.rindex("XYZZY") + len("XYZZY"):]
     ids = tokenizer(after, add_special_tokens=False)["input_ids"]
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
@@ -105,23 +129,23 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.eot_text, self.eot_id = end_of_turn(tokenizer)
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], generation_prompt: bool, where: str = "") -> str:
         if not messages:
             return ""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return render(self.tokenizer, messages, generation_prompt, where)
 
     def __call__(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
         """Token ids and labels of one conversation (``[{"role", "content"}]``)."""
-        full = self._render(messages, False)
+        full = self._render(messages, False, where)
         spans = []
         for j, turn in enumerate(messages):
             if turn["role"] != "assistant":
                 continue
-            prefix = self._render(messages[:j], True)
+            prefix = self._render(messages[:j], True, where)
             if not full.startswith(prefix):
                 raise DataError(f"{where}: the chat template renders turn {j}'s context differently inside the whole "
                                 "conversation, so assistant turns cannot be located; use another data.template")
-            end = len(self._render(messages[:j + 1], False))
+            end = len(self._render(messages[:j + 1], False, where))
             if self.eot_text is not None:
                 close = full.rfind(self.eot_text, len(prefix), end)
                 end = close + len(self.eot_text) if close >= 0 else end
@@ -145,8 +169,10 @@ def conversation(record: dict, field: str, layout: str, where: str) -> list[dict
             the record, the turn index and the field).
     """
     turns = record[field]
-    if not isinstance(turns, list) or not turns:
-        raise DataError(f"{where}: field {field!r} must be a non-empty list of turns, got {type(turns).__name__}")
+    if not isinstance(turns, list):
+        raise DataError(f"{where}: field {field!r} must be a list of turns, got {type(turns).__name__}")
+    if not turns:
+        raise DataError(f"{where}: field {field!r} is an empty conversation (no turns)")
     role_key, text_key = ("role", "content") if layout == "messages" else ("from", "value")
     allowed = MESSAGE_ROLES if layout == "messages" else tuple(SHAREGPT_ROLES)
     out = []
@@ -184,6 +210,8 @@ def _text(record: dict, name: str, where: str, optional: bool = False) -> str:
     value = record.get(name)
     if value is None and optional:
         return ""
+    if value is None:
+        raise DataError(f"{where}: field {name!r} is missing (null)")
     if not isinstance(value, str):
         raise DataError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
     return value
@@ -209,7 +237,9 @@ def encoder(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, whe
         cols = {f: column(records, src, f, key, "instruction", where) for f in ("instruction", "output")}
         from llmtrain.config import mapped_columns
 
-        input_col = mapped_columns(src.columns).get("input", "input")
+        # Optional, unless named: a column the user maps must exist.
+        input_col = (column(records, src, "input", key, "instruction", where)
+                     if "input" in mapped_columns(src.columns) else "input")
         use_chat = uses_chat_template(data_cfg, fmt, tokenizer)
         chat = ChatEncoder(tokenizer) if use_chat else None
 
@@ -272,25 +302,32 @@ def encode_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: s
                     outcome = "dropped_too_long" if drop_long else "truncated"
                     ids, labels = ids[:seq_len], labels[:seq_len]
                 if outcome != "dropped_too_long" and all(label == IGNORE_INDEX for label in labels[1:]):
-                    outcome = "dropped_no_target"
+                    # Cut before its first target token, or without one to begin with.
+                    outcome = "dropped_truncated_away" if outcome == "truncated" else "dropped_no_target"
             out["outcome"].append(outcome)
             keep = outcome in ("kept", "truncated")
             out["input_ids"].append(ids if keep else [])
             out["labels"].append(labels if keep else [])
         return out
 
-    encoded = records.map(encode_batch, batched=True, with_indices=True, remove_columns=records.column_names,
-                          num_proc=data_cfg.num_proc if len(records) >= 2 * data_cfg.num_proc else None,
-                          desc=f"encode {src.name}")
+    try:
+        encoded = records.map(encode_batch, batched=True, with_indices=True, remove_columns=records.column_names,
+                              num_proc=data_cfg.num_proc if 1 < data_cfg.num_proc <= len(records) // 2 else None,
+                              desc=f"encode {src.name}")
+    except UnicodeDecodeError as err:  # Arrow kept the bytes; Python cannot decode them
+        raise DataError(f"{where}: a record is not UTF-8 text ({err}); convert the file to UTF-8 "
+                        "(e.g. iconv -f latin1 -t utf-8)") from err
     outcomes = encoded["outcome"]
     counts = {"records": len(records)}
-    for kind in ("truncated", "dropped_too_long", "dropped_no_target"):
+    for kind in ("truncated", "dropped_too_long", "dropped_no_target", "dropped_truncated_away"):
         counts[kind] = outcomes.count(kind)
     keep = [i for i, o in enumerate(outcomes) if o in ("kept", "truncated")]
     samples = encoded.select(keep).remove_columns("outcome")
     if len(samples) < 2:
         raise DataError(f"{where}: {len(samples)} of {len(records)} records give a usable sample at "
                         f"data.seq_len={seq_len} (truncated {counts['truncated']}, dropped as too long "
-                        f"{counts['dropped_too_long']}, without an assistant/target token "
-                        f"{counts['dropped_no_target']}); need at least 2")
+                        f"{counts['dropped_too_long']}, cut before their first target token "
+                        f"{counts['dropped_truncated_away']}, without an assistant/target token "
+                        f"{counts['dropped_no_target']}); need at least 2"
+                        + ("; raise data.seq_len" if counts["dropped_truncated_away"] + counts["dropped_too_long"] else ""))
     return samples, counts

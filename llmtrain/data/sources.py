@@ -143,6 +143,8 @@ def _explain(err: BaseException) -> str:
     for e in chain:
         if isinstance(e, UnicodeDecodeError):
             return f"it is not UTF-8 text ({e})"
+        if "corresponds to no data" in str(e):
+            return "it holds no records"
     return str(chain[-1]).splitlines()[0] if str(chain[-1]) else type(chain[-1]).__name__
 
 

@@ -71,9 +71,14 @@ def write_token_folder(documents: Any, tokenizer: Any, out: Path, num_proc: int,
                 "dtype": np.dtype(dtype).name, "num_tokens": count, "num_documents": len(documents),
                 "eos_token_id": eos, "source": source}
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(partial, out)
+    try:
+        os.rename(partial, out)
+    except OSError:
+        if not (out / MANIFEST).is_file():
+            raise
+        # Another process (a rank of another node sharing the cache) finished the same folder
+        # first: keep its copy, which readers may already hold open.
+        shutil.rmtree(partial, ignore_errors=True)
     return manifest
 
 
@@ -87,7 +92,20 @@ def read_manifest(folder: Path, key: str) -> dict:
     if not manifest.is_file() or not (Path(folder) / TOKENS).is_file():
         raise DataError(f"{key}.path: {folder} is not a token folder (no {MANIFEST} and {TOKENS}); make one with "
                         "`python -m llmtrain.prepare <model and data overrides> out=DIR`")
-    return json.loads(manifest.read_text())
+    try:
+        content = json.loads(manifest.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise DataError(f"{key}.path: {manifest} is not valid JSON ({err}); prepare the folder again") from err
+    dtype, count = content.get("dtype"), content.get("num_tokens")
+    if dtype not in ("uint16", "uint32") or not isinstance(count, int):
+        raise DataError(f"{key}.path: {manifest} has dtype={dtype!r}, num_tokens={count!r}; expected uint16 or uint32 "
+                        "and a token count: prepare the folder again")
+    size = (Path(folder) / TOKENS).stat().st_size
+    if size != count * np.dtype(dtype).itemsize:
+        raise DataError(f"{key}.path: {Path(folder) / TOKENS} holds {size} bytes, but {MANIFEST} says {count} {dtype} "
+                        f"tokens ({count * np.dtype(dtype).itemsize} bytes): the folder is damaged or incomplete; "
+                        "prepare it again")
+    return content
 
 
 class TokenFile:
@@ -131,6 +149,10 @@ def open_tokens(folder: Path, tokenizer: Any, key: str) -> tuple[TokenFile, dict
                         f"{manifest['tokenizer_sha256'][:12]}), but this run's tokenizer is "
                         f"{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__} (sha256 {mine[:12]}); "
                         "prepare the folder again with this model's tokenizer, or train with the model it was made for")
+    if manifest.get("eos_token_id") != tokenizer.eos_token_id or manifest.get("vocab_size") != len(tokenizer):
+        raise DataError(f"{key}.path: {Path(folder) / MANIFEST} says eos_token_id={manifest.get('eos_token_id')}, "
+                        f"vocab_size={manifest.get('vocab_size')}, but the tokenizer it names has "
+                        f"{tokenizer.eos_token_id} and {len(tokenizer)}: the manifest was edited; prepare the folder again")
     return TokenFile(Path(folder) / TOKENS, manifest["dtype"]), manifest
 
 
