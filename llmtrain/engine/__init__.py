@@ -58,6 +58,17 @@ def apply_schedule(optimizer, scheduler) -> None:
     scheduler._last_lr = rates
 
 
+def advance_schedule_only(scheduler) -> None:
+    """Step the LR schedule for an update that was dropped (``trainer.nonfinite=skip``). torch
+    warns when a scheduler steps before its optimizer ever has; here that is the intent: the
+    schedule follows trainer steps, skipped or not."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        scheduler.step()
+
+
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's forward for ``batch``. Packed rows carry ``position_ids``
     restarting at each sample: then the attention mask is left out, so ``transformers`` builds

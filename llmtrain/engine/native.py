@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmtrain.engine import Engine, apply_schedule, lr_lambda, model_inputs, param_groups
+from llmtrain.engine import Engine, advance_schedule_only, apply_schedule, lr_lambda, model_inputs, param_groups
 from llmtrain.engine import dcp_state
 from llmtrain.loss import token_cross_entropy_sum
 from llmtrain.models import initial_value
@@ -252,7 +252,7 @@ class NativeEngine(Engine):
         norm = self._grad_norm()
         if keep_update is not None and not keep_update(norm):
             for opt, sched in zip(self.optimizers, self.schedulers):
-                sched.step()
+                advance_schedule_only(sched)
                 opt.zero_grad(set_to_none=True)
             return norm
         clip = self.cfg.trainer.grad_clip

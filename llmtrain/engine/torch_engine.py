@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.engine import Engine, apply_schedule, dcp_state, lr_lambda, model_inputs, param_groups
+from llmtrain.engine import (Engine, advance_schedule_only, apply_schedule, dcp_state, lr_lambda, model_inputs,
+                             param_groups)
 
 LEGACY_STATE = "state.pt"  # torch-engine checkpoints before DCP: {"model", "optimizer", "scheduler"}
 
@@ -53,7 +54,9 @@ class TorchEngine(Engine):
         norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), clip if clip > 0 else float("inf")))
         if keep_update is None or keep_update(norm):
             self.optimizer.step()
-        self.scheduler.step()
+            self.scheduler.step()
+        else:
+            advance_schedule_only(self.scheduler)
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
