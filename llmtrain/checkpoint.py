@@ -365,12 +365,8 @@ def _saved_and_current(checkpoint_dir: Path, current: dict) -> tuple[dict[str, A
     return flatten(saved), flatten(current)
 
 
-# Values renamed since older checkpoints were written: same meaning, new spelling.
-ALIASES = {("data.format", "alpaca"): "instruction"}
-
-
 def _differences(old: dict, new: dict, keep) -> list[str]:
-    from llmtrain.config import added_at_default
+    from llmtrain.config import added_at_default, canonical_format
 
     def same(k: str) -> bool:
         if k not in old and k in new:
@@ -378,7 +374,8 @@ def _differences(old: dict, new: dict, keep) -> list[str]:
         return canonical(k, old.get(k)) == canonical(k, new.get(k))
 
     def canonical(k: str, value: Any) -> Any:
-        return ALIASES.get((k, value), value) if isinstance(value, str) else value
+        # A format renamed since older checkpoints were written: same meaning, new spelling.
+        return canonical_format(value) if k == "data.format" and isinstance(value, str) else value
 
     return [f"{k}: {old.get(k, '<absent>')} -> {new.get(k, '<absent>')}"
             for k in sorted(set(old) | set(new)) if keep(k) and not same(k)]

@@ -63,6 +63,13 @@ class ModelConfig:
 
 
 DATA_FORMATS = ("text", "instruction", "alpaca", "chat", "prompt_completion", "tokens")
+# Older spellings of a format: same records, same samples.
+FORMAT_ALIASES = {"alpaca": "instruction"}
+
+
+def canonical_format(fmt: str) -> str:
+    """``data.format`` with aliases resolved (``alpaca`` -> ``instruction``)."""
+    return FORMAT_ALIASES.get(fmt, fmt)
 # Record fields each format reads; data.columns maps them to a file's own column names.
 FORMAT_COLUMNS = {
     "text": ("text",),
@@ -410,7 +417,7 @@ def _validate_source(src: Any, key: str) -> None:
              "(only format=text has a built-in default)")
     _require(src.chat_layout in ("auto", "messages", "sharegpt"),
              f"{key}.chat_layout={src.chat_layout!r} must be auto, messages or sharegpt")
-    kind = "instruction" if src.format == "alpaca" else src.format
+    kind = canonical_format(src.format)
     unknown = sorted(set(mapped_columns(src.columns)) - set(FORMAT_COLUMNS[kind]))
     _require(not unknown, f"{key}.columns: {unknown} are not fields of format {src.format}; it reads "
              f"{', '.join(FORMAT_COLUMNS[kind]) or 'no columns'} (map them as {key}.columns.FIELD=your_column)")

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     from hydra import compose, initialize_config_dir
 
     from llmtrain.config import register_configs, validate_data
-    from llmtrain.data import _documents, write_token_folder
+    from llmtrain.data import text_documents, write_token_folder
     from llmtrain.errors import ConfigError, DataError
     from llmtrain.models import ModelSourceError, build_tokenizer
     from llmtrain.paths import CONF_DIR
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                               "cached on first use instead")
         tokenizer = build_tokenizer(cfg.model)
         started, cpu = time.perf_counter(), time.process_time()
-        manifest = write_token_folder(_documents(cfg.data, "data"), tokenizer, out, cfg.data.num_proc,
+        manifest = write_token_folder(text_documents(cfg.data, "data"), tokenizer, out, cfg.data.num_proc,
                                       source=str(cfg.data.path) if cfg.data.path is not None else "python stdlib")
     except (ConfigError, DataError, ModelSourceError) as err:
         print(f"llmtrain.prepare: error: {err}", file=sys.stderr)

@@ -84,9 +84,7 @@ def seed_streams(seed: int, dp_rank: int, pp_rank: int, start_step: int) -> int:
 
         digest = hashlib.sha256(f"{seed}/dp{dp_rank}/pp{pp_rank}/step{start_step}".encode()).digest()
         stream = int.from_bytes(digest[:8], "little") % 2**63
-    random.seed(stream)
-    np.random.seed(stream % 2**32)
-    torch.manual_seed(stream)
+    seed_everything(stream)
     return stream
 
 

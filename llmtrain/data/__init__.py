@@ -13,6 +13,7 @@ records (``packing``). Modules, one job each:
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -52,8 +53,6 @@ class Concat(torch.utils.data.Dataset):
         return self.offsets[-1]
 
     def __getitem__(self, i: int) -> dict:
-        import bisect
-
         k = bisect.bisect_right(self.offsets, i) - 1
         return self.parts[k][i - self.offsets[k]]
 
@@ -105,15 +104,15 @@ def _on_main_first(build: Callable[[], Any]) -> Any:
     return result if (rank == 0 or local_rank == 0) else build()
 
 
-def _documents(src: Any, key: str):
-    """The documents of a text source as a ``datasets.Dataset`` with one ``text`` column."""
+def text_documents(src: Any, key: str):
+    """The documents of a text source as a ``datasets.Dataset`` with one ``text`` column: one per
+    plain file, or one per record's text column (record files, ``save_to_disk``, Hub)."""
     import datasets
 
     path = Path(str(src.path)).expanduser() if src.path is not None else None
-    plain = src.path is None or (path.exists() and not (path.is_dir() and is_saved_dataset(path)) and all(
-        _kind(f) not in RECORD_BUILDERS for f in source_files(src, key)))
-    if plain:
-        files = source_files(src, key)
+    files = source_files(src, key) if path is None or (path.exists() and not (
+        path.is_dir() and is_saved_dataset(path))) else None
+    if files is not None and all(_kind(f) not in RECORD_BUILDERS for f in files):
         for f in files:
             refuse_records_as_text(f)
         where = str(files[0] if len(files) == 1 else src.path)
@@ -171,14 +170,14 @@ def _cache_key(src: Any, tokenizer: Any, key: str) -> str:
 
 
 def token_source(src: Any, key: str, tokenizer: Any, num_proc: int):
-    """Memory-mapped ids of a ``text`` or ``tokens`` source; text is tokenized once into the
-    cache (``~/.cache/llmtrain/tokens/<key>``, keyed by tokenizer, files and settings)."""
+    """The ids of a ``text`` or ``tokens`` source (a :class:`TokenFile` and its manifest); text
+    is tokenized once into the cache (``~/.cache/llmtrain/tokens/<key>``, keyed by tokenizer, files and settings)."""
     if src.format == "tokens":
         return open_tokens(Path(src.path).expanduser(), tokenizer, key)
     folder = TOKEN_CACHE / _cache_key(src, tokenizer, key)
     if not (folder / MANIFEST).is_file():
         source = str(src.path) if src.path is not None else "python stdlib"
-        write_token_folder(_documents(src, key), tokenizer, folder, num_proc, source)
+        write_token_folder(text_documents(src, key), tokenizer, folder, num_proc, source)
     return open_tokens(folder, tokenizer, key)
 
 
@@ -303,10 +302,8 @@ def encode_instruction(rec: dict, tokenizer: Any, seq_len: int, use_chat: bool) 
     src = SimpleNamespace(format="instruction", columns={}, name="record")
     records = datasets.Dataset.from_list([{"instruction": rec["instruction"], "input": rec.get("input") or "",
                                            "output": rec["output"]}])
-    from llmtrain.data.formats import encoder
+    from llmtrain.data.formats import encoder, fit_to_length
 
-    ids, labels = encoder(records, src, cfg, tokenizer, "data", "record")(records[0], 0)
-    ids, labels = ids[:seq_len], labels[:seq_len]
-    if all(label == IGNORE_INDEX for label in labels[1:]):
-        return None
-    return {"input_ids": ids, "labels": labels}
+    ids, labels, outcome = fit_to_length(encoder(records, src, cfg, tokenizer, "data", "record")(records[0], 0),
+                                         seq_len, drop_long=False)
+    return {"input_ids": ids, "labels": labels} if outcome in ("kept", "truncated") else None

@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from llmtrain.config import canonical_format
 from llmtrain.data.sources import column
 from llmtrain.errors import ConfigError, DataError
 from llmtrain.loss import IGNORE_INDEX
@@ -58,14 +59,15 @@ def uses_chat_template(data_cfg: Any, fmt: str, tokenizer: Any) -> bool:
     if fmt == "chat" and data_cfg.template == "alpaca":
         raise ConfigError("data.template=alpaca is the Alpaca prompt for instruction records; data.format=chat needs a "
                           "chat template: data.template=auto (the tokenizer's), chatml, or a .jinja file")
-    if fmt == "chat" or (fmt in ("instruction", "alpaca") and data_cfg.template == "chat"):
+    kind = canonical_format(fmt)
+    if kind == "chat" or (kind == "instruction" and data_cfg.template == "chat"):
         if not has:
             raise ConfigError(
                 f"data.format={fmt} renders conversations with a chat template, and this tokenizer has none. "
                 "Set data.template=chatml (the built-in ChatML template) or data.template=/path/to/template.jinja"
                 + ("" if fmt == "chat" else ", or data.template=alpaca for the Alpaca prompt"))
         return True
-    return fmt in ("instruction", "alpaca") and data_cfg.template != "alpaca" and has
+    return kind == "instruction" and data_cfg.template != "alpaca" and has
 
 
 def render(tokenizer: Any, messages: list[dict], generation_prompt: bool, where: str) -> str:
@@ -106,7 +108,7 @@ def end_token_ids(data_cfg: Any, tokenizer: Any) -> list[int]:
     ``generation_config.json`` stops on all of them."""
     sources = list(data_cfg.datasets) or [data_cfg]
     ends: list[int] = []
-    if any(s.format in ("chat", "instruction", "alpaca") and uses_chat_template(data_cfg, s.format, tokenizer)
+    if any(canonical_format(s.format) in ("chat", "instruction") and uses_chat_template(data_cfg, s.format, tokenizer)
            for s in sources):
         eot = end_of_turn(tokenizer)[1]
         if eot is not None:
@@ -220,7 +222,7 @@ def _text(record: dict, name: str, where: str, optional: bool = False) -> str:
 def encoder(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str):
     """A function ``(record, index) -> (input_ids, labels) | None`` for the source's format; None
     means the record has nothing to train on (a conversation without an assistant turn)."""
-    fmt = "instruction" if src.format == "alpaca" else src.format
+    fmt = canonical_format(src.format)
     eos = tokenizer.eos_token_id
     if fmt == "chat":
         field, layout = chat_field(records, src, key, where)
@@ -274,13 +276,36 @@ def prompt_and_response(tokenizer: Any, prompt: str, response: str, eos: int) ->
     return prompt_ids + response_ids, [IGNORE_INDEX] * len(prompt_ids) + response_ids
 
 
+def fit_to_length(encoded: tuple[list[int], list[int]] | None, seq_len: int, drop_long: bool
+                  ) -> tuple[list[int], list[int], str]:
+    """Apply ``data.truncation`` to one encoded sample (None: nothing to train on).
+
+    Returns:
+        (ids, labels, outcome): outcome ``kept`` or ``truncated`` (the sample is used), or
+        ``dropped_too_long`` (``drop`` mode), ``dropped_truncated_away`` (cut before its first
+        target token) or ``dropped_no_target`` (never had one); dropped samples have empty lists.
+    """
+    if encoded is None:
+        return [], [], "dropped_no_target"
+    ids, labels = encoded
+    outcome = "kept"
+    if len(ids) > seq_len:
+        if drop_long:
+            return [], [], "dropped_too_long"
+        outcome, ids, labels = "truncated", ids[:seq_len], labels[:seq_len]
+    if all(label == IGNORE_INDEX for label in labels[1:]):
+        return [], [], "dropped_truncated_away" if outcome == "truncated" else "dropped_no_target"
+    return ids, labels, outcome
+
+
 def encode_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str):
     """Encode every record of a source into samples, truncating (``data.truncation=right``) or
     dropping (``drop``) samples over ``data.seq_len``; samples without a target token are dropped.
 
     Returns:
         (``datasets.Dataset`` of ``input_ids``/``labels``, counts ``{"records", "truncated",
-        "dropped_too_long", "dropped_no_target"}``).
+        "dropped_too_long", "dropped_truncated_away", "dropped_no_target"}``, see
+        :func:`fit_to_length`).
 
     Raises:
         DataError: a malformed record (names file, record index and field), or no usable sample.
@@ -292,22 +317,10 @@ def encode_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: s
         out: dict[str, list] = {"input_ids": [], "labels": [], "outcome": []}
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         for rec, i in zip(rows, indices):
-            encoded = encode(rec, i)
-            outcome = "kept"
-            if encoded is None:
-                outcome = "dropped_no_target"
-            else:
-                ids, labels = encoded
-                if len(ids) > seq_len:
-                    outcome = "dropped_too_long" if drop_long else "truncated"
-                    ids, labels = ids[:seq_len], labels[:seq_len]
-                if outcome != "dropped_too_long" and all(label == IGNORE_INDEX for label in labels[1:]):
-                    # Cut before its first target token, or without one to begin with.
-                    outcome = "dropped_truncated_away" if outcome == "truncated" else "dropped_no_target"
+            ids, labels, outcome = fit_to_length(encode(rec, i), seq_len, drop_long)
             out["outcome"].append(outcome)
-            keep = outcome in ("kept", "truncated")
-            out["input_ids"].append(ids if keep else [])
-            out["labels"].append(labels if keep else [])
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
         return out
 
     try:

@@ -193,22 +193,15 @@ def packed_samples(samples: Any, seq_len: int) -> Any:
     -100, as it is unpacked (no token predicts across a sample boundary)."""
     import datasets
 
-    lengths = [len(x) for x in samples["input_ids"]]
-    rows = pack(lengths, seq_len)
-
-    def build(batch: dict) -> dict:
-        out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
-        for members in batch["members"]:
-            ids, labels, positions = [], [], []
-            for i in members:
-                s = samples[i]
-                ids += s["input_ids"]
-                labels += [IGNORE_INDEX] + s["labels"][1:]
-                positions += list(range(len(s["input_ids"])))
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
-            out["position_ids"].append(positions)
-        return out
-
-    return datasets.Dataset.from_dict({"members": rows}).map(build, batched=True, remove_columns=["members"],
-                                                              desc="pack")
+    all_ids, all_labels = samples["input_ids"], samples["labels"]
+    out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+    for members in pack([len(ids) for ids in all_ids], seq_len):
+        ids, labels, positions = [], [], []
+        for i in members:
+            ids += all_ids[i]
+            labels += [IGNORE_INDEX] + all_labels[i][1:]
+            positions += range(len(all_ids[i]))
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+        out["position_ids"].append(positions)
+    return datasets.Dataset.from_dict(out)
