@@ -254,8 +254,10 @@ class RecipeConfig:
     ``pp_stages_per_rank`` > 1 virtual stages per rank).
     """
 
-    name: str = "auto"
-    engine: str = "torch"
+    # Interpolations resolved at composition (see _register_resolvers): a top-level ``engine=``
+    # shows in ``--cfg job --resolve`` exactly as the run uses it.
+    name: str = "${recipe_name:auto,torch}"
+    engine: str = "${recipe_engine:torch}"
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_params: bool = False
@@ -286,6 +288,29 @@ class Config:
     run_dir: str = "runs/${name}"
 
 
+def _recipe_engine(own: str, _root_: Any) -> str:
+    """``recipe.engine``: the top-level ``engine=`` when given (one ZeRO recipe, either engine),
+    else the recipe file's own."""
+    top = _root_.get("engine") if "recipe" in _root_ else None  # alone, _root_ is the recipe itself
+    return top or own
+
+
+def _recipe_name(name: str, own_engine: str, _parent_: Any) -> str:
+    """``recipe.name``: the file's name, with the engine appended when the recipe runs on another
+    engine than its own (``zero3-torch``), so that run's default run_dir is not the other's."""
+    engine = _parent_.engine
+    return name if engine == own_engine else f"{name}-{engine}"
+
+
+def _register_resolvers() -> None:
+    for name, resolver in (("recipe_engine", _recipe_engine), ("recipe_name", _recipe_name)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
+
+
+_register_resolvers()  # at import: every composition (Hydra, compose API, OmegaConf.structured) needs them
+
+
 def register_configs() -> None:
     """Store the schema as ``base_config`` and every ``recipes/*.yaml`` as group ``recipe``.
 
@@ -302,6 +327,11 @@ def register_configs() -> None:
             node = OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.load(recipe_file))
         except OmegaConfBaseException as err:
             raise ConfigError(f"recipe file {recipe_file}: {err}".replace("\n", " ")) from err
+        # The file's engine and name become interpolations that honour a top-level engine=.
+        engine = OmegaConf.to_container(node, resolve=True)["engine"]
+        name = node._get_node("name")._value()
+        node.engine = f"${{recipe_engine:{engine}}}"
+        node.name = f"${{recipe_name:{name},{engine}}}"
         cs.store(group="recipe", name=recipe_file.stem, node=node)
 
 
@@ -395,15 +425,6 @@ def gradient_accumulation_steps(trainer: TrainerConfig, dp_size: int) -> int:
     return trainer.global_batch_size // per_pass
 
 
-def apply_engine_override(cfg: Any) -> None:
-    """Top-level ``engine=...`` replaces ``recipe.engine`` (one ZeRO recipe, either engine). The
-    recipe's name gets the engine appended (``zero3-torch``), so the default run directory of
-    ``+recipe=zero3 engine=torch`` is not the DeepSpeed run's."""
-    if cfg.get("engine") and cfg.engine != cfg.recipe.engine:
-        cfg.recipe.engine = cfg.engine
-        cfg.recipe.name = f"{cfg.recipe.name}-{cfg.engine}"
-
-
 NAMED_TEMPLATES = ("chatml",)
 
 
@@ -474,7 +495,6 @@ def validate(cfg: Any, world_size: int) -> None:
         ConfigError: naming the offending fields, their values and the fix.
     """
     check_known_keys(cfg)
-    apply_engine_override(cfg)
     m, d, t, r, tr = cfg.model, cfg.data, cfg.trainer, cfg.recipe, cfg.tracker
     _require(m.source in ("config", "pretrained", "gguf"),
              f"model.source={m.source!r} must be one of config, pretrained, gguf")
@@ -536,6 +556,8 @@ def validate(cfg: Any, world_size: int) -> None:
     _require(t.precision in ("fp32", "bf16"), f"trainer.precision={t.precision!r} must be fp32 or bf16")
     _require(tr.wandb_mode in ("auto", "online", "offline", "disabled"),
              f"tracker.wandb_mode={tr.wandb_mode!r} must be auto, online, offline or disabled")
+    _require(cfg.get("engine") in (None, "torch", "deepspeed"),
+             f"engine={cfg.get('engine')!r} must be torch or deepspeed (or unset: the recipe's own engine)")
     _require(r.engine in ("torch", "deepspeed"),
              f"recipe.engine={r.engine!r} must be torch or deepspeed")
     _require(r.zero_stage in (0, 1, 2, 3), f"recipe.zero_stage={r.zero_stage} must be 0, 1, 2 or 3")

@@ -22,7 +22,7 @@ import torch
 from omegaconf import OmegaConf
 
 from llmtrain import checkpoint, console, data, distributed
-from llmtrain.config import ConfigError, apply_engine_override, gradient_accumulation_steps, validate
+from llmtrain.config import ConfigError, gradient_accumulation_steps, validate
 from llmtrain.errors import TrainingStopped
 from llmtrain.engine import build_engine
 from llmtrain.loss import count_target_tokens, token_cross_entropy_sum  # noqa: F401  (public here too)
@@ -177,7 +177,8 @@ def train(cfg: Any) -> dict[str, Any]:
         ConfigError, data.DataError, models.ModelSourceError, distributed.LaunchError,
             checkpoint.ResumeError: bad input, raised before anything is written.
     """
-    apply_engine_override(cfg)  # before the launch: DeepSpeed needs a process group even alone
+    # Read-only: the run uses exactly the composed config that `--cfg job --resolve` prints.
+    OmegaConf.set_readonly(cfg, True)
     env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
     validate(cfg, env.world_size)
     console.configure_library_output(env.is_main, console.interactive())

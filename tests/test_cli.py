@@ -103,11 +103,15 @@ def test_help_explains_the_app_groups_recipes_and_fields():
         assert OmegaConf.create(f"v: {value}").v == OmegaConf.select(cfg, key), (key, value)  # YAML as Hydra reads it
 
 
-def test_cfg_job_prints_the_composed_config():
-    proc = run_cli(["+recipe=zero3", "--cfg", "job"])
+def test_cfg_job_prints_the_config_the_run_uses():
+    # A top-level engine= is resolved at composition, so what --cfg job shows is what train() gets
+    # (train() makes the config read-only: nothing changes it after composition).
+    proc = run_cli(["+recipe=zero3", "engine=torch", "--cfg", "job", "--resolve"])
     assert_ok(proc)
     cfg = yaml.safe_load(proc.stdout)
     assert cfg["recipe"]["zero_stage"] == 3 and cfg["model"]["name"] == "tiny_llama"
+    assert (cfg["recipe"]["engine"], cfg["recipe"]["name"]) == ("torch", "zero3-torch")
+    assert cfg["run_dir"] == "runs/tiny_llama-stdlib-zero3-torch"
 
 
 def test_multirun_sweep_gives_each_job_its_own_dir(tmp_path):

@@ -100,6 +100,19 @@ def reference(runs):
     return lambda recipe, nproc: runs(nproc)[recipe]
 
 
+@pytest.mark.parametrize("name", ["zero3_torch", "zero3"])
+def test_the_run_uses_the_recipe_the_composed_config_shows(name, runs):
+    import yaml
+    from omegaconf import OmegaConf
+
+    from conftest import make_cfg
+
+    overrides = NATIVE[2].get(name) or [f"+recipe={name}"]
+    used = yaml.safe_load((runs(2)[name] / "config.yaml").read_text())
+    assert used["recipe"] == OmegaConf.to_container(make_cfg(overrides).recipe, resolve=True)
+    assert used["recipe"]["engine"] == ("torch" if name.endswith("torch") else "deepspeed")
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_two_process_recipe_matches_plain_single_process(recipe, reference):
     plain, ours = reference("ddp", 1), reference(recipe, 2)  # one process + no recipe = plain torch
