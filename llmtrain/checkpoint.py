@@ -65,6 +65,8 @@ class TrainState:
     # The checkpoint this one continues (``step_4``): the previous save of the same lineage, or
     # the checkpoint the run resumed from. None for the first checkpoint of a fresh run.
     parent: str | None = None
+    # Updates dropped by trainer.nonfinite=skip: the optimizer has taken step - skipped_updates.
+    skipped_updates: int = 0
 
 
 def _sha256(path: Path) -> str:

@@ -21,9 +21,14 @@ from llmtrain.checkpoint import ENGINE_DIR, ResumeError, save_hf_folder, verify
 from llmtrain.models import ModelSourceError, build_tokenizer
 
 
-def consolidated_state_dict(checkpoint_dir: Path, engine: str) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(checkpoint_dir: Path, engine: str, zero_stage: int = 1) -> dict[str, torch.Tensor]:
     """Full fp32 model state dict from a checkpoint folder written by ``engine``."""
     engine_dir = checkpoint_dir / ENGINE_DIR
+    if engine == "deepspeed" and zero_stage == 0:
+        # ZeRO-0 keeps no partitions (zero_to_fp32 has nothing to merge): the module is whole, in
+        # fp32 (bf16 runs train with fp32 parameters under torch autocast).
+        states = torch.load(engine_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        return {k: v.float() for k, v in states["module"].items()}
     if engine == "deepspeed":
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -51,7 +56,7 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path) -> Path:
     from llmtrain.data import apply_template_setting, end_token_ids
 
     cfg = OmegaConf.load(checkpoint_dir / "config.yaml")
-    state = consolidated_state_dict(checkpoint_dir, cfg.recipe.engine)
+    state = consolidated_state_dict(checkpoint_dir, cfg.recipe.engine, cfg.recipe.zero_stage)
     # Older checkpoints lack newer data fields: the schema's defaults fill them.
     data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), cfg.data)
     tokenizer = apply_template_setting(data_cfg, build_tokenizer(cfg.model))

@@ -217,6 +217,7 @@ def train(cfg: Any) -> dict[str, Any]:
         checkpoints.start_branch(resume_from)
         _dump_loaded_model(engine)
     start_step = state.step
+    _check_optimizer_steps(engine, state)
 
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
     if env.is_main:
@@ -281,6 +282,7 @@ def train(cfg: Any) -> dict[str, Any]:
         elapsed = time.perf_counter() - started
         done = step + 1
         state.step, state.consumed_samples = done, done * t.global_batch_size
+        state.skipped_updates += int(not healthy and t.nonfinite == "skip")
         state.tokens_seen += tokens
         summary["losses"].append(loss)
         summary["lrs"].append(lr)
@@ -308,6 +310,7 @@ def train(cfg: Any) -> dict[str, Any]:
             _on_nonfinite(t, done, loss, grad_norm, skipped_in_a_row,
                           summary.get("checkpoint") or (str(resume_from) if resume_from else None),
                           lambda: (progress.close(), preemption.restore(), tracker.finish()))
+        _check_optimizer_steps(engine, state)
         stop, save_by_time = preemption.agree()
         if stop or save_by_time or (t.save_every and done % t.save_every == 0) or done == t.max_steps:
             save()
@@ -329,6 +332,20 @@ def train(cfg: Any) -> dict[str, Any]:
     tracker.finish()
     distributed.barrier()
     return summary
+
+
+def _check_optimizer_steps(engine, state: checkpoint.TrainState) -> None:
+    """The optimizer has applied exactly one update per trainer step (less the skipped ones):
+    an extra update at set-up (DeepSpeed's bf16 ZeRO-0 wrapper once took one) would add a weight
+    decay and shift Adam's bias correction unseen.
+
+    Raises:
+        RuntimeError: the counts differ (a bug in an engine, not bad input).
+    """
+    expected, taken = state.step - state.skipped_updates, engine.optimizer_step_count()
+    if taken != expected:
+        raise RuntimeError(f"the optimizer has applied {taken} updates at trainer step {state.step} "
+                           f"({state.skipped_updates} skipped): expected {expected}")
 
 
 def _on_nonfinite(t: Any, step: int, loss: float, grad_norm: float, skipped_in_a_row: int,

@@ -89,6 +89,15 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def first_step_count(optimizer: torch.optim.Optimizer) -> int:
+    """Updates an Adam-style optimizer has applied: the ``step`` of its parameter states (0
+    before the first, as torch creates state lazily)."""
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
+
+
 class Engine(ABC):
     """A parallelism backend. Lifecycle: ``model_init_context()`` → build model → ``setup(model)``
     → per optimizer step: ``accumulate``/``forward``/``backward`` per micro-batch, then ``step()``.
@@ -172,6 +181,11 @@ class Engine(ABC):
 
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
+
+    def optimizer_step_count(self) -> int:
+        """Updates the optimizer has applied (Adam's ``step``); equals the trainer step after
+        set-up and after every step, which the trainer checks."""
+        return first_step_count(self.optimizer)
 
     @abstractmethod
     def save_checkpoint(self, directory: Path) -> None:

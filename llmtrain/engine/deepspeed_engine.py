@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import llmtrain.distributed  # noqa: F401  (sets DS_ACCELERATOR=cpu without CUDA before deepspeed loads)
-from llmtrain.engine import Engine, apply_schedule, lr_lambda, model_inputs, param_groups
+from llmtrain.engine import Engine, apply_schedule, first_step_count, lr_lambda, model_inputs, param_groups
 
 
 def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict:
@@ -37,8 +37,10 @@ def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict
         "train_batch_size": t.micro_batch_size * accumulation_steps * world_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": accumulation_steps,
-        "gradient_clipping": t.grad_clip,
-        "bf16": {"enabled": t.precision == "bf16"},
+        # ZeRO-0 runs the plain torch optimizer, for which DeepSpeed clips without keeping the
+        # norm: the engine clips itself there (DeepSpeedEngine.backward).
+        "gradient_clipping": t.grad_clip if r.zero_stage >= 1 else 0.0,
+        "bf16": {"enabled": t.precision == "bf16" and r.zero_stage >= 1},
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10 ** 9,
@@ -49,6 +51,13 @@ def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict
         # each of the accumulation steps would round the running sum to 8 mantissa bits).
         # DeepSpeed supports this mix under ZeRO only.
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+    elif t.precision == "bf16":
+        # ZeRO-0: DeepSpeed's bf16 mode would accumulate gradients in bf16 (it allows fp32
+        # accumulation only under ZeRO) and its wrapper optimizer takes one zero-gradient step at
+        # set-up (an extra weight decay, a shifted bias correction). torch autocast instead keeps
+        # fp32 parameters, gradients and optimizer state and computes the matmuls in bf16, as the
+        # torch engine does.
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     if r.offload_optimizer:
         config["optimizer"] = {"type": "AdamW", "params": {
             "lr": t.lr, "betas": [t.beta1, t.beta2], "eps": t.eps, "weight_decay": t.weight_decay}}
@@ -123,12 +132,37 @@ class DeepSpeedEngine(Engine):
         if "optimizer" not in self.ds_config:
             optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
         schedule = lr_lambda(t)
+        fp32_initial = self._fp32_initial_values(model)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, model_parameters=groups if optimizer is None else None,
             config=self.ds_config, dist_init_required=self.env.world_size > 1,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
         # Models built later (the export's fresh copy) must not be partitioned.
         self._hf_ds_config = None
+        if fp32_initial is not None:
+            from deepspeed.utils import safe_set_full_fp32_param
+
+            for name, param in self.ds.module.named_parameters():
+                safe_set_full_fp32_param(param, fp32_initial(name, param).to(self.env.device))
+
+    def _fp32_initial_values(self, model: torch.nn.Module):
+        """Under bf16 ZeRO, DeepSpeed casts the model to bf16 and copies the fp32 master weights
+        from the *rounded* values (up to 2^-9 relative off the initial weights). Returns
+        ``(name, param) -> fp32 initial tensor`` to put the true initial weights into the master
+        copy, or None when there is nothing to fix (fp32, ZeRO-0) or no fp32 copy exists (a
+        pretrained model built partitioned under ZeRO-3 arrives in bf16)."""
+        t, stage = self.cfg.trainer, self.cfg.recipe.zero_stage
+        if t.precision != "bf16" or stage == 0:
+            return None
+        if stage == 3:
+            if self.cfg.model.source != "config":
+                return None
+            from llmtrain.models import initial_value
+
+            std = float(getattr(model.config, "initializer_range", 0.02))
+            return lambda name, param: initial_value(name, param.ds_shape, t.seed, std)
+        fp32 = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+        return lambda name, param: fp32[name]
 
     @property
     def model(self) -> torch.nn.Module:
@@ -139,12 +173,18 @@ class DeepSpeedEngine(Engine):
 
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss * self.env.world_size, scale_wrt_gas=False)
+        if self.cfg.recipe.zero_stage == 0 and self.ds.is_gradient_accumulation_boundary():
+            # Gradients are all-reduced and whole on every rank: the global norm, clipped as
+            # torch.nn.utils.clip_grad_norm_ does (grad_clip 0 = measure only).
+            params = [p for p in self.ds.module.parameters() if p.grad is not None]
+            clip = self.cfg.trainer.grad_clip
+            self._zero0_norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
         # DeepSpeed counts micro-batches itself and applies the optimizer on the last one.
         self.ds.step()
 
     def step(self, keep_update=None) -> float:
         # keep_update is refused for DeepSpeed at validation: its update already happened in backward().
-        norm = self.ds.get_global_grad_norm()
+        norm = self._zero0_norm if self.cfg.recipe.zero_stage == 0 else self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
     def lr(self) -> float:
@@ -191,13 +231,30 @@ class DeepSpeedEngine(Engine):
         apply_schedule(self.scheduler.optimizer, self.scheduler)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The fp32 master weights (not the bf16 working copy), consolidated on rank 0."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
         if self.cfg.recipe.zero_stage == 3:
             state = self.ds._zero3_consolidated_16bit_state_dict()
         else:
             state = self.ds.module.state_dict()
+        masters, by_param = {}, {}
+        # Every alias of a tied weight (lm_head.weight and the embedding) gets the master value.
+        for name, param in self.ds.module.named_parameters(remove_duplicate=False):
+            if id(param) not in by_param:
+                master = safe_get_full_fp32_param(param)  # collective under ZeRO-3
+                by_param[id(param)] = None if master is None else master.detach().float().cpu()
+            if by_param[id(param)] is not None:
+                masters[name] = by_param[id(param)]
         if not self.env.is_main:
             return None
-        return {k: v.detach().float().cpu() for k, v in state.items()}
+        return {k: masters.get(k, v.detach().float().cpu()) for k, v in state.items()}
+
+    def optimizer_step_count(self) -> int:
+        inner = self.ds.optimizer
+        while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
+            inner = inner.optimizer
+        return first_step_count(inner)
 
 
 def _convert_to_universal(engine_dir: Path, out_dir: Path) -> None:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmtrain.engine import Engine, advance_schedule_only, apply_schedule, lr_lambda, model_inputs, param_groups
+from llmtrain.engine import (Engine, advance_schedule_only, apply_schedule, first_step_count, lr_lambda, model_inputs,
+                             param_groups)
 from llmtrain.engine import dcp_state
 from llmtrain.loss import token_cross_entropy_sum
 from llmtrain.models import initial_value
@@ -300,6 +301,10 @@ class NativeEngine(Engine):
 
     def lr(self) -> float:
         return self.optimizers[0].param_groups[0]["lr"]
+
+    def optimizer_step_count(self) -> int:
+        counts = {first_step_count(opt) for opt in self.optimizers}  # one optimizer per local stage
+        return counts.pop() if len(counts) == 1 else -1
 
     # ---- checkpoints and export -----------------------------------------------------------
     def save_checkpoint(self, directory: Path) -> None:
