@@ -57,15 +57,20 @@ except ConfigError as err:
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
+    from llmtrain.distributed import shutdown
     from llmtrain.trainer import train
 
     try:
         train(cfg)
     except USER_ERRORS as err:
+        shutdown()  # every rank raises these alike, before or outside any collective
         _fail(err)
     except TrainingStopped as err:
+        shutdown()
         print(f"llmtrain: stopped: {err}", file=sys.stderr, flush=True)
         sys.exit(3)
+    # A finished run exits 0: the process group goes before interpreter exit, not during it.
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -67,6 +67,9 @@ class TrainState:
     parent: str | None = None
     # Updates dropped by trainer.nonfinite=skip: the optimizer has taken step - skipped_updates.
     skipped_updates: int = 0
+    # Running mean of healthy steps' losses and how many fed it (trainer.spike_factor).
+    loss_ema: float = 0.0
+    loss_ema_steps: int = 0
 
 
 def _sha256(path: Path) -> str:

@@ -184,7 +184,12 @@ class TrainerConfig:
     step, the value and the last healthy checkpoint, before anything is saved or exported from the
     bad state; ``skip`` (torch engine) drops that update (parameters and optimizer state unchanged;
     the step, its samples and the LR schedule still advance) and stops after ``max_skipped_steps``
-    skipped steps in a row.
+    skipped steps in a row. ``spike_factor`` (0 = off, the default): a loss above
+    ``spike_factor`` x the running mean of the healthy steps' losses (exponential moving average,
+    weight 0.1 per step, checked from the 10th healthy step on, carried in checkpoints) counts as
+    a bad step too and gets the same ``nonfinite`` treatment: it guards against the slow
+    divergence that stays finite. Typical values 2-5; a spike at a data-distribution change is a
+    false alarm, so it is off by default.
 
     ``resume``: ``auto`` (newest complete checkpoint of ``run_dir``, else a fresh start), ``never``
     (fresh start; refuses a ``run_dir`` that already holds checkpoints), a checkpoint folder, or a
@@ -216,6 +221,7 @@ class TrainerConfig:
     preempt_signal: Optional[str] = "SIGUSR1"
     nonfinite: str = "stop"
     max_skipped_steps: int = 5
+    spike_factor: float = 0.0
     export_hf: bool = True
     progress_bar: bool = True
 
@@ -519,6 +525,8 @@ def validate(cfg: Any, world_size: int) -> None:
     _require(t.grad_clip >= 0, f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 = no clipping)")
     _require(t.keep_checkpoints >= 1, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 1")
     _require(t.nonfinite in ("stop", "skip"), f"trainer.nonfinite={t.nonfinite!r} must be stop or skip")
+    _require(t.spike_factor == 0 or t.spike_factor > 1,
+             f"trainer.spike_factor={t.spike_factor} must be 0 (off) or > 1 (a multiple of the running mean loss)")
     _require(t.max_skipped_steps >= 1, f"trainer.max_skipped_steps={t.max_skipped_steps} must be >= 1")
     _require(not (t.nonfinite == "skip" and r.engine == "deepspeed"),
              "trainer.nonfinite=skip needs engine=torch: DeepSpeed applies the update inside its own step, before "

@@ -122,20 +122,26 @@ def apply_compile(layers: list[nn.Module]) -> None:
 
 
 def apply_fsdp(module: nn.Module, layers: list[nn.Module], dp_mesh, reshard_after_forward: bool,
-               offload: bool) -> None:
+               offload: bool, param_dtype: torch.dtype | None = None) -> None:
     """FSDP2 (``fully_shard``) each decoder layer, then ``module`` as the root.
 
     ``dp_mesh`` is 1-D (shard) or 2-D (replicate x shard = HSDP). ``reshard_after_forward``
     False keeps a layer's parameters gathered from forward to backward (ZeRO-2-like traffic);
-    ``offload`` keeps parameters, gradients and the optimizer step on CPU.
+    ``offload`` keeps parameters, gradients and the optimizer step on CPU. ``param_dtype``
+    (bf16 runs): parameters are all-gathered and computed in that dtype, half the bytes of
+    gathering fp32 and casting under autocast, while the sharded master weights, their
+    gradients (reduce-scattered in fp32) and the optimizer state stay fp32.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     # Pinned host memory needs an accelerator; on a CPU-only machine offload is plain CPU memory.
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+    precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy,
+                    mp_policy=precision)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy,
+                mp_policy=precision)
 
 
 def decoder_layers(module: nn.Module) -> list[nn.Module]:
@@ -161,4 +167,4 @@ def parallelize(module: nn.Module, cfg: Any, mesh, dims, tp_plan_paths: dict[str
     if dims.dp > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
         apply_fsdp(module, layers, dp_mesh, reshard_after_forward=r.zero_stage == 3,
-                   offload=r.offload_params)
+                   offload=r.offload_params, param_dtype=torch.bfloat16 if t.precision == "bf16" else None)

@@ -273,9 +273,13 @@ def train(cfg: Any) -> dict[str, Any]:
         lr = engine.lr()
         loss, tokens = forward_backward(engine, batches)
         # Loss and gradient norm are global values every rank holds: checking them needs no collective.
-        grad_norm = engine.step(keep_update=(lambda norm: math.isfinite(norm) and math.isfinite(loss))
+        spike = _loss_spike(loss, state, t.spike_factor)
+        grad_norm = engine.step(keep_update=(lambda norm: math.isfinite(norm) and math.isfinite(loss) and not spike)
                                 if t.nonfinite == "skip" else None)
-        healthy = math.isfinite(loss) and math.isfinite(grad_norm)
+        healthy = math.isfinite(loss) and math.isfinite(grad_norm) and not spike
+        if healthy:
+            state.loss_ema = loss if not state.loss_ema_steps else 0.9 * state.loss_ema + 0.1 * loss
+            state.loss_ema_steps += 1
         skipped_in_a_row = 0 if healthy else skipped_in_a_row + 1
         digest = float(distributed.all_reduce_sum(torch.tensor(local_digest, dtype=torch.float64, device=env.device))
                        / dims.data_replicas)
@@ -307,7 +311,7 @@ def train(cfg: Any) -> dict[str, Any]:
         if (t.log_every and done % t.log_every == 0) or "val/loss" in metrics or not healthy:
             tracker.log(metrics, step=done)
         if not healthy:
-            _on_nonfinite(t, done, loss, grad_norm, skipped_in_a_row,
+            _on_nonfinite(t, done, loss, grad_norm, spike, skipped_in_a_row,
                           summary.get("checkpoint") or (str(resume_from) if resume_from else None),
                           lambda: (progress.close(), preemption.restore(), tracker.finish()))
         _check_optimizer_steps(engine, state)
@@ -329,7 +333,10 @@ def train(cfg: Any) -> dict[str, Any]:
         if exported is not None:
             summary["export"] = str(exported)
             log.info("exported Hugging Face model to %s", exported)
+    # Teardown in dependency order: the tracker (rank 0's files and threads), the engine's
+    # threads and buffers, and then (by the caller, after every rank is here) the process group.
     tracker.finish()
+    engine.close()
     distributed.barrier()
     return summary
 
@@ -348,18 +355,31 @@ def _check_optimizer_steps(engine, state: checkpoint.TrainState) -> None:
                            f"({state.skipped_updates} skipped): expected {expected}")
 
 
-def _on_nonfinite(t: Any, step: int, loss: float, grad_norm: float, skipped_in_a_row: int,
+SPIKE_AFTER_STEPS = 10  # healthy steps in the running mean before trainer.spike_factor applies
+
+
+def _loss_spike(loss: float, state: checkpoint.TrainState, factor: float) -> str | None:
+    """Why ``loss`` counts as a spike (``trainer.spike_factor`` x the running mean of healthy
+    losses, once ``SPIKE_AFTER_STEPS`` fed it), else None."""
+    if factor and state.loss_ema_steps >= SPIKE_AFTER_STEPS and loss > factor * state.loss_ema:
+        return f"is above trainer.spike_factor={factor} x the running mean loss {state.loss_ema:.4f}"
+    return None
+
+
+def _on_nonfinite(t: Any, step: int, loss: float, grad_norm: float, spike: str | None, skipped_in_a_row: int,
                   last_healthy: str | None, close: Any) -> None:
-    """Apply ``trainer.nonfinite`` to a step whose loss or gradient norm is not finite: with
+    """Apply ``trainer.nonfinite`` to a step whose loss or gradient norm is not finite, or whose
+    loss is a spike (``spike``: why, see :func:`_loss_spike`): with
     ``skip`` (the update was already dropped) log it until ``max_skipped_steps`` in a row;
     otherwise close the run's outputs and raise before anything is saved or exported.
 
     Raises:
         TrainingStopped: naming the step, the values and the last healthy checkpoint.
     """
-    values = f"train loss {loss}, grad norm {grad_norm}"
+    values = (f"loss spike: train loss {loss} {spike}, grad norm {grad_norm}" if spike else
+              f"non-finite train loss {loss}, grad norm {grad_norm}")
     if t.nonfinite == "skip" and skipped_in_a_row < t.max_skipped_steps:
-        log.warning("step %d: non-finite %s: update skipped (%d in a row; trainer.max_skipped_steps=%d)",
+        log.warning("step %d: %s: update skipped (%d in a row; trainer.max_skipped_steps=%d)",
                     step, values, skipped_in_a_row, t.max_skipped_steps)
         return
     close()
@@ -368,7 +388,7 @@ def _on_nonfinite(t: Any, step: int, loss: float, grad_norm: float, skipped_in_a
     restart = (f"the last healthy checkpoint is {last_healthy}: resume from it (trainer.resume=auto) with a lower "
                "trainer.lr or stronger clipping" if last_healthy else
                "no checkpoint was written before it: lower trainer.lr or raise trainer.warmup_steps")
-    raise TrainingStopped(f"step {step}: non-finite {values} ({why}); nothing was saved or exported from this state; "
+    raise TrainingStopped(f"step {step}: {values} ({why}); nothing was saved or exported from this state; "
                           f"{restart}")
 
 

@@ -86,3 +86,37 @@ def test_skip_is_refused_on_deepspeed():
     with pytest.raises(ConfigError, match="trainer.nonfinite=skip needs engine=torch"):
         validate(make_cfg(["+recipe=zero3", "trainer.nonfinite=skip"]), 2)
     validate(make_cfg(["+recipe=zero3", "engine=torch", "trainer.nonfinite=skip"]), 2)
+
+
+def test_spike_factor_skips_losses_above_the_running_mean_of_healthy_steps(tmp_path):
+    # A finite loss above spike_factor x the running mean of healthy losses (EMA, weight 0.1,
+    # from the 10th healthy step on) is treated as a bad step. An LR ramping to 1.0 makes the
+    # loss jump about after step 10; which steps are spikes is recomputed here from the log.
+    run = [o for o in FAST if not o.startswith("data.max_bytes")] + [
+        "data.max_bytes=100000", "trainer.lr=1.0", "trainer.warmup_steps=25", "trainer.grad_clip=0",
+        "trainer.max_steps=25", "trainer.nonfinite=skip", "trainer.max_skipped_steps=25", "trainer.spike_factor=1.3",
+        f"run_dir={tmp_path}"]
+    proc = run_cli(run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = [r for r in read_metrics(tmp_path) if "train/loss" in r]
+    ema, healthy, predicted = 0.0, 0, []
+    for r in logged:
+        spike = healthy >= 10 and r["train/loss"] > 1.3 * ema
+        predicted.append(int(spike))
+        if not spike:
+            ema = r["train/loss"] if not healthy else 0.9 * ema + 0.1 * r["train/loss"]
+            healthy += 1
+    assert [r.get("train/skipped_update", 0) for r in logged] == predicted
+    assert 0 < sum(predicted) < 10, predicted  # the case exercises both outcomes
+    assert "loss spike: train loss" in proc.stdout + proc.stderr
+    state = json.loads((tmp_path / "checkpoints" / "step_25" / "trainer_state.json").read_text())
+    assert (state["loss_ema_steps"], state["skipped_updates"]) == (healthy, sum(predicted))
+    assert state["loss_ema"] == pytest.approx(ema, rel=1e-12)
+
+
+@pytest.mark.parametrize("factor", [-1, 0.5, 1])
+def test_spike_factor_must_be_off_or_above_one(factor):
+    from llmtrain.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=f"trainer.spike_factor={factor}"):
+        validate(make_cfg([f"trainer.spike_factor={factor}"]), 1)

@@ -182,6 +182,10 @@ class Engine(ABC):
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)
 
+    def close(self) -> None:
+        """Release the backend's threads and buffers while the process group still exists (the
+        trainer's teardown order: tracker, engine, process group). Collective call."""
+
     def optimizer_step_count(self) -> int:
         """Updates the optimizer has applied (Adam's ``step``); equals the trainer step after
         set-up and after every step, which the trainer checks."""

@@ -250,6 +250,11 @@ class DeepSpeedEngine(Engine):
             return None
         return {k: masters.get(k, v.detach().float().cpu()) for k, v in state.items()}
 
+    def close(self) -> None:
+        # DeepSpeed's optimizers hold worker threads and hooks: left to interpreter exit, a rank
+        # could abort ("terminate called without an active exception") after a finished run.
+        self.ds.destroy()
+
     def optimizer_step_count(self) -> int:
         inner = self.ds.optimizer
         while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer):
