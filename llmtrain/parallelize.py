@@ -1,6 +1,7 @@
 """Parallelize a Hugging Face decoder (or one pipeline stage of it), always in this order:
 
-1. tensor parallel (DTensor; the model's own Hugging Face TP plan),
+1. tensor parallel (DTensor; the model's own Hugging Face TP plan), with a per-TP-rank random
+   stream inside attention (dropout on head-sharded probabilities),
 2. activation checkpointing (per decoder layer),
 3. ``torch.compile`` (per decoder layer, optional),
 4. FSDP2 (``fully_shard`` per decoder layer, then the root).
@@ -100,6 +101,53 @@ def apply_tp(module: nn.Module, plan: dict[str, str], tp_mesh) -> None:
         parallelize_module(module, tp_mesh, local_plan)
 
 
+def attention_modules(layers: list[nn.Module]) -> list[nn.Module]:
+    """The attention block of each decoder layer (``self_attn`` in Llama, Qwen2, Mistral...)."""
+    return [getattr(layer, "self_attn") for layer in layers if hasattr(layer, "self_attn")]
+
+
+def apply_tp_rng(attention: list[nn.Module], tp_rank: int) -> None:
+    """Give each TP rank its own dropout stream inside the attention blocks, whose activations
+    (per-head attention probabilities) are sharded over the TP group, while everything outside
+    them (replicated activations) keeps drawing from the stream the TP group shares.
+
+    Scheme (the role of Megatron-LM's model-parallel RNG tracker, Shoeybi et al. 2019, section
+    3, "tensor-parallel-seed"): on entering an attention block, one 63-bit seed is drawn from the
+    shared stream (identically on every TP rank, so the shared stream stays in step), the
+    generator is reseeded with (that seed, ``tp_rank``) for the block, and the shared stream's
+    state is restored on exit. Being a function of the shared stream's state, the block's
+    stream needs no checkpointed state of its own: exact resume restores the shared stream, and
+    activation checkpointing (which restores the RNG state at the layer's start) recomputes the
+    same masks.
+    """
+    import hashlib
+
+    def enter(module, args, kwargs):
+        seed = int(torch.randint(0, 2**62, (1,)))
+        module._llmtrain_rng = _rng_state()
+        digest = hashlib.sha256(f"{seed}/tp{tp_rank}".encode()).digest()
+        torch.manual_seed(int.from_bytes(digest[:8], "little") % 2**63)
+
+    def leave(module, args, kwargs, output):
+        _set_rng_state(module.__dict__.pop("_llmtrain_rng"))
+
+    for block in attention:
+        block.register_forward_pre_hook(enter, with_kwargs=True)
+        block.register_forward_hook(leave, with_kwargs=True, always_call=True)
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def apply_activation_checkpointing(layers: list[nn.Module]) -> None:
     """Recompute each decoder layer's activations in backward (non-reentrant checkpoint): memory
     per layer drops to its input, at the cost of one more forward (Chen et al. 2016)."""
@@ -160,6 +208,7 @@ def parallelize(module: nn.Module, cfg: Any, mesh, dims, tp_plan_paths: dict[str
     layers = decoder_layers(module)
     if dims.tp > 1:
         apply_tp(module, tp_plan_paths, mesh["tp"])
+        apply_tp_rng(attention_modules(layers), mesh["tp"].get_local_rank())
     if t.activation_checkpointing:
         apply_activation_checkpointing(layers)
     if r.compile:

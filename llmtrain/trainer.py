@@ -69,9 +69,10 @@ def seed_streams(seed: int, dp_rank: int, pp_rank: int, start_step: int) -> int:
     and torchtitan seed pipeline stages apart; unlike their default, data-parallel ranks differ
     too, because llmtrain's initialisation never draws from this stream: parameters come from
     (seed, parameter name), see :func:`llmtrain.models.init_weights`). Tensor-parallel ranks share
-    their stream: dropout on replicated activations agrees across the TP group; dropout on
-    sharded activations (per-head attention probabilities) then repeats the same pattern on each
-    TP rank's heads, where Megatron-LM's model-parallel RNG tracker would draw them apart.
+    this stream, so dropout on replicated activations agrees across the TP group; inside
+    attention, whose activations are sharded over it, each TP rank draws its own
+    (:func:`llmtrain.parallelize.apply_tp_rng`, the role of Megatron-LM's model-parallel RNG
+    tracker).
     Exact resume restores each rank's saved state instead; a resume on another world size (whose
     saved states do not map onto the new ranks) reseeds with the resumed step mixed in, so no
     rank replays the masks of step 0. Rank (0, 0) of a fresh run keeps ``seed`` itself, so a
