@@ -70,6 +70,9 @@ class TrainState:
     # Running mean of healthy steps' losses and how many fed it (trainer.spike_factor).
     loss_ema: float = 0.0
     loss_ema_steps: int = 0
+    # Partial training (LoRA, model.freeze): the base weights the checkpoint's trainable
+    # parameters belong to (llmtrain.adapters.base_fingerprint); None in full training.
+    base_fingerprint: str | None = None
 
 
 def _sha256(path: Path) -> str:

@@ -49,6 +49,9 @@ class ModelConfig:
     embedding_rowwise}`` with paths as in the causal LM's ``named_modules()`` (``*`` = any layer
     index, e.g. ``model.layers.*.self_attn.q_proj``) for families whose transformers config has
     none; unset (default): the model's own plan.
+    ``freeze``: parameter-name patterns (``fnmatch``, e.g. ``model.embed_tokens.*``) kept frozen
+    in full fine-tuning: they get no gradient and no optimizer state, and checkpoints store only
+    the trainable parameters (the frozen ones come from the source again on resume).
     """
 
     name: str = MISSING
@@ -60,6 +63,35 @@ class ModelConfig:
     tokenizer: str = "model"
     attn_implementation: str = "sdpa"
     tp_plan: Optional[Any] = None  # Any: a dict override must replace, not merge into, the field
+    freeze: List[str] = field(default_factory=list)
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning through the ``peft`` library (``+peft=lora``).
+
+    LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022, section
+    4.1): each targeted Linear ``W`` (out x in) gains ``B A`` with ``A`` (r x in) and ``B``
+    (out x r), scaled by ``alpha / r`` (``use_rslora``: ``alpha / sqrt(r)``, Kalajdzievski 2023).
+    ``B`` starts at zero, so training starts from the base model exactly. The base weights are
+    frozen: they carry no gradient and no optimizer state, and checkpoints store only the
+    trainable parameters (plus a fingerprint of the base weights).
+
+    ``target_modules``: module-name suffixes (``[q_proj, v_proj]``) or ``all-linear`` (default:
+    every Linear of the decoder layers, i.e. the attention and MLP projections, not the output
+    head). ``modules_to_save``: modules trained in full besides the adapters (``[lm_head]`` after
+    adding tokens). ``bias``: ``none``, ``all`` or ``lora_only`` biases trained.
+    """
+
+    method: str = "lora"
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Any = "all-linear"  # a list of names or the string all-linear
+    modules_to_save: List[str] = field(default_factory=list)
+    bias: str = "none"
+    use_rslora: bool = False
+    use_dora: bool = False
 
 
 DATA_FORMATS = ("text", "instruction", "alpaca", "chat", "prompt_completion", "tokens")
@@ -223,6 +255,7 @@ class TrainerConfig:
     max_skipped_steps: int = 5
     spike_factor: float = 0.0
     export_hf: bool = True
+    export_merged: bool = False
     progress_bar: bool = True
 
 
@@ -288,6 +321,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    peft: Optional[PeftConfig] = None  # +peft=lora
     # Overrides recipe.engine: `+recipe=zero3 engine=torch` runs the ZeRO-3 recipe on FSDP2.
     engine: Optional[str] = None
     name: str = "${model.name}-${data.name}-${recipe.name}"
@@ -490,6 +524,30 @@ def validate_data(d: Any) -> None:
     _require(d.num_proc >= 1, f"data.num_proc={d.num_proc} must be >= 1")
 
 
+def validate_peft(p: Any, r: Any) -> None:
+    """The ``peft`` group's values, and the recipes it runs on.
+
+    Raises:
+        ConfigError: naming the field and its allowed values.
+    """
+    _require(p.method == "lora", f"peft.method={p.method!r}: only lora is supported")
+    _require(p.r > 0, f"peft.r={p.r} must be > 0 (the adapter rank, e.g. 8)")
+    _require(p.alpha > 0, f"peft.alpha={p.alpha} must be > 0 (scaling alpha/r, e.g. 16)")
+    _require(0.0 <= p.dropout < 1.0, f"peft.dropout={p.dropout} must be in [0, 1)")
+    _require(p.bias in ("none", "all", "lora_only"), f"peft.bias={p.bias!r} must be none, all or lora_only")
+    targets = p.target_modules
+    _require(targets == "all-linear" or (OmegaConf.is_list(targets) and len(targets) > 0
+                                         and all(isinstance(t, str) and t for t in targets)),
+             f"peft.target_modules={targets!r} must be all-linear or a non-empty list of module names "
+             "(e.g. [q_proj, v_proj])")
+    _require(not p.use_dora, "peft.use_dora=true is not supported yet: DoRA's magnitude vector is initialised "
+             "from the base weights, which FSDP2 and ZeRO-3 do not hold whole at build; use LoRA (use_dora=false)")
+    _require(r.tp == 1 and r.pp == 1,
+             f"+peft=lora with recipe {r.name} (recipe.tp={r.tp}, recipe.pp={r.pp}): LoRA runs on the data-parallel "
+             "recipes (ddp, zero1-3, zero3_offload, fsdp, hsdp); peft's LoRA layers are not sharded by the "
+             "tensor-parallel plan or split into pipeline stages here")
+
+
 def validate(cfg: Any, world_size: int) -> None:
     """Check every cross-field rule before anything is built or written.
 
@@ -559,6 +617,10 @@ def validate(cfg: Any, world_size: int) -> None:
                      f"model.architecture.num_attention_heads={heads}")
             _require(heads % kv_heads == 0, f"model.architecture.num_attention_heads={heads} must be divisible by "
                      f"model.architecture.num_key_value_heads={kv_heads}")
+    if cfg.get("peft") is not None:
+        validate_peft(cfg.peft, r)
+    _require(all(isinstance(p, str) and p for p in m.freeze),
+             f"model.freeze={list(m.freeze)} must be a list of parameter-name patterns (e.g. [model.embed_tokens.*])")
     _require(not Path(str(cfg.run_dir)).is_file(), f"run_dir={cfg.run_dir} is a file; point run_dir at a folder")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _require(t.precision in ("fp32", "bf16"), f"trainer.precision={t.precision!r} must be fp32 or bf16")

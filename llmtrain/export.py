@@ -9,6 +9,7 @@ Checkpoint, any layout: DDP, FSDP2, TP, PP) are consolidated with DCP's ``dcp_to
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -41,11 +42,16 @@ def consolidated_state_dict(checkpoint_dir: Path, engine: str, zero_stage: int =
     return consolidated_model(engine_dir)
 
 
-def export_checkpoint(checkpoint_dir: Path, out_dir: Path) -> Path:
+def export_checkpoint(checkpoint_dir: Path, out_dir: Path, merged: bool = False) -> Path:
     """Verify ``checkpoint_dir`` and write its model as a Hugging Face folder to ``out_dir``.
 
+    A LoRA checkpoint (``+peft=lora``) becomes a PEFT adapter folder (plus, for a model built from
+    a config, its base in ``out_dir/base``), or with ``merged`` the merged Hugging Face model. The
+    frozen base of a partial checkpoint (LoRA, ``model.freeze``) is rebuilt from the model's
+    source, which must still hold the weights it was trained on.
+
     Raises:
-        ResumeError: the checkpoint is missing or fails verification (names the problem).
+        ResumeError: the checkpoint is missing, fails verification, or its base weights changed.
     """
     if not checkpoint_dir.is_dir():
         raise ResumeError(f"checkpoint {checkpoint_dir} does not exist")
@@ -55,12 +61,26 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path) -> Path:
     from llmtrain.config import DataConfig
     from llmtrain.data import apply_template_setting, end_token_ids
 
+    from llmtrain import adapters
+
     cfg = OmegaConf.load(checkpoint_dir / "config.yaml")
     state = consolidated_state_dict(checkpoint_dir, cfg.recipe.engine, cfg.recipe.zero_stage)
     # Older checkpoints lack newer data fields: the schema's defaults fill them.
     data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), cfg.data)
     tokenizer = apply_template_setting(data_cfg, build_tokenizer(cfg.model))
-    return save_hf_folder(state, cfg.model, tokenizer, out_dir, end_token_ids(data_cfg, tokenizer))
+    end_tokens = end_token_ids(data_cfg, tokenizer)
+    if adapters.is_partial(cfg):
+        saved = json.loads((checkpoint_dir / "trainer_state.json").read_text()).get("base_fingerprint")
+        current = adapters.base_fingerprint(cfg.model, cfg.trainer.seed)
+        if saved and saved != current:
+            raise ResumeError(f"checkpoint {checkpoint_dir} was trained on base weights {saved}, but model source "
+                              f"{cfg.model.source} ({cfg.model.get('path')}) now has {current}")
+        state = adapters.whole_state(state, cfg)
+    if cfg.get("peft") is not None:
+        written = adapters.export(state, cfg, tokenizer, None if merged else out_dir, out_dir if merged else None,
+                                  end_tokens)
+        return Path(written["export" if merged else "adapter"])
+    return save_hf_folder(state, cfg.model, tokenizer, out_dir, end_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, e.g. runs/NAME/checkpoints/step_200")
     parser.add_argument("out_dir", type=Path, help="folder to write (created)")
+    parser.add_argument("--merged", action="store_true",
+                        help="LoRA checkpoints: write the merged model instead of the PEFT adapter folder")
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(args.checkpoint, args.out_dir)
+        out = export_checkpoint(args.checkpoint, args.out_dir, merged=args.merged)
     except (ResumeError, ModelSourceError) as err:
         print(f"llmtrain.export: error: {err}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ partition parameters as they are created, so no rank holds the whole model.
 from __future__ import annotations
 
 import importlib.util
+import math
 import zlib
 from pathlib import Path
 from typing import Any, Iterable
@@ -199,7 +200,19 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def initial_value(name: str, shape: torch.Size, seed: int, std: float) -> torch.Tensor:
-    """The full fp32 initial tensor of parameter ``name`` (see :func:`init_weights`)."""
+    """The full fp32 initial tensor of parameter ``name`` (see :func:`init_weights`).
+
+    LoRA adapters (``llmtrain.adapters``) start as peft starts them: ``lora_B`` zero, ``lora_A``
+    Kaiming-uniform with ``a=sqrt(5)``, i.e. U(-1/sqrt(in), 1/sqrt(in)) (Hu et al. 2021, section
+    4.1: ``B A = 0`` at the start). A base weight wrapped by peft (``q_proj.base_layer.weight``)
+    starts as the plain model's ``q_proj.weight``."""
+    name = name.replace(".base_layer.", ".")
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    if ".lora_A." in name:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        bound = 1.0 / math.sqrt(shape[1])
+        return (torch.rand(shape, generator=gen) * 2 - 1) * bound
     if name.endswith("bias"):
         return torch.zeros(shape)
     if len(shape) == 1:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from llmtrain import checkpoint, console, data, distributed
+from llmtrain import adapters, checkpoint, console, data, distributed
 from llmtrain.config import ConfigError, gradient_accumulation_steps, validate
 from llmtrain.errors import TrainingStopped
 from llmtrain.engine import build_engine
@@ -122,11 +122,18 @@ def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, flo
     return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}
 
 
-def _check_resumable(resume_from: Path, cfg: Any, checkpoints: checkpoint.CheckpointManager, is_main: bool) -> None:
+def _check_resumable(resume_from: Path, cfg: Any, checkpoints: checkpoint.CheckpointManager, is_main: bool,
+                     fingerprint: str | None = None) -> None:
     """Resuming continues the *same* run: refuse a checkpoint whose model, data, recipe or
-    optimisation settings differ from the current config (naming each difference). A torch-engine
-    run may change its parallel layout; that is said in the log."""
+    optimisation settings differ from the current config (naming each difference), or whose
+    trainable parameters (LoRA, ``model.freeze``) were trained on other base weights. A
+    torch-engine run may change its parallel layout; that is said in the log."""
     saved = checkpoints.read_state(resume_from)
+    if saved.base_fingerprint and fingerprint and saved.base_fingerprint != fingerprint:
+        raise checkpoint.ResumeError(
+            f"checkpoint {resume_from} holds adapters/trainable parameters trained on base weights "
+            f"{saved.base_fingerprint}, but model {cfg.model.name} (source {cfg.model.source}, path {cfg.model.path}) "
+            f"has weights {fingerprint}: resume with the base it was trained on, or start a new run_dir")
     if saved.global_batch_size != cfg.trainer.global_batch_size:
         raise checkpoint.ResumeError(
             f"checkpoint {resume_from} was trained with trainer.global_batch_size={saved.global_batch_size}; "
@@ -200,18 +207,22 @@ def train(cfg: Any) -> dict[str, Any]:
     splits = data.load_splits(cfg.data, tokenizer, t.seed)
     checkpoints = checkpoint.CheckpointManager(run_dir, env, t.keep_checkpoints)
     resume_from = checkpoints.resolve(t.resume)
+    fingerprint = adapters.base_fingerprint(cfg.model, t.seed) if adapters.is_partial(cfg) else None
     if resume_from is not None:
-        _check_resumable(resume_from, cfg, checkpoints, env.is_main)
+        _check_resumable(resume_from, cfg, checkpoints, env.is_main, fingerprint)
     dims.check_model(hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
                      or hf_config.num_attention_heads, hf_config.num_hidden_layers, cfg.recipe.pp_stages_per_rank)
     engine = build_engine(cfg, env, accumulation, dims)
     with engine.model_init_context():
         model = build_model(cfg.model, t.seed)
+        if adapters.is_partial(cfg):
+            adapters.apply(model, cfg)  # LoRA layers in place; frozen parameters marked
     if resume_from is not None:
         checkpoints.prepare(engine, resume_from)
     engine.setup(model)
     engine.train(True)
-    state, rng = checkpoint.TrainState(world_size=env.world_size, global_batch_size=t.global_batch_size), None
+    state, rng = checkpoint.TrainState(world_size=env.world_size, global_batch_size=t.global_batch_size,
+                                       base_fingerprint=fingerprint), None
     if resume_from is not None:
         state, rng = checkpoints.load(engine, resume_from)
         state.parent = resume_from.name
@@ -238,6 +249,8 @@ def train(cfg: Any) -> dict[str, Any]:
                  t.global_batch_size, t.micro_batch_size, accumulation, dims.dp)
 
         log.info("%s", data.describe(splits))
+    if adapters.is_partial(cfg):
+        _log_trainable(engine, cfg, dims, env.is_main)
     loader, sampler = data.train_loader(splits, tokenizer, cfg.data, t.seed, t.micro_batch_size, accumulation,
                                         engine.dp_rank, dims.dp, start_step=start_step, max_steps=t.max_steps)
     micro_batches = iter(loader)
@@ -329,17 +342,38 @@ def train(cfg: Any) -> dict[str, Any]:
     preemption.restore()
     progress.close()
     if t.export_hf and "preempted_at" not in summary:
-        exported = checkpoint.export_hf(engine, cfg.model, tokenizer, run_dir / "hf",
-                                        end_token_ids=data.end_token_ids(cfg.data, tokenizer))
-        if exported is not None:
-            summary["export"] = str(exported)
-            log.info("exported Hugging Face model to %s", exported)
+        end_tokens = data.end_token_ids(cfg.data, tokenizer)
+        if cfg.get("peft") is not None:
+            state_dict = engine.full_state_dict()  # collective
+            if env.is_main:
+                summary.update(adapters.export(state_dict, cfg, tokenizer, run_dir / "adapter",
+                                               run_dir / "hf" if t.export_merged else None, end_tokens))
+                log.info("exported the PEFT adapter to %s%s", summary["adapter"],
+                         f" and the merged model to {summary['export']}" if "export" in summary else "")
+        else:
+            exported = checkpoint.export_hf(engine, cfg.model, tokenizer, run_dir / "hf", end_token_ids=end_tokens)
+            if exported is not None:
+                summary["export"] = str(exported)
+                log.info("exported Hugging Face model to %s", exported)
     # Teardown in dependency order: the tracker (rank 0's files and threads), the engine's
     # threads and buffers, and then (by the caller, after every rank is here) the process group.
     tracker.finish()
     engine.close()
     distributed.barrier()
     return summary
+
+
+def _log_trainable(engine, cfg: Any, dims: ParallelDims, is_main: bool) -> None:
+    """Start-up line of partial training: trainable parameters and their share (as peft's
+    ``print_trainable_parameters`` puts it) and this rank's model-state bytes."""
+    trainable, total = adapters.summary(engine.model)
+    shards = dims.dp if cfg.recipe.zero_stage in (1, 2) else 1
+    frozen_bytes, trainable_bytes = adapters.model_state_bytes(engine.model, shards)
+    if is_main:
+        log.info("trainable params: %s || all params: %s || trainable%%: %.4f; model state on rank 0: frozen "
+                 "%.1f MiB (parameters only) + trainable %.2f MiB (parameters, gradients, Adam moments)",
+                 f"{trainable:,}", f"{total:,}", 100 * trainable / max(1, total), frozen_bytes / 2**20,
+                 trainable_bytes / 2**20)
 
 
 def _check_optimizer_steps(engine, state: checkpoint.TrainState) -> None:

@@ -18,10 +18,14 @@ def test_installed_wheel_finds_its_configs_and_recipes(tmp_path):
     shipped = {f"llmtrain/{p.relative_to(REPO).as_posix()}" for folder in ("conf", "recipes")
                for p in (REPO / folder).rglob("*.yaml")}
     assert shipped and shipped <= names, shipped - names
+    # Every sub-package of the source tree is in the wheel (a missing one imports only from a checkout).
+    modules = {f"llmtrain/{p.relative_to(REPO / 'llmtrain').as_posix()}" for p in (REPO / "llmtrain").rglob("*.py")}
+    assert modules <= names, modules - names
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
-    probe = ("from llmtrain.paths import CONF_DIR, RECIPES_DIR; print(CONF_DIR); print(RECIPES_DIR)\n"
+    probe = ("import llmtrain.trainer, llmtrain.export, llmtrain.prepare\n"
+             "from llmtrain.paths import CONF_DIR, RECIPES_DIR; print(CONF_DIR); print(RECIPES_DIR)\n"
              "from llmtrain.config import register_configs; register_configs()\n"
              "from hydra import compose, initialize_config_dir\n"
              "with initialize_config_dir(config_dir=CONF_DIR, version_base=None):\n"

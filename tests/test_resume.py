@@ -62,6 +62,10 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
 # the same code (stage_1_and_2.py), and zero2 stays in; zero1 resumes are still checked across
 # world sizes in test_recipes.py.
 KILL_RECIPES = ["ddp", "zero2", "zero3", "zero3_offload", "fsdp", "tp", "pp"]
+# LoRA runs (adapter-only checkpoints, the base rebuilt from its source on resume), with LoRA
+# dropout so the resumed random streams matter too.
+LORA_RUNS = {"lora_zero2": ["+recipe=zero2", "+peft=lora", "peft.dropout=0.1"],
+             "lora_fsdp": ["+recipe=fsdp", "+peft=lora", "peft.dropout=0.1"]}
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +93,7 @@ def reference(tmp_path_factory, mixture) -> dict:
             runs = {r: COMMON + [f"+recipe={r}"] for r in (KILL_RECIPES if nproc == 2 else ["ddp"])}
             if nproc == 2:
                 runs["mix"] = COMMON + mixture
+                runs.update({name: COMMON + overrides for name, overrides in LORA_RUNS.items()})
             dirs = run_scenarios(runs, nproc, tmp_path_factory.mktemp(f"ref-{nproc}"))
             cache[nproc] = {r: per_step(d) for r, d in dirs.items()}
             cache[nproc, "metrics"] = {r: read_metrics(d) for r, d in dirs.items()}
@@ -110,9 +115,9 @@ def test_each_data_parallel_rank_and_pipeline_stage_draws_its_own_dropout_stream
     assert torch.equal(states[0], states[1]) == equal  # TP ranks share a stream, DP ranks and stages do not
 
 
-@pytest.mark.parametrize("recipe", KILL_RECIPES)
+@pytest.mark.parametrize("recipe", KILL_RECIPES + list(LORA_RUNS))
 def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path):
-    overrides = COMMON + [f"+recipe={recipe}", f"run_dir={tmp_path}"]
+    overrides = COMMON + LORA_RUNS.get(recipe, [f"+recipe={recipe}"]) + [f"run_dir={tmp_path}"]
     proc = launch(overrides, nproc=2)
     wait_for_step(proc, tmp_path, 5)          # a checkpoint at step 4 exists, step 5+ is lost
     os.killpg(proc.pid, signal.SIGKILL)

@@ -80,13 +80,16 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on matrices and embeddings, none on 1-D tensors (norms, biases)."""
+    """AdamW groups of the trainable parameters: decay on matrices and embeddings, none on 1-D
+    tensors (norms, biases); a group left empty is omitted."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             # ZeRO-3 flattens partitions to 1-D; ds_shape keeps the logical shape.
             (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # An empty group (LoRA trains matrices only) breaks DCP's flattened optimizer state on load.
+    return [group for group in groups if group["params"]]
 
 
 def first_step_count(optimizer: torch.optim.Optimizer) -> int:

@@ -21,7 +21,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Frozen parameters (LoRA's base, model.freeze) are not saved: they come from the model's source
+# again on resume (llmtrain.adapters), so a LoRA checkpoint is adapter-sized.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
+# Loading sets the trainable tensors only (dcp.load above has already required every one of
+# them): strict=False lets the frozen ones, which come from the model's source, stay as they are.
+LOAD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 METADATA = ".metadata"
 
 
@@ -29,11 +34,19 @@ def is_dcp_checkpoint(directory: Path) -> bool:
     return (directory / METADATA).is_file()
 
 
+def _model_state(part: nn.Module) -> dict:
+    """``part``'s state dict without frozen parameters. DCP's ``ignore_frozen_params`` misses the
+    second name of a tied weight (``lm_head.weight`` tied to a frozen embedding), so every alias
+    is filtered here."""
+    frozen = {name for name, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in get_model_state_dict(part, options=OPTIONS).items() if k not in frozen}
+
+
 def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> dict:
     model: dict = {}
     optim: dict = {}
     for part, opt in zip(parts, optimizers):
-        model.update(get_model_state_dict(part, options=OPTIONS))
+        model.update(_model_state(part))
         optim.update(get_optimizer_state_dict(part, opt, options=OPTIONS))
     return {"model": model, "optimizer": optim}
 
@@ -71,8 +84,8 @@ def load(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.O
     except Exception as err:  # DCP raises CheckpointException wrapping per-rank errors
         raise ResumeError(f"checkpoint {directory.parent} does not fit this model/optimizer: {err}") from err
     for part, opt in zip(parts, optimizers):
-        own = get_model_state_dict(part, options=OPTIONS).keys()
-        set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in own}, options=OPTIONS)
+        own = _model_state(part).keys()
+        set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in own}, options=LOAD_OPTIONS)
         set_optimizer_state_dict(part, opt, optim_state_dict=state["optimizer"], options=OPTIONS)
     saved = torch.load(directory / "scheduler.pt", weights_only=True)
     for scheduler in schedulers:

@@ -101,6 +101,9 @@ class DeepSpeedEngine(Engine):
         super().__init__(cfg, env, accumulation_steps, dims)
         self.ds_config = deepspeed_config(cfg, env.world_size, accumulation_steps)
         self._hf_ds_config = None
+        from llmtrain.adapters import is_partial
+
+        self._partial = is_partial(cfg)
         from llmtrain.console import stdout_to_debug_log
 
         _link_torch_libs_without_spaces()
@@ -139,11 +142,30 @@ class DeepSpeedEngine(Engine):
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
         # Models built later (the export's fresh copy) must not be partitioned.
         self._hf_ds_config = None
+        if self._partial:
+            self._exclude_frozen_aliases()
         if fp32_initial is not None:
             from deepspeed.utils import safe_set_full_fp32_param
 
             for name, param in self.ds.module.named_parameters():
                 safe_set_full_fp32_param(param, fp32_initial(name, param).to(self.env.device))
+
+    def _exclude_frozen_aliases(self) -> None:
+        """DeepSpeed's ``exclude_frozen_parameters`` walks ``named_parameters()``, which names a tied
+        weight once: the frozen embedding is dropped but its alias ``lm_head.weight`` (a whole
+        vocabulary matrix) stays in every checkpoint. Drop every alias of a frozen parameter."""
+        ds = self.ds
+        module_state_dict = ds.module_state_dict
+        frozen = {name for name, p in ds.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+        def without_frozen(*args, exclude_frozen_parameters=False, **kwargs):
+            state = module_state_dict(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
+            if exclude_frozen_parameters and state is not None:
+                for name in frozen & set(state):
+                    del state[name]
+            return state
+
+        ds.module_state_dict = without_frozen
 
     def _fp32_initial_values(self, model: torch.nn.Module):
         """Under bf16 ZeRO, DeepSpeed casts the model to bf16 and copies the fp32 master weights
@@ -192,7 +214,9 @@ class DeepSpeedEngine(Engine):
 
     def save_checkpoint(self, directory: Path) -> None:
         # save_latest=False: our completion marker, not DeepSpeed's "latest" file, names checkpoints.
-        self.ds.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False)
+        # Frozen parameters (LoRA's base, model.freeze) come from the model's source on resume.
+        self.ds.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False,
+                                exclude_frozen_parameters=self._partial)
 
     def prepare_resume(self, directory: Path, saved_world_size: int) -> None:
         """On a world-size change, convert the ZeRO checkpoint to DeepSpeed's universal format
@@ -213,7 +237,7 @@ class DeepSpeedEngine(Engine):
         source = self._universal_dir if universal else directory
         weight_decays = [group["weight_decay"] for group in self.ds.optimizer.param_groups]
         path, _ = self.ds.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+                                          load_lr_scheduler_states=True, load_module_strict=not self._partial)
         if universal:
             # DeepSpeed 0.19's ZeRO-3 universal load copies param group 0's hyperparameters into
             # every group, which would decay norms and biases; the recipe's values are the truth.

@@ -1,0 +1,317 @@
+"""Partial training: LoRA adapters (through ``peft``) and frozen parameters.
+
+One owner for "which parameters train": :func:`apply` injects LoRA layers in place into the
+Hugging Face model (``peft.inject_adapter_in_model``: module paths and the model class stay the
+same, so every engine and parallelize step sees a normal causal LM), then freezes what does not
+train. Engines build their optimizers from ``requires_grad`` parameters only, so a frozen
+parameter gets no gradient and no optimizer state; checkpoints hold the trainable parameters only
+(:func:`is_partial`), and the base weights are identified by :func:`base_fingerprint`.
+
+Exports (:func:`save_adapter`): a PEFT adapter folder that ``PeftModel.from_pretrained(base,
+folder)`` loads, and optionally the merged model, both built by ``peft`` itself from the trained
+state dict.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmtrain.errors import ConfigError
+
+log = logging.getLogger("llmtrain")
+
+ADAPTER_NAME = "default"
+
+
+def lora_config(p: Any) -> Any:
+    """``peft.LoraConfig`` for the ``peft`` config group (``modules_to_save`` is applied by
+    :func:`apply` in place, and given to peft only when exporting)."""
+    import peft
+    from omegaconf import OmegaConf
+
+    targets = p.target_modules if isinstance(p.target_modules, str) else list(OmegaConf.to_container(p.target_modules))
+    return peft.LoraConfig(r=int(p.r), lora_alpha=float(p.alpha), lora_dropout=float(p.dropout), target_modules=targets,
+                           bias=p.bias, use_rslora=bool(p.use_rslora), use_dora=bool(p.use_dora))
+
+
+def is_partial(cfg: Any) -> bool:
+    """Whether some parameters stay frozen (LoRA or ``model.freeze``): then checkpoints hold
+    only the trainable ones."""
+    return cfg.get("peft") is not None or bool(cfg.model.get("freeze"))
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the plain model: peft moves a wrapped Linear's weight to
+    ``<module>.base_layer.weight``; initialisation and exports use ``<module>.weight``."""
+    return name.replace(".base_layer.", ".")
+
+
+def apply(model: nn.Module, cfg: Any) -> nn.Module:
+    """Inject LoRA adapters (``cfg.peft``) and freeze ``cfg.model.freeze`` patterns, in place.
+
+    LoRA weights are initialised as peft does (``A`` Kaiming-uniform, ``B`` zero), but from a
+    generator per parameter name (:func:`llmtrain.models.initial_value`), so they do not depend on
+    the engine or the number of ranks. Under the meta-device build (torch-native engines) they are
+    filled with the rest of the shards.
+
+    Raises:
+        ConfigError: ``peft.target_modules``, ``peft.modules_to_save`` or ``model.freeze`` match
+            nothing (the message lists some of the model's own names).
+    """
+    p = cfg.get("peft")
+    if p is not None:
+        _check_targets(model, p)
+        import peft
+
+        peft.inject_adapter_in_model(lora_config(p), model, adapter_name=ADAPTER_NAME)
+        modules = dict(model.named_modules())
+        for name in p.modules_to_save:
+            for param in modules[name].parameters():
+                param.requires_grad_(True)
+        _init_lora(model, cfg.trainer.seed)
+    patterns = list(cfg.model.get("freeze") or [])
+    if patterns:
+        names = [n for n, _ in model.named_parameters()]
+        for pattern in patterns:
+            if not any(fnmatch.fnmatchcase(canonical_name(n), pattern) for n in names):
+                raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter; names look like "
+                                  f"{', '.join(names[:4])}")
+        for name, param in model.named_parameters():
+            if any(fnmatch.fnmatchcase(canonical_name(name), pattern) for pattern in patterns):
+                param.requires_grad_(False)
+    if not any(param.requires_grad for param in model.parameters()):
+        raise ConfigError("model.freeze froze every parameter: nothing would train")
+    return model
+
+
+def _check_targets(model: nn.Module, p: Any) -> None:
+    linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    if p.target_modules != "all-linear":
+        for target in p.target_modules:
+            if not any(name == target or name.endswith(f".{target}") for name in linear):
+                suffixes = sorted({name.rsplit(".", 1)[-1] for name in linear})
+                raise ConfigError(f"peft.target_modules: {target!r} matches no Linear module of this model; its "
+                                  f"Linear modules end in {', '.join(suffixes[:8])}")
+    names = dict(model.named_modules())
+    for name in p.modules_to_save:
+        if name not in names:
+            top = [n for n in names if n and "." not in n]
+            raise ConfigError(f"peft.modules_to_save: {name!r} is not a module of this model; top-level modules "
+                              f"are {', '.join(top)}")
+
+
+@torch.no_grad()
+def _init_lora(model: nn.Module, seed: int) -> None:
+    from llmtrain.models import _gathered, initial_value
+
+    for name, param in model.named_parameters():
+        if (".lora_A." in name or ".lora_B." in name) and not param.is_meta:
+            with _gathered([param]):
+                param.copy_(initial_value(name, getattr(param, "ds_shape", param.shape), seed, 0.0).to(param.dtype))
+
+
+def summary(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) distinct parameters, also under ZeRO-3 (``ds_numel``)."""
+    trainable = total = 0
+    seen: set[int] = set()
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        n = getattr(param, "ds_numel", param.numel())
+        total += n
+        trainable += n if param.requires_grad else 0
+    return trainable, total
+
+
+def model_state_bytes(model: nn.Module, optimizer_shards: int) -> tuple[int, int]:
+    """Bytes this rank holds for model state: (frozen, trainable). Frozen parameters cost their
+    local storage only; trainable ones their storage plus an fp32 gradient and Adam's two fp32
+    moments (+12 bytes per element; ZeRO-1/2 shard the optimizer part ``optimizer_shards`` ways).
+    Local storage: the DTensor shard (FSDP2), the ZeRO-3 partition (``ds_tensor``), else the
+    whole tensor."""
+    frozen = trainable = 0
+    seen: set[int] = set()
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        local = getattr(param, "_local_tensor", None)
+        local = local if local is not None else getattr(param, "ds_tensor", param)
+        stored = local.numel() * local.element_size()
+        if param.requires_grad:
+            trainable += stored + local.numel() * 12 // max(1, optimizer_shards if local is param else 1)
+        else:
+            frozen += stored
+    return frozen, trainable
+
+
+def base_fingerprint(model_cfg: Any, seed: int) -> str:
+    """Identity of the base weights a partial checkpoint was trained on: the SHA-256 of the weight
+    files (pretrained folder or GGUF file; cached per path, size and modification time under
+    ``~/.cache/llmtrain/fingerprints``), or of the architecture and seed for models built from a
+    config (their initial weights are a function of both)."""
+    from omegaconf import OmegaConf
+
+    if model_cfg.source == "config":
+        spec = json.dumps({"architecture": OmegaConf.to_container(model_cfg.architecture, resolve=True), "seed": seed},
+                          sort_keys=True)
+        return "config:" + hashlib.sha256(spec.encode()).hexdigest()[:16]
+    if model_cfg.source == "gguf":
+        from llmtrain.models import resolve_gguf
+
+        folder, file = resolve_gguf(model_cfg)
+        files = [Path(folder) / file]
+    else:
+        folder = Path(str(model_cfg.path))
+        if not folder.is_dir():
+            return f"hub:{model_cfg.path}"  # a Hub id: its revision is what identifies it
+        files = sorted(f for f in folder.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
+    return "sha256:" + hashlib.sha256("".join(_file_digest(f) for f in files).encode()).hexdigest()[:16]
+
+
+def _file_digest(path: Path) -> str:
+    from llmtrain.paths import CACHE_DIR
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    cached = CACHE_DIR / "fingerprints" / key
+    if cached.is_file():
+        return cached.read_text()
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    pending = cached.with_name(f"{key}.tmp")
+    pending.write_text(digest)
+    pending.replace(cached)
+    return digest
+
+
+def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(base, adapter) halves of a trained model's state dict with in-place LoRA names: base
+    weights under their plain names, LoRA weights as peft names them in a ``PeftModel``."""
+    base, adapter = {}, {}
+    for name, tensor in state.items():
+        if ".lora_" in name:
+            adapter[f"base_model.model.{name}"] = tensor
+        else:
+            base[canonical_name(name)] = tensor
+    return base, adapter
+
+
+def save_adapter(state: dict[str, torch.Tensor], cfg: Any, fresh: nn.Module, adapter_dir: Path | None,
+                 base_reference: str) -> nn.Module:
+    """Write the PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) from
+    the trained ``state`` (in-place names, fp32, whole) into ``adapter_dir``, and return the
+    merged plain model (LoRA folded into the base weights by ``merge_and_unload``).
+
+    ``fresh``: a model built from the config, holding nothing yet. ``base_reference``: recorded as
+    the adapter's ``base_model_name_or_path`` (the folder or id to load the base from).
+
+    Raises:
+        RuntimeError: the state does not fit the model (names listed).
+    """
+    import peft
+
+    base, adapter = split_state(state)
+    loaded = fresh.load_state_dict(base, strict=False)
+    missing = [k for k in loaded.missing_keys if not k.endswith("lm_head.weight")]  # a tied head is re-tied
+    if missing or loaded.unexpected_keys:
+        raise RuntimeError(f"adapter export: base state does not fit the model: missing {missing[:5]}, "
+                           f"unexpected {loaded.unexpected_keys[:5]}")
+    fresh.tie_weights()
+    config = lora_config(cfg.peft)
+    config.modules_to_save = list(cfg.peft.modules_to_save) or None
+    config.base_model_name_or_path = fresh.name_or_path = base_reference
+    with warnings.catch_warnings():  # peft probes transformers' deprecated gradient-checkpointing flag
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = peft.get_peft_model(fresh, config, adapter_name=ADAPTER_NAME)
+    for name in cfg.peft.modules_to_save:  # trained in full: the wrapper's copy gets the trained weights
+        for key, tensor in base.items():
+            if key.startswith(f"{name}."):
+                suffix = key[len(name) + 1:]
+                adapter[f"base_model.model.{name}.modules_to_save.{ADAPTER_NAME}.{suffix}"] = tensor
+    result = model.load_state_dict(adapter, strict=False)
+    if result.unexpected_keys:
+        raise RuntimeError(f"adapter export: unexpected adapter weights {result.unexpected_keys[:5]}")
+    missing_lora = [k for k in result.missing_keys if ".lora_" in k]
+    if missing_lora:
+        raise RuntimeError(f"adapter export: adapter weights missing from the state: {missing_lora[:5]}")
+    if adapter_dir is not None:
+        adapter_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(adapter_dir))
+    return model.merge_and_unload()
+
+
+def base_reference(cfg: Any, base_dir: Path | None) -> str:
+    """Where the adapter's base model is loaded from (``adapter_config.json``'s
+    ``base_model_name_or_path``): the pretrained folder or Hub id, the GGUF folder, or, for a
+    model built from a config (whose weights exist nowhere else), ``base_dir``."""
+    m = cfg.model
+    if m.source == "config":
+        return str(base_dir.resolve()) if base_dir is not None else ""
+    if m.source == "gguf":
+        from llmtrain.models import resolve_gguf
+
+        return str(Path(resolve_gguf(m)[0]).resolve())
+    return str(Path(str(m.path)).resolve()) if Path(str(m.path)).exists() else str(m.path)
+
+
+def export(state: dict[str, torch.Tensor], cfg: Any, tokenizer: Any, adapter_dir: Path | None,
+           merged_dir: Path | None = None, end_token_ids: list[int] | None = None) -> dict[str, str]:
+    """Exports of a LoRA run from its whole trained state (in-place names, fp32; rank 0): the PEFT
+    adapter folder plus tokenizer in ``adapter_dir``; for a model built from a config (whose base
+    exists nowhere else) its frozen base as a Hugging Face folder in ``adapter_dir/base``, which
+    the adapter names as its base; and the merged model in ``merged_dir``. Either folder may be
+    None. Returns the folders written: ``{"adapter", "base", "export"}``."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.checkpoint import _follow_umask, save_hf_folder
+    from llmtrain.models import model_config
+
+    config = model_config(cfg.model)
+    if hasattr(config, "quantization_config"):  # GGUF metadata: the export is plain fp32
+        delattr(config, "quantization_config")
+    written: dict[str, str] = {}
+    base_dir = adapter_dir / "base" if adapter_dir is not None and cfg.model.source == "config" else None
+    if base_dir is not None:
+        save_hf_folder(split_state(state)[0], cfg.model, tokenizer, base_dir, end_token_ids)
+        written["base"] = str(base_dir)
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    merged = save_adapter(state, cfg, fresh, adapter_dir, base_reference(cfg, base_dir))
+    if adapter_dir is not None:
+        tokenizer.save_pretrained(adapter_dir)
+        _follow_umask(adapter_dir)
+        written["adapter"] = str(adapter_dir)
+    if merged_dir is not None:
+        save_hf_folder(merged.state_dict(), cfg.model, tokenizer, merged_dir, end_token_ids)
+        written["export"] = str(merged_dir)
+    return written
+
+
+def whole_state(trained: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
+    """The whole model state of a partial checkpoint: the base rebuilt from the model's source
+    (``cfg`` as saved with the checkpoint), adapters injected, then the checkpoint's trainable
+    tensors (``trained``, in-place names) put in.
+
+    Raises:
+        RuntimeError: ``trained`` names a tensor the rebuilt model does not have.
+    """
+    from llmtrain.models import build_model
+
+    model = apply(build_model(cfg.model, cfg.trainer.seed), cfg)
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    unknown = sorted(set(trained) - set(state))
+    if unknown:
+        raise RuntimeError(f"checkpoint tensors {unknown[:5]} are not in the rebuilt model")
+    state.update({k: v.float() for k, v in trained.items()})
+    return state

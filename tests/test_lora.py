@@ -1,0 +1,182 @@
+"""LoRA (``+peft=lora``) on every data-parallel recipe: the same losses as one process, adapter-
+sized checkpoints without the frozen base, PEFT and merged exports that agree, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import FAST, REPO, assert_ok, make_cfg, read_metrics, run_cli, run_scenarios, subprocess_env
+
+# Dropout 0: the equivalence below compares runs whose ranks draw different dropout streams.
+LORA = FAST + ["+peft=lora", "peft.r=4", "peft.alpha=8", "trainer.max_steps=6", "trainer.save_every=4",
+               "trainer.global_batch_size=16", "trainer.micro_batch_size=4", "trainer.warmup_steps=2",
+               "trainer.lr=5e-3", "trainer.export_merged=true"]
+RECIPES = {"ddp": ["+recipe=ddp"], "zero2": ["+recipe=zero2"], "zero3": ["+recipe=zero3"], "fsdp": ["+recipe=fsdp"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    one = run_scenarios({"single": LORA + ["+recipe=ddp"],
+                         "freeze": FAST + ["trainer.max_steps=2", "model.freeze=[model.embed_tokens.*]"]},
+                        1, tmp_path_factory.mktemp("lora-1"))
+    two = run_scenarios({name: LORA + overrides for name, overrides in RECIPES.items()}, 2,
+                        tmp_path_factory.mktemp("lora-2"))
+    return {**one, **two}
+
+
+def _losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_lora_on_two_ranks_matches_one_process(recipe, runs):
+    want, got = _losses(runs["single"]), _losses(runs[recipe])
+    assert sorted(got) == list(range(1, 7))
+    for step in got:
+        assert abs(got[step] - want[step]) < 1e-5, (step, got[step], want[step])
+    assert got[6] < got[1]
+
+
+def _logits(model) -> torch.Tensor:
+    ids = torch.arange(0, 120).reshape(2, 60) % 256
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("recipe", ["single", "zero3", "fsdp"])
+def test_adapter_and_merged_exports_load_and_agree(recipe, runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_dir = runs[recipe]
+    adapter_config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
+    base_dir = run_dir / "adapter" / "base"  # built from a config: the frozen base ships with the adapter
+    assert adapter_config["r"] == 4 and adapter_config["base_model_name_or_path"] == str(base_dir)
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    untouched = _logits(base)
+    adapted = PeftModel.from_pretrained(base, run_dir / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+    torch.testing.assert_close(_logits(adapted), _logits(merged), rtol=0, atol=1e-4)
+    assert (_logits(merged) - untouched).abs().max() > 1e-3  # the adapter changed the model
+
+
+@pytest.mark.parametrize("recipe", ["single", "zero2", "zero3", "fsdp"])
+def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(recipe, runs, tmp_path):
+    engine_dir = runs[recipe] / "checkpoints" / "step_6" / "engine"
+    if recipe.startswith("zero"):
+        model_file = next(engine_dir.glob("*mp_rank_00_model_states.pt"))  # ZeRO-3: zero_pp_rank_0_...
+        module = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+        names = set(module)
+        moments = 0
+        for f in engine_dir.glob("*optim_states.pt"):
+            state = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+            inner = state.get("base_optimizer_state") or state.get("optimizer_state_dict")
+            moments += sum(s["exp_avg"].numel() for s in inner["state"].values())
+        # ZeRO-3 keeps module tensors as empty placeholders: the partitions live in the optimizer files.
+        trainable = sum(v.numel() for k, v in module.items() if ".lora_" in k) if recipe != "zero3" else None
+    else:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        out = tmp_path / "state.pt"
+        dcp_to_torch_save(str(engine_dir), str(out))
+        state = torch.load(out, weights_only=False)
+        names = set(state["model"])
+        moments = sum(v.numel() for k, v in state["optimizer"].items() if k.endswith(".exp_avg"))
+        trainable = sum(v.numel() for v in state["model"].values())
+    assert names and all(".lora_" in n for n in names), sorted(names)[:5]
+    # 7 adapted Linears per layer (q, k, v, o, gate, up, down) x 4 layers: an A and a B each.
+    assert len([n for n in names if ".lora_A." in n]) == 28 and len([n for n in names if ".lora_B." in n]) == 28
+    if trainable is not None:
+        assert moments == trainable  # one Adam moment per trainable element; none for the base
+    state = json.loads((runs[recipe] / "checkpoints" / "step_6" / "trainer_state.json").read_text())
+    assert state["base_fingerprint"].startswith("config:")
+
+
+def test_model_freeze_keeps_patterns_frozen_and_out_of_the_checkpoint(runs, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from safetensors.torch import load_file
+
+    from llmtrain.models import initial_value
+
+    engine_dir = runs["freeze"] / "checkpoints" / "step_2" / "engine"
+    dcp_to_torch_save(str(engine_dir), str(tmp_path / "state.pt"))
+    state = torch.load(tmp_path / "state.pt", weights_only=False)
+    assert "model.embed_tokens.weight" not in state["model"] and "model.norm.weight" in state["model"]
+    assert not any(k.startswith("state.model.embed_tokens") for k in state["optimizer"])
+    exported = load_file(str(runs["freeze"] / "hf" / "model.safetensors"))
+    embed = exported["model.embed_tokens.weight"]
+    assert torch.equal(embed, initial_value("model.embed_tokens.weight", embed.shape, 1234, 0.02))  # never moved
+
+
+def test_a_lora_checkpoint_resumes_only_with_lora_and_the_same_base(runs, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(runs["single"], run_dir)
+    proc = run_cli([o for o in LORA if "peft" not in o] + ["+recipe=ddp", "trainer.max_steps=8", f"run_dir={run_dir}"])
+    assert proc.returncode == 2 and "peft" in proc.stderr, proc.stderr[-2000:]
+    # Other base weights (a config model's base is a function of its seed): refused naming both.
+    saved = json.loads((run_dir / "checkpoints" / "step_6" / "trainer_state.json").read_text())["base_fingerprint"]
+    proc = run_cli(LORA + ["+recipe=ddp", "trainer.max_steps=8", "trainer.seed=99", f"run_dir={run_dir}"])
+    assert proc.returncode == 2 and f"trained on base weights {saved}, but model tiny_llama" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_4", "step_6"]  # nothing written
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["peft.r=0"], "peft.r=0 must be > 0"),
+    (["peft.alpha=-1"], "peft.alpha=-1.0 must be > 0"),
+    (["peft.dropout=1.0"], "peft.dropout=1.0 must be in [0, 1)"),
+    (["peft.bias=some"], "peft.bias='some' must be none, all or lora_only"),
+    (["+recipe=tp"], "+peft=lora with recipe tp"),
+    (["+recipe=pp"], "+peft=lora with recipe pp"),
+    (["peft.use_dora=true"], "peft.use_dora=true is not supported yet"),
+])
+def test_bad_peft_settings_are_refused_naming_the_field(overrides, needle):
+    from llmtrain.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(make_cfg(["+peft=lora"] + overrides), 2)
+    assert needle in str(err.value)
+
+
+def test_target_modules_that_match_nothing_list_the_models_names(tmp_path):
+    proc = run_cli(FAST + ["+peft=lora", "peft.target_modules=[qkv_proj]", f"run_dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2
+    assert "peft.target_modules: 'qkv_proj' matches no Linear module" in proc.stderr and "q_proj" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_llmtrain_export_writes_the_adapter_or_the_merged_model_from_a_lora_checkpoint(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    checkpoint = runs["fsdp"] / "checkpoints" / "step_6"
+    for extra, out in (([], tmp_path / "adapter"), (["--merged"], tmp_path / "merged")):
+        proc = subprocess.run([sys.executable, "-m", "llmtrain.export", str(checkpoint), str(out)] + extra,
+                              capture_output=True, text=True, env=subprocess_env(), cwd=REPO)
+        assert_ok(proc)
+    exported = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    trained = load_file(str(runs["fsdp"] / "adapter" / "adapter_model.safetensors"))
+    assert exported.keys() == trained.keys()
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
+    merged, at_end = (load_file(str(d / "model.safetensors")) for d in (tmp_path / "merged", runs["fsdp"] / "hf"))
+    assert all(torch.equal(merged[k], at_end[k]) for k in at_end)
+
+
+def test_a_two_rank_lora_checkpoint_resumes_on_one_process(runs, tmp_path):
+    # The FSDP2 adapter shards of 2 ranks (step 4), loaded by one plain process: DCP reshards by
+    # name and the frozen base is rebuilt from its source.
+    import shutil
+
+    shutil.copytree(runs["fsdp"], tmp_path / "run")
+    assert_ok(run_cli(LORA + ["trainer.resume=4", f"run_dir={tmp_path / 'run'}"]))
+    want = _losses(runs["fsdp"])
+    got = {r["step"]: r["train/loss"] for r in read_metrics(tmp_path / "run")[-2:]}
+    assert sorted(got) == [5, 6]
+    for step in got:
+        assert abs(got[step] - want[step]) < 1e-6, (step, got[step], want[step])
