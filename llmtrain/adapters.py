@@ -120,13 +120,10 @@ def _init_lora(model: nn.Module, seed: int) -> None:
 
 
 def summary(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) distinct parameters, also under ZeRO-3 (``ds_numel``)."""
+    """(trainable, total) distinct parameters (``parameters()`` names a tied weight once), also
+    under ZeRO-3 (``ds_numel``)."""
     trainable = total = 0
-    seen: set[int] = set()
     for param in model.parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
         n = getattr(param, "ds_numel", param.numel())
         total += n
         trainable += n if param.requires_grad else 0
@@ -140,11 +137,7 @@ def model_state_bytes(model: nn.Module, optimizer_shards: int) -> tuple[int, int
     Local storage: the DTensor shard (FSDP2), the ZeRO-3 partition (``ds_tensor``), else the
     whole tensor."""
     frozen = trainable = 0
-    seen: set[int] = set()
     for param in model.parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
         local = getattr(param, "_local_tensor", None)
         local = local if local is not None else getattr(param, "ds_tensor", param)
         stored = local.numel() * local.element_size()

@@ -145,11 +145,34 @@ def test_bad_peft_settings_are_refused_naming_the_field(overrides, needle):
     assert needle in str(err.value)
 
 
-def test_target_modules_that_match_nothing_list_the_models_names(tmp_path):
-    proc = run_cli(FAST + ["+peft=lora", "peft.target_modules=[qkv_proj]", f"run_dir={tmp_path / 'run'}"])
-    assert proc.returncode == 2
-    assert "peft.target_modules: 'qkv_proj' matches no Linear module" in proc.stderr and "q_proj" in proc.stderr
-    assert not (tmp_path / "run").exists()
+@pytest.mark.parametrize("overrides,needle", [
+    (["peft.target_modules=[qkv_proj]"], "peft.target_modules: 'qkv_proj' matches no Linear module of this model; "
+                                         "its Linear modules end in down_proj, gate_proj, k_proj"),
+    (["peft.modules_to_save=[head]"], "peft.modules_to_save: 'head' is not a module of this model; top-level "
+                                      "modules are model, lm_head"),
+])
+def test_names_that_match_nothing_list_the_models_own(overrides, needle):
+    # Raised while the model is built, before the run directory exists (trainer order).
+    from llmtrain import adapters
+    from llmtrain.config import ConfigError
+    from llmtrain.models import build_model
+
+    cfg = make_cfg(["+peft=lora"] + overrides)
+    with pytest.raises(ConfigError) as err:
+        adapters.apply(build_model(cfg.model, 0), cfg)
+    assert needle in str(err.value)
+
+
+def test_freeze_patterns_must_match():
+    from llmtrain import adapters
+    from llmtrain.config import ConfigError
+    from llmtrain.models import build_model
+
+    cfg = make_cfg(["model.freeze=[model.embedding.*]"])
+    with pytest.raises(ConfigError, match="model.freeze pattern 'model.embedding.\\*' matches no parameter"):
+        adapters.apply(build_model(cfg.model, 0), cfg)
+    with pytest.raises(ConfigError, match="froze every parameter"):
+        adapters.apply(build_model(cfg.model, 0), make_cfg(["model.freeze=[*]"]))
 
 
 def test_llmtrain_export_writes_the_adapter_or_the_merged_model_from_a_lora_checkpoint(runs, tmp_path):

@@ -148,7 +148,8 @@ class DeepSpeedEngine(Engine):
             from deepspeed.utils import safe_set_full_fp32_param
 
             for name, param in self.ds.module.named_parameters():
-                safe_set_full_fp32_param(param, fp32_initial(name, param).to(self.env.device))
+                if param.requires_grad:  # frozen parameters have no master copy
+                    safe_set_full_fp32_param(param, fp32_initial(name, param).to(self.env.device))
 
     def _exclude_frozen_aliases(self) -> None:
         """DeepSpeed's ``exclude_frozen_parameters`` walks ``named_parameters()``, which names a tied
@@ -183,7 +184,7 @@ class DeepSpeedEngine(Engine):
 
             std = float(getattr(model.config, "initializer_range", 0.02))
             return lambda name, param: initial_value(name, param.ds_shape, t.seed, std)
-        fp32 = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+        fp32 = {name: p.detach().float().clone() for name, p in model.named_parameters() if p.requires_grad}
         return lambda name, param: fp32[name]
 
     @property
