@@ -18,6 +18,7 @@ import fnmatch
 import hashlib
 import json
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,19 @@ def apply(model: nn.Module, cfg: Any) -> nn.Module:
 
 def _check_targets(model: nn.Module, p: Any) -> None:
     linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    tied = set()
+    if getattr(model.config, "tie_word_embeddings", False):
+        output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        tied = {name for name, module in model.named_modules() if module is output or module is embedding}
+    named = set(p.modules_to_save) | (set() if p.target_modules == "all-linear" else
+                                      {n for n in linear if any(n == t or n.endswith(f".{t}") for t in p.target_modules)})
+    if named & tied:
+        # Training one side of a tied pair changes the other (in place), but a PEFT adapter
+        # carries only the named module: adapter, merged model and base would disagree.
+        raise ConfigError(f"peft.target_modules / peft.modules_to_save name {sorted(named & tied)}, which share one "
+                          f"weight with {sorted(tied - (named & tied))} (tie_word_embeddings=true); an adapter cannot "
+                          "carry one side of a tied pair: leave them out, or untie the model "
+                          "(model.architecture.tie_word_embeddings=false) for full fine-tuning of the head")
     if p.target_modules != "all-linear":
         for target in p.target_modules:
             if not any(name == target or name.endswith(f".{target}") for name in linear):
@@ -183,7 +197,7 @@ def _file_digest(path: Path) -> str:
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     cached.parent.mkdir(parents=True, exist_ok=True)
-    pending = cached.with_name(f"{key}.tmp")
+    pending = cached.with_name(f"{key}.{os.getpid()}.tmp")  # every rank may hash at once
     pending.write_text(digest)
     pending.replace(cached)
     return digest

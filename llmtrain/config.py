@@ -398,8 +398,8 @@ def schema_default(dotted_key: str) -> Any:
     sentinel when the key has no default of its own (inside a free-form mapping or a list)."""
     node: Any = OmegaConf.structured(Config)
     for part in dotted_key.split("."):
-        if not OmegaConf.is_dict(node) or part not in node or OmegaConf.get_type(node) is dict:
-            return _NO_DEFAULT
+        if not OmegaConf.is_dict(node) or node._is_none() or part not in node or OmegaConf.get_type(node) is dict:
+            return _NO_DEFAULT  # free-form, or an optional group left out (peft: None)
         node = node._get_node(part)
         if OmegaConf.is_config(node):
             continue

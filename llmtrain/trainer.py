@@ -343,13 +343,23 @@ def train(cfg: Any) -> dict[str, Any]:
     progress.close()
     if t.export_hf and "preempted_at" not in summary:
         end_tokens = data.end_token_ids(cfg.data, tokenizer)
-        if cfg.get("peft") is not None:
+        if adapters.is_partial(cfg):
             state_dict = engine.full_state_dict()  # collective
             if env.is_main:
-                summary.update(adapters.export(state_dict, cfg, tokenizer, run_dir / "adapter",
-                                               run_dir / "hf" if t.export_merged else None, end_tokens))
-                log.info("exported the PEFT adapter to %s%s", summary["adapter"],
-                         f" and the merged model to {summary['export']}" if "export" in summary else "")
+                if cfg.recipe.engine == "deepspeed" and t.precision == "bf16":
+                    # DeepSpeed holds frozen parameters in bf16 only (no fp32 master): export the
+                    # trained tensors on the fp32 base rebuilt from its source, as users load it.
+                    trainable = {n for n, p in engine.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+                    state_dict = adapters.whole_state({k: v for k, v in state_dict.items() if k in trainable}, cfg)
+                if cfg.get("peft") is not None:
+                    summary.update(adapters.export(state_dict, cfg, tokenizer, run_dir / "adapter",
+                                                   run_dir / "hf" if t.export_merged else None, end_tokens))
+                    log.info("exported the PEFT adapter to %s%s", summary["adapter"],
+                             f" and the merged model to {summary['export']}" if "export" in summary else "")
+                else:
+                    summary["export"] = str(checkpoint.save_hf_folder(state_dict, cfg.model, tokenizer, run_dir / "hf",
+                                                                      end_tokens))
+                    log.info("exported Hugging Face model to %s", summary["export"])
         else:
             exported = checkpoint.export_hf(engine, cfg.model, tokenizer, run_dir / "hf", end_token_ids=end_tokens)
             if exported is not None:

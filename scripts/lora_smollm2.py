@@ -26,7 +26,12 @@ def main() -> int:
     parser.add_argument("--recipes", default="zero2,zero3,fsdp")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default="/tmp/llmtrain-lora-smollm2")
+    parser.add_argument("--compare-only", action="store_true", help="only compare the exports of earlier runs")
     args = parser.parse_args()
+    if args.compare_only:
+        for recipe in args.recipes.split(","):
+            print(recipe, json.dumps(compare(Path(args.out) / recipe), indent=1))
+        return 0
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), WANDB_SILENT="true")
     repo = Path(__file__).resolve().parent.parent
     for recipe in args.recipes.split(","):
@@ -68,9 +73,13 @@ def compare(run_dir: Path) -> dict:
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
     ids = tok(text, return_tensors="pt").input_ids
     with torch.no_grad():
-        diff = float((adapted(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max())
+        want = adapted(input_ids=ids).logits
+        diff = float((want - merged(input_ids=ids).logits).abs().max())
         answer = merged.generate(ids, max_new_tokens=60, do_sample=False)
-    return {"max |logits adapter - merged|": diff, "prompt": PROMPT,
+        # The same comparison in float64: separates "same function" from fp32 evaluation order.
+        diff64 = float((adapted.double()(input_ids=ids).logits - merged.double()(input_ids=ids).logits).abs().max())
+    return {"max |logits adapter - merged| fp32": diff, "max |logits| fp32": float(want.abs().max()),
+            "max |logits adapter - merged| fp64": diff64, "prompt": PROMPT,
             "answer": tok.decode(answer[0, ids.shape[1]:], skip_special_tokens=True)}
 
 

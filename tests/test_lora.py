@@ -24,7 +24,9 @@ def runs(tmp_path_factory):
     one = run_scenarios({"single": LORA + ["+recipe=ddp"],
                          "freeze": FAST + ["trainer.max_steps=2", "model.freeze=[model.embed_tokens.*]"]},
                         1, tmp_path_factory.mktemp("lora-1"))
-    two = run_scenarios({name: LORA + overrides for name, overrides in RECIPES.items()}, 2,
+    # bf16 on DeepSpeed holds the frozen base in bf16 only: its exports must still be fp32-exact.
+    two = run_scenarios({**{name: LORA + overrides for name, overrides in RECIPES.items()},
+                         "zero2_bf16": LORA + ["+recipe=zero2", "trainer.precision=bf16"]}, 2,
                         tmp_path_factory.mktemp("lora-2"))
     return {**one, **two}
 
@@ -48,7 +50,7 @@ def _logits(model) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
-@pytest.mark.parametrize("recipe", ["single", "zero3", "fsdp"])
+@pytest.mark.parametrize("recipe", ["single", "zero3", "fsdp", "zero2_bf16"])
 def test_adapter_and_merged_exports_load_and_agree(recipe, runs):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -58,6 +60,10 @@ def test_adapter_and_merged_exports_load_and_agree(recipe, runs):
     base_dir = run_dir / "adapter" / "base"  # built from a config: the frozen base ships with the adapter
     assert adapter_config["r"] == 4 and adapter_config["base_model_name_or_path"] == str(base_dir)
     base = AutoModelForCausalLM.from_pretrained(base_dir)
+    from llmtrain.models import initial_value
+
+    for name, tensor in base.named_parameters():  # the frozen base as built, fp32-exact (bf16 too)
+        assert torch.equal(tensor, initial_value(name, tensor.shape, 1234, 0.02)), name
     untouched = _logits(base)
     adapted = PeftModel.from_pretrained(base, run_dir / "adapter")
     merged = AutoModelForCausalLM.from_pretrained(run_dir / "hf")
@@ -126,6 +132,10 @@ def test_a_lora_checkpoint_resumes_only_with_lora_and_the_same_base(runs, tmp_pa
     assert proc.returncode == 2 and f"trained on base weights {saved}, but model tiny_llama" in proc.stderr, \
         proc.stderr[-2000:]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_4", "step_6"]  # nothing written
+    # A full fine-tuning checkpoint resumed with +peft=lora (it raised a TypeError before).
+    shutil.copytree(runs["freeze"], tmp_path / "full")
+    proc = run_cli(FAST + ["trainer.max_steps=3", "+peft=lora", f"run_dir={tmp_path / 'full'}"])
+    assert proc.returncode == 2 and "peft" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("overrides,needle", [
@@ -150,6 +160,9 @@ def test_bad_peft_settings_are_refused_naming_the_field(overrides, needle):
                                          "its Linear modules end in down_proj, gate_proj, k_proj"),
     (["peft.modules_to_save=[head]"], "peft.modules_to_save: 'head' is not a module of this model; top-level "
                                       "modules are model, lm_head"),
+    # tiny_llama ties lm_head to the input embedding: an adapter cannot carry one side of the pair.
+    (["peft.modules_to_save=[lm_head]"], "name ['lm_head'], which share one weight with ['model.embed_tokens']"),
+    (["peft.target_modules=[lm_head]"], "name ['lm_head'], which share one weight with ['model.embed_tokens']"),
 ])
 def test_names_that_match_nothing_list_the_models_own(overrides, needle):
     # Raised while the model is built, before the run directory exists (trainer order).
