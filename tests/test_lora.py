@@ -12,6 +12,9 @@ import torch
 
 from conftest import FAST, REPO, assert_ok, make_cfg, read_metrics, run_cli, run_scenarios, subprocess_env
 
+# peft reads transformers' deprecated gradient-checkpointing flag when it loads an adapter.
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
 # Dropout 0: the equivalence below compares runs whose ranks draw different dropout streams.
 LORA = FAST + ["+peft=lora", "peft.r=4", "peft.alpha=8", "trainer.max_steps=6", "trainer.save_every=4",
                "trainer.global_batch_size=16", "trainer.micro_batch_size=4", "trainer.warmup_steps=2",

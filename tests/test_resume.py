@@ -233,8 +233,14 @@ def test_explicit_missing_checkpoint_fails_and_writes_nothing(resume, needle, tm
     assert not run_dir.exists()
 
 
-def test_resume_never_refuses_to_clobber_checkpoints(tmp_path):
-    assert_ok(run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.max_steps=2"]))
+def _copy_of_finished_run(reference, tmp_path) -> Path:
+    """A finished single-process run (the reference's, copied): checkpoints of steps 4, 6, 8."""
+    shutil.copytree(reference.run_dir(1, "ddp"), tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+def test_resume_never_refuses_to_clobber_checkpoints(reference, tmp_path):
+    _copy_of_finished_run(reference, tmp_path)
     before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     proc = run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.resume=never"])
     assert proc.returncode != 0 and "trainer.resume=never" in proc.stderr
@@ -246,8 +252,8 @@ def test_keep_k_newest_complete_checkpoints(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_7", "step_8"]
 
 
-def test_resume_with_another_global_batch_is_refused_before_writing(tmp_path):
-    assert_ok(run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.max_steps=2"]))
+def test_resume_with_another_global_batch_is_refused_before_writing(reference, tmp_path):
+    _copy_of_finished_run(reference, tmp_path)
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
     proc = run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.global_batch_size=24"])
     assert proc.returncode != 0
