@@ -78,7 +78,9 @@ def apply(model: nn.Module, cfg: Any) -> nn.Module:
         for name in p.modules_to_save:
             for param in modules[name].parameters():
                 param.requires_grad_(True)
-        _init_lora(model, cfg.trainer.seed)
+        from llmtrain.models import init_weights
+
+        init_weights(model, cfg.trainer.seed, only=lambda name: ".lora_A." in name or ".lora_B." in name)
     patterns = list(cfg.model.get("freeze") or [])
     if patterns:
         names = [n for n, _ in model.named_parameters()]
@@ -94,6 +96,11 @@ def apply(model: nn.Module, cfg: Any) -> nn.Module:
     return model
 
 
+def _is_target(module_name: str, target: str) -> bool:
+    """peft's rule for a ``target_modules`` entry: the module's full name or its last part(s)."""
+    return module_name == target or module_name.endswith(f".{target}")
+
+
 def _check_targets(model: nn.Module, p: Any) -> None:
     linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     tied = set()
@@ -101,7 +108,7 @@ def _check_targets(model: nn.Module, p: Any) -> None:
         output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         tied = {name for name, module in model.named_modules() if module is output or module is embedding}
     named = set(p.modules_to_save) | (set() if p.target_modules == "all-linear" else
-                                      {n for n in linear if any(n == t or n.endswith(f".{t}") for t in p.target_modules)})
+                                      {n for n in linear if any(_is_target(n, t) for t in p.target_modules)})
     if named & tied:
         # Training one side of a tied pair changes the other (in place), but a PEFT adapter
         # carries only the named module: adapter, merged model and base would disagree.
@@ -111,7 +118,7 @@ def _check_targets(model: nn.Module, p: Any) -> None:
                           "(model.architecture.tie_word_embeddings=false) for full fine-tuning of the head")
     if p.target_modules != "all-linear":
         for target in p.target_modules:
-            if not any(name == target or name.endswith(f".{target}") for name in linear):
+            if not any(_is_target(name, target) for name in linear):
                 suffixes = sorted({name.rsplit(".", 1)[-1] for name in linear})
                 raise ConfigError(f"peft.target_modules: {target!r} matches no Linear module of this model; its "
                                   f"Linear modules end in {', '.join(suffixes[:8])}")
@@ -121,16 +128,6 @@ def _check_targets(model: nn.Module, p: Any) -> None:
             top = [n for n in names if n and "." not in n]
             raise ConfigError(f"peft.modules_to_save: {name!r} is not a module of this model; top-level modules "
                               f"are {', '.join(top)}")
-
-
-@torch.no_grad()
-def _init_lora(model: nn.Module, seed: int) -> None:
-    from llmtrain.models import _gathered, initial_value
-
-    for name, param in model.named_parameters():
-        if (".lora_A." in name or ".lora_B." in name) and not param.is_meta:
-            with _gathered([param]):
-                param.copy_(initial_value(name, getattr(param, "ds_shape", param.shape), seed, 0.0).to(param.dtype))
 
 
 def summary(model: nn.Module) -> tuple[int, int]:
@@ -215,27 +212,23 @@ def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     return base, adapter
 
 
-def save_adapter(state: dict[str, torch.Tensor], cfg: Any, fresh: nn.Module, adapter_dir: Path | None,
-                 base_reference: str) -> nn.Module:
+def save_adapter(state: dict[str, torch.Tensor], cfg: Any, adapter_dir: Path | None, base_reference: str) -> nn.Module:
     """Write the PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) from
-    the trained ``state`` (in-place names, fp32, whole) into ``adapter_dir``, and return the
-    merged plain model (LoRA folded into the base weights by ``merge_and_unload``).
+    the trained ``state`` (in-place names, fp32, whole) into ``adapter_dir`` (None: write nothing),
+    and return the merged plain model (LoRA folded into the base weights by ``merge_and_unload``).
 
-    ``fresh``: a model built from the config, holding nothing yet. ``base_reference``: recorded as
-    the adapter's ``base_model_name_or_path`` (the folder or id to load the base from).
+    ``base_reference``: recorded as the adapter's ``base_model_name_or_path`` (the folder or id to
+    load the base from).
 
     Raises:
         RuntimeError: the state does not fit the model (names listed).
     """
     import peft
 
+    from llmtrain.checkpoint import model_from_state
+
     base, adapter = split_state(state)
-    loaded = fresh.load_state_dict(base, strict=False)
-    missing = [k for k in loaded.missing_keys if not k.endswith("lm_head.weight")]  # a tied head is re-tied
-    if missing or loaded.unexpected_keys:
-        raise RuntimeError(f"adapter export: base state does not fit the model: missing {missing[:5]}, "
-                           f"unexpected {loaded.unexpected_keys[:5]}")
-    fresh.tie_weights()
+    fresh = model_from_state(base, cfg.model)
     config = lora_config(cfg.peft)
     config.modules_to_save = list(cfg.peft.modules_to_save) or None
     config.base_model_name_or_path = fresh.name_or_path = base_reference
@@ -280,21 +273,14 @@ def export(state: dict[str, torch.Tensor], cfg: Any, tokenizer: Any, adapter_dir
     exists nowhere else) its frozen base as a Hugging Face folder in ``adapter_dir/base``, which
     the adapter names as its base; and the merged model in ``merged_dir``. Either folder may be
     None. Returns the folders written: ``{"adapter", "base", "export"}``."""
-    from transformers import AutoModelForCausalLM
-
     from llmtrain.checkpoint import _follow_umask, save_hf_folder
-    from llmtrain.models import model_config
 
-    config = model_config(cfg.model)
-    if hasattr(config, "quantization_config"):  # GGUF metadata: the export is plain fp32
-        delattr(config, "quantization_config")
     written: dict[str, str] = {}
     base_dir = adapter_dir / "base" if adapter_dir is not None and cfg.model.source == "config" else None
     if base_dir is not None:
         save_hf_folder(split_state(state)[0], cfg.model, tokenizer, base_dir, end_token_ids)
         written["base"] = str(base_dir)
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    merged = save_adapter(state, cfg, fresh, adapter_dir, base_reference(cfg, base_dir))
+    merged = save_adapter(state, cfg, adapter_dir, base_reference(cfg, base_dir))
     if adapter_dir is not None:
         tokenizer.save_pretrained(adapter_dir)
         _follow_umask(adapter_dir)

@@ -423,22 +423,58 @@ def layout_changes(checkpoint_dir: Path, current: dict) -> list[str]:
     return _differences(old, new, lambda key: _under(key, LAYOUT_KEYS))
 
 
-def export_hf(engine, model_cfg: Any, tokenizer: Any, out_dir: Path,
-              end_token_ids: list[int] | None = None) -> Path | None:
-    """Write a ``from_pretrained``-loadable folder (safetensors) from the engine's weights.
+def export_hf(engine, cfg: Any, tokenizer: Any, run_dir: Path, end_token_ids: list[int] | None = None) -> dict[str, str]:
+    """The run's exports from the engine's weights: ``run_dir/hf``, a ``from_pretrained``-loadable
+    folder (safetensors); for a LoRA run ``run_dir/adapter`` (:func:`llmtrain.adapters.export`)
+    and, with ``trainer.export_merged``, the merged model in ``run_dir/hf``.
 
     ZeRO-3 partitions are gathered into one state dict on rank 0. The weights are copied into a
     fresh model built from the config, which also re-ties input and output embeddings (and works
-    for GGUF-loaded models, whose ``save_pretrained`` refuses). Collective call; returns the folder
-    on rank 0 and None elsewhere.
+    for GGUF-loaded models, whose ``save_pretrained`` refuses). Collective call; returns the
+    folders written (``{"export": ..., "adapter": ..., "base": ...}``) on rank 0, {} elsewhere.
 
     Raises:
         RuntimeError: the engine's state dict does not fit the model built from the config.
     """
+    from llmtrain import adapters
+
     state = engine.full_state_dict()
     if not engine.env.is_main:
-        return None
-    return save_hf_folder(state, model_cfg, tokenizer, out_dir, end_token_ids)
+        return {}
+    if adapters.is_partial(cfg) and cfg.recipe.engine == "deepspeed" and cfg.trainer.precision == "bf16":
+        # DeepSpeed holds frozen parameters in bf16 only (no fp32 master): export the trained
+        # tensors on the fp32 base rebuilt from its source, as users load it.
+        trainable = {n for n, p in engine.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        state = adapters.whole_state({k: v for k, v in state.items() if k in trainable}, cfg)
+    if cfg.get("peft") is not None:
+        return adapters.export(state, cfg, tokenizer, run_dir / "adapter",
+                               run_dir / "hf" if cfg.trainer.export_merged else None, end_token_ids)
+    return {"export": str(save_hf_folder(state, cfg.model, tokenizer, run_dir / "hf", end_token_ids))}
+
+
+def model_from_state(state: dict[str, torch.Tensor], model_cfg: Any) -> torch.nn.Module:
+    """A plain fp32 model built from the config holding ``state`` (a whole state dict; a tied
+    output embedding may be absent from it: it is filled by re-tying). GGUF quantization metadata
+    is dropped from the config: the weights are plain fp32.
+
+    Raises:
+        RuntimeError: the state does not fit the model (names listed).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(model_cfg)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    result = fresh.load_state_dict(state, strict=False)
+    fresh.tie_weights()
+    loaded = {fresh.get_parameter(k).data_ptr() for k in state if k in dict(fresh.named_parameters())}
+    missing = [k for k in result.missing_keys
+               if k in dict(fresh.named_parameters(remove_duplicate=False)) and fresh.get_parameter(k).data_ptr() not in loaded]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"export: state dict does not match {config.model_type}: missing "
+                           f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+    return fresh
 
 
 def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: Any, out_dir: Path,
@@ -448,21 +484,7 @@ def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: An
     ``end_token_ids``: every token training taught as the end of a response (the chat
     template's end-of-turn token and EOS, :func:`llmtrain.data.end_token_ids`); written as
     ``generation_config.json``'s ``eos_token_id`` so ``generate()`` stops on any of them."""
-    from transformers import AutoModelForCausalLM
-
-    config = model_config(model_cfg)
-    if hasattr(config, "quantization_config"):  # GGUF metadata: the export is plain fp32
-        delattr(config, "quantization_config")
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    result = fresh.load_state_dict(state, strict=False)
-    fresh.tie_weights()
-    # A tied output embedding may be absent from a consolidated state dict: it is filled by tying.
-    loaded = {fresh.get_parameter(k).data_ptr() for k in state if k in dict(fresh.named_parameters())}
-    missing = [k for k in result.missing_keys
-               if k in dict(fresh.named_parameters(remove_duplicate=False)) and fresh.get_parameter(k).data_ptr() not in loaded]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(f"export: state dict does not match {config.model_type}: missing "
-                           f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+    fresh = model_from_state(state, model_cfg)
     if end_token_ids:
         fresh.generation_config.eos_token_id = end_token_ids if len(end_token_ids) > 1 else end_token_ids[0]
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -136,6 +136,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def derived_seed(*parts: object) -> int:
+    """A 63-bit seed derived from ``parts`` (e.g. the run's seed and a rank's coordinates):
+    SHA-256 of their ``/``-joined text, so distinct coordinates get unrelated streams."""
+    import hashlib
+
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") % 2**63
+
+
 def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

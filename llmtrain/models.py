@@ -11,7 +11,7 @@ import importlib.util
 import math
 import zlib
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from omegaconf import OmegaConf
@@ -184,8 +184,9 @@ def _gathered(params: Iterable[torch.nn.Parameter]):
 
 
 @torch.no_grad()
-def init_weights(model: torch.nn.Module, seed: int) -> None:
-    """Initialise every parameter from a generator seeded by (seed, parameter name).
+def init_weights(model: torch.nn.Module, seed: int, only: Callable[[str], bool] | None = None) -> None:
+    """Initialise every parameter (or those whose name ``only`` accepts) from a generator seeded
+    by (seed, parameter name).
 
     Matrices and embeddings ~ N(0, initializer_range) as in GPT-2/Llama; 1-D weights of norms are
     ones and biases zeros. Because each tensor has its own generator, the result is the same on
@@ -193,6 +194,8 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
     """
     std = float(getattr(model.config, "initializer_range", 0.02))
     for name, param in model.named_parameters():
+        if only is not None and not only(name):
+            continue
         if param.is_meta:
             continue  # built on the meta device: the engine initialises its shards later
         with _gathered([param]):
@@ -206,18 +209,17 @@ def initial_value(name: str, shape: torch.Size, seed: int, std: float) -> torch.
     Kaiming-uniform with ``a=sqrt(5)``, i.e. U(-1/sqrt(in), 1/sqrt(in)) (Hu et al. 2021, section
     4.1: ``B A = 0`` at the start). A base weight wrapped by peft (``q_proj.base_layer.weight``)
     starts as the plain model's ``q_proj.weight``."""
-    name = name.replace(".base_layer.", ".")
-    if ".lora_B." in name:
-        return torch.zeros(shape)
-    if ".lora_A." in name:
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        bound = 1.0 / math.sqrt(shape[1])
-        return (torch.rand(shape, generator=gen) * 2 - 1) * bound
-    if name.endswith("bias"):
+    from llmtrain.adapters import canonical_name
+
+    name = canonical_name(name)
+    if ".lora_B." in name or name.endswith("bias"):
         return torch.zeros(shape)
     if len(shape) == 1:
         return torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if ".lora_A." in name:
+        bound = 1.0 / math.sqrt(shape[1])
+        return (torch.rand(shape, generator=gen) * 2 - 1) * bound
     return torch.randn(shape, generator=gen) * std
 
 

@@ -120,32 +120,22 @@ def apply_tp_rng(attention: list[nn.Module], tp_rank: int) -> None:
     activation checkpointing (which restores the RNG state at the layer's start) recomputes the
     same masks.
     """
-    import hashlib
+    from llmtrain.distributed import derived_seed
 
     def enter(module, args, kwargs):
         seed = int(torch.randint(0, 2**62, (1,)))
-        module._llmtrain_rng = _rng_state()
-        digest = hashlib.sha256(f"{seed}/tp{tp_rank}".encode()).digest()
-        torch.manual_seed(int.from_bytes(digest[:8], "little") % 2**63)
+        on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+        fork = torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_gpu else [])
+        fork.__enter__()  # saves the shared stream; leave() restores it
+        module._llmtrain_rng_fork = fork
+        torch.manual_seed(derived_seed(seed, f"tp{tp_rank}"))
 
     def leave(module, args, kwargs, output):
-        _set_rng_state(module.__dict__.pop("_llmtrain_rng"))
+        module.__dict__.pop("_llmtrain_rng_fork").__exit__(None, None, None)
 
     for block in attention:
         block.register_forward_pre_hook(enter, with_kwargs=True)
         block.register_forward_hook(leave, with_kwargs=True, always_call=True)
-
-
-def _rng_state() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
 
 
 def apply_activation_checkpointing(layers: list[nn.Module]) -> None:

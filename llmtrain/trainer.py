@@ -81,10 +81,7 @@ def seed_streams(seed: int, dp_rank: int, pp_rank: int, start_step: int) -> int:
     if (dp_rank, pp_rank, start_step) == (0, 0, 0):
         stream = seed
     else:
-        import hashlib
-
-        digest = hashlib.sha256(f"{seed}/dp{dp_rank}/pp{pp_rank}/step{start_step}".encode()).digest()
-        stream = int.from_bytes(digest[:8], "little") % 2**63
+        stream = distributed.derived_seed(seed, f"dp{dp_rank}", f"pp{pp_rank}", f"step{start_step}")
     seed_everything(stream)
     return stream
 
@@ -207,7 +204,8 @@ def train(cfg: Any) -> dict[str, Any]:
     splits = data.load_splits(cfg.data, tokenizer, t.seed)
     checkpoints = checkpoint.CheckpointManager(run_dir, env, t.keep_checkpoints)
     resume_from = checkpoints.resolve(t.resume)
-    fingerprint = adapters.base_fingerprint(cfg.model, t.seed) if adapters.is_partial(cfg) else None
+    partial = adapters.is_partial(cfg)  # LoRA or model.freeze: some parameters stay frozen
+    fingerprint = adapters.base_fingerprint(cfg.model, t.seed) if partial else None
     if resume_from is not None:
         _check_resumable(resume_from, cfg, checkpoints, env.is_main, fingerprint)
     dims.check_model(hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
@@ -215,7 +213,7 @@ def train(cfg: Any) -> dict[str, Any]:
     engine = build_engine(cfg, env, accumulation, dims)
     with engine.model_init_context():
         model = build_model(cfg.model, t.seed)
-        if adapters.is_partial(cfg):
+        if partial:
             adapters.apply(model, cfg)  # LoRA layers in place; frozen parameters marked
     if resume_from is not None:
         checkpoints.prepare(engine, resume_from)
@@ -249,7 +247,7 @@ def train(cfg: Any) -> dict[str, Any]:
                  t.global_batch_size, t.micro_batch_size, accumulation, dims.dp)
 
         log.info("%s", data.describe(splits))
-    if adapters.is_partial(cfg):
+    if partial:
         _log_trainable(engine, cfg, dims, env.is_main)
     loader, sampler = data.train_loader(splits, tokenizer, cfg.data, t.seed, t.micro_batch_size, accumulation,
                                         engine.dp_rank, dims.dp, start_step=start_step, max_steps=t.max_steps)
@@ -342,29 +340,10 @@ def train(cfg: Any) -> dict[str, Any]:
     preemption.restore()
     progress.close()
     if t.export_hf and "preempted_at" not in summary:
-        end_tokens = data.end_token_ids(cfg.data, tokenizer)
-        if adapters.is_partial(cfg):
-            state_dict = engine.full_state_dict()  # collective
-            if env.is_main:
-                if cfg.recipe.engine == "deepspeed" and t.precision == "bf16":
-                    # DeepSpeed holds frozen parameters in bf16 only (no fp32 master): export the
-                    # trained tensors on the fp32 base rebuilt from its source, as users load it.
-                    trainable = {n for n, p in engine.model.named_parameters(remove_duplicate=False) if p.requires_grad}
-                    state_dict = adapters.whole_state({k: v for k, v in state_dict.items() if k in trainable}, cfg)
-                if cfg.get("peft") is not None:
-                    summary.update(adapters.export(state_dict, cfg, tokenizer, run_dir / "adapter",
-                                                   run_dir / "hf" if t.export_merged else None, end_tokens))
-                    log.info("exported the PEFT adapter to %s%s", summary["adapter"],
-                             f" and the merged model to {summary['export']}" if "export" in summary else "")
-                else:
-                    summary["export"] = str(checkpoint.save_hf_folder(state_dict, cfg.model, tokenizer, run_dir / "hf",
-                                                                      end_tokens))
-                    log.info("exported Hugging Face model to %s", summary["export"])
-        else:
-            exported = checkpoint.export_hf(engine, cfg.model, tokenizer, run_dir / "hf", end_token_ids=end_tokens)
-            if exported is not None:
-                summary["export"] = str(exported)
-                log.info("exported Hugging Face model to %s", exported)
+        written = checkpoint.export_hf(engine, cfg, tokenizer, run_dir, data.end_token_ids(cfg.data, tokenizer))
+        summary.update(written)
+        if written:
+            log.info("exported %s", "; ".join(f"{kind} to {path}" for kind, path in written.items()))
     # Teardown in dependency order: the tracker (rank 0's files and threads), the engine's
     # threads and buffers, and then (by the caller, after every rank is here) the process group.
     tracker.finish()

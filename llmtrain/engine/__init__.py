@@ -92,6 +92,12 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [group for group in groups if group["params"]]
 
 
+def clip_gradients(params, grad_clip: float) -> float:
+    """Clip the gradients of ``params`` to global L2 norm ``grad_clip`` (0 = measure only) with
+    ``torch.nn.utils.clip_grad_norm_``; returns the norm before clipping."""
+    return float(torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")))
+
+
 def first_step_count(optimizer: torch.optim.Optimizer) -> int:
     """Updates an Adam-style optimizer has applied: the ``step`` of its parameter states (0
     before the first, as torch creates state lazily)."""

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 import llmtrain.distributed  # noqa: F401  (sets DS_ACCELERATOR=cpu without CUDA before deepspeed loads)
-from llmtrain.engine import Engine, apply_schedule, first_step_count, lr_lambda, model_inputs, param_groups
+from llmtrain.engine import (Engine, apply_schedule, clip_gradients, first_step_count, lr_lambda, model_inputs,
+                             param_groups)
 
 
 def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict:
@@ -197,11 +198,10 @@ class DeepSpeedEngine(Engine):
     def backward(self, loss: torch.Tensor) -> None:
         self.ds.backward(loss * self.env.world_size, scale_wrt_gas=False)
         if self.cfg.recipe.zero_stage == 0 and self.ds.is_gradient_accumulation_boundary():
-            # Gradients are all-reduced and whole on every rank: the global norm, clipped as
-            # torch.nn.utils.clip_grad_norm_ does (grad_clip 0 = measure only).
+            # Gradients are all-reduced and whole on every rank: the global norm, clipped as the
+            # torch engine clips.
             params = [p for p in self.ds.module.parameters() if p.grad is not None]
-            clip = self.cfg.trainer.grad_clip
-            self._zero0_norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
+            self._zero0_norm = clip_gradients(params, self.cfg.trainer.grad_clip)
         # DeepSpeed counts micro-batches itself and applies the optimizer on the last one.
         self.ds.step()
 
@@ -265,7 +265,10 @@ class DeepSpeedEngine(Engine):
             state = self.ds.module.state_dict()
         masters, by_param = {}, {}
         # Every alias of a tied weight (lm_head.weight and the embedding) gets the master value.
-        for name, param in self.ds.module.named_parameters(remove_duplicate=False):
+        # In fp32 the working weights are the master values: nothing to gather twice.
+        bf16 = self.cfg.trainer.precision == "bf16"
+        aliases = self.ds.module.named_parameters(remove_duplicate=False) if bf16 else []
+        for name, param in aliases:
             if id(param) not in by_param:
                 master = safe_get_full_fp32_param(param)  # collective under ZeRO-3
                 by_param[id(param)] = None if master is None else master.detach().float().cpu()

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.engine import (Engine, advance_schedule_only, apply_schedule, dcp_state, lr_lambda, model_inputs,
-                             param_groups)
+from llmtrain.engine import (Engine, advance_schedule_only, apply_schedule, clip_gradients, dcp_state, lr_lambda,
+                             model_inputs, param_groups)
 
 LEGACY_STATE = "state.pt"  # torch-engine checkpoints before DCP: {"model", "optimizer", "scheduler"}
 
@@ -50,8 +50,7 @@ class TorchEngine(Engine):
         (loss * self.env.world_size).backward()
 
     def step(self, keep_update=None) -> float:
-        clip = self.cfg.trainer.grad_clip
-        norm = float(torch.nn.utils.clip_grad_norm_(self._model.parameters(), clip if clip > 0 else float("inf")))
+        norm = clip_gradients(self._model.parameters(), self.cfg.trainer.grad_clip)
         if keep_update is None or keep_update(norm):
             self.optimizer.step()
             self.scheduler.step()
