@@ -8,11 +8,14 @@ Layout of ``RUN_DIR/checkpoints/step_<N>/``::
     trainer_state.json  step, consumed samples and tokens (global, rank-count independent),
                         tracker run id, world size, global batch
     config.yaml         the resolved config
-    COMPLETE.json       the completion marker: every other file with its size and SHA-256
+    COMPLETE.json       the completion marker: every other file with its size and checksum
 
 Protocol (crash-consistent): every rank writes into ``checkpoints/.tmp-step_<N>/``; after a
-barrier, rank 0 hashes the files, writes ``COMPLETE.json`` last, fsyncs and renames the folder
-to ``step_<N>``. Only a folder named ``step_<N>`` whose marker verifies counts as a checkpoint:
+barrier, the ranks fsync and checksum the files, each a share of them in parallel; rank 0 merges
+the lists, writes ``COMPLETE.json`` last, fsyncs and renames the folder to ``step_<N>``.
+Checksums are XXH3-128 (``trainer.checkpoint_hash=xxh3``, the default: detects corruption and
+truncation at memory speed) or SHA-256 (``sha256``: cryptographic, about 10x slower); a marker
+may carry either, so checkpoints of older versions verify. Only a folder named ``step_<N>`` whose marker verifies counts as a checkpoint:
 a crash at any moment leaves the previous checkpoint as the newest valid one. There are no
 "latest" pointers. The newest ``keep`` complete checkpoints are kept; the only complete one is
 never deleted.
@@ -75,9 +78,35 @@ class TrainState:
     base_fingerprint: str | None = None
 
 
-def _sha256(path: Path) -> str:
+HASHES = ("xxh3", "sha256")
+_HASH_KEYS = {"xxh3": "xxh3_128", "sha256": "sha256"}  # the marker's key per file
+
+
+def _checksum(path: Path, kind: str) -> str:
+    """Hex checksum of the file at ``path``: ``xxh3`` (XXH3-128, the xxhash library) or ``sha256``."""
+    if kind == "sha256":
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    import xxhash
+
+    digest = xxhash.xxh3_128()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _share(files: list[Path], rank: int, world_size: int) -> list[Path]:
+    """The files rank ``rank`` checksums: largest first, each to the least loaded rank (by
+    bytes), so the ranks finish together. Every rank computes the same split from the listing."""
+    load = [0] * world_size
+    mine = []
+    for path in sorted(files, key=lambda p: (-p.stat().st_size, str(p))):
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner] += path.stat().st_size
+        if owner == rank:
+            mine.append(path)
+    return mine
 
 
 def _fsync_dir(path: Path) -> None:
@@ -110,30 +139,55 @@ def restore_rng(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def verify(directory: Path) -> str | None:
-    """Why ``directory`` is not a complete checkpoint, or None when its marker verifies:
-    marker present and parseable, and every listed file present with its size and SHA-256."""
+def _read_marker(directory: Path) -> tuple[dict | None, str | None]:
+    """(the marker's file list, None) or (None, why it does not describe a checkpoint)."""
     marker = directory / MARKER
     if not marker.is_file():
-        return f"no completion marker {MARKER}"
+        return None, f"no completion marker {MARKER}"
     try:
         files = json.loads(marker.read_text())["files"]
         if not isinstance(files, dict):
             raise TypeError(f"'files' is a {type(files).__name__}, not a mapping")
     except (json.JSONDecodeError, KeyError, TypeError) as err:
-        return f"unreadable completion marker: {err}"
+        return None, f"unreadable completion marker: {err}"
     required = [STATE_FILE, "config.yaml"]
     if not any(rel.startswith(ENGINE_DIR + "/") for rel in files) or any(r not in files for r in required):
-        return f"completion marker lists no {ENGINE_DIR}/ files or lacks {', '.join(required)}"
+        return None, f"completion marker lists no {ENGINE_DIR}/ files or lacks {', '.join(required)}"
+    return files, None
+
+
+def verify(directory: Path, rank: int = 0, world_size: int = 1) -> str | None:
+    """Why ``directory`` is not a complete checkpoint, or None when its marker verifies: marker
+    present and parseable, every listed file present with its size, and (for this rank's share
+    of the files, see :func:`_share`; all of them with the defaults) its checksum."""
+    files, problem = _read_marker(directory)
+    if problem:
+        return problem
     for rel, meta in files.items():
         path = directory / rel
         if not path.is_file():
             return f"missing file {rel}"
         if path.stat().st_size != meta["bytes"]:
             return f"truncated file {rel}: {path.stat().st_size} bytes, marker says {meta['bytes']}"
-        if _sha256(path) != meta["sha256"]:
-            return f"checksum mismatch in {rel}"
+    for path in _share([directory / rel for rel in files], rank, world_size):
+        meta = files[path.relative_to(directory).as_posix()]
+        kind = next((k for k, key in _HASH_KEYS.items() if key in meta), None)
+        if kind is None:
+            return f"completion marker gives no checksum for {path.relative_to(directory)}"
+        if _checksum(path, kind) != meta[_HASH_KEYS[kind]]:
+            return f"checksum mismatch in {path.relative_to(directory).as_posix()}"
     return None
+
+
+def verify_collective(directory: Path, env: distributed.DistEnv) -> str | None:
+    """:func:`verify` with the checksums split over the ranks (each reads its share once);
+    every rank gets the same answer. Collective call."""
+    problem = verify(directory, env.rank, env.world_size)
+    if dist.is_available() and dist.is_initialized():
+        problems: list[Any] = [None] * env.world_size
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    return problem
 
 
 _RUN_LOCKS: list[Any] = []  # open lock files, held until the process exits
@@ -172,6 +226,7 @@ class CheckpointManager:
         self.root = Path(run_dir) / "checkpoints"
         self.env, self.keep = env, keep
         self._verified: set[Path] = set()  # checkpoints this process wrote or hashed and found whole
+        self._background: tuple | None = None  # (future, tmp folder, final folder, hash, step) in flight
 
     def step_dirs(self) -> list[tuple[int, Path]]:
         """Folders named ``step_<N>``, newest first (complete or not)."""
@@ -182,25 +237,43 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- resume
     def resolve(self, resume: str) -> Path | None:
-        """The checkpoint to resume from per ``trainer.resume`` (decided on rank 0, broadcast).
+        """The checkpoint to resume from per ``trainer.resume``: rank 0 lists the candidates,
+        every rank checksums its share of each (newest first) until one verifies. Collective.
 
         Raises:
             ResumeError: an explicit path or step that does not exist or does not verify; or
                 ``never`` with a run directory that already holds checkpoints.
         """
-        choice: list[Any] = [None, None]
+        plan: list[Any] = [None, None]  # candidates (newest first), or the error
         if self.env.is_main:
             try:
-                choice[0] = self._resolve_on_main(str(resume))
+                plan[0] = self._candidates(str(resume))
             except ResumeError as err:
-                choice[1] = str(err)
+                plan[1] = str(err)
         if dist.is_available() and dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0)
-        if choice[1] is not None:
-            raise ResumeError(choice[1])
-        return Path(choice[0]) if choice[0] else None
+            dist.broadcast_object_list(plan, src=0)
+        if plan[1] is not None:
+            raise ResumeError(plan[1])
+        explicit = str(resume) != "auto"
+        for candidate in plan[0]:
+            path = Path(candidate)
+            problem = verify_collective(path, self.env)
+            if problem is None:
+                self._verified.add(path)
+                if self.env.is_main:
+                    log.info("resume=%s: resuming from %s%s", resume, path,
+                             "" if explicit else " (newest complete checkpoint)")
+                return path
+            if explicit:
+                raise ResumeError(f"trainer.resume={resume}: checkpoint {path} is not usable: {problem}")
+            if self.env.is_main:
+                log.warning("resume=auto: SKIPPING checkpoint %s: %s; trying an older one", path, problem)
+        if self.env.is_main and not explicit and str(resume) != "never":
+            log.info("resume=auto: no complete checkpoint in %s; starting fresh from the configured weights", self.root)
+        return None
 
-    def _resolve_on_main(self, resume: str) -> str | None:
+    def _candidates(self, resume: str) -> list[str]:
+        """Rank 0: the folders ``resume`` may resume from, newest first (not yet verified)."""
         if self.root.parent.is_dir():
             lock_run_dir(self.root.parent)
         if resume == "never":
@@ -208,29 +281,16 @@ class CheckpointManager:
             if existing:
                 raise ResumeError(f"trainer.resume=never but {self.root} already holds {existing[0][1].name}; "
                                   "use a new run_dir, or trainer.resume=auto to continue it")
-            return None
+            return []
         if resume == "auto":
             for path in sorted(self.root.glob(".tmp-step_*")) if self.root.is_dir() else []:
                 log.warning("resume=auto: ignoring unfinished checkpoint %s (a save was interrupted)", path)
-            for step, path in self.step_dirs():
-                problem = verify(path)
-                if problem is None:
-                    self._verified.add(path)
-                    log.info("resume=auto: resuming from %s (newest complete checkpoint)", path)
-                    return str(path)
-                log.warning("resume=auto: SKIPPING checkpoint %s: %s; trying an older one", path, problem)
-            log.info("resume=auto: no complete checkpoint in %s; starting fresh from the configured weights", self.root)
-            return None
+            return [str(path) for _, path in self.step_dirs()]
         path = self.root / f"step_{resume}" if resume.isdigit() else Path(resume).expanduser()
-        what = f"step {resume}" if resume.isdigit() else f"path {resume}"
         if not path.is_dir():
+            what = f"step {resume}" if resume.isdigit() else f"path {resume}"
             raise ResumeError(f"trainer.resume={resume}: checkpoint {what} does not exist ({path})")
-        problem = verify(path)
-        if problem is not None:
-            raise ResumeError(f"trainer.resume={resume}: checkpoint {path} is not usable: {problem}")
-        self._verified.add(path)
-        log.info("resume=%s: resuming from %s", resume, path)
-        return str(path)
+        return [str(path)]
 
     @staticmethod
     def read_state(path: Path) -> TrainState:
@@ -283,33 +343,83 @@ class CheckpointManager:
         return state, rng
 
     # ---------------------------------------------------------------- save
-    def save(self, engine, state: TrainState, config_yaml: str) -> Path:
-        """Write checkpoint ``step_<state.step>`` by the protocol above. Collective call."""
+    def save(self, engine, state: TrainState, config_yaml: str, hash_kind: str = "xxh3",
+             background: bool = False) -> Path | None:
+        """Write checkpoint ``step_<state.step>`` by the protocol above; returns its folder.
+        Collective call.
+
+        ``background``: the engine copies its state to host memory and writes it in a thread;
+        the small files (RNG, loop state, config) are written now. Returns None: the checkpoint
+        is sealed later, by :meth:`seal_background` once every rank's write is done (a kill before
+        that leaves the previous checkpoint the newest). A save while one is in flight first
+        finishes that one."""
+        self.finish_background()
         final = self.root / f"step_{state.step}"
         tmp = self.root / f".tmp-step_{state.step}"
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an earlier interrupted save
             tmp.mkdir(parents=True)
         distributed.barrier()
-        engine.save_checkpoint(tmp / ENGINE_DIR)
+        future = engine.save_checkpoint(tmp / ENGINE_DIR, background=background)
+        self._write_small_files(tmp, state, config_yaml)
+        if future is not None:
+            self._background = (future, tmp, final, hash_kind, state.step)
+            return None
+        distributed.barrier()
+        _maybe_inject_fault("save_before_marker", state.step)
+        self.seal(tmp, final, hash_kind)
+        return final
+
+    def background_written(self) -> float:
+        """1.0 when this rank's background write has finished (summed over ranks by the loop:
+        the world size means every rank's is), else 0.0."""
+        return float(self._background is not None and self._background[0].done())
+
+    def finish_background(self) -> Path | None:
+        """Wait for the background write in flight (if any) and seal it; returns its folder.
+        Collective call.
+
+        Raises:
+            whatever the writer thread raised (disk full, permissions): the checkpoint is not
+            sealed and stays a ``.tmp-step_<N>`` folder.
+        """
+        if self._background is None:
+            return None
+        future, tmp, final, hash_kind, step = self._background
+        self._background = None
+        future.result()
+        distributed.barrier()
+        _maybe_inject_fault("save_before_marker", step)
+        self.seal(tmp, final, hash_kind)
+        return final
+
+    def _write_small_files(self, tmp: Path, state: TrainState, config_yaml: str) -> None:
         torch.save(capture_rng(), tmp / f"rank_{self.env.rank}.pt")
         if self.env.is_main:
             (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
             (tmp / "config.yaml").write_text(config_yaml)
-        distributed.barrier()
-        _maybe_inject_fault("save_before_marker", state.step)
-        if self.env.is_main:
-            self._seal(tmp, final)
-            self._prune()
-        distributed.barrier()
-        return final
 
-    def _seal(self, tmp: Path, final: Path) -> None:
-        files = {}
-        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+    def seal(self, tmp: Path, final: Path, hash_kind: str) -> None:
+        """Every rank fsyncs and checksums its share of ``tmp``'s files (all written, after a
+        barrier); rank 0 writes the marker, renames ``tmp`` to ``final`` and prunes. Collective."""
+        listing = sorted(p for p in tmp.rglob("*") if p.is_file())
+        mine = {}
+        for path in _share(listing, self.env.rank, self.env.world_size):
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-            files[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            mine[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size,
+                                                     _HASH_KEYS[hash_kind]: _checksum(path, hash_kind)}
+        shares: list[Any] = [mine]
+        if dist.is_available() and dist.is_initialized():
+            shares = [None] * self.env.world_size
+            dist.gather_object(mine, shares if self.env.is_main else None, dst=0)
+        if self.env.is_main:
+            files = {rel: meta for share in shares for rel, meta in share.items()}
+            self._write_marker_and_rename(tmp, final, dict(sorted(files.items())))
+            self._prune()
+        distributed.barrier()
+
+    def _write_marker_and_rename(self, tmp: Path, final: Path, files: dict[str, Any]) -> None:
         marker_tmp = tmp / (MARKER + ".partial")
         with open(marker_tmp, "w") as f:
             json.dump({"files": files}, f, indent=1)
@@ -347,7 +457,7 @@ class CheckpointManager:
 # else (model, data, recipe, optimisation, seed) defines the run being continued.
 RESUMABLE_CHANGES = ("name", "run_dir", "tracker", "trainer.max_steps", "trainer.eval_every", "trainer.eval_samples",
                      "trainer.log_every", "trainer.save_every", "trainer.save_every_minutes", "trainer.keep_checkpoints",
-                     "trainer.resume", "trainer.preempt_signal", "trainer.export_hf", "trainer.progress_bar")
+                     "trainer.checkpoint_hash", "trainer.async_checkpoint", "trainer.resume", "trainer.preempt_signal", "trainer.export_hf", "trainer.progress_bar")
 
 
 # With the torch engine on both sides, the checkpoint is a Distributed Checkpoint keyed by

@@ -210,6 +210,13 @@ class TrainerConfig:
     Intervals (``eval_every``, ``save_every``, ``log_every``) are in optimizer steps; 0 = never
     (a final checkpoint and evaluation are always made); ``save_every_minutes`` adds a
     wall-clock cadence (0 = off). ``keep_checkpoints`` newest complete checkpoints are kept.
+    ``checkpoint_hash``: the completion marker's per-file checksum, ``xxh3`` (XXH3-128: detects
+    corruption at memory speed) or ``sha256`` (cryptographic, slower); either way each rank
+    checksums a share of the files. ``async_checkpoint`` (torch engine): a periodic save copies
+    the state to host memory and writes it in the background while training goes on; the
+    checkpoint counts (completion marker, rename) only once every rank's write has finished,
+    which the ranks agree on in the step's own all-reduce. The final save and a preemption save
+    are always synchronous.
 
     ``nonfinite``: what a non-finite loss or gradient norm does (checked every step on values every
     rank already shares, so no extra collective): ``stop`` (default) exits with status 3 naming the
@@ -249,6 +256,8 @@ class TrainerConfig:
     save_every: int = 0
     save_every_minutes: float = 0.0
     keep_checkpoints: int = 3
+    checkpoint_hash: str = "xxh3"
+    async_checkpoint: bool = False
     resume: str = "auto"
     preempt_signal: Optional[str] = "SIGUSR1"
     nonfinite: str = "stop"
@@ -301,14 +310,25 @@ class RecipeConfig:
     offload_optimizer: bool = False
     offload_params: bool = False
     overlap_comm: bool = False
-    reduce_bucket_size: int = 50_000_000
-    allgather_bucket_size: int = 50_000_000
+    # DeepSpeed communication sizes in elements; None = derived from the model's hidden size
+    # (llmtrain.engine.deepspeed_engine.communication_sizes).
+    reduce_bucket_size: Optional[int] = None
+    allgather_bucket_size: Optional[int] = None
+    prefetch_bucket_size: Optional[int] = None
+    param_persistence_threshold: Optional[int] = None
+    # ZeRO-1/2 gradient reduction: false = each gradient slice is reduced to the rank that owns
+    # it (the ZeRO paper's reduce-scatter volume, Ψ per step); true = DeepSpeed's default, a
+    # full all-reduce of every bucket (2Ψ) then each rank keeps its slice.
+    multi_rank_bucket_allreduce: bool = False
     dp_replicate: Optional[int] = None
     dp_shard: Optional[int] = None
     tp: int = 1
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
+    # Pipeline steps are right-padded to their longest micro-batch rounded up to this many tokens
+    # (at most data.seq_len): fewer padded tokens vs fewer distinct shapes (one schedule each).
+    pp_pad_multiple: int = 64
     compile: bool = False
 
 
@@ -591,6 +611,11 @@ def validate(cfg: Any, world_size: int) -> None:
              "llmtrain sees the gradient norm (ZeRO-3 and ZeRO-0 would apply a NaN update); use trainer.nonfinite=stop "
              "or engine=torch")
     _require(t.save_every_minutes >= 0, f"trainer.save_every_minutes={t.save_every_minutes} must be >= 0")
+    _require(t.checkpoint_hash in ("xxh3", "sha256"), f"trainer.checkpoint_hash={t.checkpoint_hash!r} must be xxh3 or sha256")
+    _require(not (t.async_checkpoint and r.engine == "deepspeed"),
+             "trainer.async_checkpoint=true needs engine=torch: llmtrain does not yet drive DeepSpeed's background "
+             "checkpoint writers (Nebula, the decoupled engine) through its completion marker; use "
+             "trainer.async_checkpoint=false or engine=torch")
     if t.preempt_signal is not None:
         import signal
 
@@ -651,6 +676,7 @@ def validate(cfg: Any, world_size: int) -> None:
     _require(r.pp_schedule in PIPELINE_SCHEDULES,
              f"recipe.pp_schedule={r.pp_schedule!r} must be one of {', '.join(PIPELINE_SCHEDULES)}")
     _require(r.pp_stages_per_rank >= 1, f"recipe.pp_stages_per_rank={r.pp_stages_per_rank} must be >= 1")
+    _require(r.pp_pad_multiple >= 1, f"recipe.pp_pad_multiple={r.pp_pad_multiple} must be >= 1 (tokens)")
     _require((r.pp_schedule == "interleaved_1f1b") == (r.pp_stages_per_rank > 1),
              f"recipe.pp_schedule={r.pp_schedule} with recipe.pp_stages_per_rank={r.pp_stages_per_rank}: "
              "interleaved_1f1b needs pp_stages_per_rank >= 2, gpipe and 1f1b run one stage per rank")

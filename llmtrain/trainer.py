@@ -34,25 +34,35 @@ from llmtrain.tracking import Tracker
 log = logging.getLogger("llmtrain")
 
 
-def forward_backward(engine, batches: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+def forward_backward(engine, batches: list[dict[str, torch.Tensor]],
+                     also_sum: tuple[float, ...] = ()) -> tuple[float, int, list[float]]:
     """Accumulate the gradient of one optimizer step over this rank's micro-batches.
 
     Each micro-batch's summed cross-entropy is divided by the target-token count of the whole
-    global batch (all micro-batches, all data-parallel ranks; one all-reduce), so the accumulated
-    gradient is that of the global batch's mean token loss, independent of how it is split.
-    Tensor/pipeline-parallel peers hold the same samples, so world sums are divided by
-    ``dims.data_replicas``.
+    global batch (all micro-batches, all data-parallel ranks; one all-reduce before backward),
+    so the accumulated gradient is that of the global batch's mean token loss, independent of
+    how it is split. Tensor/pipeline-parallel peers hold the same samples, so world sums are
+    divided by ``dims.data_replicas``.
+
+    ``also_sum``: this rank's other per-step scalars (the sample digest, preemption flags),
+    summed over ranks in the same all-reduce as the loss, so a step makes two collectives of its
+    own whatever the loop reports.
 
     Returns:
-        (global mean token loss, tokens in the global batch including prompt tokens).
+        (global mean token loss, tokens in the global batch including prompt tokens, the world
+        sums of ``also_sum`` (not divided by the replicas)).
     """
     replicas = engine.dims.data_replicas
-    counts = torch.tensor([sum(count_target_tokens(b["labels"]) for b in batches),
-                           sum(int(b["attention_mask"].sum()) for b in batches)],
-                          dtype=torch.float64, device=batches[0]["input_ids"].device)
+    device = batches[0]["input_ids"].device
+    # Counted on the device (no host sync per micro-batch); the one sync is the normaliser's.
+    counts = torch.stack([sum((b["labels"][:, 1:] != data.IGNORE_INDEX).sum() for b in batches),
+                          sum(b["attention_mask"].sum() for b in batches)]).to(torch.float64)
     targets, tokens = (distributed.all_reduce_sum(counts) / replicas).tolist()
     loss_sum = engine.forward_backward(batches, targets)
-    return float(distributed.all_reduce_sum(loss_sum)) / replicas / targets, int(tokens)
+    sums = distributed.all_reduce_sum(torch.cat([loss_sum.reshape(1).to(torch.float64),
+                                                 torch.tensor(also_sum, dtype=torch.float64, device=device)]))
+    loss, *others = sums.tolist()  # the step's one host sync after backward
+    return loss / replicas / targets, int(tokens), others
 
 
 def seed_everything(seed: int) -> None:
@@ -265,15 +275,27 @@ def train(cfg: Any) -> dict[str, Any]:
         checkpoint.restore_rng(rng)
     else:
         seed_streams(t.seed, engine.dp_rank, getattr(engine, "pp_rank", 0), start_step)
-    preemption = Preemption(t.preempt_signal, t.save_every_minutes, env.device)
+    preemption = Preemption(t.preempt_signal, t.save_every_minutes)
     progress = console.Progress(t.progress_bar and env.is_main, t.max_steps, start_step, t.log_every)
 
-    def save() -> None:
+    summary["checkpoint_stalls_s"] = []  # (step, seconds the loop waited for a save) per save
+
+    def save(background: bool) -> None:
+        started = time.perf_counter()
         state.tracker_run_id = tracker.run_id
         state.world_size, state.global_batch_size = env.world_size, t.global_batch_size
-        summary["checkpoint"] = str(checkpoints.save(engine, state, config_yaml))
-        state.parent = Path(summary["checkpoint"]).name  # the next checkpoint continues this one
+        written = checkpoints.save(engine, state, config_yaml, t.checkpoint_hash, background)
+        if written is not None:
+            summary["checkpoint"] = str(written)
+        state.parent = f"step_{state.step}"  # the next checkpoint continues this one
         preemption.saved()
+        summary["checkpoint_stalls_s"].append((state.step, time.perf_counter() - started))
+
+    def seal_background() -> None:  # every rank's background write is done: make it count
+        started = time.perf_counter()
+        summary["checkpoint"] = str(checkpoints.finish_background())
+        summary["checkpoint_stalls_s"][-1] = (summary["checkpoint_stalls_s"][-1][0], summary["checkpoint_stalls_s"][-1][1]
+                                              + time.perf_counter() - started)
 
     skipped_in_a_row = 0
     for step in range(start_step, t.max_steps):
@@ -283,7 +305,10 @@ def train(cfg: Any) -> dict[str, Any]:
         local_digest = _sample_digest(host_batches)
         batches = [{k: v.to(env.device) for k, v in b.items()} for b in host_batches]
         lr = engine.lr()
-        loss, tokens = forward_backward(engine, batches)
+        loss, tokens, (digest, *preempt_flags, written) = forward_backward(
+            engine, batches, (local_digest, *preemption.local_flags(), checkpoints.background_written()))
+        digest /= dims.data_replicas
+        stop, save_by_time = preemption.decide(preempt_flags)
         # Loss and gradient norm are global values every rank holds: checking them needs no collective.
         spike = _loss_spike(loss, state, t.spike_factor)
         grad_norm = engine.step(keep_update=(lambda norm: math.isfinite(norm) and math.isfinite(loss) and not spike)
@@ -293,8 +318,6 @@ def train(cfg: Any) -> dict[str, Any]:
             state.loss_ema = loss if not state.loss_ema_steps else 0.9 * state.loss_ema + 0.1 * loss
             state.loss_ema_steps += 1
         skipped_in_a_row = 0 if healthy else skipped_in_a_row + 1
-        digest = float(distributed.all_reduce_sum(torch.tensor(local_digest, dtype=torch.float64, device=env.device))
-                       / dims.data_replicas)
         elapsed = time.perf_counter() - started
         done = step + 1
         state.step, state.consumed_samples = done, done * t.global_batch_size
@@ -307,6 +330,8 @@ def train(cfg: Any) -> dict[str, Any]:
                    "train/tokens_per_s": tokens / elapsed, "train/step_time_s": elapsed,
                    "train/tokens_seen": state.tokens_seen, "train/samples_seen": state.consumed_samples,
                    "data/sample_digest": digest, "memory/peak_bytes": _memory_bytes(env.device)}
+        if summary["checkpoint_stalls_s"] and summary["checkpoint_stalls_s"][-1][0] == step:
+            metrics["checkpoint/stall_s"] = summary["checkpoint_stalls_s"][-1][1]  # the previous step's save
         if len(splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed
             counts = sampler.source_counts(step, len(splits.names))
             metrics.update({f"data/source/{name}_samples": n for name, n in zip(splits.names, counts)})
@@ -325,11 +350,14 @@ def train(cfg: Any) -> dict[str, Any]:
         if not healthy:
             _on_nonfinite(t, done, loss, grad_norm, spike, skipped_in_a_row,
                           summary.get("checkpoint") or (str(resume_from) if resume_from else None),
-                          lambda: (progress.close(), preemption.restore(), tracker.finish()))
+                          lambda: (checkpoints.finish_background(), progress.close(), preemption.restore(),
+                                   tracker.finish()))
         _check_optimizer_steps(engine, state)
-        stop, save_by_time = preemption.agree()
+        if written == env.world_size:
+            seal_background()
         if stop or save_by_time or (t.save_every and done % t.save_every == 0) or done == t.max_steps:
-            save()
+            # The last save and a preemption's are synchronous: the process ends after them.
+            save(background=t.async_checkpoint and not stop and done < t.max_steps)
         if stop:
             if env.is_main:
                 log.warning("preempted (%s): saved step %d; rerun the same command to continue",
@@ -337,6 +365,8 @@ def train(cfg: Any) -> dict[str, Any]:
             summary["preempted_at"] = done
             break
 
+    if sealed := checkpoints.finish_background():  # defensive: the last save is synchronous
+        summary["checkpoint"] = str(sealed)
     preemption.restore()
     progress.close()
     if t.export_hf and "preempted_at" not in summary:

@@ -45,10 +45,10 @@ dist.reduce_scatter_single = counting_collective("reduce_scatter", dist.reduce_s
 real_forward_backward = trainer.forward_backward
 
 
-def counted_forward_backward(engine, batches):
+def counted_forward_backward(engine, batches, *args):
     counting["on"] = True
     try:
-        return real_forward_backward(engine, batches)
+        return real_forward_backward(engine, batches, *args)
     finally:
         counting["on"] = False
 

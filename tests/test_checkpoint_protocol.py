@@ -16,13 +16,30 @@ ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), ba
 class FileEngine:
     """Stands in for an engine: one tensor file per save."""
 
-    def save_checkpoint(self, directory: Path) -> None:
+    def __init__(self):
+        self.pending: list = []  # background writes not yet done: (future, directory)
+
+    def save_checkpoint(self, directory: Path, background: bool = False):
         directory.mkdir(parents=True)
-        torch.save(torch.arange(10), directory / "state.pt")
+        if not background:
+            torch.save(torch.arange(10), directory / "state.pt")
+            return None
+        from concurrent.futures import Future
+
+        future = Future()
+        self.pending.append((future, directory))
+        return future
+
+    def complete_writes(self) -> None:
+        for future, directory in self.pending:
+            torch.save(torch.arange(10), directory / "state.pt")
+            future.set_result(None)
+        self.pending.clear()
 
 
-def save(manager, step: int) -> Path:
-    return manager.save(FileEngine(), checkpoint.TrainState(step=step, consumed_samples=step, global_batch_size=1), "x: 1\n")
+def save(manager, step: int, hash_kind: str = "xxh3") -> Path:
+    return manager.save(FileEngine(), checkpoint.TrainState(step=step, consumed_samples=step, global_batch_size=1),
+                        "x: 1\n", hash_kind)
 
 
 def test_marker_lists_every_file_and_verifies(tmp_path):
@@ -114,3 +131,58 @@ def test_a_checkpoint_older_than_new_data_fields_still_resumes(tmp_path):
     assert checkpoint.config_differences(tmp_path, current) == []
     current["data"]["packing"] = True  # a new field away from its default changes the run
     assert checkpoint.config_differences(tmp_path, current) == ["data.packing: <absent> -> True"]
+
+
+def test_each_rank_checksums_a_share_and_every_file_is_checked_once(tmp_path):
+    path = save(checkpoint.CheckpointManager(tmp_path, ENV, keep=3), 2)
+    files = sorted(path / rel for rel in json.loads((path / "COMPLETE.json").read_text())["files"])
+    shares = [checkpoint._share(files, rank, 3) for rank in range(3)]
+    assert sorted(p for share in shares for p in share) == files  # each file exactly once
+    largest = max(files, key=lambda p: p.stat().st_size)
+    assert shares[0][0] == largest  # split by bytes: the largest goes first
+    state = path / "engine" / "state.pt"
+    raw = bytearray(state.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    state.write_bytes(bytes(raw))
+    owner = next(r for r in range(3) if state in shares[r])
+    problems = [checkpoint.verify(path, rank, 3) for rank in range(3)]
+    assert problems[owner] == "checksum mismatch in engine/state.pt"
+    # Sizes are checked by every rank; the checksum only by its owner: one read of each file in all.
+    assert [p for r, p in enumerate(problems) if r != owner] == [None, None]
+
+
+def test_sha256_markers_verify_and_catch_damage(tmp_path):
+    path = save(checkpoint.CheckpointManager(tmp_path, ENV, keep=3), 2, hash_kind="sha256")
+    files = json.loads((path / "COMPLETE.json").read_text())["files"]
+    assert all(set(meta) == {"bytes", "sha256"} and len(meta["sha256"]) == 64 for meta in files.values())
+    assert checkpoint.verify(path) is None
+    (path / "config.yaml").write_text("x: 2\n")  # same size, other bytes
+    assert checkpoint.verify(path) == "checksum mismatch in config.yaml"
+
+
+def test_a_background_save_counts_only_once_its_write_finished(tmp_path):
+    manager = checkpoint.CheckpointManager(tmp_path, ENV, keep=3)
+    engine = FileEngine()
+    state = checkpoint.TrainState(step=4, consumed_samples=4, global_batch_size=1)
+    assert manager.save(engine, state, "x: 1\n", background=True) is None
+    assert manager.background_written() == 0.0
+    assert not (tmp_path / "checkpoints" / "step_4").exists()  # a kill now leaves no step_4
+    assert manager.resolve("auto") is None
+    engine.complete_writes()
+    assert manager.background_written() == 1.0
+    assert manager.finish_background() == tmp_path / "checkpoints" / "step_4"
+    assert checkpoint.verify(tmp_path / "checkpoints" / "step_4") is None
+    assert manager.background_written() == 0.0 and manager.finish_background() is None
+
+
+def test_a_failed_background_write_is_raised_and_never_sealed(tmp_path):
+    manager = checkpoint.CheckpointManager(tmp_path, ENV, keep=3)
+    engine = FileEngine()
+    manager.save(engine, checkpoint.TrainState(step=4, global_batch_size=1), "x: 1\n", background=True)
+    engine.pending[0][0].set_exception(OSError(28, "No space left on device"))
+    import pytest
+
+    with pytest.raises(OSError, match="No space left"):
+        manager.finish_background()
+    assert not (tmp_path / "checkpoints" / "step_4").exists()
+    assert (tmp_path / "checkpoints" / ".tmp-step_4").is_dir()

@@ -150,6 +150,8 @@ def test_unknown_key_fails_at_compose_naming_the_key():
     (["data.val_fraction=0"], 1, "data.val_fraction"),
     (["model.source=pretrained"], 1, "model.path"),
     (["tracker.wandb_mode=sometimes"], 1, "tracker.wandb_mode"),
+    (["trainer.checkpoint_hash=md5"], 1, "trainer.checkpoint_hash='md5' must be xxh3 or sha256"),
+    (["+recipe=zero2", "trainer.async_checkpoint=true"], 2, "trainer.async_checkpoint=true needs engine=torch"),
 ])
 def test_cross_field_errors_name_the_fields(overrides, world_size, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("=", "=")):
@@ -172,6 +174,27 @@ def test_deepspeed_config_is_generated_from_recipe_and_trainer(recipe, stage, of
     assert ("offload_param" in ds["zero_optimization"]) == offload
     assert ("optimizer" in ds) == offload
     assert "auto" not in repr(ds)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_communication_sizes_follow_the_model_unless_the_recipe_sets_them(stage):
+    recipe = {1: "zero1", 2: "zero2", 3: "zero3"}[stage]
+    zero = deepspeed_config(make_cfg([f"+recipe={recipe}"]), 2, 1)["zero_optimization"]
+    h = 128  # tiny_llama's hidden size
+    assert zero["reduce_bucket_size"] == h * h
+    if stage == 3:
+        assert (zero["stage3_prefetch_bucket_size"], zero["stage3_param_persistence_threshold"]) == (int(0.9 * h * h), 10 * h)
+    else:
+        assert zero["allgather_bucket_size"] == h * h
+        assert zero["use_multi_rank_bucket_allreduce"] is False  # reduce to the owner: the ZeRO paper's volume
+    wide = make_cfg([f"+recipe={recipe}", "model.architecture.hidden_size=256", "recipe.reduce_bucket_size=12345",
+                     "recipe.multi_rank_bucket_allreduce=true"])
+    zero = deepspeed_config(wide, 2, 1)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 12345
+    if stage == 3:
+        assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 256 * 256)
+    else:
+        assert zero["allgather_bucket_size"] == 256 * 256 and zero["use_multi_rank_bucket_allreduce"] is True
 
 
 @pytest.mark.parametrize("overrides,needle", [

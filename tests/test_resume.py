@@ -93,6 +93,8 @@ def reference(tmp_path_factory, mixture) -> dict:
             runs = {r: COMMON + [f"+recipe={r}"] for r in (KILL_RECIPES if nproc == 2 else ["ddp"])}
             if nproc == 2:
                 runs["mix"] = COMMON + mixture
+                # Background saves of DTensor shards (FSDP2): the same losses as the synchronous run.
+                runs["fsdp_async"] = COMMON + ["+recipe=fsdp", "trainer.async_checkpoint=true"]
                 runs.update({name: COMMON + overrides for name, overrides in LORA_RUNS.items()})
             dirs = run_scenarios(runs, nproc, tmp_path_factory.mktemp(f"ref-{nproc}"))
             cache[nproc] = {r: per_step(d) for r, d in dirs.items()}
@@ -160,6 +162,32 @@ def test_kill_during_save_resumes_from_previous_checkpoint(reference, tmp_path):
     out = resumed.stdout + resumed.stderr
     assert "ignoring unfinished checkpoint" in out and "step_4" in out
     assert per_step(tmp_path) == reference(1, "ddp")
+
+
+def test_async_checkpoints_train_the_same_run_and_seal_every_save(reference):
+    assert reference(2, "fsdp_async") == reference(2, "fsdp")
+    root = reference.run_dir(2, "fsdp_async") / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6", "step_8"]  # keep 3; nothing unsealed
+    from llmtrain.checkpoint import verify
+
+    assert all(verify(root / name) is None for name in ("step_4", "step_6", "step_8"))
+    stalls = [r["checkpoint/stall_s"] for r in reference.metrics(2, "fsdp_async") if "checkpoint/stall_s" in r]
+    assert len(stalls) == 3  # the saves of steps 2, 4 and 6, reported with the step after each
+
+
+def test_kill_during_a_background_write_resumes_from_the_previous_checkpoint(reference, tmp_path):
+    overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}", "trainer.async_checkpoint=true"]
+    env = subprocess_env()
+    env["LLMTRAIN_FAULT"] = "background_write:6"  # SIGKILL from the writer thread, mid-checkpoint
+    crashed = run_cli(overrides, nproc=1, env=env)
+    assert crashed.returncode == -signal.SIGKILL
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step_6", "step_2", "step_4"]
+    assert not (root / ".tmp-step_6" / "COMPLETE.json").exists()
+    resumed = run_cli(overrides, nproc=1)
+    assert_ok(resumed)
+    assert f"resuming from {root / 'step_4'}" in resumed.stdout + resumed.stderr
+    assert per_step(tmp_path) == reference(1, "ddp")  # the same run as the synchronous one
 
 
 def _truncate(path: Path) -> None:

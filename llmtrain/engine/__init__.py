@@ -201,9 +201,13 @@ class Engine(ABC):
         return first_step_count(self.optimizer)
 
     @abstractmethod
-    def save_checkpoint(self, directory: Path) -> None:
+    def save_checkpoint(self, directory: Path, background: bool = False):
         """Write model, optimizer and LR-scheduler state into ``directory`` (engine-native,
-        sharded where the engine shards). Collective call."""
+        sharded where the engine shards). Collective call.
+
+        ``background`` (torch engines; ``trainer.async_checkpoint``): copy the state to host
+        memory, return a ``concurrent.futures.Future`` that completes once this rank's files are
+        written, and write them while training continues. Otherwise returns None when written."""
 
     @abstractmethod
     def load_checkpoint(self, directory: Path, saved_world_size: int) -> None:

@@ -16,20 +16,45 @@ from llmtrain.engine import (Engine, apply_schedule, clip_gradients, first_step_
                              param_groups)
 
 
+def communication_sizes(recipe: Any, hidden_size: int) -> dict[str, int]:
+    """DeepSpeed's bucket, prefetch and persistence sizes (elements) for a model of
+    ``hidden_size``; a recipe field that is set wins over the derived value.
+
+    The rule is the one Hugging Face's DeepSpeed integration applies to ``"auto"`` values
+    (transformers ``integrations/deepspeed.py``, ``trainer_config_finalize``): reduce and
+    all-gather buckets of hidden² elements, a ZeRO-3 prefetch of 0.9 × hidden², and parameters
+    under 10 × hidden elements (norms, biases) kept gathered. DeepSpeed's own defaults (5e7 and
+    5e8 elements) are sized for multi-billion-parameter models: on a small model one bucket
+    alone outweighs the sharded model state.
+    """
+    derived = {"reduce_bucket_size": hidden_size * hidden_size,
+               "allgather_bucket_size": hidden_size * hidden_size,
+               "prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+               "param_persistence_threshold": 10 * hidden_size}
+    return {k: v if getattr(recipe, k, None) is None else int(getattr(recipe, k)) for k, v in derived.items()}
+
+
 def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict:
-    """DeepSpeed config dict for ``cfg.recipe`` and ``cfg.trainer``.
+    """DeepSpeed config dict for ``cfg.recipe``, ``cfg.trainer`` and the model's size.
 
     Batch sizes: ``train_batch_size`` = micro-batch × accumulation × world size (samples).
-    With optimizer offload DeepSpeed builds its CPU AdamW (``DeepSpeedCPUAdam``) from the
-    ``optimizer`` section; otherwise the engine passes a ``torch.optim.AdamW``.
+    Communication sizes: :func:`communication_sizes`. With optimizer offload DeepSpeed builds
+    its CPU AdamW (``DeepSpeedCPUAdam``) from the ``optimizer`` section; otherwise the engine
+    passes a ``torch.optim.AdamW``.
     """
+    from llmtrain.models import model_config
+
     r, t = cfg.recipe, cfg.trainer
+    sizes = communication_sizes(r, model_config(cfg.model).hidden_size)
     zero: dict[str, Any] = {"stage": r.zero_stage, "overlap_comm": r.overlap_comm,
-                            "reduce_bucket_size": r.reduce_bucket_size}
+                            "reduce_bucket_size": sizes["reduce_bucket_size"]}
     if r.zero_stage in (1, 2):
-        zero.update(allgather_bucket_size=r.allgather_bucket_size, contiguous_gradients=True)
+        zero.update(allgather_bucket_size=sizes["allgather_bucket_size"], contiguous_gradients=True,
+                    use_multi_rank_bucket_allreduce=r.multi_rank_bucket_allreduce)
     if r.zero_stage == 3:
-        zero.update(stage3_gather_16bit_weights_on_model_save=True, stage3_prefetch_bucket_size=r.allgather_bucket_size)
+        zero.update(stage3_gather_16bit_weights_on_model_save=True,
+                    stage3_prefetch_bucket_size=sizes["prefetch_bucket_size"],
+                    stage3_param_persistence_threshold=sizes["param_persistence_threshold"])
     if r.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if r.offload_params:
@@ -151,6 +176,27 @@ class DeepSpeedEngine(Engine):
             for name, param in self.ds.module.named_parameters():
                 if param.requires_grad:  # frozen parameters have no master copy
                     safe_set_full_fp32_param(param, fp32_initial(name, param).to(self.env.device))
+        self._report_duplicate_master_copy()
+
+    def _report_duplicate_master_copy(self) -> None:
+        """Say so when DeepSpeed ZeRO-3 keeps a second fp32 copy of the parameter partitions in
+        an fp32 run. Its code means to share them (``stage3.py``, ``_create_fp32_partitions``),
+        but compares a ``torch.device`` with the device-name string, which is never equal, so
+        every rank holds 4Ψ/N bytes more than ZeRO theory (scripts/repro_deepspeed_zero3_fp32_copy.py)."""
+        opt = getattr(self.ds, "optimizer", None)
+        working = getattr(opt, "fp16_partitioned_groups_flat", None)
+        master = getattr(opt, "fp32_partitioned_groups_flat", None)
+        if not working or not master or self.cfg.trainer.precision != "fp32" or not self.env.is_main:
+            return
+        duplicated = sum(m.numel() * m.element_size() for w, m in zip(working, master)
+                         if m.numel() and w.dtype == m.dtype and m.data_ptr() != w.data_ptr())
+        if duplicated:
+            import logging
+
+            logging.getLogger("llmtrain").info(
+                "DeepSpeed ZeRO-3 keeps a second fp32 copy of this rank's parameter partition in an fp32 run "
+                "(%.1f MiB per rank beyond ZeRO theory; a DeepSpeed device-comparison bug, see "
+                "scripts/repro_deepspeed_zero3_fp32_copy.py)", duplicated / 2**20)
 
     def _exclude_frozen_aliases(self) -> None:
         """DeepSpeed's ``exclude_frozen_parameters`` walks ``named_parameters()``, which names a tied
@@ -213,7 +259,8 @@ class DeepSpeedEngine(Engine):
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def save_checkpoint(self, directory: Path) -> None:
+    def save_checkpoint(self, directory: Path, background: bool = False):
+        # background: refused at validation (trainer.async_checkpoint needs engine=torch).
         # save_latest=False: our completion marker, not DeepSpeed's "latest" file, names checkpoints.
         # Frozen parameters (LoRA's base, model.freeze) come from the model's source on resume.
         self.ds.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False,
