@@ -53,8 +53,9 @@ def runs(tmp_path_factory):
     cache: dict = {}
 
     alpaca = _alpaca_file(tmp_path_factory.mktemp("alpaca") / "alpaca.json")
-    # Padded instruction data (prompt masked, samples of different lengths): the pipeline pads
-    # micro-batches to data.seq_len and attends causally without a padding mask.
+    # Padded instruction data (prompt masked, samples of 153-254 tokens): the pipeline pads each
+    # step to its longest micro-batch rounded up to recipe.pp_pad_multiple (8 below: steps of
+    # several lengths, one pipeline schedule each) and attends causally without a padding mask.
     alpaca_run = [o for o in COMMON if not o.startswith("data.seq_len")] + [
         "data=alpaca", f"data.path={alpaca}", "data.seq_len=256"]
 
@@ -70,7 +71,7 @@ def runs(tmp_path_factory):
                 group["alpaca_packed"] = packed + ["+recipe=ddp"]
                 group["docmask"] = docmask + ["+recipe=ddp"]
             if nproc == 2:
-                group["alpaca_pp"] = alpaca_run + ["+recipe=pp"]
+                group["alpaca_pp"] = alpaca_run + ["+recipe=pp", "recipe.pp_pad_multiple=8"]
                 # Packed rows: every pipeline stage gets the per-sample positions.
                 group["alpaca_packed_pp"] = packed + ["+recipe=pp"]
                 group["alpaca_packed_zero3"] = packed + ["+recipe=zero3"]

@@ -154,12 +154,19 @@ class NativeEngine(Engine):
         r = self.cfg.recipe
         self.pp_group = self.mesh["pp"].get_group()
         self.num_stages = self.dims.pp * r.pp_stages_per_rank
-        self.stages = [PipelineStage(part, s, self.num_stages, self.env.device, group=self.pp_group)
-                       for s, part in zip(self.stage_ids, self.parts)]
         self.has_first = 0 in self.stage_ids
         self.has_last = self.num_stages - 1 in self.stage_ids
         self._normaliser = 1.0
-        self.schedule = build_schedule(r.pp_schedule, self.stages, self.accumulation_steps, self._pipeline_loss)
+
+        def schedule_for_length(length: int):
+            # Stages exchange fixed-shape activations, inferred at a schedule's first step: one
+            # schedule per padded length (PipelineStage objects are light; parts are shared).
+            stages = [PipelineStage(part, s, self.num_stages, self.env.device, group=self.pp_group)
+                      for s, part in zip(self.stage_ids, self.parts)]
+            return build_schedule(r.pp_schedule, stages, self.accumulation_steps, self._pipeline_loss)
+
+        self._schedules: dict[int, Any] = {}
+        self._new_schedule = schedule_for_length
         if self.tied:
             self.tied_sync = TiedWeightSync(self.mesh, self.parts)
         ranks = dist.get_process_group_ranks(self.pp_group)
@@ -205,7 +212,10 @@ class NativeEngine(Engine):
             kwargs = {"target": labels, "losses": losses} if self.has_last else {}
             if positions is not None:  # split into micro-batches for every stage by the schedule
                 kwargs["position_ids"] = positions
-            self.schedule.step(*([input_ids] if self.has_first else []), **kwargs)
+            length = input_ids.shape[1]
+            if length not in self._schedules:
+                self._schedules[length] = self._new_schedule(length)
+            self._schedules[length].step(*([input_ids] if self.has_first else []), **kwargs)
         total = torch.zeros((), dtype=torch.float64, device=self.env.device)
         if self.has_last:
             # losses hold CE / normaliser * dp per micro-batch; undo to the plain summed CE.
@@ -215,11 +225,17 @@ class NativeEngine(Engine):
 
     def _pipeline_batch(self, batches: list[dict[str, torch.Tensor]]
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Concatenate micro-batches, right-padded to ``data.seq_len``: pipeline stages
-        exchange fixed-shape activations (shapes are inferred once, at the first step).
+        """Concatenate micro-batches, right-padded to one length: the step's longest micro-batch
+        rounded up to a multiple of ``recipe.pp_pad_multiple`` (at most ``data.seq_len``), so short
+        variable-length steps do not compute a full ``seq_len`` of padding while the number of
+        distinct shapes (one pipeline schedule each) stays small. Every rank of a pipeline
+        holds the same samples, so the stages agree on the length without communicating.
         Returns ``input_ids``, ``labels`` and, for packed rows, ``position_ids`` (padding
-        continues as one more sequence), each ``[micro_batches * micro_batch, seq_len]``."""
-        seq, ids, labels, positions = self.cfg.data.seq_len, [], [], []
+        continues as one more sequence), each ``[micro_batches * micro_batch, length]``."""
+        longest = max(b["input_ids"].shape[1] for b in batches)
+        multiple = self.cfg.recipe.pp_pad_multiple
+        seq = min(self.cfg.data.seq_len, -(-longest // multiple) * multiple)
+        ids, labels, positions = [], [], []
         for b in batches:
             extra = seq - b["input_ids"].shape[1]
             # Any token id will do: padded positions come after every real token (causal
@@ -307,8 +323,8 @@ class NativeEngine(Engine):
         return counts.pop() if len(counts) == 1 else -1
 
     # ---- checkpoints and export -----------------------------------------------------------
-    def save_checkpoint(self, directory: Path) -> None:
-        dcp_state.save(directory, self.parts, self.optimizers, self.schedulers[0], self.env.is_main)
+    def save_checkpoint(self, directory: Path, background: bool = False):
+        return dcp_state.save(directory, self.parts, self.optimizers, self.schedulers[0], self.env.is_main, background)
 
     def load_checkpoint(self, directory: Path, saved_world_size: int) -> None:
         dcp_state.load(directory, self.parts, self.optimizers, self.schedulers)
