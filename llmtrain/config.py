@@ -316,6 +316,13 @@ class RecipeConfig:
     allgather_bucket_size: Optional[int] = None
     prefetch_bucket_size: Optional[int] = None
     param_persistence_threshold: Optional[int] = None
+    # ZeRO-3's memory/traffic trade-off: gathered elements kept alive, and the reuse distance
+    # (in parameters) within which a gathered parameter is kept for its backward use. None =
+    # DeepSpeed's 1e9: a model under ~1e9 parameters stays gathered from forward to backward
+    # (2Ψ per step instead of ZeRO-3's 3Ψ, at the memory of unsharded parameters); set 0 for
+    # the paper's 3Ψ with parameters sharded between uses.
+    max_live_parameters: Optional[int] = None
+    max_reuse_distance: Optional[int] = None
     # ZeRO-1/2 gradient reduction: false = each gradient slice is reduced to the rank that owns
     # it (the ZeRO paper's reduce-scatter volume, Ψ per step); true = DeepSpeed's default, a
     # full all-reduce of every bucket (2Ψ) then each rank keeps its slice.

@@ -110,6 +110,7 @@ def main() -> None:
                 step += 1
                 state.step = step
                 saved = timed("save", lambda: manager.save(engine, state, "", args.hash))
+                ours_bytes = folder_bytes(saved)
                 timed("resume", lambda: resume(saved))
                 step += 1
                 state.step = step
@@ -117,7 +118,7 @@ def main() -> None:
                 timed("async_stall", lambda: manager.save(engine, state, "", args.hash, background=True))
                 manager.finish_background()
                 wall["async_total"].append(time.perf_counter() - w)
-        ours_bytes, plain_bytes = folder_bytes(saved), plain_file.stat().st_size
+        plain_bytes = plain_file.stat().st_size
 
     med = {k: statistics.median(v) for k, v in wall.items() if v}
     cmed = {k: statistics.median(v) for k, v in cpu.items() if v}

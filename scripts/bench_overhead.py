@@ -34,8 +34,9 @@ from llmtrain.paths import CONF_DIR  # noqa: E402
 from llmtrain.trainer import seed_everything, token_cross_entropy_sum, train  # noqa: E402
 
 
-def plain_loop(cfg, warmup: int) -> float:
-    """Tokens/s of a hand-written loop: the baseline every trainer is measured against."""
+def plain_loop(cfg, warmup: int) -> tuple[float, float]:
+    """Tokens/s and tokens per CPU-second of a hand-written loop: the baseline every trainer is
+    measured against."""
     t = cfg.trainer
     seed_everything(t.seed)
     tokenizer = build_tokenizer(cfg.model)
@@ -46,9 +47,9 @@ def plain_loop(cfg, warmup: int) -> float:
     accumulation = gradient_accumulation_steps(t, 1)
     loader, _ = data.train_loader(splits, tokenizer, cfg.data, t.seed, t.micro_batch_size, accumulation, 0, 1, 0, t.max_steps)
     batches = iter(loader)
-    tokens, seconds = 0, 0.0
+    tokens, seconds, cpu_seconds = 0, 0.0, 0.0
     for step in range(t.max_steps):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         micro = [next(batches) for _ in range(accumulation)]
         n_targets = sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro)
         for b in micro:
@@ -60,16 +61,33 @@ def plain_loop(cfg, warmup: int) -> float:
         optimizer.zero_grad(set_to_none=True)
         if step >= warmup:
             seconds += time.perf_counter() - started
+            cpu_seconds += time.process_time() - cpu_started
             tokens += sum(int(b["attention_mask"].sum()) for b in micro)
-    return tokens / seconds
+    return tokens / seconds, tokens / cpu_seconds
 
 
-def llmtrain_loop(cfg, warmup: int) -> float:
-    summary = train(cfg)
+def llmtrain_loop(cfg, warmup: int) -> tuple[float, float]:
+    """Tokens/s and tokens per CPU-second of llmtrain's loop, from each step's start to the next
+    (the loop's own work between steps included)."""
+    from llmtrain import trainer
+
+    starts: list[tuple[float, float]] = []
+    real = trainer.forward_backward
+
+    def timed(engine, batches, *args):
+        starts.append((time.perf_counter(), time.process_time()))
+        return real(engine, batches, *args)
+
+    trainer.forward_backward = timed
+    try:
+        summary = train(cfg)
+    finally:
+        trainer.forward_backward = real
     records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "train/loss" in r and r["step"] > warmup]
-    tokens = sum(r["train/tokens_per_s"] * r["train/step_time_s"] for r in steps)
-    return tokens / sum(r["train/step_time_s"] for r in steps)
+    tokens = sum(r["train/tokens_per_s"] * r["train/step_time_s"] for r in records
+                 if "train/loss" in r and warmup < r["step"] < len(starts))
+    (w0, c0), (w1, c1) = starts[warmup], starts[-1]
+    return tokens / (w1 - w0), tokens / (c1 - c0)
 
 
 def main() -> None:
@@ -81,7 +99,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     register_configs()
-    results: dict[str, list[float]] = {"plain": [], "llmtrain": []}
+    results: dict[str, list[tuple[float, float]]] = {"plain": [], "llmtrain": []}
     with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         overrides = ["tracker=none", "trainer.progress_bar=false", "trainer.eval_every=0", "trainer.eval_samples=8",
                      "trainer.export_hf=false", "trainer.log_every=1", f"trainer.max_steps={args.steps}"]
@@ -90,9 +108,13 @@ def main() -> None:
             for name, loop in (pair if round_index % 2 == 0 else pair[::-1]):  # neither always goes first
                 cfg = compose(config_name="config", overrides=overrides + [f"run_dir={tmp}/{name}{round_index}"] + args.overrides)
                 results[name].append(loop(cfg, args.warmup))
-                print(f"round {round_index}: {name:8s} {results[name][-1]:10.0f} tokens/s", flush=True)
-    plain, ours = statistics.median(results["plain"]), statistics.median(results["llmtrain"])
-    print(f"\nmedian tokens/s  plain PyTorch: {plain:.0f}   llmtrain: {ours:.0f}   ratio llmtrain/plain: {ours / plain:.3f}")
+                wall, cpu = results[name][-1]
+                print(f"round {round_index}: {name:8s} {wall:10.0f} tokens/s {cpu:10.0f} tokens/CPU-s", flush=True)
+    med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in results.items()}
+    print(f"\nmedian tokens/s  plain PyTorch: {med['plain'][0]:.0f}   llmtrain: {med['llmtrain'][0]:.0f}   "
+          f"ratio llmtrain/plain: {med['llmtrain'][0] / med['plain'][0]:.3f}")
+    print(f"median tokens per CPU-second  plain: {med['plain'][1]:.0f}   llmtrain: {med['llmtrain'][1]:.0f}   "
+          f"ratio: {med['llmtrain'][1] / med['plain'][1]:.3f}")
 
 
 if __name__ == "__main__":

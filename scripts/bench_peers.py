@@ -86,6 +86,14 @@ def run_hf(mode: str, steps: int, warmup: int, run_dir: str) -> tuple[float, flo
     cfg = compose_cfg(mode, steps, run_dir)
     t = cfg.trainer
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # before TrainingArguments: its DeepSpeed config reads the world size from the group
+        from llmtrain.distributed import init_distributed
+
+        init_distributed(need_group=True)
+        if mode == "zero3":  # zero.Init (the model is built partitioned) reads deepspeed.comm's world
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")
     tokenizer = build_tokenizer(cfg.model)
     splits = data.load_splits(cfg.data, tokenizer, t.seed)
 

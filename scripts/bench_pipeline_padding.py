@@ -33,19 +33,21 @@ from llmtrain.paths import CONF_DIR
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "alpaca_5000.json"
 
 
-def run(scheme: str, data: str, steps: int, root: str) -> tuple[float, float]:
+def run(scheme: str, data: str, steps: int, root: str, round_index: int, seq_len: int) -> tuple[float, float]:
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose(config_name="config", overrides=[
-            "+recipe=pp", "data=alpaca", f"data.path={data}", "data.seq_len=512", f"trainer.max_steps={steps}",
+            "+recipe=pp", "data=alpaca", f"data.path={data}", f"data.seq_len={seq_len}", f"trainer.max_steps={steps}",
             "trainer.global_batch_size=16", "trainer.micro_batch_size=4", "tracker=none", "trainer.progress_bar=false",
             "trainer.eval_every=0", "trainer.eval_samples=4", "trainer.export_hf=false",
             # The previous scheme: every step padded to data.seq_len.
-            f"recipe.pp_pad_multiple={64 if scheme == 'step length' else 512}",
-            f"run_dir={root}/{scheme.replace(' ', '_')}-{time.monotonic_ns()}"])
+            f"recipe.pp_pad_multiple={64 if scheme == 'step length' else seq_len}",
+            f"run_dir={root}/{scheme.replace(' ', '_')}-{round_index}"])
     cpu = time.process_time()
     summary = trainer.train(cfg)
     cpu = time.process_time() - cpu
+    if dist.get_rank() != 0:  # metrics.jsonl is rank 0's
+        return 0.0, 0.0
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/loss" in r and r["step"] > 2]  # steps 1-2 build the schedules
     tokens = sum(r["train/tokens_per_s"] * r["train/step_time_s"] for r in rows)
@@ -58,13 +60,15 @@ def main() -> int:
     parser.add_argument("--data", default=str(SHARED))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seq-len", type=int, default=1024,
+                        help="data.seq_len (byte tokens: alpaca records are ~150-1000 long)")
     args = parser.parse_args()
     register_configs()
     root = f"{tempfile.gettempdir()}/llmtrain-bench-pp-pad-{os.environ.get('TORCHELASTIC_RUN_ID', os.getppid())}"
     results: dict[str, list[tuple[float, float]]] = {"seq_len": [], "step length": []}
     for r in range(args.rounds):
         for scheme in (("seq_len", "step length") if r % 2 == 0 else ("step length", "seq_len")):
-            results[scheme].append(run(scheme, args.data, args.steps, root))
+            results[scheme].append(run(scheme, args.data, args.steps, root, r, args.seq_len))
     if dist.get_rank() == 0:
         med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in results.items()}
         for scheme, (wall, cpu) in med.items():
