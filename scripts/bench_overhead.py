@@ -31,7 +31,7 @@ from llmtrain.config import gradient_accumulation_steps, register_configs  # noq
 from llmtrain.engine import lr_lambda, param_groups  # noqa: E402
 from llmtrain.models import build_model, build_tokenizer  # noqa: E402
 from llmtrain.paths import CONF_DIR  # noqa: E402
-from llmtrain.trainer import seed_everything, token_cross_entropy_sum, train  # noqa: E402
+from llmtrain.trainer import seed_everything, token_cross_entropy_sum  # noqa: E402
 
 
 def plain_loop(cfg, warmup: int) -> tuple[float, float]:
@@ -69,20 +69,9 @@ def plain_loop(cfg, warmup: int) -> tuple[float, float]:
 def llmtrain_loop(cfg, warmup: int) -> tuple[float, float]:
     """Tokens/s and tokens per CPU-second of llmtrain's loop, from each step's start to the next
     (the loop's own work between steps included)."""
-    from llmtrain import trainer
+    from bench_peers import train_with_step_clock  # scripts/ is on sys.path when run as a script
 
-    starts: list[tuple[float, float]] = []
-    real = trainer.forward_backward
-
-    def timed(engine, batches, *args):
-        starts.append((time.perf_counter(), time.process_time()))
-        return real(engine, batches, *args)
-
-    trainer.forward_backward = timed
-    try:
-        summary = train(cfg)
-    finally:
-        trainer.forward_backward = real
+    summary, starts = train_with_step_clock(cfg)
     records = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     tokens = sum(r["train/tokens_per_s"] * r["train/step_time_s"] for r in records
                  if "train/loss" in r and warmup < r["step"] < len(starts))

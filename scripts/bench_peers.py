@@ -58,8 +58,9 @@ def tokens_per_s(starts: list[tuple[float, float]], warmup: int) -> tuple[float,
     return tokens / (w1 - w0), tokens / (c1 - c0)
 
 
-def run_llmtrain(mode: str, steps: int, warmup: int, run_dir: str) -> tuple[float, float]:
-    import llmtrain.distributed  # noqa: F401  (DS_ACCELERATOR before deepspeed)
+def train_with_step_clock(cfg) -> tuple[dict, list[tuple[float, float]]]:
+    """``llmtrain.trainer.train(cfg)``, recording (wall, CPU) time at the start of every step:
+    (the run's summary, the clock readings). Also used by ``bench_overhead.py``."""
     from llmtrain import trainer
 
     starts: list[tuple[float, float]] = []
@@ -70,7 +71,16 @@ def run_llmtrain(mode: str, steps: int, warmup: int, run_dir: str) -> tuple[floa
         return real(engine, batches, *args)
 
     trainer.forward_backward = timed
-    trainer.train(compose_cfg(mode, steps, run_dir))
+    try:
+        return trainer.train(cfg), starts
+    finally:
+        trainer.forward_backward = real
+
+
+def run_llmtrain(mode: str, steps: int, warmup: int, run_dir: str) -> tuple[float, float]:
+    import llmtrain.distributed  # noqa: F401  (DS_ACCELERATOR before deepspeed)
+
+    _, starts = train_with_step_clock(compose_cfg(mode, steps, run_dir))
     return tokens_per_s(starts, warmup)
 
 
