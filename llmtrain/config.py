@@ -234,6 +234,9 @@ class TrainerConfig:
     (fresh start; refuses a ``run_dir`` that already holds checkpoints), a checkpoint folder, or a
     step number of this run. ``preempt_signal``: besides SIGTERM and SIGINT, the signal that
     asks for a save-and-exit at the next step boundary (SLURM: ``--signal=USR1@120``).
+    ``peak_tflops``: one device's peak dense TFLOP/s for ``perf/mfu`` (0 = from the table of
+    accelerators in :mod:`llmtrain.flops` by device name; CPUs report ``perf/tflops_per_device``
+    only).
     """
 
     seed: int = 1234
@@ -266,13 +269,17 @@ class TrainerConfig:
     export_hf: bool = True
     export_merged: bool = False
     progress_bar: bool = True
+    peak_tflops: float = 0.0
 
 
 @dataclass
 class TrackerConfig:
-    """Experiment tracking. ``wandb_mode``: ``auto`` (online when an API key is configured, else
-    offline), ``online``, ``offline`` or ``disabled``. ``metrics.jsonl`` is always written."""
+    """Experiment tracking. ``backends``: any of ``wandb``, ``tensorboard`` (event files in
+    ``run_dir/tensorboard``; needs the ``tensorboard`` package, ``pip install llmtrain[tracking]``);
+    ``metrics.jsonl`` is always written. ``wandb_mode``: ``auto`` (online when an API key is
+    configured, else offline), ``online``, ``offline`` or ``disabled``."""
 
+    backends: List[str] = field(default_factory=lambda: ["wandb"])
     wandb_mode: str = "auto"
     project: str = "llmtrain"
     entity: Optional[str] = None
@@ -618,6 +625,7 @@ def validate(cfg: Any, world_size: int) -> None:
              "llmtrain sees the gradient norm (ZeRO-3 and ZeRO-0 would apply a NaN update); use trainer.nonfinite=stop "
              "or engine=torch")
     _require(t.save_every_minutes >= 0, f"trainer.save_every_minutes={t.save_every_minutes} must be >= 0")
+    _require(t.peak_tflops >= 0, f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (0 = from the device name)")
     _require(t.checkpoint_hash in ("xxh3", "sha256"), f"trainer.checkpoint_hash={t.checkpoint_hash!r} must be xxh3 or sha256")
     _require(not (t.async_checkpoint and r.engine == "deepspeed"),
              "trainer.async_checkpoint=true needs engine=torch: llmtrain does not yet drive DeepSpeed's background "
@@ -628,6 +636,18 @@ def validate(cfg: Any, world_size: int) -> None:
 
         _require(str(t.preempt_signal) in signal.Signals.__members__ and t.preempt_signal not in ("SIGKILL", "SIGSTOP"),
                  f"trainer.preempt_signal={t.preempt_signal!r} must name a catchable signal (e.g. SIGUSR1)")
+    from llmtrain.tracking import BACKENDS
+
+    unknown = [b for b in tr.backends if b not in BACKENDS]
+    _require(not unknown, f"tracker.backends: {unknown} are not backends; choose from {list(BACKENDS)} "
+                          "(metrics.jsonl is always written)")
+    _require(len(set(tr.backends)) == len(tr.backends), f"tracker.backends={list(tr.backends)} names a backend twice")
+    if "tensorboard" in tr.backends:
+        import importlib.util
+
+        _require(importlib.util.find_spec("tensorboard") is not None,
+                 "tracker.backends has tensorboard but the tensorboard package is not installed: "
+                 "pip install tensorboard (or llmtrain[tracking]), or drop it from tracker.backends")
     if tr.wandb_mode == "online":
         from llmtrain.tracking import wandb_api_key_configured
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from llmtrain import adapters, checkpoint, console, data, distributed
+from llmtrain import adapters, checkpoint, console, data, distributed, flops
 from llmtrain.config import ConfigError, gradient_accumulation_steps, validate
 from llmtrain.errors import TrainingStopped
 from llmtrain.engine import build_engine
@@ -176,6 +176,13 @@ def _run_dir(cfg: Any) -> Path:
     return Path(cfg.run_dir)
 
 
+def _split_sums(step: tuple[float, int, list[float]], world_size: int) -> tuple[float, int, list[float], list[float]]:
+    """:func:`forward_backward`'s result with the world-size memory vector at the end of its
+    sums split off: (loss, tokens, the other sums, bytes per rank)."""
+    loss, tokens, sums = step
+    return loss, tokens, sums[:-world_size], sums[-world_size:]
+
+
 def _sample_digest(batches: list[dict[str, torch.Tensor]]) -> float:
     """Order-free fingerprint of the samples in ``batches``: sum of CRC32s of their real tokens."""
     return float(sum(zlib.crc32(row[mask.bool()].numpy().tobytes())
@@ -244,7 +251,8 @@ def train(cfg: Any) -> dict[str, Any]:
         checkpoint.lock_run_dir(run_dir)
         (run_dir / "config.yaml").write_text(config_yaml)
     tracker = Tracker(cfg.tracker, run_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), env.is_main,
-                      resume_step=state.step if resume_from else None, run_id=state.tracker_run_id)
+                      resume_step=state.step if resume_from else None, run_id=state.tracker_run_id,
+                      config_yaml=config_yaml)
     num_parameters = engine.num_parameters()  # collective on some engines
     if env.is_main:
         log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; recipe %s "
@@ -262,6 +270,10 @@ def train(cfg: Any) -> dict[str, Any]:
     loader, sampler = data.train_loader(splits, tokenizer, cfg.data, t.seed, t.micro_batch_size, accumulation,
                                         engine.dp_rank, dims.dp, start_step=start_step, max_steps=t.max_steps)
     micro_batches = iter(loader)
+    # Model FLOPs per token (PaLM appendix B) at data.seq_len; MFU where the device's peak is known.
+    frozen, adapter = flops.partial_training_counts(engine.model) if partial else (0, 0)
+    flops_per_token = flops.flops_per_token(hf_config, cfg.data.seq_len, frozen, adapter)
+    peak = flops.peak_tflops(env.device, t.precision, t.peak_tflops)
     val_batches = data.val_batches(splits, tokenizer, t.micro_batch_size, t.eval_samples, engine.dp_rank, dims.dp)
     summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(run_dir), "start_step": start_step}
     if resume_from is None:
@@ -284,6 +296,7 @@ def train(cfg: Any) -> dict[str, Any]:
         started = time.perf_counter()
         state.tracker_run_id = tracker.run_id
         state.world_size, state.global_batch_size = env.world_size, t.global_batch_size
+        tracker.flush()  # every step up to this checkpoint is on disk before the checkpoint counts
         written = checkpoints.save(engine, state, config_yaml, t.checkpoint_hash, background)
         if written is not None:
             summary["checkpoint"] = str(written)
@@ -305,8 +318,13 @@ def train(cfg: Any) -> dict[str, Any]:
         local_digest = _sample_digest(host_batches)
         batches = [{k: v.to(env.device) for k, v in b.items()} for b in host_batches]
         lr = engine.lr()
-        loss, tokens, (digest, *preempt_flags, written) = forward_backward(
-            engine, batches, (local_digest, *preemption.local_flags(), checkpoints.background_written()))
+        # Peak memory travels in this rank's slot of a world-size vector: the sum gives every
+        # rank's figure, so the max and which rank holds it cost no collective of their own.
+        memory_slots = [0.0] * env.world_size
+        memory_slots[env.rank] = float(_memory_bytes(env.device))
+        loss, tokens, (digest, *preempt_flags, written), memory = _split_sums(forward_backward(
+            engine, batches, (local_digest, *preemption.local_flags(), checkpoints.background_written(),
+                              *memory_slots)), env.world_size)
         digest /= dims.data_replicas
         stop, save_by_time = preemption.decide(preempt_flags)
         # Loss and gradient norm are global values every rank holds: checking them needs no collective.
@@ -329,7 +347,9 @@ def train(cfg: Any) -> dict[str, Any]:
         metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
                    "train/tokens_per_s": tokens / elapsed, "train/step_time_s": elapsed,
                    "train/tokens_seen": state.tokens_seen, "train/samples_seen": state.consumed_samples,
-                   "data/sample_digest": digest, "memory/peak_bytes": _memory_bytes(env.device)}
+                   "data/sample_digest": digest, "memory/peak_bytes": max(memory),
+                   "memory/peak_rank": memory.index(max(memory)),
+                   **flops.achieved(tokens / elapsed, flops_per_token, env.world_size, peak)}
         if summary["checkpoint_stalls_s"] and summary["checkpoint_stalls_s"][-1][0] == step:
             metrics["checkpoint/stall_s"] = summary["checkpoint_stalls_s"][-1][1]  # the previous step's save
         if len(splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed

@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # The tests start several processes on the same cores: one OpenMP thread each (as CI does).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-LLMTRAIN_EXTRAS="[dev]" . scripts/setup_venv.sh
+LLMTRAIN_EXTRAS="[dev,tracking]" . scripts/setup_venv.sh
 python -m pytest -q "$@"

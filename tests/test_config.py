@@ -150,6 +150,9 @@ def test_unknown_key_fails_at_compose_naming_the_key():
     (["data.val_fraction=0"], 1, "data.val_fraction"),
     (["model.source=pretrained"], 1, "model.path"),
     (["tracker.wandb_mode=sometimes"], 1, "tracker.wandb_mode"),
+    (["tracker.backends=[neptune]"], 1, "neptune'] are not backends; choose from"),
+    (["tracker.backends=[tensorboard,tensorboard]"], 1, "names a backend twice"),
+    (["trainer.peak_tflops=-1"], 1, "trainer.peak_tflops=-1.0 must be >= 0"),
     (["trainer.checkpoint_hash=md5"], 1, "trainer.checkpoint_hash='md5' must be xxh3 or sha256"),
     (["+recipe=zero2", "trainer.async_checkpoint=true"], 2, "trainer.async_checkpoint=true needs engine=torch"),
 ])

@@ -117,9 +117,20 @@ def test_each_data_parallel_rank_and_pipeline_stage_draws_its_own_dropout_stream
     assert torch.equal(states[0], states[1]) == equal  # TP ranks share a stream, DP ranks and stages do not
 
 
+def tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of ``tag`` as TensorBoard reads the run's event files (orphans purged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
 @pytest.mark.parametrize("recipe", KILL_RECIPES + list(LORA_RUNS))
 def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path):
     overrides = COMMON + LORA_RUNS.get(recipe, [f"+recipe={recipe}"]) + [f"run_dir={tmp_path}"]
+    if recipe == "ddp":  # a tracker is bookkeeping: adding one to the killed run changes nothing else
+        overrides.append("tracker.backends=[tensorboard]")
     proc = launch(overrides, nproc=2)
     wait_for_step(proc, tmp_path, 5)          # a checkpoint at step 4 exists, step 5+ is lost
     os.killpg(proc.pid, signal.SIGKILL)
@@ -130,6 +141,11 @@ def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path
     got = per_step(tmp_path)
     assert [row[0] for row in got] == list(range(1, STEPS + 1))  # one record per step, none twice
     assert got == reference(2, recipe)
+    if recipe == "ddp":  # TensorBoard too: steps 1..8 once each, the values metrics.jsonl holds
+        import numpy as np
+
+        assert [(s, np.float32(v)) for s, v in tensorboard_scalars(tmp_path, "train/loss")] == \
+            [(row[0], np.float32(row[1])) for row in got]
 
 
 def test_sigkill_of_a_packed_mixture_continues_exactly_and_counts_sources(mixture, reference, tmp_path):
@@ -173,6 +189,21 @@ def test_async_checkpoints_train_the_same_run_and_seal_every_save(reference):
     assert all(verify(root / name) is None for name in ("step_4", "step_6", "step_8"))
     stalls = [r["checkpoint/stall_s"] for r in reference.metrics(2, "fsdp_async") if "checkpoint/stall_s" in r]
     assert len(stalls) == 3  # the saves of steps 2, 4 and 6, reported with the step after each
+
+
+def test_steps_report_the_largest_rank_memory_and_model_tflops(reference):
+    from omegaconf import OmegaConf
+
+    from llmtrain.flops import flops_per_token
+    from llmtrain.models import model_config
+
+    cfg = OmegaConf.load(reference.run_dir(2, "ddp") / "config.yaml")
+    per_token = flops_per_token(model_config(cfg.model), cfg.data.seq_len)
+    rows = [r for r in reference.metrics(2, "ddp") if "train/loss" in r]
+    assert {r["memory/peak_rank"] for r in rows} <= {0, 1} and all(r["memory/peak_bytes"] > 2**20 for r in rows)
+    for r in rows:  # 2 ranks: the global rate over 2 devices; no MFU on CPU without trainer.peak_tflops
+        assert r["perf/tflops_per_device"] == pytest.approx(r["train/tokens_per_s"] * per_token / 2 / 1e12)
+        assert "perf/mfu" not in r
 
 
 def test_kill_during_a_background_write_resumes_from_the_previous_checkpoint(reference, tmp_path):

@@ -1,0 +1,56 @@
+"""``metrics.jsonl``: one JSON object per logged step, always written (rank 0)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class JsonlBackend:
+    """Appends ``{"step": int, ...}`` lines, flushed one by one so a crash loses at most the line
+    being written. On resume the records of steps <= ``resume_step`` are kept (later ones are
+    re-run); on a fresh start an existing file is moved aside to ``metrics.jsonl.<n>.old``."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None):
+        path = run_dir / "metrics.jsonl"
+        if resume_step is None:
+            move_aside(path)
+        else:
+            _truncate_after(path, resume_step)
+        self._file = open(path, "a", encoding="utf-8")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._file.flush()
+
+    def flush(self) -> None:
+        os.fsync(self._file.fileno())
+
+    def finish(self) -> None:
+        self._file.close()
+
+
+def move_aside(path: Path) -> None:
+    """Rename an existing ``path`` to ``<name>.<n>.old`` (the first free n): never overwritten."""
+    if path.exists():
+        n = 1
+        while path.with_name(f"{path.name}.{n}.old").exists():
+            n += 1
+        path.rename(path.with_name(f"{path.name}.{n}.old"))
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the records of steps <= ``step``; atomically (write, then rename)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):
+            continue  # a line cut short by the crash
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
