@@ -62,7 +62,8 @@ class TrainState:
     step: int = 0
     consumed_samples: int = 0
     tokens_seen: int = 0
-    tracker_run_id: str | None = None
+    tracker_run_id: str | None = None  # wandb's
+    mlflow_run_id: str | None = None
     world_size: int = 1
     global_batch_size: int = 0
     # The checkpoint this one continues (``step_4``): the previous save of the same lineage, or

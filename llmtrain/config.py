@@ -277,10 +277,18 @@ class TrackerConfig:
     """Experiment tracking. ``backends``: any of ``wandb``, ``tensorboard`` (event files in
     ``run_dir/tensorboard``; needs the ``tensorboard`` package, ``pip install llmtrain[tracking]``);
     ``metrics.jsonl`` is always written. ``wandb_mode``: ``auto`` (online when an API key is
-    configured, else offline), ``online``, ``offline`` or ``disabled``."""
+    configured, else offline), ``online``, ``offline`` or ``disabled``. ``mlflow``: a tracking
+    server at ``mlflow_uri`` (``http://host:5000``) or a local store (default: a SQLite file in
+    the run directory), experiment ``mlflow_experiment`` (default: ``project``). ``on_error``:
+    ``raise`` (a backend that cannot start, e.g. an unreachable server, is an error before
+    training) or ``warn`` (train without it). A backend failing mid-run is always dropped with a
+    warning."""
 
     backends: List[str] = field(default_factory=lambda: ["wandb"])
     wandb_mode: str = "auto"
+    mlflow_uri: Optional[str] = None
+    mlflow_experiment: Optional[str] = None
+    on_error: str = "raise"
     project: str = "llmtrain"
     entity: Optional[str] = None
     run_name: Optional[str] = None
@@ -642,6 +650,19 @@ def validate(cfg: Any, world_size: int) -> None:
     _require(not unknown, f"tracker.backends: {unknown} are not backends; choose from {list(BACKENDS)} "
                           "(metrics.jsonl is always written)")
     _require(len(set(tr.backends)) == len(tr.backends), f"tracker.backends={list(tr.backends)} names a backend twice")
+    _require(tr.on_error in ("raise", "warn"), f"tracker.on_error={tr.on_error!r} must be raise or warn")
+    if "mlflow" in tr.backends:
+        import importlib.util
+
+        _require(importlib.util.find_spec("mlflow") is not None,
+                 "tracker.backends has mlflow but the mlflow package is not installed: pip install mlflow "
+                 "(or llmtrain[tracking]), or drop it from tracker.backends")
+        if tr.on_error == "raise" and tr.mlflow_uri:
+            from llmtrain.tracking.mlflow_backend import check_reachable
+
+            problem = check_reachable(tr.mlflow_uri)
+            _require(problem is None, f"tracker.mlflow_uri={tr.mlflow_uri} is unreachable ({problem}): start the "
+                                      "server or fix the URI, or set tracker.on_error=warn to train without MLflow")
     if "tensorboard" in tr.backends:
         import importlib.util
 

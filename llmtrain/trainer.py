@@ -252,7 +252,7 @@ def train(cfg: Any) -> dict[str, Any]:
         (run_dir / "config.yaml").write_text(config_yaml)
     tracker = Tracker(cfg.tracker, run_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), env.is_main,
                       resume_step=state.step if resume_from else None, run_id=state.tracker_run_id,
-                      config_yaml=config_yaml)
+                      config_yaml=config_yaml, mlflow_run_id=state.mlflow_run_id)
     num_parameters = engine.num_parameters()  # collective on some engines
     if env.is_main:
         log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; recipe %s "
@@ -294,7 +294,7 @@ def train(cfg: Any) -> dict[str, Any]:
 
     def save(background: bool) -> None:
         started = time.perf_counter()
-        state.tracker_run_id = tracker.run_id
+        state.tracker_run_id, state.mlflow_run_id = tracker.run_id, tracker.mlflow_run_id
         state.world_size, state.global_batch_size = env.world_size, t.global_batch_size
         tracker.flush()  # every step up to this checkpoint is on disk before the checkpoint counts
         written = checkpoints.save(engine, state, config_yaml, t.checkpoint_hash, background)

@@ -68,15 +68,31 @@ def test_accelerate_launch_runs_two_processes_with_deepspeed_and_a_quiet_log(tmp
     assert re.findall(r"^step (\d+)/2: train loss", proc.stdout, re.M) == ["1", "2"]
 
 
-def test_wandb_offline_writes_a_local_run(tmp_path):
+def test_wandb_offline_tensorboard_and_a_local_mlflow_store_log_every_step(tmp_path):
     env = subprocess_env()
     env.pop("WANDB_API_KEY", None)
     env["NETRC"] = str(tmp_path / "no-netrc")
-    proc = run_cli([o for o in FAST if not o.startswith("tracker")] + ["trainer.max_steps=2",
-                   f"run_dir={tmp_path}"], env=env)
+    proc = run_cli([o for o in FAST if not o.startswith("tracker")] + [
+        "trainer.max_steps=2", f"run_dir={tmp_path}", "tracker.backends=[wandb,tensorboard,mlflow]"], env=env)
     assert_ok(proc)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, proc.stderr[-3000:]
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # the default local store
+    (run,) = client.search_runs([client.get_experiment_by_name("llmtrain").experiment_id])
+    assert run.data.params["trainer.max_steps"] == "2" and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2]
+
+
+def test_an_unreachable_mlflow_server_with_on_error_warn_trains_without_it(tmp_path):
+    proc = run_cli(FAST + ["trainer.max_steps=1", f"run_dir={tmp_path}", "tracker.backends=[mlflow]",
+                           "tracker.mlflow_uri=http://127.0.0.1:9", "tracker.on_error=warn"])
+    assert_ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "mlflow could not start" in out and "training without it" in out
+    assert [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r] == [1]
 
 
 def test_help_explains_the_app_groups_recipes_and_fields():

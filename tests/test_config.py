@@ -152,6 +152,9 @@ def test_unknown_key_fails_at_compose_naming_the_key():
     (["tracker.wandb_mode=sometimes"], 1, "tracker.wandb_mode"),
     (["tracker.backends=[neptune]"], 1, "neptune'] are not backends; choose from"),
     (["tracker.backends=[tensorboard,tensorboard]"], 1, "names a backend twice"),
+    (["tracker.backends=[mlflow]", "tracker.mlflow_uri=http://127.0.0.1:9"], 1,
+     "tracker.mlflow_uri=http://127.0.0.1:9 is unreachable"),
+    (["tracker.on_error=ignore"], 1, "tracker.on_error='ignore' must be raise or warn"),
     (["trainer.peak_tflops=-1"], 1, "trainer.peak_tflops=-1.0 must be >= 0"),
     (["trainer.checkpoint_hash=md5"], 1, "trainer.checkpoint_hash='md5' must be xxh3 or sha256"),
     (["+recipe=zero2", "trainer.async_checkpoint=true"], 2, "trainer.async_checkpoint=true needs engine=torch"),
@@ -177,6 +180,10 @@ def test_deepspeed_config_is_generated_from_recipe_and_trainer(recipe, stage, of
     assert ("offload_param" in ds["zero_optimization"]) == offload
     assert ("optimizer" in ds) == offload
     assert "auto" not in repr(ds)
+
+
+def test_an_unreachable_mlflow_server_is_accepted_with_on_error_warn():
+    validate(make_cfg(["tracker.backends=[mlflow]", "tracker.mlflow_uri=http://127.0.0.1:9", "tracker.on_error=warn"]), 1)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -117,6 +117,46 @@ def test_each_data_parallel_rank_and_pipeline_stage_draws_its_own_dropout_stream
     assert torch.equal(states[0], states[1]) == equal  # TP ranks share a stream, DP ranks and stages do not
 
 
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real ``mlflow server`` (SQLite store, local artifacts, a free port) for this module."""
+    import socket
+    import urllib.request
+
+    root = tmp_path_factory.mktemp("mlflow")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
+                               "--port", str(port), "--workers", "1", "--backend-store-uri",
+                               f"sqlite:///{root / 'store.db'}", "--default-artifact-root", str(root / "artifacts")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(uri + "/health", timeout=2)
+            break
+        except OSError:
+            assert server.poll() is None and time.time() < deadline, "mlflow server did not start"
+            time.sleep(0.5)
+    yield uri
+    os.killpg(server.pid, signal.SIGTERM)
+    server.wait(timeout=30)
+
+
+def mlflow_history(uri: str, experiment: str, key: str) -> list[tuple[int, float]]:
+    """(step, value) of ``key`` in the experiment's live run (a run superseded after a crash is
+    FAILED and tagged; exactly one other run must remain)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    live = [r for r in runs if "llmtrain.superseded_by" not in r.data.tags]
+    assert len(live) == 1 and live[0].info.status == "FINISHED", [(r.info.run_id, r.info.status) for r in runs]
+    return sorted((m.step, m.value) for m in client.get_metric_history(live[0].info.run_id, key))
+
+
 def tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     """(step, value) of ``tag`` as TensorBoard reads the run's event files (orphans purged)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -127,10 +167,12 @@ def tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 
 
 @pytest.mark.parametrize("recipe", KILL_RECIPES + list(LORA_RUNS))
-def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path):
+def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path, request):
     overrides = COMMON + LORA_RUNS.get(recipe, [f"+recipe={recipe}"]) + [f"run_dir={tmp_path}"]
-    if recipe == "ddp":  # a tracker is bookkeeping: adding one to the killed run changes nothing else
-        overrides.append("tracker.backends=[tensorboard]")
+    if recipe == "ddp":  # trackers are bookkeeping: adding them to the killed run changes nothing else
+        uri = request.getfixturevalue("mlflow_server")
+        overrides += ["tracker.backends=[tensorboard,mlflow]", f"tracker.mlflow_uri={uri}",
+                      f"tracker.mlflow_experiment={tmp_path.name}"]
     proc = launch(overrides, nproc=2)
     wait_for_step(proc, tmp_path, 5)          # a checkpoint at step 4 exists, step 5+ is lost
     os.killpg(proc.pid, signal.SIGKILL)
@@ -141,11 +183,13 @@ def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path
     got = per_step(tmp_path)
     assert [row[0] for row in got] == list(range(1, STEPS + 1))  # one record per step, none twice
     assert got == reference(2, recipe)
-    if recipe == "ddp":  # TensorBoard too: steps 1..8 once each, the values metrics.jsonl holds
+    if recipe == "ddp":  # TensorBoard and MLflow too: steps 1..8 once each, the values metrics.jsonl holds
         import numpy as np
 
         assert [(s, np.float32(v)) for s, v in tensorboard_scalars(tmp_path, "train/loss")] == \
             [(row[0], np.float32(row[1])) for row in got]
+        assert mlflow_history(uri, tmp_path.name, "train/loss") == [(row[0], row[1]) for row in got]
+        assert [s for s, _ in mlflow_history(uri, tmp_path.name, "perf/tflops_per_device")] == list(range(1, STEPS + 1))
 
 
 def test_sigkill_of_a_packed_mixture_continues_exactly_and_counts_sources(mixture, reference, tmp_path):

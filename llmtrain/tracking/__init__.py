@@ -1,5 +1,7 @@
 """Experiment tracking on rank 0: ``metrics.jsonl`` always, plus the backends named in
-``tracker.backends`` (one module each: :mod:`.jsonl`, :mod:`.wandb_backend`, :mod:`.tensorboard`).
+``tracker.backends`` (one module each: :mod:`.jsonl`, :mod:`.wandb_backend`, :mod:`.tensorboard`,
+:mod:`.mlflow_backend`). A backend that fails mid-run is dropped with a warning: losing a tracker
+never stops training, and ``metrics.jsonl`` is never lost.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from llmtrain.tracking.wandb_backend import resolve_wandb_mode, wandb_api_key_co
 
 log = logging.getLogger("llmtrain")
 
-BACKENDS = ("wandb", "tensorboard")
+BACKENDS = ("wandb", "tensorboard", "mlflow")
 
 
 class Tracker:
@@ -21,14 +23,21 @@ class Tracker:
     """
 
     def __init__(self, tracker_cfg: Any, run_dir: Path, run_name: str, config: dict, is_main: bool,
-                 resume_step: int | None = None, run_id: str | None = None, config_yaml: str = ""):
+                 resume_step: int | None = None, run_id: str | None = None, config_yaml: str = "",
+                 mlflow_run_id: str | None = None):
         """Open the backends. ``resume_step``: the step a resumed run continues after (None for a
-        fresh start); ``run_id``: the wandb run id stored in that checkpoint. Each backend keeps
-        exactly one value per step across resumes (see each module)."""
+        fresh start); ``run_id`` / ``mlflow_run_id``: the wandb / MLflow run ids stored in that
+        checkpoint. Each backend keeps exactly one value per step across resumes (see each
+        module).
+
+        Raises:
+            RuntimeError: a backend cannot start and ``tracker.on_error=raise`` (the default);
+                with ``warn`` the run trains without it.
+        """
         from llmtrain.tracking.jsonl import JsonlBackend
 
         self.is_main = is_main
-        self.run_id = run_id
+        self.run_id, self.mlflow_run_id = run_id, mlflow_run_id
         self._backends: list[Any] = []
         if not is_main:
             return
@@ -45,17 +54,41 @@ class Tracker:
             from llmtrain.tracking.tensorboard import TensorBoardBackend
 
             self._backends.append(TensorBoardBackend(run_dir, config_yaml, resume_step))
+        if "mlflow" in backends:
+            from llmtrain.tracking.mlflow_backend import MlflowBackend
+
+            try:
+                mlflow_backend = MlflowBackend(tracker_cfg, run_dir, run_name, config, config_yaml, resume_step,
+                                               mlflow_run_id)
+            except Exception as err:  # noqa: BLE001  (any client or server failure)
+                if tracker_cfg.on_error != "warn":
+                    raise RuntimeError(f"tracker.backends has mlflow but it could not start ({err}); fix "
+                                       "tracker.mlflow_uri or set tracker.on_error=warn to train without it") from err
+                log.warning("mlflow could not start (%s); training without it (tracker.on_error=warn)", err)
+            else:
+                self.mlflow_run_id = mlflow_backend.run_id
+                self._backends.append(mlflow_backend)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        for backend in self._backends:
-            backend.log(metrics, step)
+        self._each("log", metrics, step)
 
     def flush(self) -> None:
         """Make every step logged so far durable (called before a checkpoint is written)."""
-        for backend in self._backends:
-            backend.flush()
+        self._each("flush")
 
     def finish(self) -> None:
-        for backend in self._backends:
-            backend.finish()
+        self._each("finish")
         self._backends = []
+
+    def _each(self, method: str, *args: Any) -> None:
+        from llmtrain.tracking.jsonl import JsonlBackend
+
+        for backend in list(self._backends):
+            try:
+                getattr(backend, method)(*args)
+            except Exception as err:  # noqa: BLE001
+                if isinstance(backend, JsonlBackend):
+                    raise  # the run's own record: a failure here (disk full) must be seen
+                log.warning("tracker %s failed in %s (%s): dropped for the rest of this run; metrics.jsonl "
+                            "keeps every step", type(backend).__name__, method, err)
+                self._backends.remove(backend)
