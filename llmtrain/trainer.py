@@ -15,7 +15,7 @@ import random
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ log = logging.getLogger("llmtrain")
 
 
 def forward_backward(engine, batches: list[dict[str, torch.Tensor]],
-                     also_sum: tuple[float, ...] = ()) -> tuple[float, int, list[float]]:
+                     also_sum: Callable[[], tuple[float, ...]] | tuple[float, ...] = ()) -> tuple[float, int, list[float]]:
     """Accumulate the gradient of one optimizer step over this rank's micro-batches.
 
     Each micro-batch's summed cross-entropy is divided by the target-token count of the whole
@@ -44,9 +44,9 @@ def forward_backward(engine, batches: list[dict[str, torch.Tensor]],
     how it is split. Tensor/pipeline-parallel peers hold the same samples, so world sums are
     divided by ``dims.data_replicas``.
 
-    ``also_sum``: this rank's other per-step scalars (the sample digest, preemption flags),
-    summed over ranks in the same all-reduce as the loss, so a step makes two collectives of its
-    own whatever the loop reports.
+    ``also_sum``: this rank's other per-step scalars (the sample digest, preemption flags, peak
+    memory), or a function returning them, called after backward; summed over ranks in the same
+    all-reduce as the loss, so a step makes two collectives of its own whatever the loop reports.
 
     Returns:
         (global mean token loss, tokens in the global batch including prompt tokens, the world
@@ -59,8 +59,9 @@ def forward_backward(engine, batches: list[dict[str, torch.Tensor]],
                           sum(b["attention_mask"].sum() for b in batches)]).to(torch.float64)
     targets, tokens = (distributed.all_reduce_sum(counts) / replicas).tolist()
     loss_sum = engine.forward_backward(batches, targets)
+    extra = also_sum() if callable(also_sum) else also_sum
     sums = distributed.all_reduce_sum(torch.cat([loss_sum.reshape(1).to(torch.float64),
-                                                 torch.tensor(also_sum, dtype=torch.float64, device=device)]))
+                                                 torch.tensor(extra, dtype=torch.float64, device=device)]))
     loss, *others = sums.tolist()  # the step's one host sync after backward
     return loss / replicas / targets, int(tokens), others
 
@@ -318,13 +319,16 @@ def train(cfg: Any) -> dict[str, Any]:
         local_digest = _sample_digest(host_batches)
         batches = [{k: v.to(env.device) for k, v in b.items()} for b in host_batches]
         lr = engine.lr()
-        # Peak memory travels in this rank's slot of a world-size vector: the sum gives every
-        # rank's figure, so the max and which rank holds it cost no collective of their own.
-        memory_slots = [0.0] * env.world_size
-        memory_slots[env.rank] = float(_memory_bytes(env.device))
-        loss, tokens, (digest, *preempt_flags, written), memory = _split_sums(forward_backward(
-            engine, batches, (local_digest, *preemption.local_flags(), checkpoints.background_written(),
-                              *memory_slots)), env.world_size)
+        def step_scalars() -> tuple[float, ...]:
+            # Read after backward. Peak memory travels in this rank's slot of a world-size
+            # vector: the sum gives every rank's figure, so the max and the rank holding it cost
+            # no collective of their own.
+            memory_slots = [0.0] * env.world_size
+            memory_slots[env.rank] = float(_memory_bytes(env.device))
+            return local_digest, *preemption.local_flags(), checkpoints.background_written(), *memory_slots
+
+        loss, tokens, (digest, *preempt_flags, written), memory = _split_sums(
+            forward_backward(engine, batches, step_scalars), env.world_size)
         digest /= dims.data_replicas
         stop, save_by_time = preemption.decide(preempt_flags)
         # Loss and gradient norm are global values every rank holds: checking them needs no collective.
