@@ -74,6 +74,17 @@ class TrainState:
     # Running mean of healthy steps' losses and how many fed it (trainer.spike_factor).
     loss_ema: float = 0.0
     loss_ema_steps: int = 0
+    # Wall-time accounting since the run's first start (Unix seconds; rank 0's clock), for
+    # time/goodput: productive = the steps this checkpoint includes; lost = work a crash made the
+    # run redo; restart = gaps between a crash and the next start (queueing included).
+    run_started_unix: float = 0.0
+    saved_unix: float = 0.0
+    productive_s: float = 0.0
+    startup_s: float = 0.0
+    eval_s: float = 0.0
+    checkpoint_s: float = 0.0
+    lost_s: float = 0.0
+    restart_s: float = 0.0
     # Partial training (LoRA, model.freeze): the base weights the checkpoint's trainable
     # parameters belong to (llmtrain.adapters.base_fingerprint); None in full training.
     base_fingerprint: str | None = None

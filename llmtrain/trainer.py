@@ -200,6 +200,7 @@ def train(cfg: Any) -> dict[str, Any]:
         ConfigError, data.DataError, models.ModelSourceError, distributed.LaunchError,
             checkpoint.ResumeError: bad input, raised before anything is written.
     """
+    process_started = time.time()
     # Read-only: the run uses exactly the composed config that `--cfg job --resolve` prints.
     OmegaConf.set_readonly(cfg, True)
     env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
@@ -254,6 +255,7 @@ def train(cfg: Any) -> dict[str, Any]:
     tracker = Tracker(cfg.tracker, run_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), env.is_main,
                       resume_step=state.step if resume_from else None, run_id=state.tracker_run_id,
                       config_yaml=config_yaml, mlflow_run_id=state.mlflow_run_id)
+    _account_restart(state, tracker.redone_records, process_started, resumed=resume_from is not None)
     num_parameters = engine.num_parameters()  # collective on some engines
     if env.is_main:
         log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; recipe %s "
@@ -277,8 +279,11 @@ def train(cfg: Any) -> dict[str, Any]:
     peak = flops.peak_tflops(env.device, t.precision, t.peak_tflops)
     val_batches = data.val_batches(splits, tokenizer, t.micro_batch_size, t.eval_samples, engine.dp_rank, dims.dp)
     summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(run_dir), "start_step": start_step}
+    eval_s_at_start = state.eval_s
     if resume_from is None:
+        eval_started = time.perf_counter()
         summary["initial_val"] = evaluate(engine, val_batches, env.device)
+        state.eval_s += time.perf_counter() - eval_started
         tracker.log(summary["initial_val"], step=0)
         if env.is_main:
             log.info("eval at step 0: val loss %.4f (ppl %.2f)", summary["initial_val"]["val/loss"],
@@ -295,6 +300,7 @@ def train(cfg: Any) -> dict[str, Any]:
 
     def save(background: bool) -> None:
         started = time.perf_counter()
+        state.saved_unix = time.time()
         state.tracker_run_id, state.mlflow_run_id = tracker.run_id, tracker.mlflow_run_id
         state.world_size, state.global_batch_size = env.world_size, t.global_batch_size
         tracker.flush()  # every step up to this checkpoint is on disk before the checkpoint counts
@@ -304,14 +310,18 @@ def train(cfg: Any) -> dict[str, Any]:
         state.parent = f"step_{state.step}"  # the next checkpoint continues this one
         preemption.saved()
         summary["checkpoint_stalls_s"].append((state.step, time.perf_counter() - started))
+        state.checkpoint_s += summary["checkpoint_stalls_s"][-1][1]
 
     def seal_background() -> None:  # every rank's background write is done: make it count
         started = time.perf_counter()
         summary["checkpoint"] = str(checkpoints.finish_background())
-        summary["checkpoint_stalls_s"][-1] = (summary["checkpoint_stalls_s"][-1][0], summary["checkpoint_stalls_s"][-1][1]
-                                              + time.perf_counter() - started)
+        sealing = time.perf_counter() - started
+        summary["checkpoint_stalls_s"][-1] = (summary["checkpoint_stalls_s"][-1][0],
+                                              summary["checkpoint_stalls_s"][-1][1] + sealing)
+        state.checkpoint_s += sealing
 
     skipped_in_a_row = 0
+    state.startup_s += time.time() - process_started - (state.eval_s - eval_s_at_start)  # the step-0 eval is eval
     for step in range(start_step, t.max_steps):
         started = time.perf_counter()
         host_batches = [next(micro_batches) for _ in range(accumulation)]
@@ -345,6 +355,7 @@ def train(cfg: Any) -> dict[str, Any]:
         state.step, state.consumed_samples = done, done * t.global_batch_size
         state.skipped_updates += int(not healthy and t.nonfinite == "skip")
         state.tokens_seen += tokens
+        state.productive_s += elapsed
         summary["losses"].append(loss)
         summary["lrs"].append(lr)
 
@@ -360,8 +371,11 @@ def train(cfg: Any) -> dict[str, Any]:
             counts = sampler.source_counts(step, len(splits.names))
             metrics.update({f"data/source/{name}_samples": n for name, n in zip(splits.names, counts)})
         progress.update(done, loss, lr, grad_norm, tokens / elapsed)
+        metrics.update(_time_metrics(state))
         if (t.eval_every and done % t.eval_every == 0) or done == t.max_steps:
+            eval_started = time.perf_counter()
             metrics.update(evaluate(engine, val_batches, env.device))
+            state.eval_s += time.perf_counter() - eval_started
             if env.is_main:
                 log.info("eval at step %d: val loss %.4f (ppl %.2f), train loss %.4f", done,
                          metrics["val/loss"], metrics["val/perplexity"], loss)
@@ -404,6 +418,28 @@ def train(cfg: Any) -> dict[str, Any]:
     engine.close()
     distributed.barrier()
     return summary
+
+
+def _account_restart(state: checkpoint.TrainState, redone: list[dict], process_started: float, resumed: bool) -> None:
+    """Goodput bookkeeping at start-up. A fresh run starts the clock. A resume books the wall
+    time the previous process spent after its checkpoint as lost (its records after the
+    checkpoint's step, which this run trains again) and the gap until this process started as
+    restart time (crash detection, queueing, start-up of the launcher)."""
+    if not resumed or not state.run_started_unix:  # a fresh run, or a checkpoint from before goodput
+        state.run_started_unix = state.run_started_unix or process_started
+        return
+    last_seen = max([state.saved_unix] + [r.get("time", 0.0) for r in redone])
+    state.lost_s += max(0.0, last_seen - state.saved_unix)
+    state.restart_s += max(0.0, process_started - last_seen)
+
+
+def _time_metrics(state: checkpoint.TrainState) -> dict[str, float]:
+    """``time/goodput`` = productive step time / wall time since the run's first start (Unix
+    clock of rank 0), with the losses broken out, all cumulative over resumes."""
+    wall = max(time.time() - state.run_started_unix, 1e-9)
+    return {"time/goodput": state.productive_s / wall, "time/wall_s": wall, "time/productive_s": state.productive_s,
+            "time/startup_s": state.startup_s, "time/eval_s": state.eval_s, "time/checkpoint_s": state.checkpoint_s,
+            "time/lost_s": state.lost_s, "time/restart_s": state.restart_s}
 
 
 def _log_trainable(engine, cfg: Any, dims: ParallelDims, is_main: bool) -> None:

@@ -189,6 +189,15 @@ def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path
         assert [(s, np.float32(v)) for s, v in tensorboard_scalars(tmp_path, "train/loss")] == \
             [(row[0], np.float32(row[1])) for row in got]
         assert mlflow_history(uri, tmp_path.name, "train/loss") == [(row[0], row[1]) for row in got]
+        # Goodput: the killed process's work after checkpoint 4 is lost time, the gap until the
+        # relaunch restart time; the parts never exceed the wall time since the first start.
+        rows = {r["step"]: r for r in read_metrics(tmp_path) if "train/loss" in r}
+        assert rows[4]["time/lost_s"] == rows[4]["time/restart_s"] == 0
+        assert rows[5]["time/lost_s"] > 0 and rows[5]["time/restart_s"] > 0
+        for r in rows.values():
+            parts = sum(r[f"time/{k}_s"] for k in ("productive", "startup", "eval", "checkpoint", "lost", "restart"))
+            assert parts <= r["time/wall_s"] * 1.01 and r["time/goodput"] == pytest.approx(
+                r["time/productive_s"] / r["time/wall_s"], rel=1e-3)
         assert [s for s, _ in mlflow_history(uri, tmp_path.name, "perf/tflops_per_device")] == list(range(1, STEPS + 1))
 
 

@@ -39,9 +39,12 @@ class Tracker:
         self.is_main = is_main
         self.run_id, self.mlflow_run_id = run_id, mlflow_run_id
         self._backends: list[Any] = []
+        self.redone_records: list[dict] = []
         if not is_main:
             return
-        self._backends.append(JsonlBackend(run_dir, resume_step))
+        jsonl = JsonlBackend(run_dir, resume_step)
+        self.redone_records = jsonl.dropped  # logged by a crashed process after its last checkpoint
+        self._backends.append(jsonl)
         backends = list(tracker_cfg.backends)
         mode = resolve_wandb_mode(tracker_cfg.wandb_mode)
         if "wandb" in backends and mode != "disabled":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 
@@ -14,14 +15,16 @@ class JsonlBackend:
 
     def __init__(self, run_dir: Path, resume_step: int | None):
         path = run_dir / "metrics.jsonl"
+        self.dropped: list[dict] = []  # records after resume_step: steps a crash made the run redo
         if resume_step is None:
             move_aside(path)
         else:
-            _truncate_after(path, resume_step)
+            self.dropped = _truncate_after(path, resume_step)
         self._file = open(path, "a", encoding="utf-8")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        # "time": when the record was written (Unix seconds); a resume measures the restart gap by it.
+        self._file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
         self._file.flush()
 
     def flush(self) -> None:
@@ -40,17 +43,19 @@ def move_aside(path: Path) -> None:
         path.rename(path.with_name(f"{path.name}.{n}.old"))
 
 
-def _truncate_after(path: Path, step: int) -> None:
-    """Keep the records of steps <= ``step``; atomically (write, then rename)."""
+def _truncate_after(path: Path, step: int) -> list[dict]:
+    """Keep the records of steps <= ``step``, atomically (write, then rename); returns the
+    records dropped."""
     if not path.exists():
-        return
-    kept = []
+        return []
+    kept, dropped = [], []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
+            record = json.loads(line)
+            (kept.append(line) if record["step"] <= step else dropped.append(record))
         except (json.JSONDecodeError, KeyError):
             continue  # a line cut short by the crash
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     os.replace(tmp, path)
+    return dropped
