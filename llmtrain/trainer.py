@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from llmtrain import adapters, checkpoint, console, data, distributed, flops
+from llmtrain import adapters, checkpoint, console, data, distributed, flops, goodput
 from llmtrain.config import ConfigError, gradient_accumulation_steps, validate
 from llmtrain.errors import TrainingStopped
 from llmtrain.engine import build_engine
@@ -255,7 +255,7 @@ def train(cfg: Any) -> dict[str, Any]:
     tracker = Tracker(cfg.tracker, run_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), env.is_main,
                       resume_step=state.step if resume_from else None, run_id=state.tracker_run_id,
                       config_yaml=config_yaml, mlflow_run_id=state.mlflow_run_id)
-    _account_restart(state, tracker.redone_records, process_started, resumed=resume_from is not None)
+    goodput.account_restart(state, tracker.redone_records, process_started, resumed=resume_from is not None)
     num_parameters = engine.num_parameters()  # collective on some engines
     if env.is_main:
         log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; recipe %s "
@@ -371,7 +371,7 @@ def train(cfg: Any) -> dict[str, Any]:
             counts = sampler.source_counts(step, len(splits.names))
             metrics.update({f"data/source/{name}_samples": n for name, n in zip(splits.names, counts)})
         progress.update(done, loss, lr, grad_norm, tokens / elapsed)
-        metrics.update(_time_metrics(state))
+        metrics.update(goodput.time_metrics(state))
         if (t.eval_every and done % t.eval_every == 0) or done == t.max_steps:
             eval_started = time.perf_counter()
             metrics.update(evaluate(engine, val_batches, env.device))
@@ -418,28 +418,6 @@ def train(cfg: Any) -> dict[str, Any]:
     engine.close()
     distributed.barrier()
     return summary
-
-
-def _account_restart(state: checkpoint.TrainState, redone: list[dict], process_started: float, resumed: bool) -> None:
-    """Goodput bookkeeping at start-up. A fresh run starts the clock. A resume books the wall
-    time the previous process spent after its checkpoint as lost (its records after the
-    checkpoint's step, which this run trains again) and the gap until this process started as
-    restart time (crash detection, queueing, start-up of the launcher)."""
-    if not resumed or not state.run_started_unix:  # a fresh run, or a checkpoint from before goodput
-        state.run_started_unix = state.run_started_unix or process_started
-        return
-    last_seen = max([state.saved_unix] + [r.get("time", 0.0) for r in redone])
-    state.lost_s += max(0.0, last_seen - state.saved_unix)
-    state.restart_s += max(0.0, process_started - last_seen)
-
-
-def _time_metrics(state: checkpoint.TrainState) -> dict[str, float]:
-    """``time/goodput`` = productive step time / wall time since the run's first start (Unix
-    clock of rank 0), with the losses broken out, all cumulative over resumes."""
-    wall = max(time.time() - state.run_started_unix, 1e-9)
-    return {"time/goodput": state.productive_s / wall, "time/wall_s": wall, "time/productive_s": state.productive_s,
-            "time/startup_s": state.startup_s, "time/eval_s": state.eval_s, "time/checkpoint_s": state.checkpoint_s,
-            "time/lost_s": state.lost_s, "time/restart_s": state.restart_s}
 
 
 def _log_trainable(engine, cfg: Any, dims: ParallelDims, is_main: bool) -> None:

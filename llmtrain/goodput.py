@@ -1,0 +1,31 @@
+"""Goodput: productive training time over the wall time since a run's first start, with the
+time lost to start-up, evaluation, checkpoints, work redone after a crash, and restarts
+(carried across resumes in :class:`llmtrain.checkpoint.TrainState`, rank 0's clock)."""
+
+from __future__ import annotations
+
+import time
+
+from llmtrain.checkpoint import TrainState
+
+
+def account_restart(state: TrainState, redone: list[dict], process_started: float, resumed: bool) -> None:
+    """Goodput bookkeeping at start-up. A fresh run starts the clock. A resume books the wall
+    time the previous process spent after its checkpoint as lost (its records after the
+    checkpoint's step, which this run trains again) and the gap until this process started as
+    restart time (crash detection, queueing, start-up of the launcher)."""
+    if not resumed or not state.run_started_unix:  # a fresh run, or a checkpoint from before goodput
+        state.run_started_unix = state.run_started_unix or process_started
+        return
+    last_seen = max([state.saved_unix] + [r.get("time", 0.0) for r in redone])
+    state.lost_s += max(0.0, last_seen - state.saved_unix)
+    state.restart_s += max(0.0, process_started - last_seen)
+
+
+def time_metrics(state: TrainState) -> dict[str, float]:
+    """``time/goodput`` = productive step time / wall time since the run's first start (Unix
+    clock of rank 0), with the losses broken out, all cumulative over resumes."""
+    wall = max(time.time() - state.run_started_unix, 1e-9)
+    return {"time/goodput": state.productive_s / wall, "time/wall_s": wall, "time/productive_s": state.productive_s,
+            "time/startup_s": state.startup_s, "time/eval_s": state.eval_s, "time/checkpoint_s": state.checkpoint_s,
+            "time/lost_s": state.lost_s, "time/restart_s": state.restart_s}
