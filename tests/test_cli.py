@@ -86,15 +86,6 @@ def test_wandb_offline_tensorboard_and_a_local_mlflow_store_log_every_step(tmp_p
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2]
 
 
-def test_an_unreachable_mlflow_server_with_on_error_warn_trains_without_it(tmp_path):
-    proc = run_cli(FAST + ["trainer.max_steps=1", f"run_dir={tmp_path}", "tracker.backends=[mlflow]",
-                           "tracker.mlflow_uri=http://127.0.0.1:9", "tracker.on_error=warn"])
-    assert_ok(proc)
-    out = proc.stdout + proc.stderr
-    assert "mlflow could not start" in out and "training without it" in out
-    assert [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r] == [1]
-
-
 def test_help_explains_the_app_groups_recipes_and_fields():
     proc = run_cli(["--help"])
     assert_ok(proc)

@@ -182,8 +182,21 @@ def test_deepspeed_config_is_generated_from_recipe_and_trainer(recipe, stage, of
     assert "auto" not in repr(ds)
 
 
-def test_an_unreachable_mlflow_server_is_accepted_with_on_error_warn():
-    validate(make_cfg(["tracker.backends=[mlflow]", "tracker.mlflow_uri=http://127.0.0.1:9", "tracker.on_error=warn"]), 1)
+def test_an_unreachable_mlflow_server_with_on_error_warn_trains_without_it(tmp_path, caplog):
+    from omegaconf import OmegaConf
+
+    from llmtrain.tracking import Tracker
+
+    cfg = make_cfg(["tracker.backends=[mlflow]", "tracker.mlflow_uri=http://127.0.0.1:9", "tracker.on_error=warn"])
+    validate(cfg, 1)  # accepted: with warn, the run trains without MLflow
+    tracker = Tracker(cfg.tracker, tmp_path, "run", OmegaConf.to_container(cfg, resolve=True), is_main=True)
+    tracker.log({"train/loss": 1.0}, step=1)
+    tracker.finish()
+    assert "mlflow could not start" in caplog.text and "training without it" in caplog.text
+    assert (tmp_path / "metrics.jsonl").read_text().count('"step": 1') == 1
+    with pytest.raises(RuntimeError, match="tracker.on_error=warn to train without it"):
+        Tracker(OmegaConf.merge(cfg.tracker, {"on_error": "raise"}), tmp_path, "run", {}, is_main=True,
+                resume_step=1)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
