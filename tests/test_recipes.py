@@ -131,9 +131,11 @@ def test_two_process_recipe_matches_plain_single_process(recipe, reference):
 
 
 # ddp is left out: torch-engine checkpoints (DCP) across world sizes and layouts are covered by
-# test_resume_across_a_layout_change below.
-@pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "ddp"])
-@pytest.mark.parametrize("saved_on,resumed_on", [(2, 1), (1, 2)])
+# test_resume_across_a_layout_change below. zero1 too: DeepSpeed saves, converts and loads ZeRO
+# stages 1 and 2 with the same code (stage_1_and_2.py, ds_to_universal), and zero2 stays in.
+# zero3 is resumed 2 -> 1; zero3_offload covers stage 3 the other way.
+@pytest.mark.parametrize("recipe,saved_on,resumed_on", [("zero2", 2, 1), ("zero2", 1, 2), ("zero3", 2, 1),
+                                                        ("zero3_offload", 2, 1), ("zero3_offload", 1, 2)])
 def test_resume_on_another_world_size(recipe, saved_on, resumed_on, reference, tmp_path):
     assert_resumes_exactly(reference(recipe, saved_on), ENGINE.get(recipe, "deepspeed"), recipe, resumed_on, tmp_path)
 

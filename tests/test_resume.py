@@ -59,9 +59,10 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
 
 
 # zero1 is left out of the SIGKILL matrix: DeepSpeed saves and loads ZeRO stages 1 and 2 with
-# the same code (stage_1_and_2.py), and zero2 stays in; zero1 resumes are still checked across
-# world sizes in test_recipes.py.
-KILL_RECIPES = ["ddp", "zero2", "zero3", "zero3_offload", "fsdp", "tp", "pp"]
+# the same code (stage_1_and_2.py), and zero2 stays in. zero3_offload too: its checkpoint is
+# zero3's plus DeepSpeedCPUAdam's state, whose exact resume test_recipes.py checks across world
+# sizes (saved on 2 ranks, resumed on 1, and back).
+KILL_RECIPES = ["ddp", "zero2", "zero3", "fsdp", "tp", "pp"]
 # LoRA runs (adapter-only checkpoints, the base rebuilt from its source on resume), with LoRA
 # dropout so the resumed random streams matter too.
 LORA_RUNS = {"lora_zero2": ["+recipe=zero2", "+peft=lora", "peft.dropout=0.1"],
@@ -78,8 +79,10 @@ def mixture(tmp_path_factory) -> list[str]:
     (folder / "sharegpt.json").write_text(json.dumps([{"conversations": [
         {"from": "human", "value": f"Who is {i}?"}, {"from": "gpt", "value": f"{i} is a number."},
         {"from": "human", "value": "Sure?"}, {"from": "gpt", "value": "Yes."}]} for i in range(60)]))
+    # Background saves (DTensor shards written by DCP's thread): the SIGKILL test below resumes
+    # from one, and the single-process background tests compare them with synchronous saves.
     return ["data=mix", f"data.datasets.0.path={folder / 'alpaca.json'}", f"data.datasets.1.path={folder / 'sharegpt.json'}",
-            "data.template=chatml", "data.seq_len=128", "data.packing=true", "+recipe=fsdp"]
+            "data.template=chatml", "data.seq_len=128", "data.packing=true", "+recipe=fsdp", "trainer.async_checkpoint=true"]
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +96,6 @@ def reference(tmp_path_factory, mixture) -> dict:
             runs = {r: COMMON + [f"+recipe={r}"] for r in (KILL_RECIPES if nproc == 2 else ["ddp"])}
             if nproc == 2:
                 runs["mix"] = COMMON + mixture
-                # Background saves of DTensor shards (FSDP2): the same losses as the synchronous run.
-                runs["fsdp_async"] = COMMON + ["+recipe=fsdp", "trainer.async_checkpoint=true"]
                 runs.update({name: COMMON + overrides for name, overrides in LORA_RUNS.items()})
             dirs = run_scenarios(runs, nproc, tmp_path_factory.mktemp(f"ref-{nproc}"))
             cache[nproc] = {r: per_step(d) for r, d in dirs.items()}
@@ -233,14 +234,14 @@ def test_kill_during_save_resumes_from_previous_checkpoint(reference, tmp_path):
     assert per_step(tmp_path) == reference(1, "ddp")
 
 
-def test_async_checkpoints_train_the_same_run_and_seal_every_save(reference):
-    assert reference(2, "fsdp_async") == reference(2, "fsdp")
-    root = reference.run_dir(2, "fsdp_async") / "checkpoints"
+def test_async_checkpoints_on_two_ranks_seal_every_save(reference):
+    reference(2, "mix")
+    root = reference.run_dir(2, "mix") / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6", "step_8"]  # keep 3; nothing unsealed
     from llmtrain.checkpoint import verify
 
     assert all(verify(root / name) is None for name in ("step_4", "step_6", "step_8"))
-    stalls = [r["checkpoint/stall_s"] for r in reference.metrics(2, "fsdp_async") if "checkpoint/stall_s" in r]
+    stalls = [r["checkpoint/stall_s"] for r in reference.metrics(2, "mix") if "checkpoint/stall_s" in r]
     assert len(stalls) == 3  # the saves of steps 2, 4 and 6, reported with the step after each
 
 
