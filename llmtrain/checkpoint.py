@@ -362,7 +362,7 @@ class CheckpointManager:
 
         ``background``: the engine copies its state to host memory and writes it in a thread;
         the small files (RNG, loop state, config) are written now. Returns None: the checkpoint
-        is sealed later, by :meth:`seal_background` once every rank's write is done (a kill before
+        is sealed later, by :meth:`finish_background` once every rank's write is done (a kill before
         that leaves the previous checkpoint the newest). A save while one is in flight first
         finishes that one."""
         self.finish_background()

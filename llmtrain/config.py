@@ -651,24 +651,18 @@ def validate(cfg: Any, world_size: int) -> None:
                           "(metrics.jsonl is always written)")
     _require(len(set(tr.backends)) == len(tr.backends), f"tracker.backends={list(tr.backends)} names a backend twice")
     _require(tr.on_error in ("raise", "warn"), f"tracker.on_error={tr.on_error!r} must be raise or warn")
-    if "mlflow" in tr.backends:
-        import importlib.util
+    import importlib.util
 
-        _require(importlib.util.find_spec("mlflow") is not None,
-                 "tracker.backends has mlflow but the mlflow package is not installed: pip install mlflow "
-                 "(or llmtrain[tracking]), or drop it from tracker.backends")
-        if tr.on_error == "raise" and tr.mlflow_uri:
-            from llmtrain.tracking.mlflow_backend import check_reachable
+    for backend in ("tensorboard", "mlflow"):  # the package of each is its name
+        _require(backend not in tr.backends or importlib.util.find_spec(backend) is not None,
+                 f"tracker.backends has {backend} but the {backend} package is not installed: pip install {backend} "
+                 f"(or llmtrain[tracking]), or drop it from tracker.backends")
+    if "mlflow" in tr.backends and tr.on_error == "raise" and tr.mlflow_uri:
+        from llmtrain.tracking.mlflow_backend import check_reachable
 
-            problem = check_reachable(tr.mlflow_uri)
-            _require(problem is None, f"tracker.mlflow_uri={tr.mlflow_uri} is unreachable ({problem}): start the "
-                                      "server or fix the URI, or set tracker.on_error=warn to train without MLflow")
-    if "tensorboard" in tr.backends:
-        import importlib.util
-
-        _require(importlib.util.find_spec("tensorboard") is not None,
-                 "tracker.backends has tensorboard but the tensorboard package is not installed: "
-                 "pip install tensorboard (or llmtrain[tracking]), or drop it from tracker.backends")
+        problem = check_reachable(tr.mlflow_uri)
+        _require(problem is None, f"tracker.mlflow_uri={tr.mlflow_uri} is unreachable ({problem}): start the "
+                                  "server or fix the URI, or set tracker.on_error=warn to train without MLflow")
     if tr.wandb_mode == "online":
         from llmtrain.tracking import wandb_api_key_configured
 

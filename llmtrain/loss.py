@@ -15,6 +15,12 @@ def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def target_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Tokens that carry a loss in ``labels`` ``[B, T]`` after the one-token shift, as a 0-dim
+    tensor on ``labels``' device (no host sync)."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
 def count_target_tokens(labels: torch.Tensor) -> int:
-    """Tokens that carry a loss in ``labels`` ``[B, T]`` after the one-token shift."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+    """:func:`target_tokens` as a Python int."""
+    return int(target_tokens(labels))

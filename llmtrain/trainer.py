@@ -25,7 +25,7 @@ from llmtrain import adapters, checkpoint, console, data, distributed, flops, go
 from llmtrain.config import ConfigError, gradient_accumulation_steps, validate
 from llmtrain.errors import TrainingStopped
 from llmtrain.engine import build_engine
-from llmtrain.loss import count_target_tokens, token_cross_entropy_sum  # noqa: F401  (public here too)
+from llmtrain.loss import count_target_tokens, target_tokens, token_cross_entropy_sum  # noqa: F401  (public here too)
 from llmtrain.models import build_model, build_tokenizer, check_sequence_length, model_config
 from llmtrain.parallel_dims import ParallelDims
 from llmtrain.preemption import Preemption
@@ -55,7 +55,7 @@ def forward_backward(engine, batches: list[dict[str, torch.Tensor]],
     replicas = engine.dims.data_replicas
     device = batches[0]["input_ids"].device
     # Counted on the device (no host sync per micro-batch); the one sync is the normaliser's.
-    counts = torch.stack([sum((b["labels"][:, 1:] != data.IGNORE_INDEX).sum() for b in batches),
+    counts = torch.stack([sum(target_tokens(b["labels"]) for b in batches),
                           sum(b["attention_mask"].sum() for b in batches)]).to(torch.float64)
     targets, tokens = (distributed.all_reduce_sum(counts) / replicas).tolist()
     loss_sum = engine.forward_backward(batches, targets)
@@ -296,7 +296,7 @@ def train(cfg: Any) -> dict[str, Any]:
     preemption = Preemption(t.preempt_signal, t.save_every_minutes)
     progress = console.Progress(t.progress_bar and env.is_main, t.max_steps, start_step, t.log_every)
 
-    summary["checkpoint_stalls_s"] = []  # (step, seconds the loop waited for a save) per save
+    summary["checkpoint_stalls_s"] = []  # [step, seconds the loop waited for its save] per save
 
     def save(background: bool) -> None:
         started = time.perf_counter()
@@ -309,15 +309,15 @@ def train(cfg: Any) -> dict[str, Any]:
             summary["checkpoint"] = str(written)
         state.parent = f"step_{state.step}"  # the next checkpoint continues this one
         preemption.saved()
-        summary["checkpoint_stalls_s"].append((state.step, time.perf_counter() - started))
-        state.checkpoint_s += summary["checkpoint_stalls_s"][-1][1]
+        stall = time.perf_counter() - started
+        summary["checkpoint_stalls_s"].append([state.step, stall])
+        state.checkpoint_s += stall
 
     def seal_background() -> None:  # every rank's background write is done: make it count
         started = time.perf_counter()
         summary["checkpoint"] = str(checkpoints.finish_background())
         sealing = time.perf_counter() - started
-        summary["checkpoint_stalls_s"][-1] = (summary["checkpoint_stalls_s"][-1][0],
-                                              summary["checkpoint_stalls_s"][-1][1] + sealing)
+        summary["checkpoint_stalls_s"][-1][1] += sealing
         state.checkpoint_s += sealing
 
     skipped_in_a_row = 0

@@ -147,9 +147,7 @@ class NativeEngine(Engine):
             part.lm_head.weight = embed.weight
 
     def _setup_pipeline(self) -> None:
-        from torch.distributed.pipelining import PipelineStage
-
-        from llmtrain.pipeline import TiedWeightSync, build_schedule
+        from llmtrain.pipeline import TiedWeightSync
 
         r = self.cfg.recipe
         self.pp_group = self.mesh["pp"].get_group()
@@ -157,20 +155,26 @@ class NativeEngine(Engine):
         self.has_first = 0 in self.stage_ids
         self.has_last = self.num_stages - 1 in self.stage_ids
         self._normaliser = 1.0
-
-        def schedule_for_length(length: int):
-            # Stages exchange fixed-shape activations, inferred at a schedule's first step: one
-            # schedule per padded length (PipelineStage objects are light; parts are shared).
-            stages = [PipelineStage(part, s, self.num_stages, self.env.device, group=self.pp_group)
-                      for s, part in zip(self.stage_ids, self.parts)]
-            return build_schedule(r.pp_schedule, stages, self.accumulation_steps, self._pipeline_loss)
-
-        self._schedules: dict[int, Any] = {}
-        self._new_schedule = schedule_for_length
+        self._schedules: dict[int, Any] = {}  # padded step length -> its schedule
         if self.tied:
             self.tied_sync = TiedWeightSync(self.mesh, self.parts)
         ranks = dist.get_process_group_ranks(self.pp_group)
         self._last_stage_rank = ranks[(self.num_stages - 1) % self.dims.pp]
+
+    def _schedule_for(self, length: int):
+        """The pipeline schedule of steps padded to ``length``. Stages exchange fixed-shape
+        activations, inferred at a schedule's first step, so each length gets its own
+        (``PipelineStage`` objects are light; the model parts are shared)."""
+        if length not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage
+
+            from llmtrain.pipeline import build_schedule
+
+            stages = [PipelineStage(part, s, self.num_stages, self.env.device, group=self.pp_group)
+                      for s, part in zip(self.stage_ids, self.parts)]
+            self._schedules[length] = build_schedule(self.cfg.recipe.pp_schedule, stages, self.accumulation_steps,
+                                                     self._pipeline_loss)
+        return self._schedules[length]
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return token_cross_entropy_sum(logits, labels) / self._normaliser * self.dims.dp
@@ -212,10 +216,7 @@ class NativeEngine(Engine):
             kwargs = {"target": labels, "losses": losses} if self.has_last else {}
             if positions is not None:  # split into micro-batches for every stage by the schedule
                 kwargs["position_ids"] = positions
-            length = input_ids.shape[1]
-            if length not in self._schedules:
-                self._schedules[length] = self._new_schedule(length)
-            self._schedules[length].step(*([input_ids] if self.has_first else []), **kwargs)
+            self._schedule_for(input_ids.shape[1]).step(*([input_ids] if self.has_first else []), **kwargs)
         total = torch.zeros((), dtype=torch.float64, device=self.env.device)
         if self.has_last:
             # losses hold CE / normaliser * dp per micro-batch; undo to the plain summed CE.
