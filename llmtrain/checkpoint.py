@@ -50,6 +50,18 @@ ENGINE_DIR = "engine"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
+def step_of(checkpoint_dir: Path) -> int:
+    """The optimizer step a checkpoint directory (``step_<N>``) holds.
+
+    Raises:
+        ValueError: the name is not ``step_<N>``.
+    """
+    match = _STEP_DIR.match(Path(checkpoint_dir).name)
+    if match is None:
+        raise ValueError(f"{checkpoint_dir} is not a step_<N> checkpoint directory")
+    return int(match.group(1))
+
+
 class ResumeError(RuntimeError):
     """An explicitly requested checkpoint is missing or invalid, or resuming cannot work."""
 

@@ -282,7 +282,8 @@ class TrackerConfig:
     the run directory), experiment ``mlflow_experiment`` (default: ``project``). ``on_error``:
     ``raise`` (a backend that cannot start, e.g. an unreachable server, is an error before
     training) or ``warn`` (train without it). A backend failing mid-run is always dropped with a
-    warning."""
+    warning. ``report``: write ``report.png`` and ``report.md`` (:mod:`llmtrain.report`) into the
+    run directory when a run ends (``python -m llmtrain.report RUN_DIR`` does it at any time)."""
 
     backends: List[str] = field(default_factory=lambda: ["wandb"])
     wandb_mode: str = "auto"
@@ -293,6 +294,7 @@ class TrackerConfig:
     entity: Optional[str] = None
     run_name: Optional[str] = None
     tags: List[str] = field(default_factory=list)
+    report: bool = True
 
 
 @dataclass

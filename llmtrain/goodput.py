@@ -4,9 +4,28 @@ time lost to start-up, evaluation, checkpoints, work redone after a crash, and r
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
+from typing import Any
 
 from llmtrain.checkpoint import TrainState
+from llmtrain.tracking.jsonl import move_aside
+
+TIMELINE = "timeline.jsonl"
+
+
+def timeline_event(run_dir: Path, event: str, fresh: bool = False, **fields: Any) -> None:
+    """Append ``{"event": event, "time": <Unix s>, **fields}`` to ``run_dir/timeline.jsonl``, one
+    line per process start (``start``: ``step``, ``resumed_from``, ``world_size``, ``recipe``)
+    and clean end (``end``: ``step``, ``reason``); a start without an end is a crash. Rank 0 only.
+    ``fresh``: a new run moves an earlier run's timeline aside first. The run report reads it.
+    """
+    path = run_dir / TIMELINE
+    if fresh:
+        move_aside(path)
+    with open(path, "a", encoding="utf-8") as file:
+        file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
 
 
 def account_restart(state: TrainState, redone: list[dict], process_started: float, resumed: bool) -> None:

@@ -256,6 +256,10 @@ def train(cfg: Any) -> dict[str, Any]:
                       resume_step=state.step if resume_from else None, run_id=state.tracker_run_id,
                       config_yaml=config_yaml, mlflow_run_id=state.mlflow_run_id)
     goodput.account_restart(state, tracker.redone_records, process_started, resumed=resume_from is not None)
+    if env.is_main:
+        goodput.timeline_event(run_dir, "start", fresh=resume_from is None, step=state.step,
+                               resumed_from=resume_from.name if resume_from else None, world_size=env.world_size,
+                               recipe=cfg.recipe.name)
     num_parameters = engine.num_parameters()  # collective on some engines
     if env.is_main:
         log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; recipe %s "
@@ -307,6 +311,7 @@ def train(cfg: Any) -> dict[str, Any]:
         written = checkpoints.save(engine, state, config_yaml, t.checkpoint_hash, background)
         if written is not None:
             summary["checkpoint"] = str(written)
+            tracker.commit(state.step)
         state.parent = f"step_{state.step}"  # the next checkpoint continues this one
         preemption.saved()
         stall = time.perf_counter() - started
@@ -315,7 +320,9 @@ def train(cfg: Any) -> dict[str, Any]:
 
     def seal_background() -> None:  # every rank's background write is done: make it count
         started = time.perf_counter()
-        summary["checkpoint"] = str(checkpoints.finish_background())
+        sealed = checkpoints.finish_background()
+        summary["checkpoint"] = str(sealed)
+        tracker.commit(checkpoint.step_of(sealed))
         sealing = time.perf_counter() - started
         summary["checkpoint_stalls_s"][-1][1] += sealing
         state.checkpoint_s += sealing
@@ -389,7 +396,7 @@ def train(cfg: Any) -> dict[str, Any]:
             _on_nonfinite(t, done, loss, grad_norm, spike, skipped_in_a_row,
                           summary.get("checkpoint") or (str(resume_from) if resume_from else None),
                           lambda: (checkpoints.finish_background(), progress.close(), preemption.restore(),
-                                   tracker.finish()))
+                                   tracker.finish(complete=False)))
         _check_optimizer_steps(engine, state)
         if written == env.world_size:
             seal_background()
@@ -405,6 +412,7 @@ def train(cfg: Any) -> dict[str, Any]:
 
     if sealed := checkpoints.finish_background():  # defensive: the last save is synchronous
         summary["checkpoint"] = str(sealed)
+        tracker.commit(checkpoint.step_of(sealed))
     preemption.restore()
     progress.close()
     if t.export_hf and "preempted_at" not in summary:
@@ -415,6 +423,11 @@ def train(cfg: Any) -> dict[str, Any]:
     # Teardown in dependency order: the tracker (rank 0's files and threads), the engine's
     # threads and buffers, and then (by the caller, after every rank is here) the process group.
     tracker.finish()
+    if env.is_main:
+        goodput.timeline_event(run_dir, "end", step=state.step,
+                               reason="preempted" if "preempted_at" in summary else "finished")
+        if cfg.tracker.report:
+            summary["report"] = _write_report(run_dir)
     engine.close()
     distributed.barrier()
     return summary
@@ -456,6 +469,20 @@ def _loss_spike(loss: float, state: checkpoint.TrainState, factor: float) -> str
     if factor and state.loss_ema_steps >= SPIKE_AFTER_STEPS and loss > factor * state.loss_ema:
         return f"is above trainer.spike_factor={factor} x the running mean loss {state.loss_ema:.4f}"
     return None
+
+
+def _write_report(run_dir: Path) -> str | None:
+    """``report.png`` / ``report.md`` (llmtrain.report) of the run so far; a failure to plot is a
+    warning, never a failed run."""
+    from llmtrain import report
+
+    try:
+        png, _ = report.write_report(run_dir)
+    except Exception as err:  # noqa: BLE001  (matplotlib missing or a plotting error)
+        log.warning("could not write the run report (%s); `python -m llmtrain.report %s` retries", err, run_dir)
+        return None
+    log.info("run report: %s and %s", png, png.with_suffix(".md"))
+    return str(png)
 
 
 def _on_nonfinite(t: Any, step: int, loss: float, grad_norm: float, spike: str | None, skipped_in_a_row: int,

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 # Small, fast settings shared by the multi-process tests (tiny model, short blocks).
-FAST = ["tracker=none", "trainer.progress_bar=false", "data.max_bytes=300000", "data.seq_len=64",
+FAST = ["tracker=none", "tracker.report=false", "trainer.progress_bar=false", "data.max_bytes=300000", "data.seq_len=64",
         "trainer.eval_every=0", "trainer.eval_samples=8"]
 
 

@@ -167,13 +167,26 @@ def tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars(tag)]
 
 
+def wandb_history(run_dir: Path, key: str) -> list[tuple[int, float]]:
+    """(step, value) of ``key`` across the run's offline wandb folders in ``wandb sync`` order."""
+    from llmtrain.tracking.wandb_backend import offline_folders, offline_history
+
+    (run_id,) = {p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")}
+    rows = []
+    for folder in offline_folders(run_dir, run_id):
+        history = offline_history(folder)
+        rows += [(step, history[step][key]) for step in sorted(history) if key in history[step]]
+    return rows
+
+
 @pytest.mark.parametrize("recipe", KILL_RECIPES + list(LORA_RUNS))
 def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path, request):
     overrides = COMMON + LORA_RUNS.get(recipe, [f"+recipe={recipe}"]) + [f"run_dir={tmp_path}"]
-    if recipe == "ddp":  # trackers are bookkeeping: adding them to the killed run changes nothing else
+    if recipe == "zero3":  # trackers are bookkeeping: adding them to the killed run changes nothing else
         uri = request.getfixturevalue("mlflow_server")
-        overrides += ["tracker.backends=[tensorboard,mlflow]", f"tracker.mlflow_uri={uri}",
-                      f"tracker.mlflow_experiment={tmp_path.name}"]
+        overrides += ["tracker.backends=[wandb,tensorboard,mlflow]", "tracker.wandb_mode=offline",
+                      f"tracker.mlflow_uri={uri}", f"tracker.mlflow_experiment={tmp_path.name}",
+                      "trainer.peak_tflops=0.5", "tracker.report=true"]  # a stated peak: MFU is logged
     proc = launch(overrides, nproc=2)
     wait_for_step(proc, tmp_path, 5)          # a checkpoint at step 4 exists, step 5+ is lost
     os.killpg(proc.pid, signal.SIGKILL)
@@ -184,22 +197,41 @@ def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path
     got = per_step(tmp_path)
     assert [row[0] for row in got] == list(range(1, STEPS + 1))  # one record per step, none twice
     assert got == reference(2, recipe)
-    if recipe == "ddp":  # TensorBoard and MLflow too: steps 1..8 once each, the values metrics.jsonl holds
-        import numpy as np
+    if recipe == "zero3":
+        _check_trackers(tmp_path, uri, got)
 
-        assert [(s, np.float32(v)) for s, v in tensorboard_scalars(tmp_path, "train/loss")] == \
-            [(row[0], np.float32(row[1])) for row in got]
-        assert mlflow_history(uri, tmp_path.name, "train/loss") == [(row[0], row[1]) for row in got]
-        # Goodput: the killed process's work after checkpoint 4 is lost time, the gap until the
-        # relaunch restart time; the parts never exceed the wall time since the first start.
-        rows = {r["step"]: r for r in read_metrics(tmp_path) if "train/loss" in r}
-        assert rows[4]["time/lost_s"] == rows[4]["time/restart_s"] == 0
-        assert rows[5]["time/lost_s"] > 0 and rows[5]["time/restart_s"] > 0
-        for r in rows.values():
-            parts = sum(r[f"time/{k}_s"] for k in ("productive", "startup", "eval", "checkpoint", "lost", "restart"))
-            assert parts <= r["time/wall_s"] * 1.01 and r["time/goodput"] == pytest.approx(
-                r["time/productive_s"] / r["time/wall_s"], rel=1e-3)
-        assert [s for s, _ in mlflow_history(uri, tmp_path.name, "perf/tflops_per_device")] == list(range(1, STEPS + 1))
+
+def _check_trackers(run_dir: Path, uri: str, got: list[tuple]) -> None:
+    """wandb (its offline folders, in sync order), TensorBoard and MLflow hold steps 1..8 once
+    each with the values metrics.jsonl holds, MFU and goodput included; the report shows the
+    resume."""
+    import numpy as np
+
+    losses = [(row[0], row[1]) for row in got]
+    assert [(s, np.float32(v)) for s, v in tensorboard_scalars(run_dir, "train/loss")] == \
+        [(s, np.float32(v)) for s, v in losses]
+    assert mlflow_history(uri, run_dir.name, "train/loss") == losses
+    assert wandb_history(run_dir, "train/loss") == losses
+    rows = {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
+    for key in ("perf/mfu", "time/goodput"):
+        expected = [(s, rows[s][key]) for s in sorted(rows)]
+        assert wandb_history(run_dir, key) == expected, key
+        assert mlflow_history(uri, run_dir.name, key) == [(s, pytest.approx(v)) for s, v in expected], key
+        assert [s for s, _ in tensorboard_scalars(run_dir, key)] == sorted(rows), key
+    assert rows[1]["perf/mfu"] == pytest.approx(rows[1]["perf/tflops_per_device"] / 0.5)
+    # Goodput: the killed process's work after checkpoint 4 is lost time, the gap until the
+    # relaunch restart time; the parts never exceed the wall time since the first start.
+    assert rows[4]["time/lost_s"] == rows[4]["time/restart_s"] == 0
+    assert rows[5]["time/lost_s"] > 0 and rows[5]["time/restart_s"] > 0
+    for r in rows.values():
+        parts = sum(r[f"time/{k}_s"] for k in ("productive", "startup", "eval", "checkpoint", "lost", "restart"))
+        assert parts <= r["time/wall_s"] * 1.01 and r["time/goodput"] == pytest.approx(
+            r["time/productive_s"] / r["time/wall_s"], rel=1e-3)
+    # The run report, written at the end: two processes, the first killed, the second resumed at 4.
+    report = (run_dir / "report.md").read_text()
+    assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| 1 |" in report and "| 2 |" in report and "killed or crashed" in report, report
+    assert f"| final train loss | {got[-1][1]:.4f} |" in report, report
 
 
 def test_sigkill_of_a_packed_mixture_continues_exactly_and_counts_sources(mixture, reference, tmp_path):
@@ -223,6 +255,7 @@ def test_kill_during_save_resumes_from_previous_checkpoint(reference, tmp_path):
     overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}"]
     env = subprocess_env()
     env["LLMTRAIN_FAULT"] = "save_before_marker:6"
+    overrides += ["tracker.backends=[wandb]", "tracker.wandb_mode=offline"]
     crashed = run_cli(overrides, nproc=1, env=env)
     assert crashed.returncode != 0
     assert (tmp_path / "checkpoints" / ".tmp-step_6").is_dir()
@@ -232,6 +265,9 @@ def test_kill_during_save_resumes_from_previous_checkpoint(reference, tmp_path):
     out = resumed.stdout + resumed.stderr
     assert "ignoring unfinished checkpoint" in out and "step_4" in out
     assert per_step(tmp_path) == reference(1, "ddp")
+    # wandb too: the killed process never wrote steps 1-4 to its offline folder (wandb buffers);
+    # the resumed one logged them from metrics.jsonl, so a sync in order uploads each step once.
+    assert wandb_history(tmp_path, "train/loss") == [(row[0], row[1]) for row in per_step(tmp_path)]
 
 
 def test_async_checkpoints_on_two_ranks_seal_every_save(reference):

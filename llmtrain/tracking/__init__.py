@@ -50,7 +50,7 @@ class Tracker:
         if "wandb" in backends and mode != "disabled":
             from llmtrain.tracking.wandb_backend import WandbBackend
 
-            wandb_backend = WandbBackend(tracker_cfg, mode, run_dir, run_name, config, run_id)
+            wandb_backend = WandbBackend(tracker_cfg, mode, run_dir, run_name, config, run_id, resume_step, jsonl.kept)
             self.run_id = wandb_backend.run_id
             self._backends.append(wandb_backend)
         if "tensorboard" in backends:
@@ -79,19 +79,34 @@ class Tracker:
         """Make every step logged so far durable (called before a checkpoint is written)."""
         self._each("flush")
 
-    def finish(self) -> None:
-        self._each("finish")
+    def commit(self, step: int) -> None:
+        """The checkpoint of ``step`` counts (sealed): backends that hold steps back until then
+        (wandb offline) may now write them."""
+        self._each("commit", step)
+
+    def finish(self, complete: bool = True) -> None:
+        """End every backend. ``complete=False``: the run stopped after its last checkpoint
+        (non-finite loss); steps held back for a checkpoint stay out (a resume logs them)."""
+        from llmtrain.tracking.wandb_backend import WandbBackend
+
+        for backend in list(self._backends):
+            self._call(backend, "finish", complete) if isinstance(backend, WandbBackend) else self._call(backend, "finish")
         self._backends = []
 
     def _each(self, method: str, *args: Any) -> None:
+        for backend in list(self._backends):
+            if hasattr(backend, method):
+                self._call(backend, method, *args)
+
+    def _call(self, backend: Any, method: str, *args: Any) -> None:
         from llmtrain.tracking.jsonl import JsonlBackend
 
-        for backend in list(self._backends):
-            try:
-                getattr(backend, method)(*args)
-            except Exception as err:  # noqa: BLE001
-                if isinstance(backend, JsonlBackend):
-                    raise  # the run's own record: a failure here (disk full) must be seen
-                log.warning("tracker %s failed in %s (%s): dropped for the rest of this run; metrics.jsonl "
-                            "keeps every step", type(backend).__name__, method, err)
+        try:
+            getattr(backend, method)(*args)
+        except Exception as err:  # noqa: BLE001
+            if isinstance(backend, JsonlBackend):
+                raise  # the run's own record: a failure here (disk full) must be seen
+            log.warning("tracker %s failed in %s (%s): dropped for the rest of this run; metrics.jsonl "
+                        "keeps every step", type(backend).__name__, method, err)
+            if backend in self._backends:
                 self._backends.remove(backend)

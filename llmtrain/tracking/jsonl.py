@@ -16,10 +16,11 @@ class JsonlBackend:
     def __init__(self, run_dir: Path, resume_step: int | None):
         path = run_dir / "metrics.jsonl"
         self.dropped: list[dict] = []  # records after resume_step: steps a crash made the run redo
+        self.kept: list[dict] = []  # records up to resume_step, in step order
         if resume_step is None:
             move_aside(path)
         else:
-            self.dropped = _truncate_after(path, resume_step)
+            self.kept, self.dropped = _truncate_after(path, resume_step)
         self._file = open(path, "a", encoding="utf-8")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -43,19 +44,23 @@ def move_aside(path: Path) -> None:
         path.rename(path.with_name(f"{path.name}.{n}.old"))
 
 
-def _truncate_after(path: Path, step: int) -> list[dict]:
+def _truncate_after(path: Path, step: int) -> tuple[list[dict], list[dict]]:
     """Keep the records of steps <= ``step``, atomically (write, then rename); returns the
-    records dropped."""
+    records kept and the records dropped."""
     if not path.exists():
-        return []
-    kept, dropped = [], []
+        return [], []
+    lines, kept, dropped = [], [], []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
-            (kept.append(line) if record["step"] <= step else dropped.append(record))
+            if record["step"] <= step:
+                lines.append(line)
+                kept.append(record)
+            else:
+                dropped.append(record)
         except (json.JSONDecodeError, KeyError):
             continue  # a line cut short by the crash
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     os.replace(tmp, path)
-    return dropped
+    return kept, dropped

@@ -1,4 +1,16 @@
-"""Weights & Biases (online / offline), rank 0."""
+"""Weights & Biases (online / offline), rank 0.
+
+Exactness across crashes. wandb's offline writer buffers its transaction log (``run-<id>.wandb``)
+and a SIGKILL loses whatever it had not yet written, while a resumed process that re-trains steps
+a crashed one had logged would log them a second time. So, offline, a step reaches wandb only once
+a checkpoint that includes it counts (:meth:`WandbBackend.commit`): no offline folder ever holds a
+step that a resume trains again. At a resume, the earlier folders of the run are read back and
+every step up to the checkpoint that none of them holds is logged again from ``metrics.jsonl``
+(which is exact), so ``wandb sync`` of the run's folders in name order uploads steps 1..N once
+each. Online, steps are logged as they happen (a dashboard is live); the server ignores a step
+lower than the run's current one, so steps a crash made the run redo keep their first values,
+and the steps the server never received are filled from ``metrics.jsonl`` in the same way.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +18,9 @@ import logging
 import netrc
 import os
 import secrets
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 log = logging.getLogger("llmtrain")
 
@@ -30,27 +43,125 @@ def resolve_wandb_mode(mode: str) -> str:
     return mode
 
 
-class WandbBackend:
-    """A wandb run. Resume continues the stored run id; offline, a resumed process writes a new
-    offline folder with the same id (``wandb sync`` them in order)."""
+def offline_folders(run_dir: Path, run_id: str) -> list[Path]:
+    """The offline folders of wandb run ``run_id`` in ``run_dir/wandb``, oldest first (their names
+    start ``offline-run-YYYYMMDD_HHMMSS``): the order to ``wandb sync`` them in."""
+    return sorted(p for p in (run_dir / "wandb").glob(f"offline-run-*-{run_id}") if p.is_dir())
 
-    def __init__(self, tracker_cfg: Any, mode: str, run_dir: Path, run_name: str, config: dict, run_id: str | None):
+
+def offline_history(folder: Path) -> dict[int, dict[str, Any]]:
+    """The history rows an offline wandb folder holds on disk: ``{step: {key: value}}``.
+
+    Reads the transaction log ``run-<id>.wandb`` that ``wandb sync`` uploads: a 7-byte header
+    (``:W&B``, magic 0xBEE1, version) and then LevelDB's log format (32 KiB blocks of records, each
+    a 7-byte header: CRC, length, type = full / first / middle / last) carrying ``Record`` protocol
+    buffers. A record cut short by a crash ends the scan, as it ends ``wandb sync``'s.
+    """
+    import json
+
+    from wandb.proto import wandb_internal_pb2
+
+    rows: dict[int, dict[str, Any]] = {}
+    for path in folder.glob("run-*.wandb"):
+        for raw in _log_records(path.read_bytes()):
+            record = wandb_internal_pb2.Record()
+            try:
+                record.ParseFromString(raw)
+            except Exception:  # noqa: BLE001  (protobuf's DecodeError: bytes the crash left half-written)
+                break
+            if record.WhichOneof("record_type") == "history":
+                items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in record.history.item}
+                rows[int(items.get("_step", record.history.step.num))] = items
+    return rows
+
+
+def _log_records(data: bytes, block: int = 32768) -> Iterator[bytes]:
+    if data[:4] != b":W&B":
+        return
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a record header is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        payload = data[pos + 7:pos + 7 + length]
+        if kind == 0 or len(payload) < length:
+            return  # zero fill or a record the crash cut short
+        pos += 7 + length
+        if kind == 1:
+            yield payload
+        elif kind == 2:
+            pending = payload
+        elif kind == 3:
+            pending += payload
+        elif kind == 4:
+            yield pending + payload
+
+
+class WandbBackend:
+    """A wandb run that holds each step once across crashes and resumes (see the module).
+
+    ``kept_records``: the ``metrics.jsonl`` records of steps up to ``resume_step`` (the
+    checkpoint resumed from), the source for steps earlier processes did not get to wandb.
+    """
+
+    def __init__(self, tracker_cfg: Any, mode: str, run_dir: Path, run_name: str, config: dict, run_id: str | None,
+                 resume_step: int | None = None, kept_records: list[dict] | None = None):
         import wandb
 
         self.run_id = run_id or secrets.token_hex(4)  # os.urandom: leaves the training RNG alone
+        self._deferred = mode == "offline"
+        self._pending: list[tuple[int, dict]] = []  # offline: steps logged, not yet in a counted checkpoint
+        held: set[int] = set()
+        if run_id and resume_step is not None and self._deferred:
+            for folder in offline_folders(run_dir, run_id):  # before init: it adds this process's folder
+                held |= set(offline_history(folder))
+            if duplicated := sorted(s for s in held if s > resume_step):
+                log.warning("wandb: the run's offline folders already hold steps %d-%d beyond checkpoint step %d "
+                            "(a resume from an older checkpoint); `wandb sync` will upload those steps twice",
+                            duplicated[0], duplicated[-1], resume_step)
         self._run = wandb.init(project=tracker_cfg.project, entity=tracker_cfg.entity, mode=mode, id=self.run_id,
                                resume="allow" if run_id else None, name=tracker_cfg.run_name or run_name,
                                tags=list(tracker_cfg.tags), config=config, dir=str(run_dir))
+        if run_id and resume_step is not None:
+            # Online, the server's next step says what it already has; offline, the folders read above.
+            first_missing = 0 if self._deferred else self._run.step
+            refill = [r for r in kept_records or [] if r["step"] >= first_missing and r["step"] not in held]
+            for record in refill:
+                self._run.log({k: v for k, v in record.items() if k not in ("step", "time")}, step=record["step"])
+            if refill:
+                log.info("wandb: logged %d step(s) up to %d again from metrics.jsonl (the crashed process had not "
+                         "written them)", len(refill), refill[-1]["step"])
         if run_id and mode == "offline":
             log.warning("wandb offline: continuing run id %s in a new offline folder; `wandb sync` the run's "
-                        "offline folders in order to upload one run", run_id)
+                        "offline folders in name order (`wandb sync %s`) to upload one run", run_id,
+                        run_dir / "wandb" / f"offline-run-*-{run_id}")
         log.info("wandb %s run %s in %s", mode, self._run.id, run_dir)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self._run.log(metrics, step=step)
+        if self._deferred:
+            self._pending.append((step, dict(metrics)))
+        else:
+            self._run.log(metrics, step=step)
+
+    def commit(self, step: int) -> None:
+        """The checkpoint of ``step`` counts: hand wandb every step up to it."""
+        while self._pending and self._pending[0][0] <= step:
+            logged_step, metrics = self._pending.pop(0)
+            self._run.log(metrics, step=logged_step)
 
     def flush(self) -> None:
-        pass  # wandb's service process owns its files
+        pass  # wandb's service process owns its files; commit() decides what it gets
 
-    def finish(self) -> None:
+    def finish(self, complete: bool = True) -> None:
+        """End the run. ``complete=False`` (a run stopped by a non-finite loss) leaves out the
+        steps after the last counted checkpoint: a resume trains them again (they stay in
+        ``metrics.jsonl`` until then)."""
+        if self._pending and not complete:
+            log.info("wandb: steps %d-%d after the last checkpoint are in metrics.jsonl only; a resume logs "
+                     "them once", self._pending[0][0], self._pending[-1][0])
+            self._pending = []
+        self.commit(self._pending[-1][0] if self._pending else 0)
         self._run.finish()

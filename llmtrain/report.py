@@ -1,0 +1,298 @@
+"""Summarise a finished (or interrupted) run: ``python -m llmtrain.report RUN_DIR``.
+
+Reads ``metrics.jsonl`` (required), ``config.yaml`` and ``timeline.jsonl`` (both optional) from a
+run directory and writes next to them ``report.png`` (loss, learning rate, grad norm, throughput
+and memory curves) and ``report.md`` (config summary, final figures, goodput breakdown, one row
+per process of the run). Times are in seconds, memory in GiB (2**30 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from omegaconf import OmegaConf
+
+GIB = 2**30
+CONFIG_FIELDS = ["name", "model.name", "data.name", "data.seq_len", "recipe.name", "recipe.engine",
+                 "recipe.zero_stage", "trainer.max_steps", "trainer.global_batch_size",
+                 "trainer.micro_batch_size", "trainer.precision", "trainer.lr"]
+GOODPUT_ROWS = [("productive", "time/productive_s"), ("startup", "time/startup_s"), ("eval", "time/eval_s"),
+                ("checkpoint", "time/checkpoint_s"), ("lost (redone after crash)", "time/lost_s"),
+                ("restart", "time/restart_s")]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of ``path``, one per line; a missing file gives ``[]`` and lines that do
+    not parse (a write cut short by a crash) are skipped."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict):
+            records.append(obj)
+    return records
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records that hold a number under ``key``."""
+    pairs = [(r["step"], float(r[key])) for r in records
+             if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool) and "step" in r]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def processes(events: list[dict], last_step: int | None) -> list[dict]:
+    """One dict per process (``start`` event) of the timeline: ``time`` (Unix s), ``from_step``,
+    ``to_step``, ``world_size``, ``recipe`` and ``ended`` (how it ended, in words)."""
+    out = []
+    for i, ev in enumerate(events):
+        if ev.get("event") != "start":
+            continue
+        nxt = next((e for e in events[i + 1:] if e.get("event") in ("start", "end")), None)
+        proc = {"time": ev.get("time"), "from_step": ev.get("step", 0), "world_size": ev.get("world_size"),
+                "recipe": ev.get("recipe")}
+        if nxt is None:
+            # No record after the last start: still running, or killed too hard to write one.
+            proc.update(to_step=last_step, ended="no end record (still running, or killed)")
+        elif nxt["event"] == "end":
+            proc.update(to_step=nxt.get("step"), ended=str(nxt.get("reason", "ended")))
+        else:
+            proc.update(to_step=nxt.get("step"), ended="killed or crashed (no end record); the next start "
+                                                       f"resumed from step {nxt.get('step')}")
+        out.append(proc)
+    return out
+
+
+def _fmt(x, spec: str | None = None) -> str:
+    if x is None:
+        return "n/a"
+    if spec is None:  # ints as they are (max_steps=100000 is not "1e+05"), floats to 4 significant digits
+        spec = ".4g" if isinstance(x, float) else ""
+    return format(x, spec) if isinstance(x, (int, float)) else str(x)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _tokens_at(records: list[dict], steps: list[int]) -> list[float]:
+    """Tokens seen at ``steps``, interpolated between logged records; step 0 has seen none."""
+    known_steps, known_tokens = series(records, "train/tokens_seen")
+    xs, ys = [0] + known_steps, [0.0] + known_tokens
+    return list(np.interp(steps, xs, ys)) if known_steps else []
+
+
+def _no_data(ax) -> None:
+    ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _resume_lines(ax, xs: list[float]) -> None:
+    for i, x in enumerate(xs):
+        ax.axvline(x, color="gray", linestyle="--", linewidth=1, label="resume" if i == 0 else "_nolegend_")
+        # Labelled on the line too: not every subplot has a legend.
+        ax.text(x, 0.98, " resume", transform=ax.get_xaxis_transform(), rotation=90, va="top", ha="left",
+                fontsize=8, color="gray")
+
+
+def _plot(path: Path, records: list[dict], resumes: list[int], title: str) -> None:
+    fig = Figure(figsize=(12, 10), dpi=100)
+    FigureCanvasAgg(fig)  # attaches itself to fig: no pyplot, no global backend state
+    axes = fig.subplots(3, 2).ravel()
+    fig.suptitle(title)
+    train, val = series(records, "train/loss"), series(records, "val/loss")
+    resume_tokens = _tokens_at(records, resumes)
+
+    for ax, xs_of, xlabel, resume_xs in ((axes[0], lambda s: s, "step", resumes),
+                                         (axes[1], lambda s: _tokens_at(records, s), "tokens seen", resume_tokens)):
+        if not train[0] and not val[0]:
+            _no_data(ax)
+            continue
+        if train[0] and xs_of(train[0]):
+            ax.plot(xs_of(train[0]), train[1], label="train loss")
+        if val[0] and xs_of(val[0]):
+            ax.plot(xs_of(val[0]), val[1], "o", label="val loss")
+        if not ax.lines:  # losses vs tokens without train/tokens_seen
+            _no_data(ax)
+            continue
+        _resume_lines(ax, resume_xs)
+        ax.set(xlabel=xlabel, ylabel="loss (nats/token)", title=f"loss vs {xlabel}")
+        ax.legend()
+
+    single = [(axes[2], "train/lr", 1.0, "learning rate", "learning rate"),
+              (axes[3], "train/grad_norm", 1.0, "grad norm (L2)", "gradient norm"),
+              (axes[5], "memory/peak_bytes", 1 / GIB, "peak memory (GiB)", "peak memory")]
+    for ax, key, scale, ylabel, name in single:
+        steps, values = series(records, key)
+        if not steps:
+            _no_data(ax)
+            continue
+        ax.plot(steps, [v * scale for v in values])
+        _resume_lines(ax, resumes)
+        ax.set(xlabel="step", ylabel=ylabel, title=name)
+
+    ax = axes[4]
+    tps = series(records, "train/tokens_per_s")
+    mfu, tflops = series(records, "perf/mfu"), series(records, "perf/tflops_per_device")
+    if not tps[0] and not mfu[0] and not tflops[0]:
+        _no_data(ax)
+    else:
+        if tps[0]:
+            ax.plot(tps[0], tps[1], label="tokens/s")
+        ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
+        _resume_lines(ax, resumes)
+        right = ax.twinx()
+        if mfu[0]:
+            right.plot(mfu[0], [100 * v for v in mfu[1]], color="tab:orange", label="MFU")
+            right.set_ylabel("MFU (%)")
+        elif tflops[0]:
+            right.plot(tflops[0], tflops[1], color="tab:orange", label="TFLOP/s per device")
+            right.set_ylabel("TFLOP/s per device")
+        handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+        ax.legend(handles, [h.get_label() for h in handles], loc="lower right")
+
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+
+
+def _markdown(run_dir: Path, records: list[dict], cfg, procs: list[dict] | None, title: str) -> str:
+    out = [f"# {title}", "", f"Run directory: `{run_dir}`", "", "## Config", ""]
+    if cfg is None:
+        out.append("_No readable `config.yaml` in the run directory._")
+    else:
+        out += _table(["field", "value"], [[f"`{k}`", OmegaConf.select(cfg, k, default=None)] for k in CONFIG_FIELDS])
+
+    train = series(records, "train/loss")[1]
+    val_steps, val = series(records, "val/loss")
+    ppl = dict(zip(*series(records, "val/perplexity")))
+    finite_val = [(v, s) for s, v in zip(val_steps, val) if math.isfinite(v)]
+    best_val, best_step = min(finite_val) if finite_val else (None, None)
+    tokens = series(records, "train/tokens_seen")[1]
+    mfu, tflops = series(records, "perf/mfu")[1], series(records, "perf/tflops_per_device")[1]
+    mem = [r for r in records if isinstance(r.get("memory/peak_bytes"), (int, float))]
+    peak = max(mem, key=lambda r: r["memory/peak_bytes"]) if mem else None
+    goodput = series(records, "time/goodput")[1]
+    skipped = series(records, "train/skipped_update")[1]
+    figures = [
+        ["final train loss", _fmt(train[-1] if train else None, ".4f")],
+        ["last val loss", f"{val[-1]:.4f} (step {val_steps[-1]})" if val else "n/a"],
+        ["last val perplexity", _fmt(ppl.get(val_steps[-1]) if val else None, ".3f")],
+        ["best val loss", f"{best_val:.4f} (step {best_step})" if best_val is not None else "n/a"],
+        ["best val perplexity", _fmt(ppl.get(best_step), ".3f")],
+        ["total steps", _fmt(max((r["step"] for r in records if "step" in r), default=None), "d")],
+        ["tokens seen", _fmt(int(tokens[-1]) if tokens else None, ",d")],
+        ["tokens/s (mean of last 10 logged steps)",
+         _fmt(_mean(series(records, "train/tokens_per_s")[1][-10:]), ",.0f")],
+        ["MFU (mean)", _fmt(100 * _mean(mfu) if mfu else None, ".1f") + (" %" if mfu else "")],
+        ["TFLOP/s per device (mean)", _fmt(_mean(tflops), ".2f")],
+        ["max peak memory", f"{peak['memory/peak_bytes'] / GIB:.2f} GiB (rank {_fmt(peak.get('memory/peak_rank'))})"
+         if peak else "n/a"],
+        ["goodput", f"{100 * goodput[-1]:.1f} %" if goodput else "n/a"],
+    ]
+    if skipped:
+        figures.append(["skipped updates (non-finite)", _fmt(int(sum(skipped)), "d")])
+    out += ["", "## Final figures", ""] + _table(["metric", "value"], figures)
+
+    out += ["", "## Goodput breakdown", ""]
+    last = next((r for r in reversed(records) if isinstance(r.get("time/wall_s"), (int, float))), None)
+    if last is None:
+        out.append("_No `time/wall_s` in metrics.jsonl._")
+    else:
+        wall = last["time/wall_s"]
+        parts = [(name, float(last.get(key) or 0.0)) for name, key in GOODPUT_ROWS]
+        parts.append(("other", max(0.0, wall - sum(s for _, s in parts))))
+        rows = [[name, f"{s:.1f}", f"{100 * s / wall:.1f} %" if wall > 0 else "n/a"] for name, s in parts]
+        rows.append(["**wall**", f"{wall:.1f}", "100.0 %"])
+        out += [f"At step {last.get('step')}:", ""] + _table(["time", "seconds", "% of wall"], rows)
+
+    out += ["", "## Timeline", ""]
+    if procs is None:
+        out.append("_No `timeline.jsonl` (a run from before timelines were recorded)._")
+    elif not procs:
+        out.append("_`timeline.jsonl` has no start events._")
+    else:
+        rows = [[i + 1,
+                 datetime.fromtimestamp(p["time"], tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+                 if isinstance(p["time"], (int, float)) else None,
+                 p["from_step"], p["to_step"], p["world_size"], p["recipe"], p["ended"]] for i, p in enumerate(procs)]
+        out += _table(["process", "start (UTC)", "from step", "to step", "world size", "recipe", "ended"], rows)
+
+    out += ["", "## Curves", "", "![report](report.png)", ""]
+    return "\n".join(out)
+
+
+def write_report(run_dir: Path) -> tuple[Path, Path]:
+    """Write ``report.png`` and ``report.md`` into ``run_dir`` (each atomically: ``<name>.tmp``,
+    then renamed) and return their paths. ``config.yaml`` and ``timeline.jsonl`` are optional;
+    raises :class:`FileNotFoundError` when ``run_dir`` has no ``metrics.jsonl``."""
+    run_dir = Path(run_dir)
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise FileNotFoundError(f"{metrics_path}: not found; expected a run directory with metrics.jsonl")
+    records = sorted((r for r in read_jsonl(metrics_path) if isinstance(r.get("step"), int)),
+                     key=lambda r: r["step"])
+    cfg = None
+    if (run_dir / "config.yaml").is_file():
+        try:
+            cfg = OmegaConf.load(run_dir / "config.yaml")
+        except Exception:  # a corrupt config must not cost the curves; the summary says it is unreadable
+            cfg = None
+    timeline_path = run_dir / "timeline.jsonl"
+    last_step = records[-1]["step"] if records else None
+    procs = processes(read_jsonl(timeline_path), last_step) if timeline_path.is_file() else None
+    resumes = [p["from_step"] for p in procs or [] if isinstance(p["from_step"], int) and p["from_step"] > 0]
+
+    name = OmegaConf.select(cfg, "name", default=None) if cfg is not None else None
+    recipe = OmegaConf.select(cfg, "recipe.name", default=None) if cfg is not None else None
+    title = f"Training report: {name or run_dir.name}" + (f" ({recipe})" if recipe else "")
+
+    png, md = run_dir / "report.png", run_dir / "report.md"
+    _plot(png, records, resumes, title)
+    tmp = md.with_name(md.name + ".tmp")
+    tmp.write_text(_markdown(run_dir, records, cfg, procs, title), encoding="utf-8")
+    os.replace(tmp, md)
+    return png, md
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: write the report of RUN_DIR and print the two paths. Returns 0, or 2
+    (message on stderr, nothing written) when RUN_DIR is missing or has no metrics.jsonl."""
+    parser = argparse.ArgumentParser(prog="python -m llmtrain.report", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run directory holding metrics.jsonl")
+    args = parser.parse_args(argv)
+    if not args.run_dir.is_dir():
+        print(f"llmtrain.report: {args.run_dir}: no such directory; expected a run directory with metrics.jsonl",
+              file=sys.stderr)
+        return 2
+    try:
+        paths = write_report(args.run_dir)
+    except FileNotFoundError as e:
+        print(f"llmtrain.report: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""``python -m llmtrain.report``: the report of a synthetic run directory (no training)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from matplotlib.image import imread
+
+from conftest import subprocess_env
+from llmtrain.report import main, write_report
+
+T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
+CONFIG = """\
+name: tiny-run
+model: {name: sshleifer/tiny-gpt2}
+data: {name: tinyshakespeare, seq_len: 64}
+recipe: {name: zero3, engine: deepspeed, zero_stage: 3}
+trainer: {max_steps: 12, global_batch_size: 8, micro_batch_size: 2, precision: bf16, lr: 0.0003}
+"""
+
+
+def train_loss(step: int) -> float:
+    return 4.0 - 0.1234 * step
+
+
+def write_run(run_dir, steps=12, config=True, timeline=True):
+    """A run resumed at step 4 after a crash: train records 1..steps, val at 0, 6, 12, the goodput
+    numbers on the last record (wall 200 s: 150 productive, 40 itemised, 10 other)."""
+    records = [{"step": 0, "time": T0, "val/loss": 4.1, "val/perplexity": 60.34}]
+    for s in range(1, steps + 1):
+        r = {"step": s, "time": T0 + 10 * s, "train/loss": train_loss(s), "train/lr": 3e-4 * min(1, s / 3),
+             "train/grad_norm": 1.0 / s, "train/tokens_per_s": 1000.0 + s, "train/tokens_seen": 512 * s,
+             "perf/mfu": 0.25, "memory/peak_bytes": (2 + (s == 7)) * 2**30, "memory/peak_rank": 1,
+             "time/goodput": 0.75 * s / steps, "time/wall_s": 200.0 * s / steps}
+        if s in (6, 12):
+            r.update({"val/loss": 3.5 if s == 6 else 3.6, "val/perplexity": 33.12 if s == 6 else 36.6})
+        records.append(r)
+    records[-1].update({"time/goodput": 0.75, "time/wall_s": 200.0, "time/productive_s": 150.0,
+                        "time/startup_s": 10.0, "time/eval_s": 5.0, "time/checkpoint_s": 5.0,
+                        "time/lost_s": 8.0, "time/restart_s": 12.0})
+    lines = [json.dumps(r) for r in records]
+    lines.insert(3, '{"step": 3, "train/lo')  # a line cut short by the crash
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if config:
+        (run_dir / "config.yaml").write_text(CONFIG)
+    if timeline:
+        events = [{"event": "start", "time": T0, "step": 0, "resumed_from": None, "world_size": 2, "recipe": "zero3"},
+                  {"event": "start", "time": T0 + 100, "step": 4, "resumed_from": "step_4", "world_size": 2,
+                   "recipe": "zero3"},
+                  {"event": "end", "time": T0 + 300, "step": 12, "reason": "finished"}]
+        (run_dir / "timeline.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def assert_png(path):
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert imread(path).shape[:2] == (1000, 1200)  # figsize (12, 10) at 100 dpi
+
+
+def test_full_report(tmp_path):
+    write_run(tmp_path)
+    png, md = write_report(tmp_path)
+    assert (png, md) == (tmp_path / "report.png", tmp_path / "report.md")
+    assert not list(tmp_path.glob("*.tmp"))
+    assert_png(png)
+    text = md.read_text()
+    assert text.startswith("# Training report: tiny-run (zero3)\n")
+    assert "| `trainer.max_steps` | 12 |" in text and "| `trainer.lr` | 0.0003 |" in text
+    assert f"| final train loss | {train_loss(12):.4f} |" in text and "2.5192" in text
+    assert "| last val loss | 3.6000 (step 12) |" in text and "| last val perplexity | 36.600 |" in text
+    assert "| best val loss | 3.5000 (step 6) |" in text and "| best val perplexity | 33.120 |" in text
+    assert "| total steps | 12 |" in text and "| tokens seen | 6,144 |" in text
+    assert "| tokens/s (mean of last 10 logged steps) | 1,008 |" in text  # mean of 1003..1012 = 1007.5
+    assert "| MFU (mean) | 25.0 % |" in text
+    assert "| max peak memory | 3.00 GiB (rank 1) |" in text
+    assert "| goodput | 75.0 % |" in text
+    # Goodput breakdown: other = 200 - (150 + 10 + 5 + 5 + 8 + 12) = 10 s.
+    for row in ["| productive | 150.0 | 75.0 % |", "| startup | 10.0 | 5.0 % |", "| eval | 5.0 | 2.5 % |",
+                "| checkpoint | 5.0 | 2.5 % |", "| lost (redone after crash) | 8.0 | 4.0 % |",
+                "| restart | 12.0 | 6.0 % |", "| other | 10.0 | 5.0 % |", "| **wall** | 200.0 | 100.0 % |"]:
+        assert row in text, row
+    # Three events, two processes: the first crashed (a start follows it), the second resumed at 4.
+    timeline = [line for line in text.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert timeline == [
+        "| 1 | 2023-11-14 22:13:20Z | 0 | 4 | 2 | zero3 | killed or crashed (no end record); the next start "
+        "resumed from step 4 |",
+        "| 2 | 2023-11-14 22:15:00Z | 4 | 12 | 2 | zero3 | finished |"]
+    assert not [line for line in text.splitlines() if line.startswith("| 3 |")]
+    assert "![report](report.png)" in text
+
+
+def test_only_step_zero(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "time": T0, "val/loss": 4.1,
+                                                        "val/perplexity": 60.34}) + "\n")
+    png, md = write_report(tmp_path)
+    assert_png(png)
+    text = md.read_text()
+    assert "| final train loss | n/a |" in text and "| last val loss | 4.1000 (step 0) |" in text
+    assert "| total steps | 0 |" in text and "_No `time/wall_s` in metrics.jsonl._" in text
+
+
+def test_without_timeline_and_config(tmp_path):
+    write_run(tmp_path, config=False, timeline=False)
+    png, md = write_report(tmp_path)
+    assert_png(png)
+    text = md.read_text()
+    assert text.startswith(f"# Training report: {tmp_path.name}\n")
+    assert "_No readable `config.yaml` in the run directory._" in text
+    assert "_No `timeline.jsonl` (a run from before timelines were recorded)._" in text
+    assert f"| final train loss | {train_loss(12):.4f} |" in text and "| goodput | 75.0 % |" in text
+
+
+def test_last_process_without_end_runs_to_last_logged_step(tmp_path):
+    write_run(tmp_path, steps=9)
+    with open(tmp_path / "timeline.jsonl") as f:
+        events = [json.loads(line) for line in f][:2]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    text = write_report(tmp_path)[1].read_text()
+    assert "| 2 | 2023-11-14 22:15:00Z | 4 | 9 | 2 | zero3 | no end record (still running, or killed) |" in text
+
+
+def test_cli_missing_dir_exits_2_and_writes_nothing(tmp_path):
+    missing = tmp_path / "nope"
+    proc = subprocess.run([sys.executable, "-m", "llmtrain.report", str(missing)], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert str(missing) in proc.stderr and "metrics.jsonl" in proc.stderr
+    assert not missing.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_cli_dir_without_metrics(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "metrics.jsonl") in err and "expected" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_prints_paths(tmp_path, capsys):
+    write_run(tmp_path)
+    assert main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / "report.png"), str(tmp_path / "report.md")]
