@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import llmtrain.distributed  # noqa: F401  (before anything imports deepspeed: picks its accelerator)
@@ -55,12 +56,38 @@ except ConfigError as err:
     _fail(err)
 
 
+def _layout(cfg: DictConfig) -> DictConfig:
+    """``+recipe=auto``: the config with the recipe, micro-batch and activation checkpointing
+    the memory planner chose for this launch's world size (llmtrain.plan); others unchanged.
+    Every rank decides alike (same inputs, no communication); rank 0 prints why."""
+    if not cfg.recipe.auto:
+        return cfg
+    import torch
+
+    from llmtrain.plan import describe, resolve_auto
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available()
+              else torch.device("cpu"))
+    chosen, choice = resolve_auto(cfg, world_size, device)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("+recipe=auto:\n" + "\n".join(choice.reasons) + "\n" + describe(choice.plan), flush=True)
+    return chosen
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     from llmtrain.distributed import shutdown
     from llmtrain.trainer import train
 
     try:
+        cfg = _layout(cfg)
+        if cfg.trainer.dry_run:
+            from llmtrain.dry_run import dry_run
+
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(dry_run(cfg, cfg.trainer.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))))
+            return
         train(cfg)
     except USER_ERRORS as err:
         shutdown()  # every rank raises these alike, before or outside any collective

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,6 +254,10 @@ class TrainerConfig:
     grad_clip: float = 1.0
     precision: str = "fp32"
     activation_checkpointing: bool = False
+    # Build the layout on dry_run_world_size ranks (None: the launch's) on the fake process
+    # group, print each rank's shards and exit without training (llmtrain.dry_run).
+    dry_run: bool = False
+    dry_run_world_size: Optional[int] = None
     eval_every: int = 50
     eval_samples: int = 64
     log_every: int = 1
@@ -321,7 +326,7 @@ class RecipeConfig:
 
     # Interpolations resolved at composition (see _register_resolvers): a top-level ``engine=``
     # shows in ``--cfg job --resolve`` exactly as the run uses it.
-    name: str = "${recipe_name:auto,torch}"
+    name: str = "${recipe_name:default,torch}"
     engine: str = "${recipe_engine:torch}"
     zero_stage: int = 0
     offload_optimizer: bool = False
@@ -354,6 +359,11 @@ class RecipeConfig:
     # (at most data.seq_len): fewer padded tokens vs fewer distinct shapes (one schedule each).
     pp_pad_multiple: int = 64
     compile: bool = False
+    # +recipe=auto: llmtrain.plan picks the recipe (and micro-batch, activation checkpointing)
+    # that fits device_memory ("80GiB"; None = the device's own) less memory_margin.
+    auto: bool = False
+    device_memory: Optional[str] = None
+    memory_margin: float = 0.1
 
 
 @dataclass
@@ -402,21 +412,35 @@ def register_configs() -> None:
         ConfigError: a recipe file has an unknown key or a value of the wrong type (the message
             names the file and the key).
     """
-    from omegaconf.errors import OmegaConfBaseException
-
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for recipe_file in sorted(Path(RECIPES_DIR).glob("*.yaml")):
-        try:
-            node = OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.load(recipe_file))
-        except OmegaConfBaseException as err:
-            raise ConfigError(f"recipe file {recipe_file}: {err}".replace("\n", " ")) from err
-        # The file's engine and name become interpolations that honour a top-level engine=.
-        engine = OmegaConf.to_container(node, resolve=True)["engine"]
-        name = node._get_node("name")._value()
-        node.engine = f"${{recipe_engine:{engine}}}"
-        node.name = f"${{recipe_name:{name},{engine}}}"
-        cs.store(group="recipe", name=recipe_file.stem, node=node)
+        cs.store(group="recipe", name=recipe_file.stem, node=load_recipe(recipe_file.stem))
+
+
+def load_recipe(name: str) -> Any:
+    """The ``recipe`` node of ``recipes/<name>.yaml`` over the :class:`RecipeConfig` schema, as
+    ``+recipe=<name>`` composes it: its engine and name are interpolations that honour a
+    top-level ``engine=``.
+
+    Raises:
+        ConfigError: no such recipe, or the file has an unknown key or a value of the wrong type
+            (the message names the file and the key).
+    """
+    from omegaconf.errors import OmegaConfBaseException
+
+    recipe_file = Path(RECIPES_DIR) / f"{name}.yaml"
+    if not recipe_file.is_file():
+        known = ", ".join(sorted(p.stem for p in Path(RECIPES_DIR).glob("*.yaml")))
+        raise ConfigError(f"no recipe {name!r} in {RECIPES_DIR}; the recipes are {known}")
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.load(recipe_file))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"recipe file {recipe_file}: {err}".replace("\n", " ")) from err
+    engine = OmegaConf.to_container(node, resolve=True)["engine"]
+    node.engine = f"${{recipe_engine:{engine}}}"
+    node.name = f"${{recipe_name:{node._get_node('name')._value()},{engine}}}"
+    return node
 
 
 def is_schema_key(dotted_key: str) -> bool:
@@ -592,6 +616,20 @@ def validate_peft(p: Any, r: Any) -> None:
              "tensor-parallel plan or split into pipeline stages here")
 
 
+def parse_bytes(text: Any, field_name: str = "device_memory") -> int:
+    """A size in bytes from ``80GiB``, ``80GB`` (decimal), ``1.5TiB``, ``512MiB`` or a number.
+
+    Raises:
+        ConfigError: not a size (the message names ``field_name``).
+    """
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.I)
+    if not match or float(match.group(1)) <= 0:
+        raise ConfigError(f"{field_name}={text!r} is not a positive size; write e.g. 80GiB, 40GB or 512MiB")
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+             "TIB": 2**40}[(match.group(2) or "B").upper()]
+    return int(float(match.group(1)) * scale)
+
+
 def validate(cfg: Any, world_size: int) -> None:
     """Check every cross-field rule before anything is built or written.
 
@@ -634,6 +672,12 @@ def validate(cfg: Any, world_size: int) -> None:
              "trainer.nonfinite=skip needs engine=torch: DeepSpeed applies the update inside its own step, before "
              "llmtrain sees the gradient norm (ZeRO-3 and ZeRO-0 would apply a NaN update); use trainer.nonfinite=stop "
              "or engine=torch")
+    _require(0 <= r.memory_margin < 1, f"recipe.memory_margin={r.memory_margin} must be in [0, 1) (a fraction of "
+                                        "device memory kept free, e.g. 0.1)")
+    if r.device_memory is not None:
+        parse_bytes(r.device_memory, "recipe.device_memory")
+    _require(t.dry_run_world_size is None or t.dry_run_world_size >= 1,
+             f"trainer.dry_run_world_size={t.dry_run_world_size} must be >= 1 (the number of ranks to lay out)")
     _require(t.save_every_minutes >= 0, f"trainer.save_every_minutes={t.save_every_minutes} must be >= 0")
     _require(t.peak_tflops >= 0, f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (0 = from the device name)")
     _require(t.checkpoint_hash in ("xxh3", "sha256"), f"trainer.checkpoint_hash={t.checkpoint_hash!r} must be xxh3 or sha256")

@@ -109,7 +109,7 @@ def test_data_field_errors_name_the_field(override, needle):
 def test_default_run_is_plain_torch_and_names_run_dir():
     cfg = make_cfg([])
     assert (cfg.recipe.engine, cfg.recipe.zero_stage) == ("torch", 0)
-    assert cfg.run_dir == "runs/tiny_llama-stdlib-auto"
+    assert cfg.run_dir == "runs/tiny_llama-stdlib-default"
 
 
 def test_unknown_recipe_fails_at_compose():

@@ -1,0 +1,136 @@
+"""Dry run: build a run's real N-rank layout in one process, without communication.
+
+``trainer.dry_run=true`` (with ``trainer.dry_run_world_size=N``) or ``python -m llmtrain.plan
+... world_size=N --check``. For the torch engine every rank's layout is built with the code a run
+uses (``ParallelDims`` → device mesh → pipeline split → ``parallelize``: TP, activation
+checkpointing, FSDP2) on torch's fake process group (``init_process_group("fake")``: collectives
+return at once) and a meta-device model, so a 64-rank 3D layout is checked on a laptop in seconds.
+It reports each rank's mesh coordinates and parameter shard shapes. For DeepSpeed it prints the
+generated DeepSpeed config and each rank's ZeRO partition of the parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+
+def _torch_layout(cfg: Any, world_size: int, dims: Any, hf_config: Any) -> list[dict]:
+    """Per rank: coordinates and ``[(name, global shape, local shape, placements)]``."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.parallelize import parallelize, tp_plan
+
+    ranks = []
+    for rank in range(world_size):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            mesh = dims.build_mesh("cpu")
+            coords = {name: mesh.get_local_rank(name) for name in mesh.mesh_dim_names}
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+            if getattr(hf_config, "tie_word_embeddings", False):
+                model.tie_weights()
+            plan = tp_plan(model, cfg.model.get("tp_plan")) if dims.tp > 1 else None
+            if dims.pp > 1:
+                from llmtrain.pipeline import split_stages
+
+                parts = [part for _, part in split_stages(model, dims.pp, coords["pp"], cfg.recipe.pp_stages_per_rank)]
+            else:
+                parts = [model]
+            shards = []
+            for part in parts:
+                parallelize(part, cfg, mesh, dims, plan)
+                for name, param in part.named_parameters():
+                    local = param.to_local() if hasattr(param, "to_local") else param
+                    placements = ",".join(str(p) for p in getattr(param, "placements", ())) or "whole"
+                    shards.append((name, tuple(param.shape), tuple(local.shape), placements))
+            ranks.append({"rank": rank, "coords": coords, "shards": shards})
+        finally:
+            dist.destroy_process_group()
+    return ranks
+
+
+def dry_run(cfg: Any, world_size: int) -> str:
+    """The layout report of ``cfg`` on ``world_size`` ranks (see the module).
+
+    Raises:
+        ConfigError: the layout is not valid on ``world_size`` ranks (degrees, heads, layers,
+            batch divisibility), as a real launch would report it.
+    """
+    from llmtrain.config import gradient_accumulation_steps, validate
+    from llmtrain.models import model_config
+    from llmtrain.parallel_dims import ParallelDims
+
+    started = time.perf_counter()
+    validate(cfg, world_size)
+    r = cfg.recipe
+    dims = ParallelDims.from_recipe(r, world_size)
+    hf_config = model_config(cfg.model)
+    dims.check_model(hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
+                     or hf_config.num_attention_heads, hf_config.num_hidden_layers, r.pp_stages_per_rank)
+    accumulation = gradient_accumulation_steps(cfg.trainer, dims.dp)
+    dims.check_microbatches(accumulation, r.pp_stages_per_rank)
+    lines = [f"dry run of recipe {r.name} (engine {r.engine}, ZeRO {r.zero_stage}) on {world_size} ranks: "
+             f"pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}; "
+             f"global batch {cfg.trainer.global_batch_size} = micro {cfg.trainer.micro_batch_size} x accumulation "
+             f"{accumulation} x dp {dims.dp}"]
+    if r.engine == "deepspeed":
+        lines += _deepspeed_report(cfg, world_size, accumulation, hf_config)
+    else:
+        ranks = _torch_layout(cfg, world_size, dims, hf_config)
+        lines += _torch_report(ranks)
+    lines.append(f"built in {time.perf_counter() - started:.1f} s on the fake process group (no communication, "
+                 "parameters on the meta device)")
+    return "\n".join(lines)
+
+
+def _torch_report(ranks: list[dict]) -> list[str]:
+    lines = ["rank  pp dp_rep dp_shard tp   parameters (local elements)  tensors"]
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for entry in ranks:
+        c = entry["coords"]
+        local = sum(math.prod(s[2]) for s in entry["shards"])
+        lines.append(f"{entry['rank']:>4} {c['pp']:>3} {c['dp_replicate']:>6} {c['dp_shard']:>8} {c['tp']:>2}   "
+                     f"{local:>27,}  {len(entry['shards'])}")
+        groups[tuple(entry["shards"])].append(entry["rank"])
+    lines.append(f"{len(groups)} distinct shard layout(s); each with its ranks and parameter shards "
+                 "(name: global shape -> local shape [placements]):")
+    for shards, members in groups.items():
+        lines.append(f"ranks {_ranges(members)}:")
+        lines += [f"  {name}: {list(full)} -> {list(local)} [{placements}]" for name, full, local, placements in shards]
+    return lines
+
+
+def _deepspeed_report(cfg: Any, world_size: int, accumulation: int, hf_config: Any) -> list[str]:
+    from llmtrain.engine.deepspeed_engine import deepspeed_config
+    from llmtrain.plan import model_shape
+
+    config = deepspeed_config(cfg, world_size, accumulation)
+    total = model_shape(hf_config).total
+    stage = cfg.recipe.zero_stage
+    per_rank = math.ceil(total / world_size)
+    what = {0: "nothing (every rank holds everything)", 1: "optimizer state", 2: "optimizer state and gradients",
+            3: "optimizer state, gradients and parameters"}[stage]
+    lines = ["DeepSpeed config (generated from the recipe):", json.dumps(config, indent=2, sort_keys=True),
+             f"ZeRO-{stage} partitions {what} over {world_size} ranks: {total:,} parameters, "
+             f"{per_rank:,} per rank (ranks 0..{world_size - 1}; the last padded by "
+             f"{per_rank * world_size - total:,})" if stage else "ZeRO-0: no partitioning"]
+    return lines
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2, 5``."""
+    out, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1:
+            out.append(f"{start}-{prev}" if start != prev else f"{start}")
+            start = cur
+    return ", ".join(out)

@@ -1,0 +1,601 @@
+"""Memory planner: per-rank bytes of a run's layout before launching it, and ``+recipe=auto``.
+
+``python -m llmtrain.plan <the overrides of a run> world_size=N [device_memory=80GiB]`` prints,
+per rank, the bytes of parameters, gradients, optimizer state (and the fp32 master copy the
+DeepSpeed engine keeps), activations and the largest temporary buffers, for the chosen recipe and,
+as a table, for every shipped recipe that is valid on N ranks. Nothing is trained, no weights are
+read and no process group is needed: the model is built on the meta device (parameter counts) and
+one and two of its decoder layers are run under ``FakeTensorMode`` at the run's micro-batch shape
+(bytes saved for backward), so a 70B model plans in seconds on a laptop.
+
+Accounting (bytes per rank; n = parameters the rank holds before data-parallel sharding, i.e.
+after the tensor-parallel split and its pipeline stage's share; d = data-parallel shard degree):
+
+- torch engine, ``zero_stage`` 0 (DDP, TP, PP): parameters 4n, gradients 4n (DDP's buckets are
+  the gradients, ``gradient_as_bucket_view``), AdamW 8n (two fp32 moments). FSDP2 (stage 3):
+  each / d, plus the all-gathered largest unit twice (current and prefetched) in the compute
+  dtype and its fp32 gradient before the reduce-scatter. Stages 1-2 on FSDP2 keep every unit
+  gathered from forward to backward (``reshard_after_forward=False``).
+- DeepSpeed (ZeRO, Rajbhandari et al. SC'20 section 5.1): working parameters 2n (bf16) or 4n
+  (fp32), / d at stage 3; fp32 gradients n (stage 1) or n / d (stages 2-3); an fp32 master
+  partition 4n / d (DeepSpeed keeps it even in fp32 runs, a second copy of the weights); AdamW
+  8n / d. Temporaries: the reduce and all-gather buckets, and at stage 3 the gathered parameters
+  (up to ``max_live_parameters``, DeepSpeed's default 1e9 elements) and the prefetch bucket.
+  Offload moves the optimizer state and master (and the parameter partition) to host memory.
+- Activations: bytes saved for backward per decoder layer (measured under FakeTensorMode on a
+  layer with the tensor-parallel rank's share of heads and MLP width), times the stage's layers,
+  plus the embedding and the loss (logits); with activation checkpointing, each layer keeps
+  its input and one layer is recomputed at a time. A pipeline's first stage holds ``pp``
+  micro-batches in flight under 1F1B and all of them under GPipe (Narayanan et al. SC'21,
+  section 2.2).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtrain.config import ConfigError, parse_bytes
+
+GIB = 2**30
+DEFAULT_MARGIN = 0.1  # of device memory, for the allocator's fragmentation and the CUDA context
+# Preference of +recipe=auto, cheapest communication first (per step, Ψ = parameter bytes moved):
+# DDP 2Ψ all-reduce; ZeRO-1/2 the same 2Ψ as reduce-scatter + all-gather (optimizer state / also
+# gradients sharded); FSDP2 and ZeRO-3 3Ψ (parameters gathered in forward and again in
+# backward); tensor parallel adds two activation all-reduces per layer and wants one node;
+# pipelines add a bubble of (pp-1)/(micro-batches+pp-1) of the step; offload is bound by the
+# host link. Within a recipe a larger micro-batch is preferred, then no activation checkpointing
+# (it recomputes the forward, ~33% more compute).
+PREFERENCE = ("ddp", "zero1", "zero2", "fsdp", "zero3", "hsdp", "fsdp_tp", "tp", "pp_fsdp", "pp", "3d",
+              "zero3_offload")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts (elements) of a causal LM, from a meta-device build.
+
+    ``tp_sharded``: elements of one decoder layer in modules the tensor-parallel plan splits;
+    ``embedding_tp`` / ``head_tp``: whether the plan splits the embedding / the output head.
+    """
+
+    total: int
+    embedding: int
+    head: int  # 0 when tied to the embedding
+    final_norm: int
+    layer: int
+    layers: int
+    tp_sharded: int
+    embedding_tp: bool
+    head_tp: bool
+    small_params: int  # elements of one layer's tensors of <= 10 x hidden elements (norms, biases)
+    hidden: int
+    vocab: int
+    tp_plan_error: str | None
+
+
+def model_shape(hf_config: Any, tp_override: dict | None = None) -> ModelShape:
+    """Count the parameters of the model ``hf_config`` describes, built on the meta device (no
+    memory, no weights; an 8B model takes ~0.03 s)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.parallelize import tp_plan
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    hidden = hf_config.hidden_size
+    layers = list(model.base_model.layers)
+    try:
+        plan, plan_error = tp_plan(model, tp_override), None
+    except ConfigError as err:
+        plan, plan_error = {}, str(err)
+    import fnmatch
+
+    def sharded(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name.rsplit(".", 1)[0], path) for path in plan)
+
+    prefix = model.base_model_prefix
+    layer_params = dict(model.base_model.layers[0].named_parameters())
+    embedding = model.base_model.embed_tokens.weight
+    head = model.lm_head.weight
+    tied = head is embedding
+    return ModelShape(
+        total=sum(p.numel() for p in model.parameters()), embedding=embedding.numel(),
+        head=0 if tied else head.numel(), final_norm=sum(p.numel() for p in model.base_model.norm.parameters()),
+        layer=sum(p.numel() for p in layers[0].parameters()), layers=len(layers),
+        tp_sharded=sum(p.numel() for n, p in layer_params.items() if sharded(f"{prefix}.layers.0.{n}")),
+        embedding_tp=sharded(f"{prefix}.embed_tokens.weight"), head_tp=sharded("lm_head.weight"),
+        small_params=sum(p.numel() for p in layer_params.values() if p.numel() <= 10 * hidden),
+        hidden=hidden, vocab=hf_config.vocab_size, tp_plan_error=plan_error)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes saved for backward by one micro-batch: ``per_layer`` for each decoder layer,
+    ``outside`` for the embedding, final norm and loss (the logits), ``layer_input`` for one
+    layer's input (what activation checkpointing keeps)."""
+
+    per_layer: int
+    outside: int
+    layer_input: int
+
+
+_ACTIVATION_CACHE: dict[tuple, Activations] = {}
+
+
+def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precision: str, tp: int = 1) -> Activations:
+    """Bytes saved for backward, measured by running a one- and a two-layer copy of the model
+    under ``FakeTensorMode`` (shapes only, no memory) with ``saved_tensors_hooks`` counting
+    unique storages that are not parameters; the difference is one layer. A tensor-parallel
+    rank runs its share of heads and MLP width (Megatron-LM's split), so its layer is measured
+    as a layer with heads / tp and intermediate size / tp at the same head dimension.
+    """
+    key = (hf_config.to_json_string(), micro_batch, seq_len, precision, tp)
+    if key in _ACTIVATION_CACHE:
+        return _ACTIVATION_CACHE[key]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.loss import token_cross_entropy_sum
+
+    def saved_bytes(num_layers: int) -> int:
+        cfg = copy.deepcopy(hf_config)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        cfg.head_dim = head_dim
+        cfg.num_hidden_layers = num_layers
+        cfg.num_attention_heads = max(1, cfg.num_attention_heads // tp)
+        kv = getattr(cfg, "num_key_value_heads", None) or hf_config.num_attention_heads
+        cfg.num_key_value_heads = max(1, kv // tp)
+        cfg.intermediate_size = max(1, cfg.intermediate_size // tp)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            model.train()
+            params = {p.untyped_storage()._cdata for p in model.parameters()}
+            seen: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                storage = t.untyped_storage()
+                if storage._cdata not in params:
+                    seen.setdefault(storage._cdata, storage.nbytes())
+                return t
+
+            ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(
+                    "cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                token_cross_entropy_sum(model(input_ids=ids).logits, ids)
+        return sum(seen.values())
+
+    one, two = saved_bytes(1), saved_bytes(2)
+    act_bytes = 2 if precision == "bf16" else 4
+    result = Activations(per_layer=two - one, outside=max(0, 2 * one - two),
+                         layer_input=micro_batch * seq_len * hf_config.hidden_size * act_bytes)
+    _ACTIVATION_CACHE[key] = result
+    return result
+
+
+@dataclass
+class RankPlan:
+    """Bytes one rank needs for a recipe (the binding rank: the pipeline stage needing most).
+    ``host``: bytes offloaded to host memory per rank. ``error``: why the recipe cannot run on
+    this world size (then the byte fields are 0)."""
+
+    recipe: str
+    world_size: int
+    degrees: str = ""
+    micro_batch: int = 0
+    accumulation: int = 0
+    checkpointing: bool = False
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    master: int = 0
+    activations: int = 0
+    temporaries: dict[str, int] = field(default_factory=dict)  # during the step only
+    buffers: dict[str, int] = field(default_factory=dict)  # kept between steps
+    grads_kept: bool = False  # the gradient storage outlives the step (DDP buckets, ZeRO-3 partitions)
+    host: int = 0
+    stage: int = 0
+    error: str | None = None
+
+    @property
+    def model_states(self) -> int:
+        """Parameters + gradients + optimizer state + master copy on the device (bytes)."""
+        return self.params + self.grads + self.optimizer + self.master
+
+    @property
+    def resident(self) -> int:
+        """Device bytes held between steps (after the optimizer step): parameters, optimizer
+        state, master copy, buffers, and the gradients where their storage is kept."""
+        return (self.params + self.optimizer + self.master + (self.grads if self.grads_kept else 0)
+                + sum(self.buffers.values()))
+
+    @property
+    def total(self) -> int:
+        """Device bytes at the step's peak: model states, buffers, activations and every
+        temporary (assumed live at once: an upper bound)."""
+        return self.model_states + sum(self.buffers.values()) + self.activations + sum(self.temporaries.values())
+
+
+def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_batch: int | None = None,
+                checkpointing: bool | None = None) -> RankPlan:
+    """Per-rank bytes of ``cfg`` (a composed run config; its recipe) on ``world_size`` ranks.
+    ``micro_batch`` / ``checkpointing`` override ``trainer.micro_batch_size`` /
+    ``trainer.activation_checkpointing``. An invalid layout gives a plan with ``error`` set."""
+    from llmtrain.config import gradient_accumulation_steps
+    from llmtrain.engine.deepspeed_engine import communication_sizes
+    from llmtrain.models import model_config
+    from llmtrain.parallel_dims import ParallelDims
+    from llmtrain.pipeline import stage_layer_ids
+
+    r, t = cfg.recipe, cfg.trainer
+    hf_config = hf_config or model_config(cfg.model)
+    micro = micro_batch or t.micro_batch_size
+    ckpt = t.activation_checkpointing if checkpointing is None else checkpointing
+    plan = RankPlan(recipe=r.name, world_size=world_size, micro_batch=micro, checkpointing=ckpt)
+    try:
+        dims = ParallelDims.from_recipe(r, world_size)
+        dims.check_model(hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
+                         or hf_config.num_attention_heads, hf_config.num_hidden_layers, r.pp_stages_per_rank)
+        accumulation = gradient_accumulation_steps(replace_micro(t, micro), dims.dp)
+        dims.check_microbatches(accumulation, r.pp_stages_per_rank)
+    except ConfigError as err:
+        plan.error = str(err)
+        return plan
+    shape = _shape(hf_config, cfg.model)
+    if dims.tp > 1 and shape.tp_plan_error:
+        plan.error = shape.tp_plan_error
+        return plan
+    plan.degrees = f"dp {dims.dp_replicate}x{dims.dp_shard} tp {dims.tp} pp {dims.pp}"
+    plan.accumulation = accumulation
+    bf16 = t.precision == "bf16"
+    compute = 2 if bf16 else 4
+    acts = measure_activations(hf_config, micro, cfg.data.seq_len, t.precision, dims.tp)
+    layer_n = shape.tp_sharded // dims.tp + (shape.layer - shape.tp_sharded)
+    embedding_n = shape.embedding // (dims.tp if shape.embedding_tp else 1)
+    head_n = shape.head // (dims.tp if shape.head_tp else 1)
+    stages = dims.pp * r.pp_stages_per_rank
+    stage_ids = stage_layer_ids(shape.layers, stages)
+    best: RankPlan | None = None
+    for pp_rank in range(dims.pp):
+        mine = [s for s in range(stages) if s % dims.pp == pp_rank]
+        first, last = 0 in mine, stages - 1 in mine
+        layers = sum(len(stage_ids[s]) for s in mine)
+        n = layers * layer_n + (embedding_n if first else 0)
+        if last:
+            n += shape.final_norm + (head_n if shape.head else (embedding_n if not first else 0))
+        in_flight = 1 if dims.pp == 1 else (accumulation if r.pp_schedule == "gpipe" else
+                                               min(accumulation, (dims.pp - pp_rank) * r.pp_stages_per_rank))
+        per_micro = (layers * (acts.layer_input if ckpt else acts.per_layer)
+                     + (acts.outside if last else (acts.layer_input if not first else 0)))
+        activations = in_flight * per_micro + (acts.per_layer if ckpt else 0)  # one layer recomputed
+        candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={})
+        _model_states(candidate, r, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
+                      communication_sizes(r, shape.hidden))
+        # The logits and their gradient, fp32, live on the last stage while the loss backpropagates.
+        tokens = micro * cfg.data.seq_len
+        if last:
+            candidate.temporaries["logits and their gradient"] = 2 * tokens * shape.vocab * 4
+        if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps
+            candidate.buffers["pipeline receive buffers (one per micro-batch)"] = accumulation * tokens * shape.hidden * 4
+            if last:
+                candidate.buffers["pipeline output chunks (logits per micro-batch)"] = accumulation * tokens * shape.vocab * 4
+        if best is None or candidate.total > best.total:
+            best = candidate
+    return best
+
+
+def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16: bool, shape: ModelShape,
+                  layer_n: int, embedding_n: int, head_n: int, sizes: dict[str, int]) -> None:
+    if r.engine == "deepspeed":
+        d = dims.world_size
+        working = 2 if bf16 else 4
+        plan.params = working * n // d if r.zero_stage == 3 else working * n
+        if r.zero_stage == 3:  # small parameters (norms, biases) stay gathered on every rank
+            plan.params += working * shape.small_params * shape.layers
+        plan.grads = 4 * n // d if r.zero_stage >= 2 else 4 * n
+        plan.grads_kept = r.zero_stage == 3  # stage 3's flat gradient partition; 1-2 free theirs
+        plan.master, plan.optimizer = 4 * n // d, 8 * n // d
+        plan.temporaries["reduce bucket"] = 4 * sizes["reduce_bucket_size"]
+        if r.zero_stage < 3:
+            plan.temporaries["all-gather bucket"] = working * sizes["allgather_bucket_size"]
+        else:
+            live = r.max_live_parameters if r.max_live_parameters is not None else 10**9
+            plan.temporaries["gathered parameters (max_live_parameters)"] = working * min(n, live)
+            plan.temporaries["prefetch bucket"] = working * sizes["prefetch_bucket_size"]
+        if r.offload_optimizer:
+            # The fp32 gradient partition is reduced on the device and copied to the host for
+            # the CPU optimizer: both copies exist.
+            plan.host += plan.master + plan.optimizer + (plan.grads if r.zero_stage >= 2 else 0)
+            plan.master = plan.optimizer = 0
+        if r.offload_params and r.zero_stage == 3:
+            plan.host += plan.params
+            plan.params = 0
+        return
+    d = dims.dp_shard
+    plan.params, plan.grads, plan.optimizer = 4 * n // d, 4 * n // d, 8 * n // d
+    plan.grads_kept = d == 1 and dims.dp_replicate > 1 and dims.tp == dims.pp == 1  # DDP: buckets are the grads
+    if d > 1:
+        unit = max(layer_n, embedding_n + shape.final_norm + head_n)  # a decoder layer, or the root's
+        if r.zero_stage == 3:
+            plan.temporaries["FSDP all-gather (largest unit, current + prefetch)"] = 2 * compute * unit
+        else:
+            plan.temporaries["FSDP unsharded parameters (kept forward to backward)"] = compute * n
+        plan.temporaries["FSDP reduce-scatter input (largest unit, fp32)"] = 4 * unit
+    if r.offload_params:
+        plan.host += plan.params + plan.grads + plan.optimizer
+        plan.params = plan.grads = plan.optimizer = 0
+
+
+def replace_micro(trainer: Any, micro: int) -> Any:
+    """A read-only view of ``trainer`` with another micro-batch size (for the divisibility check)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(micro_batch_size=micro, global_batch_size=trainer.global_batch_size)
+
+
+_SHAPE_CACHE: dict[str, ModelShape] = {}
+
+
+def _shape(hf_config: Any, model_cfg: Any) -> ModelShape:
+    from omegaconf import OmegaConf
+
+    override = model_cfg.get("tp_plan") if hasattr(model_cfg, "get") else None
+    override = OmegaConf.to_container(override) if OmegaConf.is_config(override) else override
+    key = hf_config.to_json_string() + repr(override)
+    if key not in _SHAPE_CACHE:
+        _SHAPE_CACHE[key] = model_shape(hf_config, override or None)
+    return _SHAPE_CACHE[key]
+
+
+# --- every recipe, and the choice of +recipe=auto ---------------------------------------------
+
+
+def recipe_names() -> list[str]:
+    """The shipped recipes (``recipes/*.yaml``) other than ``auto``."""
+    from llmtrain.paths import RECIPES_DIR
+
+    return sorted(p.stem for p in Path(RECIPES_DIR).glob("*.yaml") if p.stem != "auto")
+
+
+def compose(overrides: list[str]) -> Any:
+    """The run config of ``python -m llmtrain OVERRIDES``, composed in-process."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from llmtrain.config import register_configs
+    from llmtrain.paths import CONF_DIR
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+def with_recipe(cfg: Any, name: str, **trainer: Any) -> Any:
+    """A copy of ``cfg`` with ``recipes/<name>.yaml`` as its recipe (on the recipe's own engine)
+    and ``trainer`` fields replaced."""
+    from omegaconf import OmegaConf
+
+    from llmtrain.config import load_recipe
+
+    new = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(new, False)
+    new.engine = None
+    new.recipe = load_recipe(name)
+    for key, value in trainer.items():
+        new.trainer[key] = value
+    return new
+
+
+def plan_all(cfg: Any, world_size: int) -> list[RankPlan]:
+    """One :class:`RankPlan` per shipped recipe on ``world_size`` ranks for ``cfg``'s model,
+    data and trainer settings."""
+    return [plan_recipe(with_recipe(cfg, name), world_size) for name in recipe_names()]
+
+
+@dataclass
+class Choice:
+    """What ``+recipe=auto`` picked: the plan, and the reasoning in lines."""
+
+    plan: RankPlan
+    reasons: list[str]
+
+
+def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAULT_MARGIN) -> Choice:
+    """The first layout whose binding rank fits ``device_memory`` × (1 - ``margin``) bytes, in
+    this order: without activation checkpointing before with it (it recomputes the forward,
+    ~1/3 more compute); then recipes in :data:`PREFERENCE` order; then, per recipe, the largest
+    micro-batch (a divisor of the global batch, from ``trainer.micro_batch_size`` down).
+
+    Raises:
+        ConfigError: nothing fits; the message names the smallest per-rank need, its recipe and
+            the number of ranks at which it would fit.
+    """
+    budget = int(device_memory * (1 - margin))
+    reasons = [f"budget per rank: {fmt_bytes(budget)} = device memory {fmt_bytes(device_memory)} x (1 - margin "
+               f"{margin:g}); preference (communication per step, then pipeline bubble, then offload): "
+               f"{', '.join(PREFERENCE)}"]
+    smallest: RankPlan | None = None
+    names = [n for n in PREFERENCE if n in recipe_names()]
+    micros = [m for m in range(cfg.trainer.micro_batch_size, 0, -1) if cfg.trainer.global_batch_size % m == 0]
+    tried: dict[str, list[str]] = {name: [] for name in names}
+    invalid: dict[str, str] = {}
+    for ckpt in ([False, True] if not cfg.trainer.activation_checkpointing else [True]):
+        for name in names:
+            for micro in micros:
+                if name in invalid:
+                    break
+                plan = plan_recipe(with_recipe(cfg, name), world_size, micro_batch=micro, checkpointing=ckpt)
+                if plan.error:
+                    if micro == micros[0]:  # a layout error, not one of this micro-batch
+                        invalid[name] = plan.error.split("; ")[0]
+                    continue
+                if smallest is None or plan.total < smallest.total:
+                    smallest = plan
+                if plan.total <= budget:
+                    reasons += [f"{n}: not valid on {world_size} ranks ({e})" for n, e in invalid.items()]
+                    reasons += [f"{n}: does not fit ({t[0]}{' ... ' + t[-1] if len(t) > 1 else ''})"
+                                for n, t in tried.items() if t]
+                    reasons.append(f"{name}: {fmt_bytes(plan.total)} per rank at micro-batch {micro}"
+                                   f"{' with activation checkpointing' if ckpt else ''}: fits; chosen")
+                    return Choice(plan, reasons)
+                tried[name].append(f"micro-batch {micro}{' + checkpointing' if ckpt else ''}: {fmt_bytes(plan.total)}")
+    reasons += [f"{n}: not valid on {world_size} ranks ({e})" for n, e in invalid.items()]
+    if smallest is None:
+        raise ConfigError(f"+recipe=auto: no shipped recipe is valid on world size {world_size} for this model and "
+                          f"batch: {'; '.join(reasons[1:])}")
+    fits_at = _ranks_to_fit(cfg, smallest.recipe, world_size, budget)
+    raise ConfigError(
+        f"recipe.device_memory={fmt_bytes(device_memory)} fits no recipe on {world_size} ranks: the smallest per-rank "
+        f"need is {fmt_bytes(smallest.total)} ({smallest.recipe}, micro-batch {smallest.micro_batch}"
+        f"{', activation checkpointing' if smallest.checkpointing else ''}) against a budget of {fmt_bytes(budget)}"
+        + (f"; {smallest.recipe} would fit on {fits_at} ranks" if fits_at else "")
+        + "; add ranks, use devices with more memory, or shorten data.seq_len")
+
+
+def _next_micro(micro: int, global_batch: int) -> int:
+    micro -= 1
+    while micro >= 1 and global_batch % micro:
+        micro -= 1
+    return micro
+
+
+def _ranks_to_fit(cfg: Any, recipe: str, world_size: int, budget: int) -> int | None:
+    """The smallest doubling of ``world_size`` (up to 64x) at which ``recipe`` fits, or None."""
+    n = world_size * 2
+    while n <= world_size * 64:
+        plan = plan_recipe(with_recipe(cfg, recipe), n, micro_batch=1, checkpointing=True)
+        if not plan.error and plan.total <= budget:
+            return n
+        n *= 2
+    return None
+
+
+def device_memory_bytes(cfg: Any, device: torch.device) -> int:
+    """``recipe.device_memory``, or the device's memory: an accelerator's total memory, or on
+    CPU the host's physical memory shared by the ranks of this node (LOCAL_WORLD_SIZE)."""
+    import os
+
+    if cfg.recipe.device_memory is not None:
+        return parse_bytes(cfg.recipe.device_memory, "recipe.device_memory")
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1)
+
+
+def resolve_auto(cfg: Any, world_size: int, device: torch.device) -> tuple[Any, Choice]:
+    """``+recipe=auto``: the run config with the chosen recipe, micro-batch and activation
+    checkpointing in place of ``auto``, and the choice (to print).
+
+    Raises:
+        ConfigError: see :func:`choose`.
+    """
+    choice = choose(cfg, world_size, device_memory_bytes(cfg, device), cfg.recipe.memory_margin)
+    chosen = with_recipe(cfg, choice.plan.recipe, micro_batch_size=choice.plan.micro_batch,
+                         activation_checkpointing=choice.plan.checkpointing)
+    chosen.recipe.device_memory, chosen.recipe.memory_margin = cfg.recipe.device_memory, cfg.recipe.memory_margin
+    return chosen, choice
+
+
+# --- printing and the command line -----------------------------------------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in GiB (MiB under 1 GiB, KiB under 1 MiB)."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def describe(plan: RankPlan) -> str:
+    """A per-rank breakdown of one plan, one line per kind of bytes."""
+    if plan.error:
+        return f"{plan.recipe} on {plan.world_size} ranks: not valid ({plan.error})"
+    stage = "" if plan.degrees.endswith("pp 1") else f"; binding rank: pipeline stage {plan.stage}"
+    lines = [f"{plan.recipe} on {plan.world_size} ranks ({plan.degrees}; micro-batch {plan.micro_batch} x "
+             f"accumulation {plan.accumulation}{'; activation checkpointing' if plan.checkpointing else ''}{stage})"]
+    rows = [("parameters", plan.params), ("gradients", plan.grads), ("optimizer state (AdamW)", plan.optimizer),
+            ("fp32 master copy", plan.master), ("activations", plan.activations)]
+    rows += sorted(plan.buffers.items(), key=lambda kv: -kv[1])
+    rows += [(f"{name} (temporary)", value) for name, value in sorted(plan.temporaries.items(), key=lambda kv: -kv[1])]
+    lines += [f"  {name:<52} {fmt_bytes(value):>12}" for name, value in rows]
+    lines.append(f"  {'total per rank (device)':<52} {fmt_bytes(plan.total):>12}")
+    if plan.host:
+        lines.append(f"  {'offloaded to host memory per rank':<52} {fmt_bytes(plan.host):>12}")
+    return "\n".join(lines)
+
+
+def table(plans: list[RankPlan], budget: int | None = None) -> str:
+    """Every recipe's per-rank bytes as one table (GiB, or MiB when every total is under 1 GiB)."""
+    unit, size = ("GiB", GIB) if max([p.total for p in plans if not p.error] or [GIB]) >= GIB else ("MiB", 2**20)
+    head = (f"{'recipe':<14} {'layout':<22} {'params':>9} {'grads':>9} {'optim':>9} {'master':>9} {'activ':>9} "
+            f"{'buf+temp':>9} {'total':>9} {'host':>9}" + ("  fits" if budget else "") + f"   ({unit})")
+    lines = [head, "-" * len(head)]
+    for p in plans:
+        if p.error:
+            lines.append(f"{p.recipe:<14} not valid: {p.error.split('; ')[0][:100]}")
+            continue
+        cells = [p.params, p.grads, p.optimizer, p.master, p.activations,
+                 sum(p.temporaries.values()) + sum(p.buffers.values()), p.total, p.host]
+        lines.append(f"{p.recipe:<14} {p.degrees:<22} " + " ".join(f"{c / size:>9.2f}" for c in cells)
+                     + (f"  {'yes' if p.total <= budget else 'no'}" if budget else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m llmtrain.plan OVERRIDES world_size=N [device_memory=SIZE] [margin=F] [--check]``.
+    Returns 0, or 2 on bad input (the message names the field)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    options = {k: v for k, v in (a.split("=", 1) for a in args if "=" in a and a.split("=", 1)[0] in
+                                 ("world_size", "device_memory", "margin"))}
+    check = "--check" in args
+    overrides = [a for a in args if a != "--check" and a.split("=", 1)[0] not in options]
+    if "device_memory" in options:
+        overrides.append(f"recipe.device_memory={options['device_memory']}")
+    if "margin" in options:
+        overrides.append(f"recipe.memory_margin={options['margin']}")
+    try:
+        if not options.get("world_size", "").isdigit() or int(options["world_size"]) < 1:
+            raise ConfigError("world_size=N is required (the number of ranks to plan for, e.g. world_size=64)")
+        world_size = int(options["world_size"])
+        started = time.perf_counter()
+        cfg = compose(overrides)
+        if check:
+            from llmtrain.dry_run import dry_run
+
+            print(dry_run(cfg, world_size))
+            return 0
+        r = cfg.recipe
+        if r.device_memory is not None:
+            parse_bytes(r.device_memory, "device_memory")
+        budget = None if r.device_memory is None else int(parse_bytes(r.device_memory) * (1 - r.memory_margin))
+        if r.auto:
+            if r.device_memory is None:
+                raise ConfigError("+recipe=auto needs device_memory=SIZE here (e.g. device_memory=80GiB): the "
+                                  "planner runs without the devices")
+            choice = choose(cfg, world_size, parse_bytes(r.device_memory), r.memory_margin)
+            print("\n".join(choice.reasons))
+            print(describe(choice.plan))
+        else:
+            print(describe(plan_recipe(cfg, world_size)))
+        print(f"\nevery recipe on {world_size} ranks (per rank"
+              f"{'; fits: total within ' + fmt_bytes(budget) if budget else ''}):")
+        print(table(plan_all(cfg, world_size), budget))
+        print(f"\nplanned in {time.perf_counter() - started:.1f} s (model on the meta device, activations under "
+              "FakeTensorMode; no weights read)")
+    except ConfigError as err:
+        print(f"llmtrain.plan: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
