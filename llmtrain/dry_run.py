@@ -50,7 +50,7 @@ def _torch_layout(cfg: Any, world_size: int, dims: Any, hf_config: Any) -> list[
                 parallelize(part, cfg, mesh, dims, plan)
                 for name, param in part.named_parameters():
                     local = param.to_local() if hasattr(param, "to_local") else param
-                    placements = ",".join(str(p) for p in getattr(param, "placements", ())) or "whole"
+                    placements = "; ".join(str(p) for p in getattr(param, "placements", ())) or "whole"
                     shards.append((name, tuple(param.shape), tuple(local.shape), placements))
             ranks.append({"rank": rank, "coords": coords, "shards": shards})
         finally:

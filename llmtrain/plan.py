@@ -128,14 +128,17 @@ class Activations:
 _ACTIVATION_CACHE: dict[tuple, Activations] = {}
 
 
-def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precision: str, tp: int = 1) -> Activations:
+def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precision: str, tp: int = 1,
+                        bf16_weights: bool = False) -> Activations:
     """Bytes saved for backward, measured by running a one- and a two-layer copy of the model
     under ``FakeTensorMode`` (shapes only, no memory) with ``saved_tensors_hooks`` counting
     unique storages that are not parameters; the difference is one layer. A tensor-parallel
     rank runs its share of heads and MLP width (Megatron-LM's split), so its layer is measured
     as a layer with heads / tp and intermediate size / tp at the same head dimension.
+    ``precision="bf16"`` runs under autocast over fp32 weights (the torch engine), or with
+    ``bf16_weights`` on bf16 weights without autocast (DeepSpeed's bf16 ZeRO).
     """
-    key = (hf_config.to_json_string(), micro_batch, seq_len, precision, tp)
+    key = (hf_config.to_json_string(), micro_batch, seq_len, precision, tp, bf16_weights)
     if key in _ACTIVATION_CACHE:
         return _ACTIVATION_CACHE[key]
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -153,7 +156,7 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
         cfg.num_key_value_heads = max(1, kv // tp)
         cfg.intermediate_size = max(1, cfg.intermediate_size // tp)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if bf16_weights else torch.float32)
             model.train()
             params = {p.untyped_storage()._cdata for p in model.parameters()}
             seen: dict[int, int] = {}
@@ -166,7 +169,7 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
 
             ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(
-                    "cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    "cpu", dtype=torch.bfloat16, enabled=precision == "bf16" and not bf16_weights):
                 token_cross_entropy_sum(model(input_ids=ids).logits, ids)
         return sum(seen.values())
 
@@ -254,7 +257,11 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     plan.accumulation = accumulation
     bf16 = t.precision == "bf16"
     compute = 2 if bf16 else 4
-    acts = measure_activations(hf_config, micro, cfg.data.seq_len, t.precision, dims.tp)
+    # bf16 runs compute on bf16 weights under DeepSpeed's ZeRO and FSDP2 (its param_dtype);
+    # DDP, TP and PP without FSDP keep fp32 weights under autocast.
+    fsdp = r.engine == "torch" and dims.dp > 1 and dims.dp_replicate != world_size
+    acts = measure_activations(hf_config, micro, cfg.data.seq_len, t.precision, dims.tp,
+                               bf16_weights=bf16 and ((r.engine == "deepspeed" and r.zero_stage >= 1) or fsdp))
     layer_n = shape.tp_sharded // dims.tp + (shape.layer - shape.tp_sharded)
     embedding_n = shape.embedding // (dims.tp if shape.embedding_tp else 1)
     head_n = shape.head // (dims.tp if shape.head_tp else 1)
@@ -282,8 +289,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
             candidate.temporaries["logits and their gradient"] = 2 * tokens * shape.vocab * 4
         if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps
             candidate.buffers["pipeline receive buffers (one per micro-batch)"] = accumulation * tokens * shape.hidden * 4
-            if last:
-                candidate.buffers["pipeline output chunks (logits per micro-batch)"] = accumulation * tokens * shape.vocab * 4
+
         if best is None or candidate.total > best.total:
             best = candidate
     return best
@@ -455,8 +461,10 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
         f"recipe.device_memory={fmt_bytes(device_memory)} fits no recipe on {world_size} ranks: the smallest per-rank "
         f"need is {fmt_bytes(smallest.total)} ({smallest.recipe}, micro-batch {smallest.micro_batch}"
         f"{', activation checkpointing' if smallest.checkpointing else ''}) against a budget of {fmt_bytes(budget)}"
-        + (f"; {smallest.recipe} would fit on {fits_at} ranks" if fits_at else "")
-        + "; add ranks, use devices with more memory, or shorten data.seq_len")
+        + (f"; {smallest.recipe} would fit on {fits_at} ranks: add ranks or use devices with more memory" if fits_at
+           else f"; more ranks do not help (activations {fmt_bytes(smallest.activations)} and temporaries "
+                f"{fmt_bytes(sum(smallest.temporaries.values()))} per rank do not shrink with data parallelism): "
+                "shorten data.seq_len, or use devices with more memory"))
 
 
 def _next_micro(micro: int, global_batch: int) -> int:
@@ -526,10 +534,10 @@ def describe(plan: RankPlan) -> str:
             ("fp32 master copy", plan.master), ("activations", plan.activations)]
     rows += sorted(plan.buffers.items(), key=lambda kv: -kv[1])
     rows += [(f"{name} (temporary)", value) for name, value in sorted(plan.temporaries.items(), key=lambda kv: -kv[1])]
-    lines += [f"  {name:<52} {fmt_bytes(value):>12}" for name, value in rows]
-    lines.append(f"  {'total per rank (device)':<52} {fmt_bytes(plan.total):>12}")
+    lines += [f"  {name:<64} {fmt_bytes(value):>12}" for name, value in rows]
+    lines.append(f"  {'total per rank (device)':<64} {fmt_bytes(plan.total):>12}")
     if plan.host:
-        lines.append(f"  {'offloaded to host memory per rank':<52} {fmt_bytes(plan.host):>12}")
+        lines.append(f"  {'offloaded to host memory per rank':<64} {fmt_bytes(plan.host):>12}")
     return "\n".join(lines)
 
 

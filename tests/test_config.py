@@ -27,7 +27,7 @@ WORLD_SIZES = {"hsdp": [2, 4], "fsdp_tp": [2, 4], "pp_fsdp": [2, 4], "3d": [4, 8
 
 
 def test_shipped_recipes_are_the_documented_set():
-    assert RECIPES == ["3d", "ddp", "fsdp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "tp", "zero1", "zero2", "zero3",
+    assert RECIPES == ["3d", "auto", "ddp", "fsdp", "fsdp_tp", "hsdp", "pp", "pp_fsdp", "tp", "zero1", "zero2", "zero3",
                        "zero3_offload"]
 
 
@@ -158,6 +158,10 @@ def test_unknown_key_fails_at_compose_naming_the_key():
     (["trainer.peak_tflops=-1"], 1, "trainer.peak_tflops=-1.0 must be >= 0"),
     (["trainer.checkpoint_hash=md5"], 1, "trainer.checkpoint_hash='md5' must be xxh3 or sha256"),
     (["+recipe=zero2", "trainer.async_checkpoint=true"], 2, "trainer.async_checkpoint=true needs engine=torch"),
+    (["+recipe=auto", "recipe.device_memory=lots"], 1, "recipe.device_memory='lots' is not a positive size"),
+    (["+recipe=auto", "recipe.device_memory=0GiB"], 1, "recipe.device_memory='0GiB' is not a positive size"),
+    (["+recipe=auto", "recipe.memory_margin=1.5"], 1, "recipe.memory_margin=1.5 must be in"),
+    (["trainer.dry_run=true", "trainer.dry_run_world_size=0"], 1, "trainer.dry_run_world_size=0 must be >= 1"),
 ])
 def test_cross_field_errors_name_the_fields(overrides, world_size, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("=", "=")):

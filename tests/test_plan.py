@@ -1,0 +1,175 @@
+"""The memory planner (llmtrain.plan), +recipe=auto and the dry run (llmtrain.dry_run).
+
+The planner's per-rank bytes are checked against what two real ranks hold (one launch trains
+three recipes, scripts/validate_plan.py's measurement); its arithmetic across recipes, the
+auto choice, its errors and a 64-rank 3D dry run are checked in-process.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+
+from conftest import FAST, REPO, assert_ok, make_cfg, run_cli
+
+sys.path.insert(0, str(REPO / "scripts"))
+
+PLAN = ["tracker=none", "data.seq_len=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8"]
+
+
+def test_meta_model_counts_llama3_8b_and_70b_parameters():
+    from llmtrain.models import model_config
+    from llmtrain.plan import model_shape
+
+    for name, total, layer in (("llama3_8b", 8_030_261_248, 218_112_000), ("llama3_70b", 70_553_706_496, 855_654_400)):
+        shape = model_shape(model_config(make_cfg([f"model={name}"]).model))
+        assert (shape.total, shape.layer) == (total, layer), name  # Meta's published 8.03 B and 70.6 B
+        assert shape.total == shape.layers * shape.layer + shape.embedding + shape.head + shape.final_norm
+
+
+def test_plan_is_within_bounds_of_what_two_ranks_hold(tmp_path):
+    """Bytes held after the optimizer step within 10%, peak bytes saved for backward within
+    30%, for a DeepSpeed, an FSDP2 and a pipeline recipe (the other five: the closing note)."""
+    from validate_plan import OVERRIDES, compare
+
+    for recipe, planned, held, planned_acts, acts in compare(["zero3", "fsdp", "pp"], OVERRIDES, tmp_path):
+        assert abs(planned / held - 1) < 0.10, (recipe, planned, held)
+        assert abs(planned_acts / acts - 1) < 0.30, (recipe, planned_acts, acts)
+
+
+def test_recipes_shard_what_zero_says():
+    from llmtrain.plan import plan_recipe, with_recipe
+
+    cfg = make_cfg(PLAN)
+    plans = {name: plan_recipe(with_recipe(cfg, name), 2) for name in
+             ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp", "tp", "pp")}
+    ddp = plans["ddp"]
+    n = ddp.params // 4  # fp32 parameters, all on every DDP rank
+    assert (ddp.grads, ddp.optimizer, ddp.master) == (4 * n, 8 * n, 0) and ddp.grads_kept
+    # ZeRO-1 shards the optimizer state (and DeepSpeed's fp32 master), ZeRO-2 also the
+    # gradients, ZeRO-3 also the parameters (Rajbhandari et al. SC'20, section 5.1).
+    assert (plans["zero1"].optimizer, plans["zero1"].master, plans["zero1"].grads) == (4 * n, 2 * n, 4 * n)
+    assert plans["zero2"].grads == 2 * n and plans["zero2"].params == 4 * n
+    assert 2 * n <= plans["zero3"].params < 2.01 * n  # plus the small parameters kept whole
+    assert plans["fsdp"].params == 2 * n and plans["fsdp"].optimizer == 4 * n
+    offload = plans["zero3_offload"]
+    assert offload.params == offload.optimizer == offload.master == 0 and offload.host > 0
+    # One data-parallel micro-batch: the same activations; TP splits heads and MLP; a pipeline
+    # stage holds half the layers but pp micro-batches in flight.
+    assert plans["zero3"].activations == plans["fsdp"].activations == ddp.activations
+    assert plans["tp"].activations < ddp.activations
+    checkpointed = plan_recipe(with_recipe(cfg, "ddp"), 2, checkpointing=True)
+    assert checkpointed.activations < ddp.activations / 2
+
+
+def test_auto_takes_the_first_layout_that_fits_and_says_why():
+    from llmtrain.plan import choose, plan_recipe, with_recipe
+
+    cfg = make_cfg(PLAN)
+    ddp = plan_recipe(with_recipe(cfg, "ddp"), 2)
+    roomy = choose(cfg, 2, device_memory=ddp.total * 2)
+    assert (roomy.plan.recipe, roomy.plan.micro_batch, roomy.plan.checkpointing) == ("ddp", 8, False)
+    assert "ddp" in roomy.reasons[-1] and "chosen" in roomy.reasons[-1]
+    # Room for no micro-batch-8 layout: a smaller micro-batch before activation checkpointing.
+    smallest_at_8 = min(plan_recipe(with_recipe(cfg, name), 2).total for name in ("ddp", "zero1", "zero2", "fsdp",
+                                                                                 "zero3", "tp", "pp"))
+    tight = choose(cfg, 2, device_memory=int(smallest_at_8 * 0.97 / 0.9))
+    assert tight.plan.micro_batch < 8 and not tight.plan.checkpointing
+    assert tight.plan.total <= smallest_at_8 * 0.97
+    assert any("does not fit" in line for line in tight.reasons)
+
+
+def test_memory_that_fits_no_recipe_names_the_smallest_need_and_where_it_fits():
+    from llmtrain.config import ConfigError
+    from llmtrain.plan import choose
+
+    from llmtrain.plan import plan_recipe, recipe_names, with_recipe
+
+    cfg = make_cfg(PLAN)
+    with pytest.raises(ConfigError) as err:
+        choose(cfg, 2, device_memory=2**20)
+    message = str(err.value)
+    assert "fits no recipe on 2 ranks" in message and "smallest per-rank need" in message
+    assert "more ranks do not help" in message and "data.seq_len" in message
+    # Just under the smallest need on 2 ranks: a sharded recipe fits on more.
+    smallest = min(p.total for p in (plan_recipe(with_recipe(cfg, n), 2, micro_batch=1, checkpointing=True)
+                                     for n in recipe_names()) if not p.error)
+    with pytest.raises(ConfigError, match=r"would fit on (4|8|16) ranks"):
+        choose(cfg, 2, device_memory=int(smallest * 0.99 / 0.9))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["+recipe=zero3"], "world_size=N is required"),
+    (["world_size=2", "device_memory=eighty"], "device_memory='eighty' is not a positive size"),
+    (["world_size=2", "+recipe=auto"], "needs device_memory=SIZE"),
+    (["world_size=3", "+recipe=tp", "--check"], "recipe.tp"),
+])
+def test_plan_command_refuses_bad_input(args, needle, capsys):
+    from llmtrain.plan import main
+
+    assert main(PLAN + args) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_plan_command_prints_the_breakdown_and_every_recipe(capsys):
+    from llmtrain.plan import main, recipe_names
+
+    assert main(PLAN + ["+recipe=zero3", "world_size=2", "device_memory=1GiB"]) == 0
+    out = capsys.readouterr().out
+    for line in ("zero3 on 2 ranks", "fp32 master copy", "gathered parameters", "activations", "total per rank"):
+        assert line in out, line
+    table = out[out.index("every recipe"):]
+    assert all(f"\n{name} " in table for name in recipe_names())
+    assert "3d             not valid" in table  # tp 2 x pp 2 needs 4 ranks
+
+
+def test_dry_run_lays_out_64_ranks_of_3d_and_every_shard_adds_up():
+    from llmtrain.dry_run import _torch_layout
+    from llmtrain.models import model_config
+    from llmtrain.parallel_dims import ParallelDims
+
+    cfg = make_cfg(PLAN + ["+recipe=3d", "trainer.global_batch_size=256"])
+    dims = ParallelDims.from_recipe(cfg.recipe, 64)
+    ranks = _torch_layout(cfg, 64, dims, model_config(cfg.model))
+    coords = {tuple(r["coords"].values()) for r in ranks}
+    assert len(ranks) == 64 and len(coords) == 64  # (pp 2, dp_replicate 1, dp_shard 16, tp 2): one rank each
+    # Each parameter lives on its pipeline stage's 32 ranks, sharded over dp_shard (16) and, if
+    # the TP plan splits it, over tp (2); else each tp rank holds the same shards. Counting every
+    # distinct shard once, they add up to the parameter exactly.
+    held: dict[tuple, list] = {}
+    for entry in ranks:
+        for name, full, local, placements in entry["shards"]:
+            if entry["coords"]["tp"] == 0 or placements.count(";") == 1:  # one placement per mesh dim
+                held.setdefault((entry["coords"]["pp"], name), [full, 0])[1] += math.prod(local)
+    assert all(total == math.prod(full) for full, total in held.values()), held
+    names = {name for _, name in held}
+    assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
+
+
+def test_trainer_dry_run_prints_the_layout_and_trains_nothing(tmp_path):
+    proc = run_cli([o for o in FAST] + ["+recipe=fsdp_tp", "trainer.dry_run=true", "trainer.dry_run_world_size=8", "trainer.global_batch_size=32",
+                                        f"run_dir={tmp_path / 'run'}"])
+    assert_ok(proc)
+    assert "dry run of recipe fsdp_tp (engine torch, ZeRO 3) on 8 ranks: pp 1 x dp_replicate 1 x dp_shard 4 x tp 2" \
+        in proc.stdout, proc.stdout[-3000:]
+    assert "model.layers.0.self_attn.q_proj.weight: [128, 128] -> [16, 128]" in proc.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_auto_recipe_trains_with_the_chosen_layout(tmp_path):
+    """One process, memory for micro-batch 4 but not 8: the run trains ddp at micro-batch 4."""
+    from llmtrain.plan import plan_recipe, with_recipe
+
+    cfg = make_cfg(FAST + ["trainer.max_steps=1"])
+    at_8, at_4 = (plan_recipe(with_recipe(cfg, "ddp"), 1, micro_batch=m).total for m in (8, 4))
+    memory = int((at_8 + at_4) / 2 / 0.9)
+    proc = run_cli(FAST + ["trainer.max_steps=1", "+recipe=auto", f"recipe.device_memory={memory}",
+                           f"run_dir={tmp_path}", "trainer.export_hf=false"])
+    assert_ok(proc)
+    assert "ddp: does not fit (micro-batch 8" in proc.stdout and "micro-batch 4: fits; chosen" in proc.stdout
+    from omegaconf import OmegaConf
+
+    run = OmegaConf.load(tmp_path / "config.yaml")
+    assert (run.recipe.name, run.trainer.micro_batch_size, run.trainer.activation_checkpointing) == ("ddp", 4, False)
