@@ -244,7 +244,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         dims = ParallelDims.from_recipe(r, world_size)
         dims.check_model(hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
                          or hf_config.num_attention_heads, hf_config.num_hidden_layers, r.pp_stages_per_rank)
-        accumulation = gradient_accumulation_steps(replace_micro(t, micro), dims.dp)
+        accumulation = gradient_accumulation_steps(_with_micro(t, micro), dims.dp)
         dims.check_microbatches(accumulation, r.pp_stages_per_rank)
     except ConfigError as err:
         plan.error = str(err)
@@ -280,7 +280,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         per_micro = (layers * (acts.layer_input if ckpt else acts.per_layer)
                      + (acts.outside if last else (acts.layer_input if not first else 0)))
         activations = in_flight * per_micro + (acts.per_layer if ckpt else 0)  # one layer recomputed
-        candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={})
+        candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={})
         _model_states(candidate, r, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
                       communication_sizes(r, shape.hidden))
         # The logits and their gradient, fp32, live on the last stage while the loss backpropagates.
@@ -289,7 +289,6 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
             candidate.temporaries["logits and their gradient"] = 2 * tokens * shape.vocab * 4
         if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps
             candidate.buffers["pipeline receive buffers (one per micro-batch)"] = accumulation * tokens * shape.hidden * 4
-
         if best is None or candidate.total > best.total:
             best = candidate
     return best
@@ -337,8 +336,8 @@ def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16:
         plan.params = plan.grads = plan.optimizer = 0
 
 
-def replace_micro(trainer: Any, micro: int) -> Any:
-    """A read-only view of ``trainer`` with another micro-batch size (for the divisibility check)."""
+def _with_micro(trainer: Any, micro: int) -> Any:
+    """``trainer``'s batch sizes with another micro-batch size (for the divisibility check)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(micro_batch_size=micro, global_batch_size=trainer.global_batch_size)
@@ -594,6 +593,11 @@ def main(argv: list[str] | None = None) -> int:
             print(describe(choice.plan))
         else:
             print(describe(plan_recipe(cfg, world_size)))
+        from llmtrain.adapters import is_partial
+
+        if is_partial(cfg):
+            print("note: the planner counts full training; with LoRA or model.freeze the frozen parameters carry no "
+                  "gradient or optimizer state, so these figures are upper bounds")
         print(f"\nevery recipe on {world_size} ranks (per rank"
               f"{'; fits: total within ' + fmt_bytes(budget) if budget else ''}):")
         print(table(plan_all(cfg, world_size), budget))
