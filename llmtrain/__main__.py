@@ -66,7 +66,8 @@ def _layout(cfg: DictConfig) -> DictConfig:
 
     from llmtrain.plan import describe, resolve_auto
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = (cfg.trainer.dry_run_world_size if cfg.trainer.dry_run and cfg.trainer.dry_run_world_size
+                  else int(os.environ.get("WORLD_SIZE", "1")))
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available()
               else torch.device("cpu"))
     chosen, choice = resolve_auto(cfg, world_size, device)

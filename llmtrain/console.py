@@ -30,11 +30,15 @@ def interactive() -> bool:
 
 
 def configure_library_output(is_main: bool, on_terminal: bool) -> None:
-    """Disable the progress bars of ``datasets``, ``transformers`` and ``huggingface_hub``
-    unless this is rank 0 writing to a terminal (every rank would draw the same bar)."""
+    """Disable the progress bars of ``datasets``, ``transformers``, ``huggingface_hub`` and
+    MLflow's artifact transfers unless this is rank 0 writing to a terminal (every rank would
+    draw the same bar)."""
     if is_main and on_terminal:
         return
     import functools
+    import os
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # read when MLflow transfers
 
     import datasets
     import huggingface_hub.utils

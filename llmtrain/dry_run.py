@@ -84,11 +84,12 @@ def dry_run(cfg: Any, world_size: int) -> str:
              f"{accumulation} x dp {dims.dp}"]
     if r.engine == "deepspeed":
         lines += _deepspeed_report(cfg, world_size, accumulation, hf_config)
+        lines.append(f"computed in {time.perf_counter() - started:.1f} s from DeepSpeed's partitioning rules "
+                     "(parameters on the meta device; DeepSpeed itself is not started)")
     else:
-        ranks = _torch_layout(cfg, world_size, dims, hf_config)
-        lines += _torch_report(ranks)
-    lines.append(f"built in {time.perf_counter() - started:.1f} s on the fake process group (no communication, "
-                 "parameters on the meta device)")
+        lines += _torch_report(_torch_layout(cfg, world_size, dims, hf_config))
+        lines.append(f"built in {time.perf_counter() - started:.1f} s on the fake process group (no communication, "
+                     "parameters on the meta device)")
     return "\n".join(lines)
 
 
@@ -110,19 +111,58 @@ def _torch_report(ranks: list[dict]) -> list[str]:
 
 
 def _deepspeed_report(cfg: Any, world_size: int, accumulation: int, hf_config: Any) -> list[str]:
-    from llmtrain.engine.deepspeed_engine import deepspeed_config
-    from llmtrain.plan import model_shape
+    """The generated DeepSpeed config and each rank's ZeRO partition (elements), following
+    DeepSpeed's layout: stages 1-2 flatten each parameter group (decayed, not decayed), pad it to
+    a multiple of 2 x world size (``stage_1_and_2.py``, ``nccl_start_alignment_factor``) and give
+    each rank one contiguous slice; stage 3 splits every parameter into world-size pieces of
+    ceil(numel / world size), the last ones padded, and keeps parameters of at most
+    ``stage3_param_persistence_threshold`` elements whole on every rank."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.engine import param_groups
+    from llmtrain.engine.deepspeed_engine import communication_sizes, deepspeed_config
 
     config = deepspeed_config(cfg, world_size, accumulation)
-    total = model_shape(hf_config).total
     stage = cfg.recipe.zero_stage
-    per_rank = math.ceil(total / world_size)
-    what = {0: "nothing (every rank holds everything)", 1: "optimizer state", 2: "optimizer state and gradients",
-            3: "optimizer state, gradients and parameters"}[stage]
-    lines = ["DeepSpeed config (generated from the recipe):", json.dumps(config, indent=2, sort_keys=True),
-             f"ZeRO-{stage} partitions {what} over {world_size} ranks: {total:,} parameters, "
-             f"{per_rank:,} per rank (ranks 0..{world_size - 1}; the last padded by "
-             f"{per_rank * world_size - total:,})" if stage else "ZeRO-0: no partitioning"]
+    lines = ["DeepSpeed config (generated from the recipe):", json.dumps(config, indent=2, sort_keys=True)]
+    if stage == 0:
+        return lines + ["ZeRO-0: every rank holds every parameter, gradient and optimizer state"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    # Per rank: [partitioned real elements, padding, elements kept whole].
+    ranks = [[0, 0, 0] for _ in range(world_size)]
+    if stage in (1, 2):
+        for group in param_groups(model, cfg.trainer.weight_decay):
+            flat = sum(p.numel() for p in group["params"])
+            align = 2 * world_size
+            part = math.ceil(flat / align) * align // world_size
+            for r in range(world_size):
+                real = max(0, min(part, flat - r * part))
+                ranks[r][0] += real
+                ranks[r][1] += part - real
+        what = "optimizer state" + (" and gradients" if stage == 2 else "")
+    else:
+        threshold = communication_sizes(cfg.recipe, hf_config.hidden_size)["param_persistence_threshold"]
+        for param in model.parameters():
+            if param.numel() <= threshold:
+                for entry in ranks:
+                    entry[2] += param.numel()
+                continue
+            part = math.ceil(param.numel() / world_size)
+            for r in range(world_size):
+                real = max(0, min(part, param.numel() - r * part))
+                ranks[r][0] += real
+                ranks[r][1] += part - real
+        what = f"parameters, gradients and optimizer state (parameters <= {threshold:,} elements kept whole)"
+    total = sum(p.numel() for p in model.parameters())
+    lines.append(f"ZeRO-{stage} partitions {what} of {total:,} parameters over {world_size} ranks "
+                 "(elements per rank):")
+    lines.append("ranks              partition   padding   kept whole")
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for r, entry in enumerate(ranks):
+        groups[tuple(entry)].append(r)
+    for (real, pad, whole), members in groups.items():
+        lines.append(f"{_ranges(members):<18} {real:>9,} {pad:>9,} {whole:>12,}")
     return lines
 
 

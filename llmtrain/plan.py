@@ -313,10 +313,13 @@ def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16:
             plan.temporaries["gathered parameters (max_live_parameters)"] = working * min(n, live)
             plan.temporaries["prefetch bucket"] = working * sizes["prefetch_bucket_size"]
         if r.offload_optimizer:
-            # The fp32 gradient partition is reduced on the device and copied to the host for
-            # the CPU optimizer: both copies exist.
-            plan.host += plan.master + plan.optimizer + (plan.grads if r.zero_stage >= 2 else 0)
+            # The CPU optimizer's master and moments live on the host. At stage 3 so does the
+            # fp32 gradient partition (stage3.py allocates it on the optimizer's device), and the
+            # optimizer keeps a second fp32 copy of it: measured as two partitions of host bytes.
+            plan.host += plan.master + plan.optimizer + (2 * plan.grads if r.zero_stage == 3 else 0)
             plan.master = plan.optimizer = 0
+            if r.zero_stage == 3:
+                plan.grads, plan.grads_kept = 0, False
         if r.offload_params and r.zero_stage == 3:
             plan.host += plan.params
             plan.params = 0
@@ -398,10 +401,10 @@ def with_recipe(cfg: Any, name: str, **trainer: Any) -> Any:
     return new
 
 
-def plan_all(cfg: Any, world_size: int) -> list[RankPlan]:
+def plan_all(cfg: Any, world_size: int, checkpointing: bool | None = None) -> list[RankPlan]:
     """One :class:`RankPlan` per shipped recipe on ``world_size`` ranks for ``cfg``'s model,
-    data and trainer settings."""
-    return [plan_recipe(with_recipe(cfg, name), world_size) for name in recipe_names()]
+    data and trainer settings (``checkpointing``: override ``trainer.activation_checkpointing``)."""
+    return [plan_recipe(with_recipe(cfg, name), world_size, checkpointing=checkpointing) for name in recipe_names()]
 
 
 @dataclass
@@ -412,17 +415,27 @@ class Choice:
     reasons: list[str]
 
 
-def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAULT_MARGIN) -> Choice:
+def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAULT_MARGIN,
+           host_memory: int | None = None, shared_host: bool = False) -> Choice:
     """The first layout whose binding rank fits ``device_memory`` × (1 - ``margin``) bytes, in
     this order: without activation checkpointing before with it (it recomputes the forward,
     ~1/3 more compute); then recipes in :data:`PREFERENCE` order; then, per recipe, the largest
     micro-batch (a divisor of the global batch, from ``trainer.micro_batch_size`` down).
+    Offloaded bytes must fit ``host_memory`` per rank (less the margin) when it is given; with
+    ``shared_host`` (CPU training) device and host are one memory and their sum must fit.
 
     Raises:
         ConfigError: nothing fits; the message names the smallest per-rank need, its recipe and
             the number of ranks at which it would fit.
     """
     budget = int(device_memory * (1 - margin))
+    host_budget = None if host_memory is None else int(host_memory * (1 - margin))
+
+    def fits(plan: RankPlan) -> bool:
+        if shared_host:
+            return plan.total + plan.host <= budget
+        return plan.total <= budget and (host_budget is None or plan.host <= host_budget)
+
     reasons = [f"budget per rank: {fmt_bytes(budget)} = device memory {fmt_bytes(device_memory)} x (1 - margin "
                f"{margin:g}); preference (communication per step, then pipeline bubble, then offload): "
                f"{', '.join(PREFERENCE)}"]
@@ -443,27 +456,73 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
                     continue
                 if smallest is None or plan.total < smallest.total:
                     smallest = plan
-                if plan.total <= budget:
+                if fits(plan) and (problem := _config_problem(cfg, name, world_size, micro, ckpt)):
+                    invalid[name] = problem  # fits, but another setting of the run rules it out
+                    break
+                if fits(plan):
                     reasons += [f"{n}: not valid on {world_size} ranks ({e})" for n, e in invalid.items()]
                     reasons += [f"{n}: does not fit ({t[0]}{' ... ' + t[-1] if len(t) > 1 else ''})"
                                 for n, t in tried.items() if t]
-                    reasons.append(f"{name}: {fmt_bytes(plan.total)} per rank at micro-batch {micro}"
+                    host = f" and {fmt_bytes(plan.host)} of host memory" if plan.host else ""
+                    reasons.append(f"{name}: {fmt_bytes(plan.total)} per rank{host} at micro-batch {micro}"
                                    f"{' with activation checkpointing' if ckpt else ''}: fits; chosen")
                     return Choice(plan, reasons)
-                tried[name].append(f"micro-batch {micro}{' + checkpointing' if ckpt else ''}: {fmt_bytes(plan.total)}")
+                host = f" + host {fmt_bytes(plan.host)}" if plan.host else ""
+                tried[name].append(f"micro-batch {micro}{' + checkpointing' if ckpt else ''}: "
+                                   f"{fmt_bytes(plan.total)}{host}")
     reasons += [f"{n}: not valid on {world_size} ranks ({e})" for n, e in invalid.items()]
     if smallest is None:
         raise ConfigError(f"+recipe=auto: no shipped recipe is valid on world size {world_size} for this model and "
                           f"batch: {'; '.join(reasons[1:])}")
-    fits_at = _ranks_to_fit(cfg, smallest.recipe, world_size, budget)
+    fits_at = _ranks_to_fit(cfg, smallest.recipe, world_size, fits)
     raise ConfigError(
         f"recipe.device_memory={fmt_bytes(device_memory)} fits no recipe on {world_size} ranks: the smallest per-rank "
         f"need is {fmt_bytes(smallest.total)} ({smallest.recipe}, micro-batch {smallest.micro_batch}"
         f"{', activation checkpointing' if smallest.checkpointing else ''}) against a budget of {fmt_bytes(budget)}"
+        + (f", with {fmt_bytes(smallest.host)} of host memory per rank against {fmt_bytes(host_budget)}"
+           if smallest.host and host_budget is not None else "")
         + (f"; {smallest.recipe} would fit on {fits_at} ranks: add ranks or use devices with more memory" if fits_at
            else f"; more ranks do not help (activations {fmt_bytes(smallest.activations)} and temporaries "
                 f"{fmt_bytes(sum(smallest.temporaries.values()))} per rank do not shrink with data parallelism): "
                 "shorten data.seq_len, or use devices with more memory"))
+
+
+def _config_problem(cfg: Any, recipe: str, world_size: int, micro: int, ckpt: bool) -> str | None:
+    """Why the run's config rejects this layout (``llmtrain.config.validate``; e.g.
+    ``trainer.async_checkpoint`` on DeepSpeed), or None. The tracker is left out: it does not
+    depend on the layout, and the run validates it once for the chosen one."""
+    from omegaconf import OmegaConf
+
+    from llmtrain.config import validate
+
+    candidate = with_recipe(cfg, recipe, micro_batch_size=micro, activation_checkpointing=ckpt)
+    candidate.tracker = OmegaConf.merge(candidate.tracker, {"backends": [], "wandb_mode": "disabled"})
+    try:
+        validate(candidate, world_size)
+    except ConfigError as err:
+        return str(err).split("; ")[0]
+    return None
+
+
+def check_auto_overrides(cfg: Any) -> None:
+    """``+recipe=auto`` chooses the recipe: a top-level ``engine=`` or a ``recipe.*`` value other
+    than ``device_memory`` / ``memory_margin`` could not apply to the choice.
+
+    Raises:
+        ConfigError: naming the overrides.
+    """
+    from llmtrain.config import load_recipe
+
+    default = load_recipe("auto")
+    given = [f"recipe.{key}={cfg.recipe[key]}" for key in cfg.recipe
+             if key not in ("name", "engine", "auto", "device_memory", "memory_margin")
+             and cfg.recipe[key] != default[key]]
+    if cfg.get("engine") is not None:
+        given.insert(0, f"engine={cfg.engine}")
+    if given:
+        raise ConfigError(f"+recipe=auto chooses the recipe, so {', '.join(given)} cannot apply to it; drop "
+                          f"{'them' if len(given) > 1 else 'it'}, or name a recipe (+recipe=zero3 ...) to set "
+                          f"{'them' if len(given) > 1 else 'it'}")
 
 
 def _next_micro(micro: int, global_batch: int) -> int:
@@ -473,12 +532,12 @@ def _next_micro(micro: int, global_batch: int) -> int:
     return micro
 
 
-def _ranks_to_fit(cfg: Any, recipe: str, world_size: int, budget: int) -> int | None:
-    """The smallest doubling of ``world_size`` (up to 64x) at which ``recipe`` fits, or None."""
+def _ranks_to_fit(cfg: Any, recipe: str, world_size: int, fits: Any) -> int | None:
+    """The smallest doubling of ``world_size`` (up to 64x) at which ``recipe`` ``fits``, or None."""
     n = world_size * 2
     while n <= world_size * 64:
         plan = plan_recipe(with_recipe(cfg, recipe), n, micro_batch=1, checkpointing=True)
-        if not plan.error and plan.total <= budget:
+        if not plan.error and fits(plan):
             return n
         n *= 2
     return None
@@ -504,11 +563,24 @@ def resolve_auto(cfg: Any, world_size: int, device: torch.device) -> tuple[Any, 
     Raises:
         ConfigError: see :func:`choose`.
     """
-    choice = choose(cfg, world_size, device_memory_bytes(cfg, device), cfg.recipe.memory_margin)
+    import os
+
+    check_auto_overrides(cfg)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    choice = choose(cfg, world_size, device_memory_bytes(cfg, device), cfg.recipe.memory_margin,
+                    host_memory=None if device.type == "cpu" else host, shared_host=device.type == "cpu")
+    return _chosen_config(cfg, choice), choice
+
+
+def _chosen_config(cfg: Any, choice: Choice) -> Any:
     chosen = with_recipe(cfg, choice.plan.recipe, micro_batch_size=choice.plan.micro_batch,
                          activation_checkpointing=choice.plan.checkpointing)
     chosen.recipe.device_memory, chosen.recipe.memory_margin = cfg.recipe.device_memory, cfg.recipe.memory_margin
-    return chosen, choice
+    # Marks the layout as chosen (the trainer checks that every rank chose alike) and keeps the
+    # run's name, so relaunching the same command finds the same run directory whatever it chose.
+    chosen.recipe.auto = True
+    chosen.name = cfg.name
+    return chosen
 
 
 # --- printing and the command line -----------------------------------------------------------
@@ -540,20 +612,26 @@ def describe(plan: RankPlan) -> str:
     return "\n".join(lines)
 
 
-def table(plans: list[RankPlan], budget: int | None = None) -> str:
-    """Every recipe's per-rank bytes as one table (GiB, or MiB when every total is under 1 GiB)."""
+def table(plans: list[RankPlan], budget: int | None = None, checkpointed: list[RankPlan] | None = None) -> str:
+    """Every recipe's per-rank bytes as one table (GiB, or MiB when every total is under 1 GiB).
+    With a ``budget``, the ``fits`` column says ``yes``, ``ckpt`` (only with activation
+    checkpointing: the same recipes in ``checkpointed``) or ``no``."""
     unit, size = ("GiB", GIB) if max([p.total for p in plans if not p.error] or [GIB]) >= GIB else ("MiB", 2**20)
     head = (f"{'recipe':<14} {'layout':<22} {'params':>9} {'grads':>9} {'optim':>9} {'master':>9} {'activ':>9} "
             f"{'buf+temp':>9} {'total':>9} {'host':>9}" + ("  fits" if budget else "") + f"   ({unit})")
     lines = [head, "-" * len(head)]
     for p in plans:
         if p.error:
-            lines.append(f"{p.recipe:<14} not valid: {p.error.split('; ')[0][:100]}")
+            lines.append(f"{p.recipe:<14} not valid: {p.error.split('; ')[0]}")
             continue
         cells = [p.params, p.grads, p.optimizer, p.master, p.activations,
                  sum(p.temporaries.values()) + sum(p.buffers.values()), p.total, p.host]
-        lines.append(f"{p.recipe:<14} {p.degrees:<22} " + " ".join(f"{c / size:>9.2f}" for c in cells)
-                     + (f"  {'yes' if p.total <= budget else 'no'}" if budget else ""))
+        fits = ""
+        if budget:
+            with_ckpt = {c.recipe: c for c in checkpointed or []}.get(p.recipe)
+            fits = "  " + ("yes" if p.total <= budget else
+                           "ckpt" if with_ckpt is not None and with_ckpt.total <= budget else "no")
+        lines.append(f"{p.recipe:<14} {p.degrees:<22} " + " ".join(f"{c / size:>9.2f}" for c in cells) + fits)
     return "\n".join(lines)
 
 
@@ -561,8 +639,13 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m llmtrain.plan OVERRIDES world_size=N [device_memory=SIZE] [margin=F] [--check]``.
     Returns 0, or 2 on bad input (the message names the field)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if {"-h", "--help"} & set(args):
+        print(__doc__.split("\n\nAccounting")[0] + "\n\nOptions besides a run's overrides: world_size=N (required), "
+              "device_memory=SIZE (e.g. 80GiB; needed by +recipe=auto), host_memory=SIZE (per rank, for offload), "
+              "margin=F (0.1), --check (a dry run of the layout instead of the bytes).")
+        return 0
     options = {k: v for k, v in (a.split("=", 1) for a in args if "=" in a and a.split("=", 1)[0] in
-                                 ("world_size", "device_memory", "margin"))}
+                                 ("world_size", "device_memory", "margin", "host_memory"))}
     check = "--check" in args
     overrides = [a for a in args if a != "--check" and a.split("=", 1)[0] not in options]
     if "device_memory" in options:
@@ -574,13 +657,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("world_size=N is required (the number of ranks to plan for, e.g. world_size=64)")
         world_size = int(options["world_size"])
         started = time.perf_counter()
-        cfg = compose(overrides)
-        if check:
-            from llmtrain.dry_run import dry_run
-
-            print(dry_run(cfg, world_size))
-            return 0
+        try:
+            cfg = compose(overrides)
+        except Exception as err:  # noqa: BLE001  (Hydra's and OmegaConf's composition errors)
+            raise ConfigError(str(err).splitlines()[0]) from err
         r = cfg.recipe
+        if not 0 <= r.memory_margin < 1:
+            raise ConfigError(f"margin={r.memory_margin} must be in [0, 1) (a fraction of device memory kept free)")
         if r.device_memory is not None:
             parse_bytes(r.device_memory, "device_memory")
         budget = None if r.device_memory is None else int(parse_bytes(r.device_memory) * (1 - r.memory_margin))
@@ -588,11 +671,25 @@ def main(argv: list[str] | None = None) -> int:
             if r.device_memory is None:
                 raise ConfigError("+recipe=auto needs device_memory=SIZE here (e.g. device_memory=80GiB): the "
                                   "planner runs without the devices")
-            choice = choose(cfg, world_size, parse_bytes(r.device_memory), r.memory_margin)
+            host = parse_bytes(options["host_memory"], "host_memory") if "host_memory" in options else None
+            check_auto_overrides(cfg)
+            choice = choose(cfg, world_size, parse_bytes(r.device_memory), r.memory_margin, host_memory=host)
+            cfg = _chosen_config(cfg, choice)
+            if choice.plan.host and host is None:
+                choice.reasons.append(f"note: {choice.plan.recipe} offloads {fmt_bytes(choice.plan.host)} per rank to "
+                                      "host memory, not checked here: give host_memory=SIZE (per rank) to check it")
             print("\n".join(choice.reasons))
             print(describe(choice.plan))
-        else:
-            print(describe(plan_recipe(cfg, world_size)))
+        if check:
+            from llmtrain.dry_run import dry_run
+
+            print(dry_run(cfg, world_size))
+            return 0
+        if not r.auto:
+            plan = plan_recipe(cfg, world_size)
+            if plan.error:
+                raise ConfigError(f"{plan.recipe} is not valid on {world_size} ranks: {plan.error}")
+            print(describe(plan))
         from llmtrain.adapters import is_partial
 
         if is_partial(cfg):
@@ -600,7 +697,8 @@ def main(argv: list[str] | None = None) -> int:
                   "gradient or optimizer state, so these figures are upper bounds")
         print(f"\nevery recipe on {world_size} ranks (per rank"
               f"{'; fits: total within ' + fmt_bytes(budget) if budget else ''}):")
-        print(table(plan_all(cfg, world_size), budget))
+        checkpointed = plan_all(cfg, world_size, checkpointing=True) if budget else None
+        print(table(plan_all(cfg, world_size), budget, checkpointed))
         print(f"\nplanned in {time.perf_counter() - started:.1f} s (model on the meta device, activations under "
               "FakeTensorMode; no weights read)")
     except ConfigError as err:

@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 GIB = 2**30
 CONFIG_FIELDS = ["name", "model.name", "data.name", "data.seq_len", "recipe.name", "recipe.engine",
-                 "recipe.zero_stage", "trainer.max_steps", "trainer.global_batch_size",
+                 "recipe.zero_stage", "recipe.auto", "trainer.max_steps", "trainer.global_batch_size",
                  "trainer.micro_batch_size", "trainer.precision", "trainer.lr"]
 GOODPUT_ROWS = [("productive", "time/productive_s"), ("startup", "time/startup_s"), ("eval", "time/eval_s"),
                 ("checkpoint", "time/checkpoint_s"), ("lost (redone after crash)", "time/lost_s"),
@@ -36,7 +36,7 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
@@ -44,6 +44,18 @@ def read_jsonl(path: Path) -> list[dict]:
         if isinstance(obj, dict):
             records.append(obj)
     return records
+
+
+# Values whose NaN or infinity is news (a diverged run); any other number must be finite.
+_MAY_BE_NONFINITE = ("train/loss", "train/grad_norm", "val/loss", "val/perplexity")
+
+
+def _clean(record: dict) -> dict:
+    """The record's numeric values (bools and strings dropped; non-finite ones kept only for
+    the losses and the gradient norm, which report them)."""
+    return {k: v for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and (k in _MAY_BE_NONFINITE or math.isfinite(v))}
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -165,9 +177,7 @@ def _plot(path: Path, records: list[dict], resumes: list[int], title: str) -> No
         ax.legend(handles, [h.get_label() for h in handles], loc="lower right")
 
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
+    fig.savefig(path, format="png")
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
@@ -232,13 +242,20 @@ def _markdown(run_dir: Path, records: list[dict], cfg, procs: list[dict] | None,
         out.append("_`timeline.jsonl` has no start events._")
     else:
         rows = [[i + 1,
-                 datetime.fromtimestamp(p["time"], tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
-                 if isinstance(p["time"], (int, float)) else None,
+                 _utc(p["time"]),
                  p["from_step"], p["to_step"], p["world_size"], p["recipe"], p["ended"]] for i, p in enumerate(procs)]
         out += _table(["process", "start (UTC)", "from step", "to step", "world size", "recipe", "ended"], rows)
 
     out += ["", "## Curves", "", "![report](report.png)", ""]
     return "\n".join(out)
+
+
+def _utc(unix: object) -> str | None:
+    """``YYYY-MM-DD HH:MM:SSZ`` of a Unix time, or None when it is not a representable time."""
+    try:
+        return datetime.fromtimestamp(float(unix), tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+    except (TypeError, ValueError, OverflowError, OSError):
+        return None
 
 
 def write_report(run_dir: Path) -> tuple[Path, Path]:
@@ -249,13 +266,16 @@ def write_report(run_dir: Path) -> tuple[Path, Path]:
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
         raise FileNotFoundError(f"{metrics_path}: not found; expected a run directory with metrics.jsonl")
-    records = sorted((r for r in read_jsonl(metrics_path) if isinstance(r.get("step"), int)),
+    records = sorted((_clean(r) for r in read_jsonl(metrics_path)
+                      if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)),
                      key=lambda r: r["step"])
     cfg = None
     if (run_dir / "config.yaml").is_file():
         try:
             cfg = OmegaConf.load(run_dir / "config.yaml")
         except Exception:  # a corrupt config must not cost the curves; the summary says it is unreadable
+            cfg = None
+        if not isinstance(cfg, DictConfig):
             cfg = None
     timeline_path = run_dir / "timeline.jsonl"
     last_step = records[-1]["step"] if records else None
@@ -267,10 +287,13 @@ def write_report(run_dir: Path) -> tuple[Path, Path]:
     title = f"Training report: {name or run_dir.name}" + (f" ({recipe})" if recipe else "")
 
     png, md = run_dir / "report.png", run_dir / "report.md"
-    _plot(png, records, resumes, title)
-    tmp = md.with_name(md.name + ".tmp")
-    tmp.write_text(_markdown(run_dir, records, cfg, procs, title), encoding="utf-8")
-    os.replace(tmp, md)
+    # Both are rendered before either replaces the previous report: they never disagree.
+    text = _markdown(run_dir, records, cfg, procs, title)
+    png_tmp, md_tmp = png.with_name(png.name + ".tmp"), md.with_name(md.name + ".tmp")
+    _plot(png_tmp, records, resumes, title)
+    md_tmp.write_text(text, encoding="utf-8")
+    os.replace(png_tmp, png)
+    os.replace(md_tmp, md)
     return png, md
 
 

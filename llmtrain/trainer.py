@@ -205,6 +205,8 @@ def train(cfg: Any) -> dict[str, Any]:
     OmegaConf.set_readonly(cfg, True)
     env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
     validate(cfg, env.world_size)
+    if cfg.recipe.auto and env.world_size > 1:
+        _check_same_layout(cfg, env.device)
     console.configure_library_output(env.is_main, console.interactive())
     t = cfg.trainer
     dims = ParallelDims.from_recipe(cfg.recipe, env.world_size)
@@ -419,15 +421,16 @@ def train(cfg: Any) -> dict[str, Any]:
         written = checkpoint.export_hf(engine, cfg, tokenizer, run_dir, data.end_token_ids(cfg.data, tokenizer))
         summary.update(written)
         if written:
-            log.info("exported %s", "; ".join(f"{kind} to {path}" for kind, path in written.items()))
+            log.info("exported: %s", "; ".join(f"{path} ({kind})" for kind, path in written.items()))
     # Teardown in dependency order: the tracker (rank 0's files and threads), the engine's
     # threads and buffers, and then (by the caller, after every rank is here) the process group.
-    tracker.finish()
     if env.is_main:
         goodput.timeline_event(run_dir, "end", step=state.step,
                                reason="preempted" if "preempted_at" in summary else "finished")
-        if cfg.tracker.report:
-            summary["report"] = _write_report(run_dir)
+        if cfg.tracker.report and (png := _write_report(run_dir)):
+            summary["report"] = png
+            tracker.log_files([run_dir / "report.png", run_dir / "report.md"])  # MLflow, wandb: as run files
+    tracker.finish()
     engine.close()
     distributed.barrier()
     return summary
@@ -469,6 +472,20 @@ def _loss_spike(loss: float, state: checkpoint.TrainState, factor: float) -> str
     if factor and state.loss_ema_steps >= SPIKE_AFTER_STEPS and loss > factor * state.loss_ema:
         return f"is above trainer.spike_factor={factor} x the running mean loss {state.loss_ema:.4f}"
     return None
+
+
+def _check_same_layout(cfg: Any, device: torch.device) -> None:
+    """``+recipe=auto`` decides on every rank from its own device memory: ranks whose memory
+    differs could choose different layouts, which would hang the first collective.
+
+    Raises:
+        ConfigError: the ranks chose differently.
+    """
+    choice = f"{cfg.recipe.name}|{cfg.trainer.micro_batch_size}|{cfg.trainer.activation_checkpointing}"
+    mine = torch.tensor(float(zlib.crc32(choice.encode())), dtype=torch.float64, device=device)
+    if distributed.all_reduce_max(mine.clone()).item() != -distributed.all_reduce_max(-mine).item():
+        raise ConfigError(f"+recipe=auto chose different layouts on different ranks (this one: {choice}): their "
+                          "device memory differs; set recipe.device_memory to the smallest device's")
 
 
 def _write_report(run_dir: Path) -> str | None:

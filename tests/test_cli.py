@@ -83,6 +83,11 @@ def test_wandb_offline_tensorboard_and_a_local_mlflow_store_log_every_step(tmp_p
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")  # the default local store
     (run,) = client.search_runs([client.get_experiment_by_name("llmtrain").experiment_id])
     assert run.data.params["trainer.max_steps"] == "2" and run.info.status == "FINISHED"
+    # Artifacts stay in the run directory, not in ./mlruns of the launch directory.
+    assert run.info.artifact_uri.startswith((tmp_path / "mlartifacts").resolve().as_uri()), run.info.artifact_uri
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.yaml", "report.md", "report.png"]
+    assert (runs[0] / "files" / "report.png").read_bytes() == (tmp_path / "report.png").read_bytes()  # wandb too
+    assert not (REPO / "mlruns").exists()
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2]
 
 

@@ -81,6 +81,33 @@ def test_auto_takes_the_first_layout_that_fits_and_says_why():
     assert any("does not fit" in line for line in tight.reasons)
 
 
+def test_auto_skips_layouts_the_rest_of_the_config_rules_out():
+    """Memory for ZeRO-1 but not DDP (micro-batch 1: no smaller one to try);
+    trainer.async_checkpoint rules DeepSpeed out: FSDP2."""
+    from llmtrain.plan import choose, plan_recipe, with_recipe
+
+    cfg = make_cfg(PLAN + ["trainer.async_checkpoint=true", "trainer.micro_batch_size=1"])
+    ddp, zero1 = (plan_recipe(with_recipe(cfg, name), 2).total for name in ("ddp", "zero1"))
+    assert zero1 < ddp
+    choice = choose(cfg, 2, device_memory=int((zero1 + ddp) / 2 / 0.9))
+    assert choice.plan.recipe == "fsdp", choice.reasons
+    assert any(line.startswith("zero1: not valid") and "async_checkpoint" in line for line in choice.reasons)
+
+
+def test_offloaded_bytes_must_fit_host_memory():
+    from llmtrain.config import ConfigError
+    from llmtrain.plan import choose, plan_recipe, with_recipe
+
+    cfg = make_cfg(PLAN)
+    offload = plan_recipe(with_recipe(cfg, "zero3_offload"), 2, micro_batch=1, checkpointing=True)
+    tiny_device = int(offload.total * 1.01 / 0.9)  # only zero3_offload's device share fits
+    assert choose(cfg, 2, tiny_device, host_memory=int(offload.host * 1.01 / 0.9)).plan.recipe == "zero3_offload"
+    with pytest.raises(ConfigError, match="of host memory per rank against"):
+        choose(cfg, 2, tiny_device, host_memory=int(offload.host * 0.9 / 0.9))
+    with pytest.raises(ConfigError):  # CPU training: device and host are one memory
+        choose(cfg, 2, tiny_device, shared_host=True)
+
+
 def test_memory_that_fits_no_recipe_names_the_smallest_need_and_where_it_fits():
     from llmtrain.config import ConfigError
     from llmtrain.plan import choose
@@ -93,11 +120,12 @@ def test_memory_that_fits_no_recipe_names_the_smallest_need_and_where_it_fits():
     message = str(err.value)
     assert "fits no recipe on 2 ranks" in message and "smallest per-rank need" in message
     assert "more ranks do not help" in message and "data.seq_len" in message
-    # Just under the smallest need on 2 ranks: a sharded recipe fits on more.
-    smallest = min(p.total for p in (plan_recipe(with_recipe(cfg, n), 2, micro_batch=1, checkpointing=True)
-                                     for n in recipe_names()) if not p.error)
+    # CPU training (device and host one memory), just under the smallest need on 2 ranks: a
+    # sharded recipe fits on more.
+    smallest = min(p.total + p.host for p in (plan_recipe(with_recipe(cfg, n), 2, micro_batch=1, checkpointing=True)
+                                              for n in recipe_names()) if not p.error)
     with pytest.raises(ConfigError, match=r"would fit on (4|8|16) ranks"):
-        choose(cfg, 2, device_memory=int(smallest * 0.99 / 0.9))
+        choose(cfg, 2, device_memory=int(smallest * 0.99 / 0.9), shared_host=True)
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -105,6 +133,10 @@ def test_memory_that_fits_no_recipe_names_the_smallest_need_and_where_it_fits():
     (["world_size=2", "device_memory=eighty"], "device_memory='eighty' is not a positive size"),
     (["world_size=2", "+recipe=auto"], "needs device_memory=SIZE"),
     (["world_size=3", "+recipe=tp", "--check"], "recipe.tp"),
+    (["world_size=2", "device_memory=8GiB", "margin=-0.5"], "margin=-0.5 must be in [0, 1)"),
+    (["world_size=2", "margin=abc"], "recipe.memory_margin=abc"),
+    (["world_size=2", "+recipe=pp", "trainer.global_batch_size=8"], "pp is not valid on 2 ranks"),
+    (["world_size=2", "+recipe=auto", "device_memory=1GiB", "recipe.tp=2"], "recipe.tp=2 cannot apply"),
 ])
 def test_plan_command_refuses_bad_input(args, needle, capsys):
     from llmtrain.plan import main
@@ -146,6 +178,19 @@ def test_dry_run_lays_out_64_ranks_of_3d_and_every_shard_adds_up():
     assert all(total == math.prod(full) for full, total in held.values()), held
     names = {name for _, name in held}
     assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
+
+
+def test_deepspeed_dry_run_gives_each_rank_its_zero3_partition(capsys):
+    from llmtrain.plan import main
+
+    assert main(PLAN + ["+recipe=zero3", "world_size=8", "trainer.micro_batch_size=2", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert '"stage": 3' in out and "ZeRO-3 partitions parameters" in out
+    import re
+
+    (real, pad, whole), = [tuple(int(x.replace(",", "")) for x in m.groups())
+                           for m in [re.search(r"^0-7\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)$", out, re.M)]]
+    assert 8 * real - pad + whole == 779_392  # the tiny Llama's parameters, each counted once
 
 
 def test_trainer_dry_run_prints_the_layout_and_trains_nothing(tmp_path):

@@ -232,6 +232,12 @@ def _check_trackers(run_dir: Path, uri: str, got: list[tuple]) -> None:
     assert (run_dir / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| 1 |" in report and "| 2 |" in report and "killed or crashed" in report, report
     assert f"| final train loss | {got[-1][1]:.4f} |" in report, report
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    (live,) = [r for r in client.search_runs([client.get_experiment_by_name(run_dir.name).experiment_id])
+               if "llmtrain.superseded_by" not in r.data.tags]
+    assert {a.path for a in client.list_artifacts(live.info.run_id)} >= {"config.yaml", "report.png", "report.md"}
 
 
 def test_sigkill_of_a_packed_mixture_continues_exactly_and_counts_sources(mixture, reference, tmp_path):

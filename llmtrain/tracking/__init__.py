@@ -79,6 +79,10 @@ class Tracker:
         """Make every step logged so far durable (called before a checkpoint is written)."""
         self._each("flush")
 
+    def log_files(self, paths: list[Path]) -> None:
+        """Attach files (the run report) to the run, in the backends that keep files."""
+        self._each("log_files", paths)
+
     def commit(self, step: int) -> None:
         """The checkpoint of ``step`` counts (sealed): backends that hold steps back until then
         (wandb offline) may now write them."""

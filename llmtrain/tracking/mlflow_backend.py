@@ -61,7 +61,11 @@ class MlflowBackend:
         self._client = MlflowClient(tracking_uri=uri)
         experiment_name = tracker_cfg.mlflow_experiment or tracker_cfg.project
         experiment = self._client.get_experiment_by_name(experiment_name)
-        experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(experiment_name)
+        # A store without a server (SQLite, files) would put artifacts in ./mlruns of whatever
+        # directory the run was launched from: keep them in the run directory instead.
+        artifacts = None if uri.startswith(("http://", "https://")) else (run_dir / "mlartifacts").resolve().as_uri()
+        experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(
+            experiment_name, artifact_location=artifacts)
         tags = {"llmtrain.run_dir": str(run_dir), **{f"llmtrain.tag.{t}": "true" for t in tracker_cfg.tags}}
         name = tracker_cfg.run_name or run_name
         if run_id is not None and resume_step is not None:
@@ -112,6 +116,10 @@ class MlflowBackend:
 
         now = int(time.time() * 1000)
         self._client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+    def log_files(self, paths: list[Path]) -> None:
+        for path in paths:
+            self._client.log_artifact(self.run_id, str(path))
 
     def flush(self) -> None:
         pass  # every log call is a synchronous request

@@ -152,6 +152,10 @@ class WandbBackend:
             logged_step, metrics = self._pending.pop(0)
             self._run.log(metrics, step=logged_step)
 
+    def log_files(self, paths: list[Path]) -> None:
+        for path in paths:
+            self._run.save(str(path), base_path=str(path.parent), policy="now")
+
     def flush(self) -> None:
         pass  # wandb's service process owns its files; commit() decides what it gets
 
