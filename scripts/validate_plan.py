@@ -135,6 +135,8 @@ def worker(out_prefix: str, recipes: list[str], overrides: list[str]) -> None:
             norm = step(*step_args, **step_kwargs)
             if run["step"] == 2:  # after the optimizer step: what the rank holds between steps
                 run["figures"]["resident_bytes"] = sum(b for p, b in _storages().items() if p not in run["baseline"])
+                if torch.cuda.is_available():  # the allocator's own peak over step 2
+                    run["figures"]["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
             return norm
 
         engine.step = step_then_census
@@ -147,6 +149,8 @@ def worker(out_prefix: str, recipes: list[str], overrides: list[str]) -> None:
         if run["step"] != 2:
             return forward_backward(*args, **kwargs)
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         saved = SavedBytes([o for o in gc.get_objects() if isinstance(o, torch.nn.Parameter)])
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             result = forward_backward(*args, **kwargs)
@@ -176,17 +180,20 @@ def measure(recipes: list[str], overrides: list[str], scratch: Path) -> dict[str
     return {recipe: [json.loads(Path(f"{out}.{recipe}.{rank}").read_text()) for rank in (0, 1)] for recipe in recipes}
 
 
-def compare(recipes: list[str], overrides: list[str], scratch: Path) -> list[tuple[str, int, int, int, int]]:
+def compare(recipes: list[str], overrides: list[str], scratch: Path) -> list[tuple]:
     """``(recipe, planned resident, measured resident, planned activations, measured
-    activations)`` in bytes, the measured figures the largest over the two ranks."""
+    activations, planned peak total, CUDA allocator peak or None)`` in bytes, the measured
+    figures the largest over the two ranks (the CUDA peak only on a machine with GPUs)."""
     from llmtrain.plan import compose, plan_recipe
 
     measured = measure(recipes, overrides, scratch)
     rows = []
     for recipe in recipes:
         plan = plan_recipe(compose(overrides + [f"+recipe={recipe}"]), 2)
+        cuda = [r["cuda_peak_bytes"] for r in measured[recipe] if "cuda_peak_bytes" in r]
         rows.append((recipe, plan.resident + plan.host, max(r["resident_bytes"] for r in measured[recipe]),
-                     plan.activations, max(r["activation_peak_bytes"] for r in measured[recipe])))
+                     plan.activations, max(r["activation_peak_bytes"] for r in measured[recipe]), plan.total,
+                     max(cuda) if cuda else None))
     return rows
 
 
@@ -200,11 +207,13 @@ def main() -> None:
     print(f"{'':<14} {'planned':>10} {'measured':>10} {'ratio':>10}   {'planned':>10} {'measured':>10} {'ratio':>10}")
     worst = [0.0, 0.0]
     with tempfile.TemporaryDirectory() as scratch:
-        for recipe, states_plan, states, acts_plan, acts in compare(recipes, OVERRIDES + extra, Path(scratch)):
+        for recipe, states_plan, states, acts_plan, acts, total, cuda in compare(recipes, OVERRIDES + extra,
+                                                                                  Path(scratch)):
             ratios = (states_plan / states, acts_plan / acts)
             worst = [max(worst[0], abs(ratios[0] - 1)), max(worst[1], abs(ratios[1] - 1))]
+            gpu = f"   planned peak {total / 2**20:.2f} MiB, CUDA peak {cuda / 2**20:.2f} MiB" if cuda else ""
             print(f"{recipe:<14} {states_plan / 2**20:>10.2f} {states / 2**20:>10.2f} {ratios[0]:>10.3f}   "
-                  f"{acts_plan / 2**20:>10.2f} {acts / 2**20:>10.2f} {ratios[1]:>10.3f}", flush=True)
+                  f"{acts_plan / 2**20:>10.2f} {acts / 2**20:>10.2f} {ratios[1]:>10.3f}{gpu}", flush=True)
     print(f"largest deviation: model states {worst[0]:.1%} (bound 10%), activations {worst[1]:.1%} (bound 30%)")
 
 
