@@ -114,6 +114,11 @@ def test_command_line(heading, command, tmp_path):
         validate_data(make_cfg([t for t in tokens[3:] if not t.startswith("out=")]).data)
         assert sum(t.startswith("out=") for t in tokens) == 1, command
         return
+    if tokens[1:3] == ["-m", "llmtrain.plan"]:  # the planner itself: seconds, nothing launched
+        from llmtrain.plan import main as plan
+
+        assert plan(tokens[3:]) == 0, command
+        return
     parsed = llmtrain_args(tokens)
     if parsed is None:
         if tuple(tokens[:2]) in SETUP_COMMANDS or tuple(tokens[:3]) in SETUP_COMMANDS:
