@@ -21,7 +21,8 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   partition 4n / d (DeepSpeed keeps it even in fp32 runs, a second copy of the weights); AdamW
   8n / d. Temporaries: the reduce and all-gather buckets, and at stage 3 the gathered parameters
   (up to ``max_live_parameters``, DeepSpeed's default 1e9 elements) and the prefetch bucket.
-  Offload moves the optimizer state and master (and the parameter partition) to host memory.
+  Offload moves the optimizer state and master (and the parameter partition, and at stage 3
+  the gradient partition, twice) to host memory.
 - Activations: bytes saved for backward per decoder layer (measured under FakeTensorMode on a
   layer with the tensor-parallel rank's share of heads and MLP width), times the stage's layers,
   plus the embedding and the loss (logits); with activation checkpointing, each layer keeps
