@@ -418,6 +418,21 @@ def register_configs() -> None:
         cs.store(group="recipe", name=recipe_file.stem, node=load_recipe(recipe_file.stem))
 
 
+def compose(overrides: list[str]) -> Any:
+    """The run config of ``python -m llmtrain OVERRIDES``, composed in-process with Hydra's
+    compose API (the same primary config, groups and recipes as the command line)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from llmtrain.paths import CONF_DIR
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
 def load_recipe(name: str) -> Any:
     """The ``recipe`` node of ``recipes/<name>.yaml`` over the :class:`RecipeConfig` schema, as
     ``+recipe=<name>`` composes it: its engine and name are interpolations that honour a

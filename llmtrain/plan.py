@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from llmtrain.config import ConfigError, parse_bytes
+from llmtrain.config import ConfigError, compose, parse_bytes
 
 GIB = 2**30
 DEFAULT_MARGIN = 0.1  # of device memory, for the allocator's fragmentation and the CUDA context
@@ -369,21 +369,6 @@ def recipe_names() -> list[str]:
     from llmtrain.paths import RECIPES_DIR
 
     return sorted(p.stem for p in Path(RECIPES_DIR).glob("*.yaml") if p.stem != "auto")
-
-
-def compose(overrides: list[str]) -> Any:
-    """The run config of ``python -m llmtrain OVERRIDES``, composed in-process."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from llmtrain.config import register_configs
-    from llmtrain.paths import CONF_DIR
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return hydra_compose(config_name="config", overrides=overrides)
 
 
 def with_recipe(cfg: Any, name: str, **trainer: Any) -> Any:

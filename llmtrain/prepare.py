@@ -17,13 +17,10 @@ USAGE = __doc__
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hydra import compose, initialize_config_dir
-
-    from llmtrain.config import register_configs, validate_data
+    from llmtrain.config import compose, validate_data
     from llmtrain.data import text_documents, write_token_folder
     from llmtrain.errors import ConfigError, DataError
     from llmtrain.models import ModelSourceError, build_tokenizer
-    from llmtrain.paths import CONF_DIR
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
@@ -39,9 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"out={out} is a file; give a folder to create")
         if out.exists() and any(out.iterdir()):
             raise ConfigError(f"out={out} exists and is not empty; choose a new folder (nothing is overwritten)")
-        register_configs()
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            cfg = compose(config_name="config", overrides=overrides)
+        cfg = compose(overrides)
         validate_data(cfg.data)
         if cfg.data.datasets or cfg.data.format != "text":
             raise ConfigError(f"llmtrain.prepare tokenizes one format=text source (got data.format={cfg.data.format}"

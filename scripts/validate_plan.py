@@ -120,7 +120,7 @@ def worker(out_prefix: str, recipes: list[str], overrides: list[str]) -> None:
 
     import llmtrain.trainer as trainer
     from llmtrain.distributed import shutdown
-    from llmtrain.plan import compose
+    from llmtrain.config import compose
 
     run: dict = {}  # the current recipe's figures (bytes), baseline storages and step count
 
@@ -184,7 +184,8 @@ def compare(recipes: list[str], overrides: list[str], scratch: Path) -> list[tup
     """``(recipe, planned resident, measured resident, planned activations, measured
     activations, planned peak total, CUDA allocator peak or None)`` in bytes, the measured
     figures the largest over the two ranks (the CUDA peak only on a machine with GPUs)."""
-    from llmtrain.plan import compose, plan_recipe
+    from llmtrain.config import compose
+    from llmtrain.plan import plan_recipe
 
     measured = measure(recipes, overrides, scratch)
     rows = []

@@ -62,16 +62,9 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 
 def make_cfg(overrides: list[str]):
     """Compose the shipped config in-process, as ``python -m llmtrain OVERRIDES`` would."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from llmtrain.config import compose
 
-    from llmtrain.config import register_configs
-    from llmtrain.paths import CONF_DIR
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose(config_name="config", overrides=overrides)
+    return compose(overrides)
 
 
 @pytest.fixture(scope="session")

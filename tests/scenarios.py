@@ -13,22 +13,14 @@ import json
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-
-from llmtrain.config import register_configs
+from llmtrain.config import compose
 from llmtrain.distributed import shutdown
-from llmtrain.paths import CONF_DIR
 from llmtrain.trainer import train
 
 
 def main(spec_file: str) -> None:
-    register_configs()
     for run_dir, overrides in json.loads(Path(spec_file).read_text()):
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            cfg = compose(config_name="config", overrides=list(overrides) + [f"run_dir={run_dir}"])
-        train(cfg)
+        train(compose(list(overrides) + [f"run_dir={run_dir}"]))
     shutdown()
 
 
