@@ -74,10 +74,8 @@ def dry_run(cfg: Any, world_size: int) -> str:
     r = cfg.recipe
     dims = ParallelDims.from_recipe(r, world_size)
     hf_config = model_config(cfg.model)
-    dims.check_model(hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
-                     or hf_config.num_attention_heads, hf_config.num_hidden_layers, r.pp_stages_per_rank)
-    accumulation = gradient_accumulation_steps(cfg.trainer, dims.dp)
-    dims.check_microbatches(accumulation, r.pp_stages_per_rank)
+    dims.check_model_config(hf_config, r.pp_stages_per_rank)
+    accumulation = gradient_accumulation_steps(cfg.trainer, dims.dp)  # validate() checked it divides
     lines = [f"dry run of recipe {r.name} (engine {r.engine}, ZeRO {r.zero_stage}) on {world_size} ranks: "
              f"pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}; "
              f"global batch {cfg.trainer.global_batch_size} = micro {cfg.trainer.micro_batch_size} x accumulation "

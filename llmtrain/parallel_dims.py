@@ -95,6 +95,16 @@ class ParallelDims:
             raise ConfigError(f"recipe.pp={self.pp} x stages per rank {stages_per_rank} = {stages} pipeline stages "
                               f"but the model has {num_hidden_layers} decoder layers; lower recipe.pp")
 
+    def check_model_config(self, hf_config: Any, stages_per_rank: int = 1) -> None:
+        """:meth:`check_model` for a ``transformers`` config (no KV-head count: one per head).
+
+        Raises:
+            ConfigError: see :meth:`check_model`.
+        """
+        heads = hf_config.num_attention_heads
+        self.check_model(heads, getattr(hf_config, "num_key_value_heads", None) or heads,
+                         hf_config.num_hidden_layers, stages_per_rank)
+
     def check_microbatches(self, accumulation_steps: int, stages_per_rank: int = 1) -> None:
         """A pipeline needs at least one micro-batch per stage per step; the interleaved
         schedule runs micro-batches in rounds of ``pp``, so their number must be a multiple of

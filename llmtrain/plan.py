@@ -243,8 +243,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     plan = RankPlan(recipe=r.name, world_size=world_size, micro_batch=micro, checkpointing=ckpt)
     try:
         dims = ParallelDims.from_recipe(r, world_size)
-        dims.check_model(hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
-                         or hf_config.num_attention_heads, hf_config.num_hidden_layers, r.pp_stages_per_rank)
+        dims.check_model_config(hf_config, r.pp_stages_per_rank)
         accumulation = gradient_accumulation_steps(_with_micro(t, micro), dims.dp)
         dims.check_microbatches(accumulation, r.pp_stages_per_rank)
     except ConfigError as err:

@@ -229,8 +229,7 @@ def train(cfg: Any) -> dict[str, Any]:
     fingerprint = adapters.base_fingerprint(cfg.model, t.seed) if partial else None
     if resume_from is not None:
         _check_resumable(resume_from, cfg, checkpoints, env.is_main, fingerprint)
-    dims.check_model(hf_config.num_attention_heads, getattr(hf_config, "num_key_value_heads", None)
-                     or hf_config.num_attention_heads, hf_config.num_hidden_layers, cfg.recipe.pp_stages_per_rank)
+    dims.check_model_config(hf_config, cfg.recipe.pp_stages_per_rank)
     engine = build_engine(cfg, env, accumulation, dims)
     with engine.model_init_context():
         model = build_model(cfg.model, t.seed)
