@@ -56,6 +56,14 @@ except ConfigError as err:
     _fail(err)
 
 
+def _world_size(cfg: DictConfig) -> int:
+    """The ranks to lay out: ``trainer.dry_run_world_size`` in a dry run that sets it, else the
+    launch's (WORLD_SIZE, 1 without a launcher)."""
+    if cfg.trainer.dry_run and cfg.trainer.dry_run_world_size:
+        return cfg.trainer.dry_run_world_size
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def _layout(cfg: DictConfig) -> DictConfig:
     """``+recipe=auto``: the config with the recipe, micro-batch and activation checkpointing
     the memory planner chose for this launch's world size (llmtrain.plan); others unchanged.
@@ -66,8 +74,7 @@ def _layout(cfg: DictConfig) -> DictConfig:
 
     from llmtrain.plan import describe, resolve_auto
 
-    world_size = (cfg.trainer.dry_run_world_size if cfg.trainer.dry_run and cfg.trainer.dry_run_world_size
-                  else int(os.environ.get("WORLD_SIZE", "1")))
+    world_size = _world_size(cfg)
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available()
               else torch.device("cpu"))
     chosen, choice = resolve_auto(cfg, world_size, device)
@@ -87,7 +94,7 @@ def main(cfg: DictConfig) -> None:
             from llmtrain.dry_run import dry_run
 
             if int(os.environ.get("RANK", "0")) == 0:
-                print(dry_run(cfg, cfg.trainer.dry_run_world_size or int(os.environ.get("WORLD_SIZE", "1"))))
+                print(dry_run(cfg, _world_size(cfg)))
             return
         train(cfg)
     except USER_ERRORS as err:

@@ -441,10 +441,10 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
                     continue
                 if smallest is None or plan.total < smallest.total:
                     smallest = plan
-                if fits(plan) and (problem := _config_problem(cfg, name, world_size, micro, ckpt)):
-                    invalid[name] = problem  # fits, but another setting of the run rules it out
-                    break
                 if fits(plan):
+                    if problem := _config_problem(cfg, name, world_size, micro, ckpt):
+                        invalid[name] = problem  # fits, but another setting of the run rules it out
+                        break
                     reasons += [f"{n}: not valid on {world_size} ranks ({e})" for n, e in invalid.items()]
                     reasons += [f"{n}: does not fit ({t[0]}{' ... ' + t[-1] if len(t) > 1 else ''})"
                                 for n, t in tried.items() if t]
@@ -510,13 +510,6 @@ def check_auto_overrides(cfg: Any) -> None:
                           f"{'them' if len(given) > 1 else 'it'}")
 
 
-def _next_micro(micro: int, global_batch: int) -> int:
-    micro -= 1
-    while micro >= 1 and global_batch % micro:
-        micro -= 1
-    return micro
-
-
 def _ranks_to_fit(cfg: Any, recipe: str, world_size: int, fits: Any) -> int | None:
     """The smallest doubling of ``world_size`` (up to 64x) at which ``recipe`` ``fits``, or None."""
     n = world_size * 2
@@ -528,17 +521,22 @@ def _ranks_to_fit(cfg: Any, recipe: str, world_size: int, fits: Any) -> int | No
     return None
 
 
-def device_memory_bytes(cfg: Any, device: torch.device) -> int:
-    """``recipe.device_memory``, or the device's memory: an accelerator's total memory, or on
-    CPU the host's physical memory shared by the ranks of this node (LOCAL_WORLD_SIZE)."""
+def host_memory_per_rank() -> int:
+    """This node's physical memory (bytes) shared by its ranks (``LOCAL_WORLD_SIZE``)."""
     import os
 
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1)
+
+
+def device_memory_bytes(cfg: Any, device: torch.device) -> int:
+    """``recipe.device_memory``, or the device's memory: an accelerator's total memory, or on
+    CPU :func:`host_memory_per_rank`."""
     if cfg.recipe.device_memory is not None:
         return parse_bytes(cfg.recipe.device_memory, "recipe.device_memory")
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1)
+    return host_memory_per_rank()
 
 
 def resolve_auto(cfg: Any, world_size: int, device: torch.device) -> tuple[Any, Choice]:
@@ -548,12 +546,10 @@ def resolve_auto(cfg: Any, world_size: int, device: torch.device) -> tuple[Any, 
     Raises:
         ConfigError: see :func:`choose`.
     """
-    import os
-
     check_auto_overrides(cfg)
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    on_cpu = device.type == "cpu"  # then device and host are one memory
     choice = choose(cfg, world_size, device_memory_bytes(cfg, device), cfg.recipe.memory_margin,
-                    host_memory=None if device.type == "cpu" else host, shared_host=device.type == "cpu")
+                    host_memory=None if on_cpu else host_memory_per_rank(), shared_host=on_cpu)
     return _chosen_config(cfg, choice), choice
 
 
@@ -649,16 +645,15 @@ def main(argv: list[str] | None = None) -> int:
         r = cfg.recipe
         if not 0 <= r.memory_margin < 1:
             raise ConfigError(f"margin={r.memory_margin} must be in [0, 1) (a fraction of device memory kept free)")
-        if r.device_memory is not None:
-            parse_bytes(r.device_memory, "device_memory")
-        budget = None if r.device_memory is None else int(parse_bytes(r.device_memory) * (1 - r.memory_margin))
+        device_memory = None if r.device_memory is None else parse_bytes(r.device_memory, "device_memory")
+        budget = None if device_memory is None else int(device_memory * (1 - r.memory_margin))
         if r.auto:
-            if r.device_memory is None:
+            if device_memory is None:
                 raise ConfigError("+recipe=auto needs device_memory=SIZE here (e.g. device_memory=80GiB): the "
                                   "planner runs without the devices")
             host = parse_bytes(options["host_memory"], "host_memory") if "host_memory" in options else None
             check_auto_overrides(cfg)
-            choice = choose(cfg, world_size, parse_bytes(r.device_memory), r.memory_margin, host_memory=host)
+            choice = choose(cfg, world_size, device_memory, r.memory_margin, host_memory=host)
             cfg = _chosen_config(cfg, choice)
             if choice.plan.host and host is None:
                 choice.reasons.append(f"note: {choice.plan.recipe} offloads {fmt_bytes(choice.plan.host)} per rank to "

@@ -91,10 +91,9 @@ class Tracker:
     def finish(self, complete: bool = True) -> None:
         """End every backend. ``complete=False``: the run stopped after its last checkpoint
         (non-finite loss); steps held back for a checkpoint stay out (a resume logs them)."""
-        from llmtrain.tracking.wandb_backend import WandbBackend
-
-        for backend in list(self._backends):
-            self._call(backend, "finish", complete) if isinstance(backend, WandbBackend) else self._call(backend, "finish")
+        if not complete:
+            self._each("drop_uncommitted")
+        self._each("finish")
         self._backends = []
 
     def _each(self, method: str, *args: Any) -> None:

@@ -159,13 +159,15 @@ class WandbBackend:
     def flush(self) -> None:
         pass  # wandb's service process owns its files; commit() decides what it gets
 
-    def finish(self, complete: bool = True) -> None:
-        """End the run. ``complete=False`` (a run stopped by a non-finite loss) leaves out the
-        steps after the last counted checkpoint: a resume trains them again (they stay in
-        ``metrics.jsonl`` until then)."""
-        if self._pending and not complete:
+    def drop_uncommitted(self) -> None:
+        """Leave out the steps after the last counted checkpoint (a run stopped by a non-finite
+        loss): a resume trains them again; they stay in ``metrics.jsonl`` until then."""
+        if self._pending:
             log.info("wandb: steps %d-%d after the last checkpoint are in metrics.jsonl only; a resume logs "
                      "them once", self._pending[0][0], self._pending[-1][0])
             self._pending = []
+
+    def finish(self) -> None:
+        """Hand wandb every step still held back, and end the run."""
         self.commit(self._pending[-1][0] if self._pending else 0)
         self._run.finish()
