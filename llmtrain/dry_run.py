@@ -129,15 +129,18 @@ def _deepspeed_report(cfg: Any, world_size: int, accumulation: int, hf_config: A
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     # Per rank: [partitioned real elements, padding, elements kept whole].
     ranks = [[0, 0, 0] for _ in range(world_size)]
+
+    def split(numel: int, part: int) -> None:  # rank r holds elements [r * part, (r + 1) * part)
+        for r, entry in enumerate(ranks):
+            real = max(0, min(part, numel - r * part))
+            entry[0] += real
+            entry[1] += part - real
+
     if stage in (1, 2):
         for group in param_groups(model, cfg.trainer.weight_decay):
             flat = sum(p.numel() for p in group["params"])
             align = 2 * world_size
-            part = math.ceil(flat / align) * align // world_size
-            for r in range(world_size):
-                real = max(0, min(part, flat - r * part))
-                ranks[r][0] += real
-                ranks[r][1] += part - real
+            split(flat, math.ceil(flat / align) * align // world_size)
         what = "optimizer state" + (" and gradients" if stage == 2 else "")
     else:
         threshold = communication_sizes(cfg.recipe, hf_config.hidden_size)["param_persistence_threshold"]
@@ -146,11 +149,7 @@ def _deepspeed_report(cfg: Any, world_size: int, accumulation: int, hf_config: A
                 for entry in ranks:
                     entry[2] += param.numel()
                 continue
-            part = math.ceil(param.numel() / world_size)
-            for r in range(world_size):
-                real = max(0, min(part, param.numel() - r * part))
-                ranks[r][0] += real
-                ranks[r][1] += part - real
+            split(param.numel(), math.ceil(param.numel() / world_size))
         what = f"parameters, gradients and optimizer state (parameters <= {threshold:,} elements kept whole)"
     total = sum(p.numel() for p in model.parameters())
     lines.append(f"ZeRO-{stage} partitions {what} of {total:,} parameters over {world_size} ranks "
