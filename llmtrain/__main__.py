@@ -11,18 +11,11 @@ import llmtrain.distributed  # noqa: F401  (before anything imports deepspeed: p
 import hydra
 from omegaconf import DictConfig
 
-from llmtrain.checkpoint import ResumeError
-from llmtrain.config import ConfigError, register_configs
-from llmtrain.data import DataError
-from llmtrain.distributed import LaunchError
-from llmtrain.errors import TrainingStopped
-from llmtrain.models import ModelSourceError
+from llmtrain.config import register_configs
+from llmtrain.errors import ConfigError, LlmtrainError, TrainingStopped
 from llmtrain.paths import CONF_DIR
 
 log = logging.getLogger("llmtrain")
-
-# Bad input, reported as one line naming the field or file; exit status 2, nothing trained.
-USER_ERRORS = (ConfigError, DataError, ModelSourceError, LaunchError, ResumeError)
 
 
 def _fail(err: Exception) -> None:
@@ -52,7 +45,7 @@ def check_recipe_selection(args: list[str]) -> None:
 try:
     register_configs()  # before @hydra.main composes: the recipes are options of the group
     check_recipe_selection(sys.argv[1:])
-except ConfigError as err:
+except LlmtrainError as err:
     _fail(err)
 
 
@@ -97,13 +90,15 @@ def main(cfg: DictConfig) -> None:
                 print(dry_run(cfg, _world_size(cfg)))
             return
         train(cfg)
-    except USER_ERRORS as err:
-        shutdown()  # every rank raises these alike, before or outside any collective
-        _fail(err)
-    except TrainingStopped as err:
+    except TrainingStopped as err:  # an LlmtrainError too: caught first, for its own status
         shutdown()
         print(f"llmtrain: stopped: {err}", file=sys.stderr, flush=True)
         sys.exit(3)
+    except LlmtrainError as err:
+        # Bad input (ConfigError, DataError, ModelSourceError, LaunchError, ResumeError), reported
+        # as one line naming the field or file; exit status 2, nothing trained.
+        shutdown()  # every rank raises these alike, before or outside any collective
+        _fail(err)
     # A finished run exits 0: the process group goes before interpreter exit, not during it.
     shutdown()
 

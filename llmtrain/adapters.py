@@ -7,9 +7,9 @@ train. Engines build their optimizers from ``requires_grad`` parameters only, so
 parameter gets no gradient and no optimizer state; checkpoints hold the trainable parameters only
 (:func:`is_partial`), and the base weights are identified by :func:`base_fingerprint`.
 
-Exports (:func:`save_adapter`): a PEFT adapter folder that ``PeftModel.from_pretrained(base,
-folder)`` loads, and optionally the merged model, both built by ``peft`` itself from the trained
-state dict.
+The whole state of a partial checkpoint (:func:`whole_state`) puts its trained tensors on the base
+rebuilt from the model's source. Exports (a PEFT adapter folder that ``PeftModel.from_pretrained(base,
+folder)`` loads, the merged model) are :mod:`llmtrain.export`'s.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from llmtrain.errors import ConfigError
+from llmtrain.models import build_model, canonical_name, init_weights, parameter_numel, resolve_gguf  # canonical_name: also here
 
 log = logging.getLogger("llmtrain")
 
@@ -48,12 +48,6 @@ def is_partial(cfg: Any) -> bool:
     """Whether some parameters stay frozen (LoRA or ``model.freeze``): then checkpoints hold
     only the trainable ones."""
     return cfg.get("peft") is not None or bool(cfg.model.get("freeze"))
-
-
-def canonical_name(name: str) -> str:
-    """A parameter's name in the plain model: peft moves a wrapped Linear's weight to
-    ``<module>.base_layer.weight``; initialisation and exports use ``<module>.weight``."""
-    return name.replace(".base_layer.", ".")
 
 
 def apply(model: nn.Module, cfg: Any) -> nn.Module:
@@ -78,8 +72,6 @@ def apply(model: nn.Module, cfg: Any) -> nn.Module:
         for name in p.modules_to_save:
             for param in modules[name].parameters():
                 param.requires_grad_(True)
-        from llmtrain.models import init_weights
-
         init_weights(model, cfg.trainer.seed, only=lambda name: ".lora_A." in name or ".lora_B." in name)
     patterns = list(cfg.model.get("freeze") or [])
     if patterns:
@@ -135,7 +127,7 @@ def summary(model: nn.Module) -> tuple[int, int]:
     under ZeRO-3 (``ds_numel``)."""
     trainable = total = 0
     for param in model.parameters():
-        n = getattr(param, "ds_numel", param.numel())
+        n = parameter_numel(param)
         total += n
         trainable += n if param.requires_grad else 0
     return trainable, total
@@ -171,8 +163,6 @@ def base_fingerprint(model_cfg: Any, seed: int) -> str:
                           sort_keys=True)
         return "config:" + hashlib.sha256(spec.encode()).hexdigest()[:16]
     if model_cfg.source == "gguf":
-        from llmtrain.models import resolve_gguf
-
         folder, file = resolve_gguf(model_cfg)
         files = [Path(folder) / file]
     else:
@@ -200,97 +190,6 @@ def _file_digest(path: Path) -> str:
     return digest
 
 
-def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(base, adapter) halves of a trained model's state dict with in-place LoRA names: base
-    weights under their plain names, LoRA weights as peft names them in a ``PeftModel``."""
-    base, adapter = {}, {}
-    for name, tensor in state.items():
-        if ".lora_" in name:
-            adapter[f"base_model.model.{name}"] = tensor
-        else:
-            base[canonical_name(name)] = tensor
-    return base, adapter
-
-
-def save_adapter(state: dict[str, torch.Tensor], cfg: Any, adapter_dir: Path | None, base_reference: str) -> nn.Module:
-    """Write the PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) from
-    the trained ``state`` (in-place names, fp32, whole) into ``adapter_dir`` (None: write nothing),
-    and return the merged plain model (LoRA folded into the base weights by ``merge_and_unload``).
-
-    ``base_reference``: recorded as the adapter's ``base_model_name_or_path`` (the folder or id to
-    load the base from).
-
-    Raises:
-        RuntimeError: the state does not fit the model (names listed).
-    """
-    import peft
-
-    from llmtrain.checkpoint import model_from_state
-
-    base, adapter = split_state(state)
-    fresh = model_from_state(base, cfg.model)
-    config = lora_config(cfg.peft)
-    config.modules_to_save = list(cfg.peft.modules_to_save) or None
-    config.base_model_name_or_path = fresh.name_or_path = base_reference
-    with warnings.catch_warnings():  # peft probes transformers' deprecated gradient-checkpointing flag
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        model = peft.get_peft_model(fresh, config, adapter_name=ADAPTER_NAME)
-    for name in cfg.peft.modules_to_save:  # trained in full: the wrapper's copy gets the trained weights
-        for key, tensor in base.items():
-            if key.startswith(f"{name}."):
-                suffix = key[len(name) + 1:]
-                adapter[f"base_model.model.{name}.modules_to_save.{ADAPTER_NAME}.{suffix}"] = tensor
-    result = model.load_state_dict(adapter, strict=False)
-    if result.unexpected_keys:
-        raise RuntimeError(f"adapter export: unexpected adapter weights {result.unexpected_keys[:5]}")
-    missing_lora = [k for k in result.missing_keys if ".lora_" in k]
-    if missing_lora:
-        raise RuntimeError(f"adapter export: adapter weights missing from the state: {missing_lora[:5]}")
-    if adapter_dir is not None:
-        adapter_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(str(adapter_dir))
-    return model.merge_and_unload()
-
-
-def base_reference(cfg: Any, base_dir: Path | None) -> str:
-    """Where the adapter's base model is loaded from (``adapter_config.json``'s
-    ``base_model_name_or_path``): the pretrained folder or Hub id, the GGUF folder, or, for a
-    model built from a config (whose weights exist nowhere else), ``base_dir``."""
-    m = cfg.model
-    if m.source == "config":
-        return str(base_dir.resolve()) if base_dir is not None else ""
-    if m.source == "gguf":
-        from llmtrain.models import resolve_gguf
-
-        return str(Path(resolve_gguf(m)[0]).resolve())
-    return str(Path(str(m.path)).resolve()) if Path(str(m.path)).exists() else str(m.path)
-
-
-def export(state: dict[str, torch.Tensor], cfg: Any, tokenizer: Any, adapter_dir: Path | None,
-           merged_dir: Path | None = None, end_token_ids: list[int] | None = None) -> dict[str, str]:
-    """Exports of a LoRA run from its whole trained state (in-place names, fp32; rank 0): the PEFT
-    adapter folder plus tokenizer in ``adapter_dir``; for a model built from a config (whose base
-    exists nowhere else) its frozen base as a Hugging Face folder in ``adapter_dir/base``, which
-    the adapter names as its base; and the merged model in ``merged_dir``. Either folder may be
-    None. Returns the folders written: ``{"adapter", "base", "export"}``."""
-    from llmtrain.checkpoint import _follow_umask, save_hf_folder
-
-    written: dict[str, str] = {}
-    base_dir = adapter_dir / "base" if adapter_dir is not None and cfg.model.source == "config" else None
-    if base_dir is not None:
-        save_hf_folder(split_state(state)[0], cfg.model, tokenizer, base_dir, end_token_ids)
-        written["base"] = str(base_dir)
-    merged = save_adapter(state, cfg, adapter_dir, base_reference(cfg, base_dir))
-    if adapter_dir is not None:
-        tokenizer.save_pretrained(adapter_dir)
-        _follow_umask(adapter_dir)
-        written["adapter"] = str(adapter_dir)
-    if merged_dir is not None:
-        save_hf_folder(merged.state_dict(), cfg.model, tokenizer, merged_dir, end_token_ids)
-        written["export"] = str(merged_dir)
-    return written
-
-
 def whole_state(trained: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
     """The whole model state of a partial checkpoint: the base rebuilt from the model's source
     (``cfg`` as saved with the checkpoint), adapters injected, then the checkpoint's trainable
@@ -299,8 +198,6 @@ def whole_state(trained: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.T
     Raises:
         RuntimeError: ``trained`` names a tensor the rebuilt model does not have.
     """
-    from llmtrain.models import build_model
-
     model = apply(build_model(cfg.model, cfg.trainer.seed), cfg)
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
     unknown = sorted(set(trained) - set(state))

@@ -19,6 +19,9 @@ may carry either, so checkpoints of older versions verify. Only a folder named `
 a crash at any moment leaves the previous checkpoint as the newest valid one. There are no
 "latest" pointers. The newest ``keep`` complete checkpoints are kept; the only complete one is
 never deleted.
+
+Resuming continues the same run (:func:`check_resumable`). Exports (Hugging Face and PEFT
+folders, in the run and offline) are :mod:`llmtrain.export`'s.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain import distributed
-from llmtrain.models import model_config
+from llmtrain.errors import ResumeError  # raised here; also importable as checkpoint.ResumeError
 
 log = logging.getLogger("llmtrain")
 
@@ -60,10 +63,6 @@ def step_of(checkpoint_dir: Path) -> int:
     if match is None:
         raise ValueError(f"{checkpoint_dir} is not a step_<N> checkpoint directory")
     return int(match.group(1))
-
-
-class ResumeError(RuntimeError):
-    """An explicitly requested checkpoint is missing or invalid, or resuming cannot work."""
 
 
 @dataclass
@@ -100,6 +99,14 @@ class TrainState:
     # Partial training (LoRA, model.freeze): the base weights the checkpoint's trainable
     # parameters belong to (llmtrain.adapters.base_fingerprint); None in full training.
     base_fingerprint: str | None = None
+
+
+def read_state(checkpoint_dir: Path) -> TrainState:
+    """The loop position saved in ``checkpoint_dir`` (its ``trainer_state.json``); fields that
+    an older checkpoint lacks get their defaults, fields this version does not know are dropped."""
+    saved = json.loads((Path(checkpoint_dir) / STATE_FILE).read_text())
+    known = set(TrainState.__dataclass_fields__)
+    return TrainState(**{k: v for k, v in saved.items() if k in known})
 
 
 HASHES = ("xxh3", "sha256")
@@ -207,7 +214,7 @@ def verify_collective(directory: Path, env: distributed.DistEnv) -> str | None:
     """:func:`verify` with the checksums split over the ranks (each reads its share once);
     every rank gets the same answer. Collective call."""
     problem = verify(directory, env.rank, env.world_size)
-    if dist.is_available() and dist.is_initialized():
+    if distributed.is_initialized():
         problems: list[Any] = [None] * env.world_size
         dist.all_gather_object(problems, problem)
         problem = next((p for p in problems if p), None)
@@ -274,7 +281,7 @@ class CheckpointManager:
                 plan[0] = self._candidates(str(resume))
             except ResumeError as err:
                 plan[1] = str(err)
-        if dist.is_available() and dist.is_initialized():
+        if distributed.is_initialized():
             dist.broadcast_object_list(plan, src=0)
         if plan[1] is not None:
             raise ResumeError(plan[1])
@@ -318,9 +325,7 @@ class CheckpointManager:
 
     @staticmethod
     def read_state(path: Path) -> TrainState:
-        saved = json.loads((path / STATE_FILE).read_text())
-        known = set(TrainState.__dataclass_fields__)
-        return TrainState(**{k: v for k, v in saved.items() if k in known})
+        return read_state(path)
 
     def start_branch(self, resumed: Path) -> Path | None:
         """Make ``resumed`` the head of the lineage this run continues: checkpoints of this run
@@ -434,7 +439,7 @@ class CheckpointManager:
             mine[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size,
                                                      _HASH_KEYS[hash_kind]: _checksum(path, hash_kind)}
         shares: list[Any] = [mine]
-        if dist.is_available() and dist.is_initialized():
+        if distributed.is_initialized():
             shares = [None] * self.env.world_size
             dist.gather_object(mine, shares if self.env.is_main else None, dst=0)
         if self.env.is_main:
@@ -558,96 +563,58 @@ def layout_changes(checkpoint_dir: Path, current: dict) -> list[str]:
     return _differences(old, new, lambda key: _under(key, LAYOUT_KEYS))
 
 
-def export_hf(engine, cfg: Any, tokenizer: Any, run_dir: Path, end_token_ids: list[int] | None = None) -> dict[str, str]:
-    """The run's exports from the engine's weights: ``run_dir/hf``, a ``from_pretrained``-loadable
-    folder (safetensors); for a LoRA run ``run_dir/adapter`` (:func:`llmtrain.adapters.export`)
-    and, with ``trainer.export_merged``, the merged model in ``run_dir/hf``.
-
-    ZeRO-3 partitions are gathered into one state dict on rank 0. The weights are copied into a
-    fresh model built from the config, which also re-ties input and output embeddings (and works
-    for GGUF-loaded models, whose ``save_pretrained`` refuses). Collective call; returns the
-    folders written (``{"export": ..., "adapter": ..., "base": ...}``) on rank 0, {} elsewhere.
+def check_base(checkpoint_dir: Path, saved: TrainState, model_cfg: Any, fingerprint: str | None,
+               remedy: str = "resume with the base it was trained on, or start a new run_dir") -> None:
+    """Refuse a partial checkpoint (LoRA, ``model.freeze``) whose trainable parameters were
+    trained on other base weights than the model's source has now (``fingerprint``,
+    :func:`llmtrain.adapters.base_fingerprint`); no check when either fingerprint is unknown.
 
     Raises:
-        RuntimeError: the engine's state dict does not fit the model built from the config.
+        ResumeError: naming both fingerprints, the model and ``remedy``.
     """
-    from llmtrain import adapters
-
-    state = engine.full_state_dict()
-    if not engine.env.is_main:
-        return {}
-    if adapters.is_partial(cfg) and cfg.recipe.engine == "deepspeed" and cfg.trainer.precision == "bf16":
-        # DeepSpeed holds frozen parameters in bf16 only (no fp32 master): export the trained
-        # tensors on the fp32 base rebuilt from its source, as users load it.
-        trainable = {n for n, p in engine.model.named_parameters(remove_duplicate=False) if p.requires_grad}
-        state = adapters.whole_state({k: v for k, v in state.items() if k in trainable}, cfg)
-    if cfg.get("peft") is not None:
-        return adapters.export(state, cfg, tokenizer, run_dir / "adapter",
-                               run_dir / "hf" if cfg.trainer.export_merged else None, end_token_ids)
-    return {"export": str(save_hf_folder(state, cfg.model, tokenizer, run_dir / "hf", end_token_ids))}
+    if saved.base_fingerprint and fingerprint and saved.base_fingerprint != fingerprint:
+        raise ResumeError(
+            f"checkpoint {checkpoint_dir} holds adapters/trainable parameters trained on base weights "
+            f"{saved.base_fingerprint}, but model {model_cfg.get('name')} (source {model_cfg.get('source')}, path "
+            f"{model_cfg.get('path')}) has weights {fingerprint}: {remedy}")
 
 
-def model_from_state(state: dict[str, torch.Tensor], model_cfg: Any) -> torch.nn.Module:
-    """A plain fp32 model built from the config holding ``state`` (a whole state dict; a tied
-    output embedding may be absent from it: it is filled by re-tying). GGUF quantization metadata
-    is dropped from the config: the weights are plain fp32.
+def check_resumable(resume_from: Path, cfg: Any, checkpoints: CheckpointManager, is_main: bool,
+                    fingerprint: str | None = None) -> None:
+    """Resuming continues the *same* run: refuse a checkpoint whose model, data, recipe or
+    optimisation settings differ from the current config (naming each difference), or whose
+    trainable parameters (LoRA, ``model.freeze``) were trained on other base weights
+    (:func:`check_base`). A torch-engine run may change its parallel layout; that is said in the
+    log (rank 0, ``is_main``).
 
     Raises:
-        RuntimeError: the state does not fit the model (names listed).
+        ResumeError: naming what differs and how to continue or start anew.
     """
-    from transformers import AutoModelForCausalLM
+    from omegaconf import OmegaConf
 
-    config = model_config(model_cfg)
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    result = fresh.load_state_dict(state, strict=False)
-    fresh.tie_weights()
-    loaded = {fresh.get_parameter(k).data_ptr() for k in state if k in dict(fresh.named_parameters())}
-    missing = [k for k in result.missing_keys
-               if k in dict(fresh.named_parameters(remove_duplicate=False)) and fresh.get_parameter(k).data_ptr() not in loaded]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(f"export: state dict does not match {config.model_type}: missing "
-                           f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
-    return fresh
-
-
-def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: Any, out_dir: Path,
-                   end_token_ids: list[int] | None = None) -> Path:
-    """Save a full fp32 state dict as a Hugging Face folder (model + tokenizer).
-
-    ``end_token_ids``: every token training taught as the end of a response (the chat
-    template's end-of-turn token and EOS, :func:`llmtrain.data.end_token_ids`); written as
-    ``generation_config.json``'s ``eos_token_id`` so ``generate()`` stops on any of them."""
-    fresh = model_from_state(state, model_cfg)
-    if end_token_ids:
-        fresh.generation_config.eos_token_id = end_token_ids if len(end_token_ids) > 1 else end_token_ids[0]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fresh.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    _follow_umask(out_dir)
-    return out_dir
-
-
-def _follow_umask(folder: Path) -> None:
-    """Give the files in ``folder`` the mode every other file of the run gets (0o666 minus the
-    process umask). safetensors creates ``model.safetensors`` with mode 0600, which teammates on
-    a shared file system cannot read."""
-    umask = _process_umask()
-    for path in folder.iterdir():
-        if path.is_file():
-            path.chmod(0o666 & ~umask)
-
-
-def _process_umask() -> int:
-    # Linux reports the umask without changing it; os.umask() must set it to read it, which
-    # would briefly apply to files other threads (wandb's) create meanwhile.
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return umask
+    saved = checkpoints.read_state(resume_from)
+    check_base(resume_from, saved, cfg.model, fingerprint)
+    if saved.global_batch_size != cfg.trainer.global_batch_size:
+        raise ResumeError(
+            f"checkpoint {resume_from} was trained with trainer.global_batch_size={saved.global_batch_size}; "
+            f"resume it with the same value (got {cfg.trainer.global_batch_size}) so steps and samples line up")
+    current = OmegaConf.to_container(cfg, resolve=True)
+    differences = config_differences(resume_from, current)
+    if differences:
+        raise ResumeError(
+            f"checkpoint {resume_from} belongs to a run with other settings ({'; '.join(differences)}). "
+            "To continue it, use its settings; to start a new run, set a new run_dir (or name)")
+    if not is_main:
+        return
+    ignored = keys_outside_schema(resume_from, current)
+    if ignored:
+        log.warning("checkpoint %s stores settings that are not config fields and were never used (%s); "
+                    "ignoring them", resume_from, ", ".join(ignored))
+    layout = layout_changes(resume_from, current)
+    if layout:
+        log.warning("resuming %s with another parallel layout (%s): the Distributed Checkpoint is resharded",
+                    resume_from, "; ".join(layout))
+    if saved.step >= cfg.trainer.max_steps:
+        log.warning("checkpoint %s is at step %d >= trainer.max_steps=%d: nothing to train (raise "
+                    "trainer.max_steps to continue); exporting only", resume_from, saved.step,
+                    cfg.trainer.max_steps)

@@ -2,8 +2,10 @@
 
 The schemas are dataclasses registered in Hydra's ConfigStore, so a wrong type or an unknown
 key fails while Hydra composes the config, naming the key. Checks that need more than one
-field (or the world size) live in :func:`validate` and raise :class:`ConfigError`, whose
-message names the fields, their values and the fix.
+field (or the world size) live in :func:`validate` (one function per section, then the
+:class:`~llmtrain.layout.Layout` it returns) and raise :class:`ConfigError`, whose message names
+the fields, their values and the fix. They are pure: checks against the machine (installed
+packages, a tracking server, an API key, files) are :mod:`llmtrain.preflight`'s.
 
 Recipes are YAML files in the top-level ``recipes/`` folder; :func:`register_configs` stores
 each one as an option of the Hydra group ``recipe``, typed by :class:`RecipeConfig`, so
@@ -25,12 +27,15 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from llmtrain.errors import ConfigError
+from llmtrain.layout import Layout, gradient_accumulation_steps, layout  # noqa: F401  (public here too)
 from llmtrain.paths import RECIPES_DIR
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-
-
+# Tensor-parallel styles a ``model.tp_plan`` may name (applied by llmtrain.parallelize).
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise")
+# ``tracker.backends`` names (llmtrain.tracking; metrics.jsonl is always written).
+TRACKER_BACKENDS = ("wandb", "tensorboard", "mlflow")
 
 
 @dataclass
@@ -367,6 +372,21 @@ class RecipeConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """The training objective (``objective=NAME``; :mod:`llmtrain.objectives`).
+
+    Attributes:
+        name: a built-in objective (``causal_lm``: next-token cross-entropy over target tokens),
+            or the label of ``target``.
+        target: ``"module:Class"`` of your own :class:`llmtrain.objectives.Objective` subclass
+            (importable on every rank); built with this section.
+    """
+
+    name: str = "causal_lm"
+    target: Optional[str] = None
+
+
+@dataclass
 class Config:
     """The whole run: model × data × parallelism recipe, plus trainer and tracker settings."""
 
@@ -375,6 +395,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     peft: Optional[PeftConfig] = None  # +peft=lora
     # Overrides recipe.engine: `+recipe=zero3 engine=torch` runs the ZeRO-3 recipe on FSDP2.
     engine: Optional[str] = None
@@ -531,23 +552,6 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def gradient_accumulation_steps(trainer: TrainerConfig, dp_size: int) -> int:
-    """Micro-batches per rank per optimizer step: global / (micro × dp).
-
-    Raises:
-        ConfigError: the global batch is not a multiple of micro-batch × data-parallel size.
-    """
-    per_pass = trainer.micro_batch_size * dp_size
-    _require(
-        trainer.global_batch_size % per_pass == 0,
-        f"trainer.global_batch_size={trainer.global_batch_size} is not divisible by "
-        f"trainer.micro_batch_size={trainer.micro_batch_size} x data-parallel size={dp_size} "
-        f"(= {per_pass}); choose a global batch that is a multiple of {per_pass}, or change "
-        f"the micro-batch size or the number of ranks.",
-    )
-    return trainer.global_batch_size // per_pass
-
-
 NAMED_TEMPLATES = ("chatml",)
 
 
@@ -568,7 +572,8 @@ def _validate_source(src: Any, key: str) -> None:
 
 
 def validate_data(d: Any) -> None:
-    """Checks of the ``data`` node (one source or a mixture) that need no file access.
+    """Checks of the ``data`` node (one source or a mixture) that need no file access (a Jinja
+    ``data.template`` file is looked for by :func:`llmtrain.preflight.preflight_data`).
 
     Raises:
         ConfigError: naming the field (``data.datasets.1.path``), its value and the fix.
@@ -592,8 +597,6 @@ def validate_data(d: Any) -> None:
     _require(template in ("auto", "chat", "alpaca") + NAMED_TEMPLATES or template.endswith((".jinja", ".j2")),
              f"data.template={template!r} must be auto, chat, alpaca, {', '.join(NAMED_TEMPLATES)} or a Jinja file "
              "(*.jinja)")
-    if template.endswith((".jinja", ".j2")):
-        _require(Path(template).expanduser().is_file(), f"data.template={template}: no such file")
     _require(d.truncation in ("right", "drop"), f"data.truncation={d.truncation!r} must be right or drop")
     _require(not (d.packing and formats & {"text", "tokens"}),
              "data.packing=true packs variable-length samples (instruction, chat, prompt_completion); text and "
@@ -645,18 +648,13 @@ def parse_bytes(text: Any, field_name: str = "device_memory") -> int:
     return int(float(match.group(1)) * scale)
 
 
-def validate(cfg: Any, world_size: int) -> None:
-    """Check every cross-field rule before anything is built or written.
-
-    Args:
-        cfg: the composed :class:`Config` (an OmegaConf DictConfig).
-        world_size: number of processes of the launch.
+def validate_model(m: Any) -> None:
+    """The ``model`` node: its source and what that source needs, ``tp_plan`` styles, the
+    architecture's head counts (``source=config``) and the ``freeze`` patterns.
 
     Raises:
-        ConfigError: naming the offending fields, their values and the fix.
+        ConfigError: naming the field, its value and the fix.
     """
-    check_known_keys(cfg)
-    m, d, t, r, tr = cfg.model, cfg.data, cfg.trainer, cfg.recipe, cfg.tracker
     _require(m.source in ("config", "pretrained", "gguf"),
              f"model.source={m.source!r} must be one of config, pretrained, gguf")
     if m.source == "config":
@@ -668,7 +666,32 @@ def validate(cfg: Any, world_size: int) -> None:
         _require(m.gguf_file is not None, "model.gguf_file must be set when model.source=gguf")
         _require(m.path is not None or m.gguf_package is not None,
                  "model.source=gguf needs model.path (folder of the file) or model.gguf_package")
-    validate_data(d)
+    _require(m.tp_plan is None or OmegaConf.is_dict(m.tp_plan),
+             f"model.tp_plan={m.tp_plan!r} must be a mapping {{module path: style}}")
+    bad_styles = {k: v for k, v in (m.tp_plan or {}).items() if v not in TP_STYLES}
+    _require(not bad_styles, f"model.tp_plan: styles {bad_styles} are not supported; use "
+             f"{', '.join(TP_STYLES)}")
+    if m.source == "config" and "model_type" in m.architecture:
+        arch = m.architecture
+        hidden, heads = arch.get("hidden_size"), arch.get("num_attention_heads")
+        kv_heads = arch.get("num_key_value_heads") or heads
+        if hidden and heads:
+            _require(hidden % heads == 0, f"model.architecture.hidden_size={hidden} must be divisible by "
+                     f"model.architecture.num_attention_heads={heads}")
+            _require(heads % kv_heads == 0, f"model.architecture.num_attention_heads={heads} must be divisible by "
+                     f"model.architecture.num_key_value_heads={kv_heads}")
+    _require(all(isinstance(p, str) and p for p in m.freeze),
+             f"model.freeze={list(m.freeze)} must be a list of parameter-name patterns (e.g. [model.embed_tokens.*])")
+
+
+def validate_trainer(t: Any, r: Any) -> None:
+    """The ``trainer`` node, and the trainer features the recipe's engine lacks
+    (``nonfinite=skip`` and ``async_checkpoint`` need ``engine=torch``). The batch sizes'
+    divisibility is :func:`llmtrain.layout.layout`'s.
+
+    Raises:
+        ConfigError: naming the field, its value and the fix.
+    """
     for key in ("max_steps", "global_batch_size", "micro_batch_size"):
         _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
     for key in ("warmup_steps", "eval_every", "log_every", "save_every", "eval_samples"):
@@ -687,10 +710,6 @@ def validate(cfg: Any, world_size: int) -> None:
              "trainer.nonfinite=skip needs engine=torch: DeepSpeed applies the update inside its own step, before "
              "llmtrain sees the gradient norm (ZeRO-3 and ZeRO-0 would apply a NaN update); use trainer.nonfinite=stop "
              "or engine=torch")
-    _require(0 <= r.memory_margin < 1, f"recipe.memory_margin={r.memory_margin} must be in [0, 1) (a fraction of "
-                                        "device memory kept free, e.g. 0.1)")
-    if r.device_memory is not None:
-        parse_bytes(r.device_memory, "recipe.device_memory")
     _require(t.dry_run_world_size is None or t.dry_run_world_size >= 1,
              f"trainer.dry_run_world_size={t.dry_run_world_size} must be >= 1 (the number of ranks to lay out)")
     _require(t.save_every_minutes >= 0, f"trainer.save_every_minutes={t.save_every_minutes} must be >= 0")
@@ -705,57 +724,40 @@ def validate(cfg: Any, world_size: int) -> None:
 
         _require(str(t.preempt_signal) in signal.Signals.__members__ and t.preempt_signal not in ("SIGKILL", "SIGSTOP"),
                  f"trainer.preempt_signal={t.preempt_signal!r} must name a catchable signal (e.g. SIGUSR1)")
-    from llmtrain.tracking import BACKENDS
+    _require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    _require(t.precision in ("fp32", "bf16"), f"trainer.precision={t.precision!r} must be fp32 or bf16")
 
-    unknown = [b for b in tr.backends if b not in BACKENDS]
-    _require(not unknown, f"tracker.backends: {unknown} are not backends; choose from {list(BACKENDS)} "
+
+def validate_tracker(tr: Any) -> None:
+    """The ``tracker`` node's values. Whether its backends can start on this machine (packages,
+    server, API key) is :func:`llmtrain.preflight.preflight_tracker`'s.
+
+    Raises:
+        ConfigError: naming the field, its value and the allowed values.
+    """
+    unknown = [b for b in tr.backends if b not in TRACKER_BACKENDS]
+    _require(not unknown, f"tracker.backends: {unknown} are not backends; choose from {list(TRACKER_BACKENDS)} "
                           "(metrics.jsonl is always written)")
     _require(len(set(tr.backends)) == len(tr.backends), f"tracker.backends={list(tr.backends)} names a backend twice")
     _require(tr.on_error in ("raise", "warn"), f"tracker.on_error={tr.on_error!r} must be raise or warn")
-    import importlib.util
-
-    for backend in ("tensorboard", "mlflow"):  # the package of each is its name
-        _require(backend not in tr.backends or importlib.util.find_spec(backend) is not None,
-                 f"tracker.backends has {backend} but the {backend} package is not installed: pip install {backend} "
-                 f"(or llmtrain[tracking]), or drop it from tracker.backends")
-    if "mlflow" in tr.backends and tr.on_error == "raise" and tr.mlflow_uri:
-        from llmtrain.tracking.mlflow_backend import check_reachable
-
-        problem = check_reachable(tr.mlflow_uri)
-        _require(problem is None, f"tracker.mlflow_uri={tr.mlflow_uri} is unreachable ({problem}): start the "
-                                  "server or fix the URI, or set tracker.on_error=warn to train without MLflow")
-    if tr.wandb_mode == "online":
-        from llmtrain.tracking import wandb_api_key_configured
-
-        _require(wandb_api_key_configured(), "tracker.wandb_mode=online but no wandb API key is configured: set "
-                 "WANDB_API_KEY (or run `wandb login`), or use tracker.wandb_mode=offline")
-    from llmtrain.parallelize import SUPPORTED_STYLES
-
-    _require(m.tp_plan is None or OmegaConf.is_dict(m.tp_plan),
-             f"model.tp_plan={m.tp_plan!r} must be a mapping {{module path: style}}")
-    bad_styles = {k: v for k, v in (m.tp_plan or {}).items() if v not in SUPPORTED_STYLES}
-    _require(not bad_styles, f"model.tp_plan: styles {bad_styles} are not supported; use "
-             f"{', '.join(SUPPORTED_STYLES)}")
-    if m.source == "config" and "model_type" in m.architecture:
-        arch = m.architecture
-        hidden, heads = arch.get("hidden_size"), arch.get("num_attention_heads")
-        kv_heads = arch.get("num_key_value_heads") or heads
-        if hidden and heads:
-            _require(hidden % heads == 0, f"model.architecture.hidden_size={hidden} must be divisible by "
-                     f"model.architecture.num_attention_heads={heads}")
-            _require(heads % kv_heads == 0, f"model.architecture.num_attention_heads={heads} must be divisible by "
-                     f"model.architecture.num_key_value_heads={kv_heads}")
-    if cfg.get("peft") is not None:
-        validate_peft(cfg.peft, r)
-    _require(all(isinstance(p, str) and p for p in m.freeze),
-             f"model.freeze={list(m.freeze)} must be a list of parameter-name patterns (e.g. [model.embed_tokens.*])")
-    _require(not Path(str(cfg.run_dir)).is_file(), f"run_dir={cfg.run_dir} is a file; point run_dir at a folder")
-    _require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    _require(t.precision in ("fp32", "bf16"), f"trainer.precision={t.precision!r} must be fp32 or bf16")
     _require(tr.wandb_mode in ("auto", "online", "offline", "disabled"),
              f"tracker.wandb_mode={tr.wandb_mode!r} must be auto, online, offline or disabled")
-    _require(cfg.get("engine") in (None, "torch", "deepspeed"),
-             f"engine={cfg.get('engine')!r} must be torch or deepspeed (or unset: the recipe's own engine)")
+
+
+def validate_recipe(r: Any, engine: Optional[str] = None) -> None:
+    """The ``recipe`` node (and the top-level ``engine`` override): engine, ZeRO stage and
+    offload, what each engine supports, the pipeline schedule and the memory budget of
+    ``+recipe=auto``. The degrees against the world size are :func:`llmtrain.layout.layout`'s.
+
+    Raises:
+        ConfigError: naming the fields, their values and the fix.
+    """
+    _require(0 <= r.memory_margin < 1, f"recipe.memory_margin={r.memory_margin} must be in [0, 1) (a fraction of "
+                                        "device memory kept free, e.g. 0.1)")
+    if r.device_memory is not None:
+        parse_bytes(r.device_memory, "recipe.device_memory")
+    _require(engine in (None, "torch", "deepspeed"),
+             f"engine={engine!r} must be torch or deepspeed (or unset: the recipe's own engine)")
     _require(r.engine in ("torch", "deepspeed"),
              f"recipe.engine={r.engine!r} must be torch or deepspeed")
     _require(r.zero_stage in (0, 1, 2, 3), f"recipe.zero_stage={r.zero_stage} must be 0, 1, 2 or 3")
@@ -764,9 +766,10 @@ def validate(cfg: Any, world_size: int) -> None:
     _require(not r.offload_params or r.zero_stage == 3,
              f"recipe.offload_params=true needs recipe.zero_stage=3 (got {r.zero_stage})")
     if r.engine == "deepspeed":
-        layout = {k: r[k] for k in ("dp_replicate", "dp_shard") if r[k] not in (None, -1)}
-        layout.update({k: r[k] for k in ("tp", "pp") if r[k] != 1})
-        _require(not layout and not r.compile, f"{', '.join(f'recipe.{k}={v}' for k, v in layout.items()) or 'recipe.compile'}"
+        degrees = {k: r[k] for k in ("dp_replicate", "dp_shard") if r[k] not in (None, -1)}
+        degrees.update({k: r[k] for k in ("tp", "pp") if r[k] != 1})
+        _require(not degrees and not r.compile,
+                 f"{', '.join(f'recipe.{k}={v}' for k, v in degrees.items()) or 'recipe.compile'}"
                  " needs engine=torch (the DeepSpeed engine shards over every rank with ZeRO and has no "
                  "tensor or pipeline parallelism here)")
     else:
@@ -783,7 +786,30 @@ def validate(cfg: Any, world_size: int) -> None:
     _require((r.pp_schedule == "interleaved_1f1b") == (r.pp_stages_per_rank > 1),
              f"recipe.pp_schedule={r.pp_schedule} with recipe.pp_stages_per_rank={r.pp_stages_per_rank}: "
              "interleaved_1f1b needs pp_stages_per_rank >= 2, gpipe and 1f1b run one stage per rank")
-    from llmtrain.parallel_dims import ParallelDims
 
-    dims = ParallelDims.from_recipe(r, world_size)
-    dims.check_microbatches(gradient_accumulation_steps(t, dims.dp), r.pp_stages_per_rank)
+
+def validate(cfg: Any, world_size: int) -> Layout:
+    """Check every rule of the config itself, before anything is built or written: no packages,
+    servers or files are looked at (that is :func:`llmtrain.preflight.preflight`'s, which a run
+    calls after this), so the planner can validate layouts for any machine.
+
+    Args:
+        cfg: the composed :class:`Config` (an OmegaConf DictConfig).
+        world_size: number of processes of the launch.
+
+    Returns:
+        The run's :class:`~llmtrain.layout.Layout` on ``world_size`` ranks: parallel degrees and
+        gradient accumulation steps.
+
+    Raises:
+        ConfigError: naming the offending fields, their values and the fix.
+    """
+    check_known_keys(cfg)
+    validate_model(cfg.model)
+    validate_data(cfg.data)
+    validate_trainer(cfg.trainer, cfg.recipe)
+    validate_tracker(cfg.tracker)
+    if cfg.get("peft") is not None:
+        validate_peft(cfg.peft, cfg.recipe)
+    validate_recipe(cfg.recipe, cfg.get("engine"))
+    return layout(cfg, world_size)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmtrain.errors import LaunchError  # raised here; also importable as distributed.LaunchError
+
 
 def _cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
@@ -26,10 +28,6 @@ import torch.distributed as dist  # noqa: E402
 # DeepSpeed calls collectives that torch 2.13 renamed; the warning repeats every step.
 warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated",
                         category=FutureWarning)
-
-
-class LaunchError(RuntimeError):
-    """The launch environment is inconsistent (e.g. RANK without WORLD_SIZE)."""
 
 
 @dataclass(frozen=True)
@@ -117,22 +115,28 @@ def _die_with_launcher() -> None:
         os._exit(1)
 
 
+def is_initialized() -> bool:
+    """Whether a torch.distributed process group is up (False also where torch was built
+    without distributed support): collectives are no-ops for one process without a group."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over all ranks in place (no-op for one process); returns it."""
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
 
 
 def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
     """Element-wise maximum of a tensor over all ranks, in place (no-op for one process)."""
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value
 
 
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         dist.barrier()
 
 
@@ -146,5 +150,5 @@ def derived_seed(*parts: object) -> int:
 
 
 def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         dist.destroy_process_group()

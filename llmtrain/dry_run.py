@@ -65,17 +65,19 @@ def dry_run(cfg: Any, world_size: int) -> str:
         ConfigError: the layout is not valid on ``world_size`` ranks (degrees, heads, layers,
             batch divisibility), as a real launch would report it.
     """
-    from llmtrain.config import gradient_accumulation_steps, validate
+    from llmtrain.config import validate
     from llmtrain.models import model_config
     from llmtrain.parallel_dims import ParallelDims
+    from llmtrain.preflight import preflight
 
     started = time.perf_counter()
-    validate(cfg, world_size)
+    layout = validate(cfg, world_size)
+    preflight(cfg)  # as the launch would: a dry run answers whether this run would start
     r = cfg.recipe
-    dims = ParallelDims.from_recipe(r, world_size)
+    dims = ParallelDims.from_layout(layout)
     hf_config = model_config(cfg.model)
     dims.check_model_config(hf_config, r.pp_stages_per_rank)
-    accumulation = gradient_accumulation_steps(cfg.trainer, dims.dp)  # validate() checked it divides
+    accumulation = layout.accumulation
     lines = [f"dry run of recipe {r.name} (engine {r.engine}, ZeRO {r.zero_stage}) on {world_size} ranks: "
              f"pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}; "
              f"global batch {cfg.trainer.global_batch_size} = micro {cfg.trainer.micro_batch_size} x accumulation "

@@ -1,25 +1,201 @@
-"""``python -m llmtrain.export CHECKPOINT OUT_DIR``: any checkpoint of any recipe → a Hugging Face
+"""Exports: a run's weights as a Hugging Face folder (safetensors + config + tokenizer) that
+``AutoModelForCausalLM.from_pretrained`` loads, and for a LoRA run a PEFT adapter folder that
+``PeftModel.from_pretrained(base, folder)`` loads (optionally also the merged model), both built by
+``peft`` itself from the trained state dict.
+
+In the run (:func:`export_hf`, at the end of training): from the live engine's weights.
+
+Offline, ``python -m llmtrain.export CHECKPOINT OUT_DIR`` (:func:`export_checkpoint`): any
+checkpoint of any recipe. Runs in one process without a process group: DeepSpeed ZeRO shards are
+consolidated from their fp32 optimizer partitions (DeepSpeed's ``zero_to_fp32``), torch-engine
+checkpoints (Distributed Checkpoint, any layout: DDP, FSDP2, TP, PP) are consolidated with DCP's
+``dcp_to_torch_save``. The model config and tokenizer come from the checkpoint's own ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import llmtrain.distributed  # noqa: F401  (DeepSpeed accelerator choice before it is imported)
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from llmtrain import adapters, checkpoint
+from llmtrain.checkpoint import ENGINE_DIR, verify
+from llmtrain.errors import ModelSourceError, ResumeError
+from llmtrain.models import build_tokenizer, canonical_name, model_config, resolve_gguf
+from llmtrain.paths import follow_umask
+
+
+# ---------------------------------------------------------------- in the run
+def export_hf(engine, cfg: Any, tokenizer: Any, run_dir: Path, end_token_ids: list[int] | None = None) -> dict[str, str]:
+    """The run's exports from the engine's weights: ``run_dir/hf``, a ``from_pretrained``-loadable
+    folder (safetensors); for a LoRA run ``run_dir/adapter`` (:func:`export_lora`)
+    and, with ``trainer.export_merged``, the merged model in ``run_dir/hf``.
+
+    ZeRO-3 partitions are gathered into one state dict on rank 0. The weights are copied into a
+    fresh model built from the config, which also re-ties input and output embeddings (and works
+    for GGUF-loaded models, whose ``save_pretrained`` refuses). Collective call; returns the
+    folders written (``{"export": ..., "adapter": ..., "base": ...}``) on rank 0, {} elsewhere.
+
+    Raises:
+        RuntimeError: the engine's state dict does not fit the model built from the config.
+    """
+    state = engine.full_state_dict()
+    if not engine.env.is_main:
+        return {}
+    if adapters.is_partial(cfg) and cfg.recipe.engine == "deepspeed" and cfg.trainer.precision == "bf16":
+        # DeepSpeed holds frozen parameters in bf16 only (no fp32 master): export the trained
+        # tensors on the fp32 base rebuilt from its source, as users load it.
+        trainable = {n for n, p in engine.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        state = adapters.whole_state({k: v for k, v in state.items() if k in trainable}, cfg)
+    if cfg.get("peft") is not None:
+        return export_lora(state, cfg, tokenizer, run_dir / "adapter",
+                           run_dir / "hf" if cfg.trainer.export_merged else None, end_token_ids)
+    return {"export": str(save_hf_folder(state, cfg.model, tokenizer, run_dir / "hf", end_token_ids))}
+
+
+def model_from_state(state: dict[str, torch.Tensor], model_cfg: Any) -> torch.nn.Module:
+    """A plain fp32 model built from the config holding ``state`` (a whole state dict; a tied
+    output embedding may be absent from it: it is filled by re-tying). GGUF quantization metadata
+    is dropped from the config: the weights are plain fp32.
+
+    Raises:
+        RuntimeError: the state does not fit the model (names listed).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(model_cfg)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    result = fresh.load_state_dict(state, strict=False)
+    fresh.tie_weights()
+    loaded = {fresh.get_parameter(k).data_ptr() for k in state if k in dict(fresh.named_parameters())}
+    missing = [k for k in result.missing_keys
+               if k in dict(fresh.named_parameters(remove_duplicate=False)) and fresh.get_parameter(k).data_ptr() not in loaded]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"export: state dict does not match {config.model_type}: missing "
+                           f"{missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+    return fresh
+
+
+def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: Any, out_dir: Path,
+                   end_token_ids: list[int] | None = None) -> Path:
+    """Save a full fp32 state dict as a Hugging Face folder (model + tokenizer).
+
+    ``end_token_ids``: every token training taught as the end of a response (the chat
+    template's end-of-turn token and EOS, :func:`llmtrain.data.end_token_ids`); written as
+    ``generation_config.json``'s ``eos_token_id`` so ``generate()`` stops on any of them."""
+    fresh = model_from_state(state, model_cfg)
+    if end_token_ids:
+        fresh.generation_config.eos_token_id = end_token_ids if len(end_token_ids) > 1 else end_token_ids[0]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fresh.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    follow_umask(out_dir)
+    return out_dir
+
+
+def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(base, adapter) halves of a trained model's state dict with in-place LoRA names: base
+    weights under their plain names, LoRA weights as peft names them in a ``PeftModel``."""
+    base, adapter = {}, {}
+    for name, tensor in state.items():
+        if ".lora_" in name:
+            adapter[f"base_model.model.{name}"] = tensor
+        else:
+            base[canonical_name(name)] = tensor
+    return base, adapter
+
+
+def save_adapter(state: dict[str, torch.Tensor], cfg: Any, adapter_dir: Path | None, base_reference: str) -> nn.Module:
+    """Write the PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) from
+    the trained ``state`` (in-place names, fp32, whole) into ``adapter_dir`` (None: write nothing),
+    and return the merged plain model (LoRA folded into the base weights by ``merge_and_unload``).
+
+    ``base_reference``: recorded as the adapter's ``base_model_name_or_path`` (the folder or id to
+    load the base from).
+
+    Raises:
+        RuntimeError: the state does not fit the model (names listed).
+    """
+    import peft
+
+    base, adapter = split_state(state)
+    fresh = model_from_state(base, cfg.model)
+    config = adapters.lora_config(cfg.peft)
+    config.modules_to_save = list(cfg.peft.modules_to_save) or None
+    config.base_model_name_or_path = fresh.name_or_path = base_reference
+    with warnings.catch_warnings():  # peft probes transformers' deprecated gradient-checkpointing flag
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = peft.get_peft_model(fresh, config, adapter_name=adapters.ADAPTER_NAME)
+    for name in cfg.peft.modules_to_save:  # trained in full: the wrapper's copy gets the trained weights
+        for key, tensor in base.items():
+            if key.startswith(f"{name}."):
+                suffix = key[len(name) + 1:]
+                adapter[f"base_model.model.{name}.modules_to_save.{adapters.ADAPTER_NAME}.{suffix}"] = tensor
+    result = model.load_state_dict(adapter, strict=False)
+    if result.unexpected_keys:
+        raise RuntimeError(f"adapter export: unexpected adapter weights {result.unexpected_keys[:5]}")
+    missing_lora = [k for k in result.missing_keys if ".lora_" in k]
+    if missing_lora:
+        raise RuntimeError(f"adapter export: adapter weights missing from the state: {missing_lora[:5]}")
+    if adapter_dir is not None:
+        adapter_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(adapter_dir))
+    return model.merge_and_unload()
+
+
+def base_reference(cfg: Any, base_dir: Path | None) -> str:
+    """Where the adapter's base model is loaded from (``adapter_config.json``'s
+    ``base_model_name_or_path``): the pretrained folder or Hub id, the GGUF folder, or, for a
+    model built from a config (whose weights exist nowhere else), ``base_dir``."""
+    m = cfg.model
+    if m.source == "config":
+        return str(base_dir.resolve()) if base_dir is not None else ""
+    if m.source == "gguf":
+        return str(Path(resolve_gguf(m)[0]).resolve())
+    return str(Path(str(m.path)).resolve()) if Path(str(m.path)).exists() else str(m.path)
+
+
+def export_lora(state: dict[str, torch.Tensor], cfg: Any, tokenizer: Any, adapter_dir: Path | None,
+                merged_dir: Path | None = None, end_token_ids: list[int] | None = None) -> dict[str, str]:
+    """Exports of a LoRA run from its whole trained state (in-place names, fp32; rank 0): the PEFT
+    adapter folder plus tokenizer in ``adapter_dir``; for a model built from a config (whose base
+    exists nowhere else) its frozen base as a Hugging Face folder in ``adapter_dir/base``, which
+    the adapter names as its base; and the merged model in ``merged_dir``. Either folder may be
+    None. Returns the folders written: ``{"adapter", "base", "export"}``."""
+    written: dict[str, str] = {}
+    base_dir = adapter_dir / "base" if adapter_dir is not None and cfg.model.source == "config" else None
+    if base_dir is not None:
+        save_hf_folder(split_state(state)[0], cfg.model, tokenizer, base_dir, end_token_ids)
+        written["base"] = str(base_dir)
+    merged = save_adapter(state, cfg, adapter_dir, base_reference(cfg, base_dir))
+    if adapter_dir is not None:
+        tokenizer.save_pretrained(adapter_dir)
+        follow_umask(adapter_dir)
+        written["adapter"] = str(adapter_dir)
+    if merged_dir is not None:
+        save_hf_folder(merged.state_dict(), cfg.model, tokenizer, merged_dir, end_token_ids)
+        written["export"] = str(merged_dir)
+    return written
+
+
+# ---------------------------------------------------------------- offline, from a checkpoint
+_CLI_HELP = """``python -m llmtrain.export CHECKPOINT OUT_DIR``: any checkpoint of any recipe → a Hugging Face
 folder (safetensors + config + tokenizer) that ``AutoModelForCausalLM.from_pretrained`` loads.
 
 Runs in one process without a process group: DeepSpeed ZeRO shards are consolidated from their
 fp32 optimizer partitions (DeepSpeed's ``zero_to_fp32``), torch-engine checkpoints (Distributed
 Checkpoint, any layout: DDP, FSDP2, TP, PP) are consolidated with DCP's ``dcp_to_torch_save``. The model config and tokenizer come from the checkpoint's own ``config.yaml``.
 """
-
-from __future__ import annotations
-
-import argparse
-import json
-import sys
-from pathlib import Path
-
-import llmtrain.distributed  # noqa: F401  (DeepSpeed accelerator choice before it is imported)
-
-import torch
-from omegaconf import OmegaConf
-
-from llmtrain.checkpoint import ENGINE_DIR, ResumeError, save_hf_folder, verify
-from llmtrain.models import ModelSourceError, build_tokenizer
 
 
 def consolidated_state_dict(checkpoint_dir: Path, engine: str, zero_stage: int = 1) -> dict[str, torch.Tensor]:
@@ -61,8 +237,6 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, merged: bool = False)
     from llmtrain.config import DataConfig
     from llmtrain.data import apply_template_setting, end_token_ids
 
-    from llmtrain import adapters
-
     cfg = OmegaConf.load(checkpoint_dir / "config.yaml")
     state = consolidated_state_dict(checkpoint_dir, cfg.recipe.engine, cfg.recipe.zero_stage)
     # Older checkpoints lack newer data fields: the schema's defaults fill them.
@@ -70,21 +244,19 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, merged: bool = False)
     tokenizer = apply_template_setting(data_cfg, build_tokenizer(cfg.model))
     end_tokens = end_token_ids(data_cfg, tokenizer)
     if adapters.is_partial(cfg):
-        saved = json.loads((checkpoint_dir / "trainer_state.json").read_text()).get("base_fingerprint")
         current = adapters.base_fingerprint(cfg.model, cfg.trainer.seed)
-        if saved and saved != current:
-            raise ResumeError(f"checkpoint {checkpoint_dir} was trained on base weights {saved}, but model source "
-                              f"{cfg.model.source} ({cfg.model.get('path')}) now has {current}")
+        checkpoint.check_base(checkpoint_dir, checkpoint.read_state(checkpoint_dir), cfg.model, current,
+                              remedy="export it with the base it was trained on")
         state = adapters.whole_state(state, cfg)
     if cfg.get("peft") is not None:
-        written = adapters.export(state, cfg, tokenizer, None if merged else out_dir, out_dir if merged else None,
-                                  end_tokens)
+        written = export_lora(state, cfg, tokenizer, None if merged else out_dir, out_dir if merged else None,
+                              end_tokens)
         return Path(written["export" if merged else "adapter"])
     return save_hf_folder(state, cfg.model, tokenizer, out_dir, end_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmtrain.export", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m llmtrain.export", description=_CLI_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder, e.g. runs/NAME/checkpoints/step_200")
     parser.add_argument("out_dir", type=Path, help="folder to write (created)")

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from llmtrain.models import parameter_numel
+
 # Dense peak TFLOP/s per device, by precision (vendor data sheets, without sparsity). fp32 runs on
 # NVIDIA use TF32 tensor cores for matmuls (torch's default allows it for convolutions only, but
 # the peak is the honest ceiling); keys are matched against torch.cuda.get_device_name().
@@ -91,7 +93,7 @@ def partial_training_counts(model: torch.nn.Module) -> tuple[int, int]:
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     frozen = adapter = 0
     for name, param in model.named_parameters():
-        numel = int(getattr(param, "ds_numel", param.numel()))
+        numel = parameter_numel(param)
         if "lora_" in name:
             adapter += numel
         elif not param.requires_grad and (param is not embedding or tied):

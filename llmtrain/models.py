@@ -17,13 +17,17 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from llmtrain.errors import ConfigError, ModelSourceError  # ModelSourceError: also models.ModelSourceError
+
 BYTE_EOS = "<|endoftext|>"
 BYTE_PAD = "<pad>"
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 
-class ModelSourceError(RuntimeError):
-    """The configured weights or tokenizer cannot be found; the message says how to get them."""
+def canonical_name(name: str) -> str:
+    """A parameter's name in the plain model: peft moves a wrapped Linear's weight to
+    ``<module>.base_layer.weight``; initialisation and exports use ``<module>.weight``."""
+    return name.replace(".base_layer.", ".")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -117,8 +121,6 @@ def check_sequence_length(config: Any, seq_len: int) -> str | None:
     Raises:
         ConfigError: learned absolute positions (GPT-2, OPT, ...) cannot index past the table.
     """
-    from llmtrain.errors import ConfigError
-
     limit = getattr(config, "max_position_embeddings", None)
     if limit is None or seq_len <= limit:
         return None
@@ -209,8 +211,6 @@ def initial_value(name: str, shape: torch.Size, seed: int, std: float) -> torch.
     Kaiming-uniform with ``a=sqrt(5)``, i.e. U(-1/sqrt(in), 1/sqrt(in)) (Hu et al. 2021, section
     4.1: ``B A = 0`` at the start). A base weight wrapped by peft (``q_proj.base_layer.weight``)
     starts as the plain model's ``q_proj.weight``."""
-    from llmtrain.adapters import canonical_name
-
     name = canonical_name(name)
     if ".lora_B." in name or name.endswith("bias"):
         return torch.zeros(shape)
@@ -225,4 +225,10 @@ def initial_value(name: str, shape: torch.Size, seed: int, std: float) -> torch.
 
 def count_parameters(model: torch.nn.Module) -> int:
     """Number of distinct parameters (tied weights counted once), also under ZeRO-3."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    return sum(parameter_numel(p) for p in model.parameters())
+
+
+def parameter_numel(param: torch.Tensor) -> int:
+    """Elements of the whole parameter, also when ZeRO-3 holds only a partition of it on this
+    rank (DeepSpeed's ``ds_numel``)."""
+    return int(getattr(param, "ds_numel", param.numel()))

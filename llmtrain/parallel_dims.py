@@ -1,8 +1,10 @@
 """Parallel degrees and the device mesh of the torch-native engine.
 
-One object derives and validates the data-parallel (replicate × shard), tensor-parallel and
-pipeline-parallel degrees before any model is built, in the spirit of torchtitan's
-``ParallelDims``: every failure names the fields, their values and the fix. It also builds the
+One object holds the data-parallel (replicate × shard), tensor-parallel and pipeline-parallel
+degrees before any model is built, in the spirit of torchtitan's ``ParallelDims``; they are
+derived and checked once, by the pure :func:`llmtrain.layout.layout` that
+:func:`llmtrain.config.validate` returns (``ParallelDims.from_layout``). It adds the checks that
+need the model's shape (every failure names the fields, their values and the fix) and builds the
 ``DeviceMesh`` (dims ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``, outermost first, so a
 tensor-parallel group is made of neighbouring ranks, i.e. one node where possible).
 """
@@ -12,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
+from llmtrain.layout import Layout, check_microbatches, recipe_degrees, resolve_degrees
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -30,50 +33,31 @@ class ParallelDims:
 
     @classmethod
     def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int) -> "ParallelDims":
-        """Fill in a ``-1`` degree and check that the product equals ``world_size``.
+        """Fill in a ``-1`` degree and check that the product equals ``world_size``
+        (:func:`llmtrain.layout.resolve_degrees`).
 
         Raises:
             ConfigError: a degree < 1 other than -1, more than one -1, a world size not divisible
                 by the fixed degrees, or a product different from the world size.
         """
-        degrees = {"recipe.dp_replicate": dp_replicate, "recipe.dp_shard": dp_shard, "recipe.tp": tp, "recipe.pp": pp}
-        bad = {k: v for k, v in degrees.items() if v != -1 and v < 1}
-        if bad:
-            raise ConfigError(f"{', '.join(f'{k}={v}' for k, v in bad.items())}: degrees must be >= 1 (or -1 = derive)")
-        derived = [k for k, v in degrees.items() if v == -1]
-        if len(derived) > 1:
-            raise ConfigError(f"only one degree may be -1, got {', '.join(f'{k}=-1' for k in derived)}")
-        fixed = 1
-        for k, v in degrees.items():
-            if v != -1:
-                fixed *= v
-        described = " x ".join(f"{k}={v}" for k, v in degrees.items())
-        if derived:
-            if world_size % fixed:
-                raise ConfigError(f"world size {world_size} is not divisible by {described} (fixed product {fixed}); "
-                                  f"launch a multiple of {fixed} processes or change the degrees")
-            degrees[derived[0]] = world_size // fixed
-        elif fixed != world_size:
-            raise ConfigError(f"{described} = {fixed} but the world size is {world_size}; the product of the "
-                              "degrees must equal the number of processes (or set one degree to -1)")
-        return cls(degrees["recipe.dp_replicate"], degrees["recipe.dp_shard"], degrees["recipe.tp"],
-                   degrees["recipe.pp"], world_size)
+        return cls(*resolve_degrees(dp_replicate, dp_shard, tp, pp, world_size), world_size)
+
+    @classmethod
+    def from_layout(cls, layout: Layout) -> "ParallelDims":
+        """The degrees of a :class:`~llmtrain.layout.Layout` (what :func:`llmtrain.config.validate`
+        returns); nothing is checked again."""
+        return cls(layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.world_size)
 
     @classmethod
     def from_recipe(cls, recipe: Any, world_size: int) -> "ParallelDims":
-        """Degrees of ``recipe`` on ``world_size`` ranks. Unset data-parallel degrees follow the
-        ZeRO stage: stage 0 replicates, stages 1-3 shard; the DeepSpeed engine shards (or, at
-        stage 0, replicates) over every rank.
+        """Degrees of ``recipe`` on ``world_size`` ranks (:func:`llmtrain.layout.recipe_degrees`):
+        unset data-parallel degrees follow the ZeRO stage: stage 0 replicates, stages 1-3 shard;
+        the DeepSpeed engine shards (or, at stage 0, replicates) over every rank.
 
         Raises:
             ConfigError: see :meth:`resolve`.
         """
-        replicate, shard = recipe.dp_replicate, recipe.dp_shard
-        if shard is None:
-            shard = -1 if recipe.zero_stage > 0 and -1 not in (replicate, recipe.tp, recipe.pp) else 1
-        if replicate is None:
-            replicate = -1 if -1 not in (shard, recipe.tp, recipe.pp) else 1
-        return cls.resolve(replicate, shard, recipe.tp, recipe.pp, world_size)
+        return cls(*recipe_degrees(recipe, world_size), world_size)
 
     @property
     def dp(self) -> int:
@@ -107,24 +91,13 @@ class ParallelDims:
 
     def check_microbatches(self, accumulation_steps: int, stages_per_rank: int = 1) -> None:
         """A pipeline needs at least one micro-batch per stage per step; the interleaved
-        schedule runs micro-batches in rounds of ``pp``, so their number must be a multiple of
-        ``accumulation_steps // pp`` (torch.distributed.pipelining's rule).
+        schedule needs a multiple of its rounds (:func:`llmtrain.layout.check_microbatches`).
 
         Raises:
             ConfigError: gradient accumulation steps (micro-batches per step) < pp, or not a
                 multiple of the interleaved schedule's rounds.
         """
-        if self.pp == 1:
-            return
-        derived = (f"trainer.global_batch_size / (trainer.micro_batch_size x dp={self.dp}) = "
-                   f"{accumulation_steps} micro-batches per step")
-        if accumulation_steps < self.pp:
-            raise ConfigError(f"recipe.pp={self.pp} needs at least {self.pp} micro-batches per step, but "
-                              f"{derived}; raise the global batch or lower the micro-batch")
-        rounds = max(1, accumulation_steps // self.pp)
-        if stages_per_rank > 1 and accumulation_steps % rounds:
-            raise ConfigError(f"recipe.pp_schedule=interleaved_1f1b with recipe.pp={self.pp}: {derived}, which "
-                              f"is not a multiple of {rounds} rounds; use a multiple of recipe.pp micro-batches")
+        check_microbatches(self.pp, self.dp, accumulation_steps, stages_per_rank)
 
     @property
     def data_replicas(self) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 
 # Plans for families whose transformers config has no ``base_model_tp_plan``: model_type ->
 # {module path relative to the base model (``*`` = any layer index): style}. A run can also

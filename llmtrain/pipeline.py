@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmtrain.config import ConfigError
+from llmtrain.errors import ConfigError
 
 REQUIRED_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
 
@@ -124,8 +124,9 @@ def split_stages(model: nn.Module, pp: int, pp_rank: int, stages_per_rank: int) 
 
 
 def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn: Callable):
-    """A ``torch.distributed.pipelining`` schedule. ``scale_grads=False``: ``loss_fn`` is
-    already normalised by the global batch's target tokens (the loss contract of every engine).
+    """A ``torch.distributed.pipelining`` schedule. ``scale_grads=False``: ``loss_fn(output,
+    target)`` is already normalised by the global batch's normaliser (the loss contract of every
+    engine; the engine's objective computes it).
 
     GPipe (Huang et al. 2019): all forwards, then all backwards; 1F1B (Narayanan et al. 2021):
     one forward one backward in steady state, activations of at most ``pp`` micro-batches live;
@@ -138,6 +139,24 @@ def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn: Callab
         return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     schedule = ScheduleGPipe if name == "gpipe" else Schedule1F1B
     return schedule(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def pack_targets(carried: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[tuple[str, torch.dtype]]]:
+    """One tensor for a schedule's ``target`` (torch's schedules split a single tensor into
+    micro-batches along dim 0) from the objective's per-token tensors ``[N, T]``: the tensor itself
+    when there is one, else all of them stacked as float64 ``[N, T, K]`` (exact for integer labels
+    below 2**53). Returns the target and the layout :func:`unpack_targets` reads back."""
+    layout = [(key, t.dtype) for key, t in carried.items()]
+    if len(carried) == 1:
+        return next(iter(carried.values())), layout
+    return torch.stack([t.to(torch.float64) for t in carried.values()], dim=-1), layout
+
+
+def unpack_targets(target: torch.Tensor, layout: list[tuple[str, torch.dtype]]) -> dict[str, torch.Tensor]:
+    """The per-token tensors of one micro-batch from its slice of :func:`pack_targets`' target."""
+    if len(layout) == 1:
+        return {layout[0][0]: target}
+    return {key: target[..., k].to(dtype) for k, (key, dtype) in enumerate(layout)}
 
 
 @torch.no_grad()

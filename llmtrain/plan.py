@@ -145,7 +145,7 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    from llmtrain.loss import token_cross_entropy_sum
+    from llmtrain.objectives.causal_lm import token_cross_entropy_sum
 
     def saved_bytes(num_layers: int) -> int:
         cfg = copy.deepcopy(hf_config)
@@ -230,8 +230,8 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     """Per-rank bytes of ``cfg`` (a composed run config; its recipe) on ``world_size`` ranks.
     ``micro_batch`` / ``checkpointing`` override ``trainer.micro_batch_size`` /
     ``trainer.activation_checkpointing``. An invalid layout gives a plan with ``error`` set."""
-    from llmtrain.config import gradient_accumulation_steps
     from llmtrain.engine.deepspeed_engine import communication_sizes
+    from llmtrain.layout import layout
     from llmtrain.models import model_config
     from llmtrain.parallel_dims import ParallelDims
     from llmtrain.pipeline import stage_layer_ids
@@ -242,10 +242,9 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     ckpt = t.activation_checkpointing if checkpointing is None else checkpointing
     plan = RankPlan(recipe=r.name, world_size=world_size, micro_batch=micro, checkpointing=ckpt)
     try:
-        dims = ParallelDims.from_recipe(r, world_size)
+        lay = layout(cfg, world_size, micro_batch_size=micro)  # degrees, accumulation, pipeline micro-batches
+        dims = ParallelDims.from_layout(lay)
         dims.check_model_config(hf_config, r.pp_stages_per_rank)
-        accumulation = gradient_accumulation_steps(_with_micro(t, micro), dims.dp)
-        dims.check_microbatches(accumulation, r.pp_stages_per_rank)
     except ConfigError as err:
         plan.error = str(err)
         return plan
@@ -254,7 +253,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         plan.error = shape.tp_plan_error
         return plan
     plan.degrees = f"dp {dims.dp_replicate}x{dims.dp_shard} tp {dims.tp} pp {dims.pp}"
-    plan.accumulation = accumulation
+    accumulation = plan.accumulation = lay.accumulation
     bf16 = t.precision == "bf16"
     compute = 2 if bf16 else 4
     # bf16 runs compute on bf16 weights under DeepSpeed's ZeRO and FSDP2 (its param_dtype);
@@ -337,13 +336,6 @@ def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16:
     if r.offload_params:
         plan.host += plan.params + plan.grads + plan.optimizer
         plan.params = plan.grads = plan.optimizer = 0
-
-
-def _with_micro(trainer: Any, micro: int) -> Any:
-    """``trainer``'s batch sizes with another micro-batch size (for the divisibility check)."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(micro_batch_size=micro, global_batch_size=trainer.global_batch_size)
 
 
 _SHAPE_CACHE: dict[str, ModelShape] = {}
@@ -473,15 +465,11 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
 
 
 def _config_problem(cfg: Any, recipe: str, world_size: int, micro: int, ckpt: bool) -> str | None:
-    """Why the run's config rejects this layout (``llmtrain.config.validate``; e.g.
-    ``trainer.async_checkpoint`` on DeepSpeed), or None. The tracker is left out: it does not
-    depend on the layout, and the run validates it once for the chosen one."""
-    from omegaconf import OmegaConf
-
+    """Why the run's config rejects this layout (``llmtrain.config.validate``, pure: no package,
+    server or file is looked at; e.g. ``trainer.async_checkpoint`` on DeepSpeed), or None."""
     from llmtrain.config import validate
 
     candidate = with_recipe(cfg, recipe, micro_batch_size=micro, activation_checkpointing=ckpt)
-    candidate.tracker = OmegaConf.merge(candidate.tracker, {"backends": [], "wandb_mode": "disabled"})
     try:
         validate(candidate, world_size)
     except ConfigError as err:

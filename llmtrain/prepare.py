@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     from llmtrain.data import text_documents, write_token_folder
     from llmtrain.errors import ConfigError, DataError
     from llmtrain.models import ModelSourceError, build_tokenizer
+    from llmtrain.preflight import preflight_data
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"out={out} exists and is not empty; choose a new folder (nothing is overwritten)")
         cfg = compose(overrides)
         validate_data(cfg.data)
+        preflight_data(cfg.data)
         if cfg.data.datasets or cfg.data.format != "text":
             raise ConfigError(f"llmtrain.prepare tokenizes one format=text source (got data.format={cfg.data.format}"
                               f"{', a mixture' if cfg.data.datasets else ''}); instruction and chat data are "

@@ -1,9 +1,17 @@
-"""The training run: sequences config validation, data, model, engine, loop, tracking, checkpoints.
+"""The training run: a :class:`Trainer` whose ``_setup_*`` methods each build one component, a
+:meth:`Trainer.train_step` for one optimizer step, and a :meth:`Trainer.train` loop in which each
+component decides its own cadence (checkpointer, evaluator, tracker).
 
-The loss of an optimizer step is the mean token cross-entropy over the whole global batch:
-each micro-batch contributes ``sum(CE) / N`` where ``N`` counts the target tokens of all
-micro-batches on all ranks, so gradient accumulation and data parallelism give exactly the
-gradient of one big batch, whatever the padding.
+The loss of an optimizer step is the run's objective (:mod:`llmtrain.objectives`) over the whole
+global batch: each micro-batch contributes ``sum(loss) / N`` where ``N`` is the objective's
+normaliser (target tokens for next-token training) of all micro-batches on all ranks, so
+gradient accumulation and data parallelism give exactly the gradient of one big batch, whatever
+the padding.
+
+One step, who calls whom: ``Trainer.train_step`` → :func:`forward_backward` (one all-reduce of the
+normaliser, ``Engine.accumulate_gradients`` → per micro-batch ``Engine.forward`` → ``Objective.
+loss_sums`` → ``Engine.backward``, then one all-reduce of the loss sums and :class:`StepScalars`)
+→ ``Engine.step`` (clip, update, schedule) → :class:`StepResult`.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import os
 import random
 import time
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,49 +30,225 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from llmtrain import adapters, checkpoint, console, data, distributed, flops, goodput
-from llmtrain.config import ConfigError, gradient_accumulation_steps, validate
-from llmtrain.errors import TrainingStopped
+from llmtrain import adapters, checkpoint, console, data, distributed, export, flops, goodput
+from llmtrain.config import ConfigError, validate
 from llmtrain.engine import build_engine
-from llmtrain.loss import count_target_tokens, target_tokens, token_cross_entropy_sum  # noqa: F401  (public here too)
+from llmtrain.errors import TrainingStopped
 from llmtrain.models import build_model, build_tokenizer, check_sequence_length, model_config
+from llmtrain.objectives import Objective, build_objective
+from llmtrain.objectives.causal_lm import count_target_tokens, target_tokens, token_cross_entropy_sum  # noqa: F401
 from llmtrain.parallel_dims import ParallelDims
 from llmtrain.preemption import Preemption
+from llmtrain.preflight import preflight
 from llmtrain.tracking import Tracker
 
 log = logging.getLogger("llmtrain")
 
 
+@dataclass
+class StepScalars:
+    """This rank's values of one optimizer step that ride in the step's one all-reduce after
+    backward, beside the loss, so the loop reports them without collectives of its own. After
+    the all-reduce (:meth:`from_values`) each field holds the sum over all ranks.
+
+    Attributes:
+        sample_digest: order-free fingerprint of the step's samples (:func:`_sample_digest`).
+        preempt_requested: 1.0 where a preemption signal arrived (``Preemption.local_flags``).
+        save_due: 1.0 where ``trainer.save_every_minutes`` has elapsed.
+        background_written: 1.0 where this rank's background checkpoint write is done.
+        memory_bytes: one slot per rank, this rank's peak memory (bytes) in its own slot: the
+            sum holds every rank's figure, so the maximum and its rank cost no collective.
+    """
+
+    sample_digest: float = 0.0
+    preempt_requested: float = 0.0
+    save_due: float = 0.0
+    background_written: float = 0.0
+    memory_bytes: list[float] = field(default_factory=list)
+
+    def values(self) -> list[float]:
+        """The fields flattened in declaration order (the all-reduce's layout)."""
+        return [self.sample_digest, self.preempt_requested, self.save_due, self.background_written,
+                *self.memory_bytes]
+
+    @classmethod
+    def from_values(cls, values: list[float]) -> "StepScalars":
+        """Inverse of :meth:`values`."""
+        digest, requested, due, written, *memory = values
+        return cls(digest, requested, due, written, list(memory))
+
+
+@dataclass
+class StepSums:
+    """What :func:`forward_backward` returns: the step's global mean loss (over the objective's
+    normaliser), the tokens of the global batch (prompt tokens included), the objective's metrics
+    (means over the same normaliser, keyed ``NAME``) and the world sums of :class:`StepScalars`."""
+
+    loss: float
+    tokens: int
+    metrics: dict[str, float]
+    scalars: StepScalars
+
+
 def forward_backward(engine, batches: list[dict[str, torch.Tensor]],
-                     also_sum: Callable[[], tuple[float, ...]] | tuple[float, ...] = ()) -> tuple[float, int, list[float]]:
+                     local_scalars: Callable[[], StepScalars] | None = None) -> StepSums:
     """Accumulate the gradient of one optimizer step over this rank's micro-batches.
 
-    Each micro-batch's summed cross-entropy is divided by the target-token count of the whole
-    global batch (all micro-batches, all data-parallel ranks; one all-reduce before backward),
-    so the accumulated gradient is that of the global batch's mean token loss, independent of
-    how it is split. Tensor/pipeline-parallel peers hold the same samples, so world sums are
-    divided by ``dims.data_replicas``.
+    Each micro-batch's summed loss is divided by the objective's normaliser of the whole global
+    batch (all micro-batches, all data-parallel ranks; one all-reduce before backward), so the
+    accumulated gradient is that of the global batch's mean loss, independent of how it is split.
+    Tensor/pipeline-parallel peers hold the same samples, so world sums are divided by
+    ``dims.data_replicas``.
 
-    ``also_sum``: this rank's other per-step scalars (the sample digest, preemption flags, peak
-    memory), or a function returning them, called after backward; summed over ranks in the same
-    all-reduce as the loss, so a step makes two collectives of its own whatever the loop reports.
-
-    Returns:
-        (global mean token loss, tokens in the global batch including prompt tokens, the world
-        sums of ``also_sum`` (not divided by the replicas)).
+    ``local_scalars``: called after backward, this rank's :class:`StepScalars`; summed over ranks
+    in the same all-reduce as the loss, so a step makes two collectives of its own whatever the
+    loop reports.
     """
+    objective: Objective = engine.objective
     replicas = engine.dims.data_replicas
     device = batches[0]["input_ids"].device
     # Counted on the device (no host sync per micro-batch); the one sync is the normaliser's.
-    counts = torch.stack([sum(target_tokens(b["labels"]) for b in batches),
-                          sum(b["attention_mask"].sum() for b in batches)]).to(torch.float64)
-    targets, tokens = (distributed.all_reduce_sum(counts) / replicas).tolist()
-    loss_sum = engine.forward_backward(batches, targets)
-    extra = also_sum() if callable(also_sum) else also_sum
-    sums = distributed.all_reduce_sum(torch.cat([loss_sum.reshape(1).to(torch.float64),
-                                                 torch.tensor(extra, dtype=torch.float64, device=device)]))
-    loss, *others = sums.tolist()  # the step's one host sync after backward
-    return loss / replicas / targets, int(tokens), others
+    counts = torch.stack([sum(objective.normaliser(b) for b in batches).to(torch.float64),
+                          sum(b["attention_mask"].sum() for b in batches).to(torch.float64)])
+    normaliser, tokens = (distributed.all_reduce_sum(counts) / replicas).tolist()
+    sums = engine.accumulate_gradients(batches, normaliser)
+    scalars = local_scalars() if local_scalars is not None else StepScalars()
+    reduced = distributed.all_reduce_sum(torch.cat([sums.to(torch.float64),
+                                                    torch.tensor(scalars.values(), dtype=torch.float64,
+                                                                 device=device)]))
+    values = reduced.tolist()  # the step's one host sync after backward
+    loss, *metrics = [v / replicas / normaliser for v in values[:len(sums)]]
+    return StepSums(loss, int(tokens), dict(zip(objective.metric_names, metrics)),
+                    StepScalars.from_values(values[len(sums):]))
+
+
+@dataclass
+class StepResult:
+    """One optimizer step as :meth:`Trainer.train_step` reports it (global values every rank
+    holds). ``spike``: why the loss counts as a spike (:func:`_loss_spike`), else None."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+    metrics: dict[str, float]
+    scalars: StepScalars
+    stop: bool
+    save_by_time: bool
+    spike: str | None
+
+    @property
+    def healthy(self) -> bool:
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm) and not self.spike
+
+
+@torch.no_grad()
+def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, float]:
+    """Validation loss (the objective's mean over all ranks' batches; for next-token training,
+    mean token CE), perplexity = exp(loss), and the objective's metrics as ``val/NAME``.
+
+    Ranks with fewer batches run forwards on a batch without targets, so every rank makes the
+    same number of forward passes (ZeRO-3 gathers parameters collectively in each one).
+    """
+    objective: Objective = engine.objective
+    engine.train(False)
+    replicas = engine.dims.data_replicas
+    most = distributed.all_reduce_max(torch.tensor(len(batches), device=device))
+    no_targets = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 2, dtype=torch.long),
+                  "labels": torch.full((1, 2), data.IGNORE_INDEX, dtype=torch.long)}
+    names = objective.metric_names
+    totals = torch.zeros(2 + len(names), dtype=torch.float64, device=device)
+    for batch in list(batches) + [objective.prepare(no_targets)] * (int(most) - len(batches)):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        totals[:-1] += engine.eval_sums(batch)
+        totals[-1] += objective.normaliser(batch).double()
+    distributed.all_reduce_sum(totals)
+    totals /= replicas
+    engine.train(True)
+    normaliser = totals[-1].clamp(min=1)
+    loss = float(totals[0] / normaliser)
+    return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0)),
+            **{f"val/{name}": float(totals[1 + k] / normaliser) for k, name in enumerate(names)}}
+
+
+class Evaluator:
+    """Held-out evaluation at ``trainer.eval_every`` steps and at the last step; its time is
+    added to ``state.eval_s`` (goodput's accounting)."""
+
+    def __init__(self, engine, val_batches: list[dict], device: torch.device, every: int, max_steps: int):
+        self.engine, self.val_batches, self.device = engine, val_batches, device
+        self.every, self.max_steps = every, max_steps
+
+    def should_run(self, step: int) -> bool:
+        return bool(self.every and step % self.every == 0) or step == self.max_steps
+
+    def run(self, state: checkpoint.TrainState) -> dict[str, float]:
+        started = time.perf_counter()
+        metrics = evaluate(self.engine, self.val_batches, self.device)
+        state.eval_s += time.perf_counter() - started
+        return metrics
+
+
+class Checkpointer:
+    """The run's checkpoint cadence and bookkeeping around :class:`checkpoint.CheckpointManager`:
+    every ``trainer.save_every`` steps, when ``trainer.save_every_minutes`` is due, on
+    preemption, and at the last step; background writes sealed once every rank's is done. Every
+    tracker is flushed before a checkpoint counts and committed after it (steps up to a counted
+    checkpoint are never logged twice across a crash)."""
+
+    def __init__(self, manager: checkpoint.CheckpointManager, engine, tracker: Tracker, preemption: Preemption,
+                 cfg: Any, config_yaml: str, world_size: int):
+        self.manager, self.engine, self.tracker, self.preemption = manager, engine, tracker, preemption
+        self.t, self.config_yaml, self.world_size = cfg.trainer, config_yaml, world_size
+        self.latest: str | None = None  # the newest counted checkpoint
+        self.stalls_s: list[list[float]] = []  # [step, seconds the loop waited for its save] per save
+
+    def should_save(self, step: int, result: StepResult) -> bool:
+        every = self.t.save_every
+        return result.stop or result.save_by_time or bool(every and step % every == 0) or step == self.t.max_steps
+
+    def save(self, state: checkpoint.TrainState, background: bool) -> None:
+        started = time.perf_counter()
+        state.saved_unix = time.time()
+        state.tracker_run_id, state.mlflow_run_id = self.tracker.run_id, self.tracker.mlflow_run_id
+        state.world_size, state.global_batch_size = self.world_size, self.t.global_batch_size
+        self.tracker.flush()  # every step up to this checkpoint is on disk before the checkpoint counts
+        written = self.manager.save(self.engine, state, self.config_yaml, self.t.checkpoint_hash, background)
+        if written is not None:
+            self.latest = str(written)
+            self.tracker.commit(state.step)
+        state.parent = f"step_{state.step}"  # the next checkpoint continues this one
+        self.preemption.saved()
+        stall = time.perf_counter() - started
+        self.stalls_s.append([state.step, stall])
+        state.checkpoint_s += stall
+
+    def seal_if_written(self, scalars: StepScalars, state: checkpoint.TrainState) -> None:
+        """Every rank's background write is done (the step's summed flag): make it count."""
+        if scalars.background_written != self.world_size:
+            return
+        started = time.perf_counter()
+        self._commit(self.manager.finish_background())
+        sealing = time.perf_counter() - started
+        self.stalls_s[-1][1] += sealing
+        state.checkpoint_s += sealing
+
+    def finish(self) -> None:
+        """Seal a background write still open (defensive: the last save is synchronous)."""
+        if sealed := self.manager.finish_background():
+            self._commit(sealed)
+
+    def _commit(self, sealed: Path) -> None:
+        self.latest = str(sealed)
+        self.tracker.commit(checkpoint.step_of(sealed))
+
+    def stall_of_previous_step(self, step: int) -> dict[str, float]:
+        """``checkpoint/stall_s`` for the record of the step after a save."""
+        if self.stalls_s and self.stalls_s[-1][0] == step:
+            return {"checkpoint/stall_s": self.stalls_s[-1][1]}
+        return {}
 
 
 def seed_everything(seed: int) -> None:
@@ -106,68 +291,6 @@ def _memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-@torch.no_grad()
-def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, float]:
-    """Validation loss (mean token CE over all ranks' batches) and perplexity = exp(loss).
-
-    Ranks with fewer batches run forwards on a batch without targets, so every rank makes the
-    same number of forward passes (ZeRO-3 gathers parameters collectively in each one).
-    """
-    engine.train(False)
-    replicas = engine.dims.data_replicas
-    most = distributed.all_reduce_max(torch.tensor(len(batches), device=device))
-    no_targets = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 2, dtype=torch.long),
-                  "labels": torch.full((1, 2), data.IGNORE_INDEX, dtype=torch.long)}
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in list(batches) + [no_targets] * (int(most) - len(batches)):
-        batch = {k: v.to(device) for k, v in batch.items()}
-        totals[0] += engine.eval_loss_sum(batch)
-        totals[1] += count_target_tokens(batch["labels"])
-    distributed.all_reduce_sum(totals)
-    totals /= replicas
-    engine.train(True)
-    loss = float(totals[0] / totals[1].clamp(min=1))
-    return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0))}
-
-
-def _check_resumable(resume_from: Path, cfg: Any, checkpoints: checkpoint.CheckpointManager, is_main: bool,
-                     fingerprint: str | None = None) -> None:
-    """Resuming continues the *same* run: refuse a checkpoint whose model, data, recipe or
-    optimisation settings differ from the current config (naming each difference), or whose
-    trainable parameters (LoRA, ``model.freeze``) were trained on other base weights. A
-    torch-engine run may change its parallel layout; that is said in the log."""
-    saved = checkpoints.read_state(resume_from)
-    if saved.base_fingerprint and fingerprint and saved.base_fingerprint != fingerprint:
-        raise checkpoint.ResumeError(
-            f"checkpoint {resume_from} holds adapters/trainable parameters trained on base weights "
-            f"{saved.base_fingerprint}, but model {cfg.model.name} (source {cfg.model.source}, path {cfg.model.path}) "
-            f"has weights {fingerprint}: resume with the base it was trained on, or start a new run_dir")
-    if saved.global_batch_size != cfg.trainer.global_batch_size:
-        raise checkpoint.ResumeError(
-            f"checkpoint {resume_from} was trained with trainer.global_batch_size={saved.global_batch_size}; "
-            f"resume it with the same value (got {cfg.trainer.global_batch_size}) so steps and samples line up")
-    current = OmegaConf.to_container(cfg, resolve=True)
-    differences = checkpoint.config_differences(resume_from, current)
-    if differences:
-        raise checkpoint.ResumeError(
-            f"checkpoint {resume_from} belongs to a run with other settings ({'; '.join(differences)}). "
-            "To continue it, use its settings; to start a new run, set a new run_dir (or name)")
-    if not is_main:
-        return
-    ignored = checkpoint.keys_outside_schema(resume_from, current)
-    if ignored:
-        log.warning("checkpoint %s stores settings that are not config fields and were never used (%s); "
-                    "ignoring them", resume_from, ", ".join(ignored))
-    layout = checkpoint.layout_changes(resume_from, current)
-    if layout:
-        log.warning("resuming %s with another parallel layout (%s): the Distributed Checkpoint is resharded",
-                    resume_from, "; ".join(layout))
-    if saved.step >= cfg.trainer.max_steps:
-        log.warning("checkpoint %s is at step %d >= trainer.max_steps=%d: nothing to train (raise "
-                    "trainer.max_steps to continue); exporting only", resume_from, saved.step,
-                    cfg.trainer.max_steps)
-
-
 def _run_dir(cfg: Any) -> Path:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -177,262 +300,342 @@ def _run_dir(cfg: Any) -> Path:
     return Path(cfg.run_dir)
 
 
-def _split_sums(step: tuple[float, int, list[float]], world_size: int) -> tuple[float, int, list[float], list[float]]:
-    """:func:`forward_backward`'s result with the world-size memory vector at the end of its
-    sums split off: (loss, tokens, the other sums, bytes per rank)."""
-    loss, tokens, sums = step
-    return loss, tokens, sums[:-world_size], sums[-world_size:]
-
-
 def _sample_digest(batches: list[dict[str, torch.Tensor]]) -> float:
     """Order-free fingerprint of the samples in ``batches``: sum of CRC32s of their real tokens."""
     return float(sum(zlib.crc32(row[mask.bool()].numpy().tobytes())
                      for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"])))
 
 
-def train(cfg: Any) -> dict[str, Any]:
-    """Run (or resume) training as configured; returns a summary (per-step losses, lrs, paths).
+class Trainer:
+    """One run (or its resumption), built in a fixed order by ``_setup_*`` methods that each return
+    one component: validate → process group → tokenizer and data → checkpoints (and the one to
+    resume) → objective → engine with the model → train state → tracker → data loader →
+    evaluator → checkpointer. Nothing is written before the checks of the config, the data, the
+    model source and the checkpoint have passed.
 
-    Order: validate → resolve the resume checkpoint → data → model → engine → load checkpoint →
-    run directory and tracker → loop (step, log, evaluate, save, preemption) → export.
+    Raises (at construction):
+        ConfigError, DataError, ModelSourceError, LaunchError, ResumeError (all
+            :class:`llmtrain.errors.LlmtrainError`): bad input, raised before anything is written.
+    """
+
+    def __init__(self, cfg: Any):
+        self.process_started = time.time()
+        # Read-only: the run uses exactly the composed config that `--cfg job --resolve` prints.
+        OmegaConf.set_readonly(cfg, True)
+        self.cfg, self.t = cfg, cfg.trainer
+        self.env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
+        self.dims, self.accumulation = self._setup_layout()
+        seed_everything(self.t.seed)
+        self.run_dir = _run_dir(cfg)
+        self.tokenizer, self.hf_config = self._setup_tokenizer()
+        self.splits = data.load_splits(cfg.data, self.tokenizer, self.t.seed)
+        self.checkpoints, self.resume_from = self._setup_checkpoints()
+        self.objective = build_objective(cfg.get("objective"))
+        self.engine = self._setup_engine()
+        self.state, rng = self._setup_state()
+        self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        self.tracker = self._setup_tracker()
+        self._log_start()
+        self.sampler, self.micro_batches = self._setup_data_loader()
+        self.flops_per_token, self.peak_tflops = self._setup_flops()
+        self.evaluator = Evaluator(self.engine, self._setup_val_batches(), self.env.device, self.t.eval_every,
+                                   self.t.max_steps)
+        self.summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(self.run_dir),
+                                        "start_step": self.state.step}
+        self._evaluate_before_training()
+        # After everything that draws random numbers at start-up: the dropout streams of the loop.
+        if rng is not None:
+            checkpoint.restore_rng(rng)
+        else:
+            seed_streams(self.t.seed, self.engine.dp_rank, self.engine.pp_rank, self.state.step)
+        self.preemption = Preemption(self.t.preempt_signal, self.t.save_every_minutes)
+        self.checkpointer = Checkpointer(self.checkpoints, self.engine, self.tracker, self.preemption, cfg,
+                                         self.config_yaml, self.env.world_size)
+        self.progress = console.Progress(self.t.progress_bar and self.env.is_main, self.t.max_steps, self.state.step,
+                                         self.t.log_every)
+        self.skipped_in_a_row = 0
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        """Train from the current step to ``trainer.max_steps`` (or a preemption), export, close;
+        returns the run's summary (per-step losses and lrs, the final validation, paths written).
+
+        Raises:
+            TrainingStopped: a non-finite or spiking step under ``trainer.nonfinite`` (nothing saved).
+        """
+        self.state.startup_s += time.time() - self.process_started - self._startup_eval_s
+        for step in range(self.state.step, self.t.max_steps):
+            result = self.train_step(step)
+            metrics = self._step_metrics(result)
+            if self.evaluator.should_run(result.step):
+                metrics.update(self._log_eval(result.step, self.evaluator.run(self.state), result.loss))
+            if self.tracker.should_log(result.step) or "val/loss" in metrics or not result.healthy:
+                self.tracker.log(metrics, step=result.step)
+            if not result.healthy:
+                self._on_unhealthy(result)
+            _check_optimizer_steps(self.engine, self.state)
+            self.checkpointer.seal_if_written(result.scalars, self.state)
+            if self.checkpointer.should_save(result.step, result):
+                # The last save and a preemption's are synchronous: the process ends after them.
+                background = self.t.async_checkpoint and not result.stop and result.step < self.t.max_steps
+                self.checkpointer.save(self.state, background)
+            if result.stop:
+                self._on_preempted(result.step)
+                break
+        return self.close()
+
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step (``step`` is 0-based; the result's ``step`` counts it done): the
+        global batch's gradient, the update (dropped under ``trainer.nonfinite=skip`` when the
+        loss or norm is not finite or spikes), and the train state advanced."""
+        started = time.perf_counter()
+        host_batches = [self.objective.prepare(next(self.micro_batches)) for _ in range(self.accumulation)]
+        # Fingerprint on the host copies: on an accelerator this avoids a device-to-host sync.
+        digest = _sample_digest(host_batches)
+        batches = [{k: v.to(self.env.device) for k, v in b.items()} for b in host_batches]
+        lr = self.engine.lr()
+        sums = forward_backward(self.engine, batches, lambda: self._local_scalars(digest))
+        stop, save_by_time = self.preemption.decide([sums.scalars.preempt_requested, sums.scalars.save_due])
+        # Loss and gradient norm are global values every rank holds: checking them needs no collective.
+        spike = _loss_spike(sums.loss, self.state, self.t.spike_factor)
+        keep = (lambda norm: math.isfinite(norm) and math.isfinite(sums.loss) and not spike)
+        grad_norm = self.engine.step(keep_update=keep if self.t.nonfinite == "skip" else None)
+        result = StepResult(step + 1, sums.loss, lr, grad_norm, sums.tokens, time.perf_counter() - started,
+                            sums.metrics, sums.scalars, stop, save_by_time, spike)
+        self._advance_state(result)
+        return result
+
+    # ---- set-up: one component each ------------------------------------------------------------
+    def _setup_layout(self) -> tuple[ParallelDims, int]:
+        """Validate the config (pure rules, then the machine's packages, files and servers) and
+        return the parallel dimensions and the gradient accumulation steps."""
+        layout = validate(self.cfg, self.env.world_size)
+        preflight(self.cfg)
+        if self.cfg.recipe.auto and self.env.world_size > 1:
+            _check_same_layout(self.cfg, self.env.device)
+        console.configure_library_output(self.env.is_main, console.interactive())
+        return ParallelDims.from_layout(layout), layout.accumulation
+
+    def _setup_tokenizer(self) -> tuple[Any, Any]:
+        """The tokenizer and the model's ``transformers`` config, checked against each other and
+        the data's sequence length before the data is tokenized."""
+        tokenizer, hf_config = build_tokenizer(self.cfg.model), model_config(self.cfg.model)
+        if len(tokenizer) > hf_config.vocab_size:
+            raise ConfigError(f"model.architecture.vocab_size={hf_config.vocab_size} is smaller than the tokenizer's "
+                              f"{len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")
+        too_long = check_sequence_length(hf_config, self.cfg.data.seq_len)
+        if too_long and self.env.is_main:
+            log.warning("%s", too_long)
+        return tokenizer, hf_config
+
+    def _setup_checkpoints(self) -> tuple[checkpoint.CheckpointManager, Path | None]:
+        """The run's checkpoint manager and the checkpoint to resume (checked compatible), if any."""
+        manager = checkpoint.CheckpointManager(self.run_dir, self.env, self.t.keep_checkpoints)
+        resume_from = manager.resolve(self.t.resume)
+        self.partial = adapters.is_partial(self.cfg)  # LoRA or model.freeze: some parameters stay frozen
+        self.fingerprint = adapters.base_fingerprint(self.cfg.model, self.t.seed) if self.partial else None
+        if resume_from is not None:
+            checkpoint.check_resumable(resume_from, self.cfg, manager, self.env.is_main, self.fingerprint)
+        return manager, resume_from
+
+    def _setup_engine(self):
+        """The engine with the model built inside its init context (ZeRO-3 partitions as it is
+        built), LoRA/frozen parameters applied, and a resume's checkpoint prepared."""
+        self.dims.check_model_config(self.hf_config, self.cfg.recipe.pp_stages_per_rank)
+        engine = build_engine(self.cfg, self.env, self.accumulation, self.dims, self.objective)
+        with engine.model_init_context():
+            model = build_model(self.cfg.model, self.t.seed)
+            if self.partial:
+                adapters.apply(model, self.cfg)  # LoRA layers in place; frozen parameters marked
+        if self.resume_from is not None:
+            self.checkpoints.prepare(engine, self.resume_from)
+        engine.setup(model)
+        engine.train(True)
+        return engine
+
+    def _setup_state(self) -> tuple[checkpoint.TrainState, dict | None]:
+        """A fresh train state, or the resumed checkpoint's (and its RNG states) loaded into the
+        engine; the optimizer's update count checked against it."""
+        state, rng = checkpoint.TrainState(world_size=self.env.world_size, global_batch_size=self.t.global_batch_size,
+                                           base_fingerprint=self.fingerprint), None
+        if self.resume_from is not None:
+            state, rng = self.checkpoints.load(self.engine, self.resume_from)
+            state.parent = self.resume_from.name
+            self.checkpoints.start_branch(self.resume_from)
+            _dump_loaded_model(self.engine)
+        _check_optimizer_steps(self.engine, state)
+        return state, rng
+
+    def _setup_tracker(self) -> Tracker:
+        """The run directory (locked, ``config.yaml`` written by rank 0) and the tracker, with the
+        goodput accounting of a restart and the timeline's start event."""
+        cfg, env, state, resumed = self.cfg, self.env, self.state, self.resume_from
+        if env.is_main:
+            checkpoint.lock_run_dir(self.run_dir)
+            (self.run_dir / "config.yaml").write_text(self.config_yaml)
+        tracker = Tracker(cfg.tracker, self.run_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), env.is_main,
+                          resume_step=state.step if resumed else None, run_id=state.tracker_run_id,
+                          config_yaml=self.config_yaml, mlflow_run_id=state.mlflow_run_id, log_every=self.t.log_every)
+        goodput.account_restart(state, tracker.redone_records, self.process_started, resumed=resumed is not None)
+        if env.is_main:
+            goodput.timeline_event(self.run_dir, "start", fresh=resumed is None, step=state.step,
+                                   resumed_from=resumed.name if resumed else None, world_size=env.world_size,
+                                   recipe=cfg.recipe.name)
+        return tracker
+
+    def _setup_data_loader(self):
+        """The global sample order (``sampler``) and this rank's micro-batch iterator from the
+        current step on."""
+        t = self.t
+        loader, sampler = data.train_loader(self.splits, self.tokenizer, self.cfg.data, t.seed, t.micro_batch_size,
+                                            self.accumulation, self.engine.dp_rank, self.dims.dp,
+                                            start_step=self.state.step, max_steps=t.max_steps)
+        return sampler, iter(loader)
+
+    def _setup_flops(self) -> tuple[float, float | None]:
+        """Model FLOPs per token (PaLM appendix B) at ``data.seq_len``, and the device's peak
+        TFLOP/s where it is known (MFU)."""
+        frozen, adapter = flops.partial_training_counts(self.engine.model) if self.partial else (0, 0)
+        return (flops.flops_per_token(self.hf_config, self.cfg.data.seq_len, frozen, adapter),
+                flops.peak_tflops(self.env.device, self.t.precision, self.t.peak_tflops))
+
+    def _setup_val_batches(self) -> list[dict]:
+        """This rank's share of the held-out batches, with what the objective adds."""
+        batches = data.val_batches(self.splits, self.tokenizer, self.t.micro_batch_size, self.t.eval_samples,
+                                   self.engine.dp_rank, self.dims.dp)
+        return [self.objective.prepare(b) for b in batches]
+
+    def _evaluate_before_training(self) -> None:
+        """A fresh run's step-0 evaluation (its time is evaluation, not start-up)."""
+        eval_s = self.state.eval_s
+        if self.resume_from is None:
+            self.summary["initial_val"] = self._log_eval(0, self.evaluator.run(self.state))
+            self.tracker.log(self.summary["initial_val"], step=0)
+        self._startup_eval_s = self.state.eval_s - eval_s
+
+    def _log_start(self) -> None:
+        cfg, t, dims, env = self.cfg, self.t, self.dims, self.env
+        num_parameters = self.engine.num_parameters()  # collective on some engines
+        if env.is_main:
+            log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; objective %s; recipe %s "
+                     "(engine %s, ZeRO %d) on %d rank(s) = dp %d (replicate %d x shard %d) x tp %d x pp %d%s; "
+                     "global batch %d = micro %d x accumulation %d x dp %d",
+                     cfg.model.name, num_parameters / 1e6, cfg.data.name, len(self.splits.train),
+                     len(self.splits.val), self.objective.name, cfg.recipe.name, cfg.recipe.engine,
+                     cfg.recipe.zero_stage, env.world_size, dims.dp, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp,
+                     f" ({cfg.recipe.pp_schedule}, {cfg.recipe.pp_stages_per_rank} stage(s) per rank)" if dims.pp > 1
+                     else "", t.global_batch_size, t.micro_batch_size, self.accumulation, dims.dp)
+            log.info("%s", data.describe(self.splits))
+        if self.partial:
+            _log_trainable(self.engine, cfg, dims, env.is_main)
+
+    # ---- per step ------------------------------------------------------------------------------
+    def _local_scalars(self, digest: float) -> StepScalars:
+        """This rank's :class:`StepScalars`, read after backward (so the step's own peak memory is in it)."""
+        memory = [0.0] * self.env.world_size
+        memory[self.env.rank] = float(_memory_bytes(self.env.device))
+        requested, due = self.preemption.local_flags()
+        return StepScalars(digest, requested, due, self.checkpoints.background_written(), memory)
+
+    def _advance_state(self, result: StepResult) -> None:
+        state, t = self.state, self.t
+        if result.healthy:
+            state.loss_ema = result.loss if not state.loss_ema_steps else 0.9 * state.loss_ema + 0.1 * result.loss
+            state.loss_ema_steps += 1
+        self.skipped_in_a_row = 0 if result.healthy else self.skipped_in_a_row + 1
+        state.step, state.consumed_samples = result.step, result.step * t.global_batch_size
+        state.skipped_updates += int(not result.healthy and t.nonfinite == "skip")
+        state.tokens_seen += result.tokens
+        state.productive_s += result.seconds
+        self.summary["losses"].append(result.loss)
+        self.summary["lrs"].append(result.lr)
+
+    def _step_metrics(self, result: StepResult) -> dict[str, float]:
+        """The step's record for the trackers (and the progress bar's line)."""
+        state, memory = self.state, result.scalars.memory_bytes
+        tokens_per_s = result.tokens / result.seconds
+        metrics = {"train/loss": result.loss, "train/lr": result.lr, "train/grad_norm": result.grad_norm,
+                   "train/tokens_per_s": tokens_per_s, "train/step_time_s": result.seconds,
+                   "train/tokens_seen": state.tokens_seen, "train/samples_seen": state.consumed_samples,
+                   "data/sample_digest": result.scalars.sample_digest / self.dims.data_replicas,
+                   "memory/peak_bytes": max(memory), "memory/peak_rank": memory.index(max(memory)),
+                   **{f"train/{name}": value for name, value in result.metrics.items()},
+                   **flops.achieved(tokens_per_s, self.flops_per_token, self.env.world_size, self.peak_tflops)}
+        metrics.update(self.checkpointer.stall_of_previous_step(result.step - 1))
+        if len(self.splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed
+            counts = self.sampler.source_counts(result.step - 1, len(self.splits.names))
+            metrics.update({f"data/source/{name}_samples": n for name, n in zip(self.splits.names, counts)})
+        self.progress.update(result.step, result.loss, result.lr, result.grad_norm, tokens_per_s)
+        metrics.update(goodput.time_metrics(state))
+        if not result.healthy:
+            metrics["train/skipped_update"] = int(self.t.nonfinite == "skip")
+        return metrics
+
+    def _log_eval(self, step: int, metrics: dict[str, float], train_loss: float | None = None) -> dict[str, float]:
+        if self.env.is_main:
+            log.info("eval at step %d: val loss %.4f (ppl %.2f)%s", step, metrics["val/loss"],
+                     metrics["val/perplexity"], f", train loss {train_loss:.4f}" if train_loss is not None else "")
+        if step == self.t.max_steps and step > 0:
+            self.summary["final_val"] = {k: metrics[k] for k in ("val/loss", "val/perplexity")}
+        return metrics
+
+    def _on_unhealthy(self, result: StepResult) -> None:
+        last_healthy = self.checkpointer.latest or (str(self.resume_from) if self.resume_from else None)
+        _on_nonfinite(self.t, result.step, result.loss, result.grad_norm, result.spike, self.skipped_in_a_row,
+                      last_healthy, lambda: self._close_outputs(complete=False))
+
+    def _on_preempted(self, step: int) -> None:
+        if self.env.is_main:
+            log.warning("preempted (%s): saved step %d; rerun the same command to continue",
+                        self.preemption.requested or "signal on another rank", step)
+        self.summary["preempted_at"] = step
+
+    # ---- the end -------------------------------------------------------------------------------
+    def _close_outputs(self, complete: bool) -> None:
+        """Stop what writes outside the loop: background checkpoint, progress bar, signal
+        handlers, and (for a run that stops itself) the tracker."""
+        self.checkpointer.finish()
+        self.progress.close()
+        self.preemption.restore()
+        if not complete:
+            self.tracker.finish(complete=False)
+
+    def close(self) -> dict[str, Any]:
+        """Export (unless preempted), write the run report, and tear down in dependency order: the
+        tracker (rank 0's files and threads), the engine's threads and buffers, and then (by the
+        caller, after every rank is here) the process group. Returns the summary."""
+        summary = self.summary
+        self._close_outputs(complete=True)
+        summary["checkpoint_stalls_s"] = self.checkpointer.stalls_s
+        if self.checkpointer.latest:
+            summary["checkpoint"] = self.checkpointer.latest
+        if self.t.export_hf and "preempted_at" not in summary:
+            written = export.export_hf(self.engine, self.cfg, self.tokenizer, self.run_dir,
+                                       data.end_token_ids(self.cfg.data, self.tokenizer))
+            summary.update(written)
+            if written:
+                log.info("exported: %s", "; ".join(f"{path} ({kind})" for kind, path in written.items()))
+        if self.env.is_main:
+            goodput.timeline_event(self.run_dir, "end", step=self.state.step,
+                                   reason="preempted" if "preempted_at" in summary else "finished")
+            if self.cfg.tracker.report and (png := _write_report(self.run_dir)):
+                summary["report"] = png
+                self.tracker.log_files([self.run_dir / "report.png", self.run_dir / "report.md"])  # MLflow, wandb
+        self.tracker.finish()
+        self.engine.close()
+        distributed.barrier()
+        return summary
+
+
+def train(cfg: Any) -> dict[str, Any]:
+    """Run (or resume) training as configured (:class:`Trainer`); returns its summary (per-step
+    losses, lrs, paths written).
 
     Raises:
-        ConfigError, data.DataError, models.ModelSourceError, distributed.LaunchError,
-            checkpoint.ResumeError: bad input, raised before anything is written.
+        llmtrain.errors.LlmtrainError: bad input (config, data, model source, launch, checkpoint),
+            raised before anything is written; TrainingStopped for a run that stops itself.
     """
-    process_started = time.time()
-    # Read-only: the run uses exactly the composed config that `--cfg job --resolve` prints.
-    OmegaConf.set_readonly(cfg, True)
-    env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
-    validate(cfg, env.world_size)
-    if cfg.recipe.auto and env.world_size > 1:
-        _check_same_layout(cfg, env.device)
-    console.configure_library_output(env.is_main, console.interactive())
-    t = cfg.trainer
-    dims = ParallelDims.from_recipe(cfg.recipe, env.world_size)
-    accumulation = gradient_accumulation_steps(t, dims.dp)
-    seed_everything(t.seed)
-    run_dir = _run_dir(cfg)
-    tokenizer = build_tokenizer(cfg.model)
-    # The model's limits against the tokenizer and the data, before the data is tokenized.
-    hf_config = model_config(cfg.model)
-    if len(tokenizer) > hf_config.vocab_size:
-        raise ConfigError(f"model.architecture.vocab_size={hf_config.vocab_size} is smaller than the tokenizer's "
-                          f"{len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")
-    too_long = check_sequence_length(hf_config, cfg.data.seq_len)
-    if too_long and env.is_main:
-        log.warning("%s", too_long)
-    splits = data.load_splits(cfg.data, tokenizer, t.seed)
-    checkpoints = checkpoint.CheckpointManager(run_dir, env, t.keep_checkpoints)
-    resume_from = checkpoints.resolve(t.resume)
-    partial = adapters.is_partial(cfg)  # LoRA or model.freeze: some parameters stay frozen
-    fingerprint = adapters.base_fingerprint(cfg.model, t.seed) if partial else None
-    if resume_from is not None:
-        _check_resumable(resume_from, cfg, checkpoints, env.is_main, fingerprint)
-    dims.check_model_config(hf_config, cfg.recipe.pp_stages_per_rank)
-    engine = build_engine(cfg, env, accumulation, dims)
-    with engine.model_init_context():
-        model = build_model(cfg.model, t.seed)
-        if partial:
-            adapters.apply(model, cfg)  # LoRA layers in place; frozen parameters marked
-    if resume_from is not None:
-        checkpoints.prepare(engine, resume_from)
-    engine.setup(model)
-    engine.train(True)
-    state, rng = checkpoint.TrainState(world_size=env.world_size, global_batch_size=t.global_batch_size,
-                                       base_fingerprint=fingerprint), None
-    if resume_from is not None:
-        state, rng = checkpoints.load(engine, resume_from)
-        state.parent = resume_from.name
-        checkpoints.start_branch(resume_from)
-        _dump_loaded_model(engine)
-    start_step = state.step
-    _check_optimizer_steps(engine, state)
-
-    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    if env.is_main:
-        checkpoint.lock_run_dir(run_dir)
-        (run_dir / "config.yaml").write_text(config_yaml)
-    tracker = Tracker(cfg.tracker, run_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), env.is_main,
-                      resume_step=state.step if resume_from else None, run_id=state.tracker_run_id,
-                      config_yaml=config_yaml, mlflow_run_id=state.mlflow_run_id)
-    goodput.account_restart(state, tracker.redone_records, process_started, resumed=resume_from is not None)
-    if env.is_main:
-        goodput.timeline_event(run_dir, "start", fresh=resume_from is None, step=state.step,
-                               resumed_from=resume_from.name if resume_from else None, world_size=env.world_size,
-                               recipe=cfg.recipe.name)
-    num_parameters = engine.num_parameters()  # collective on some engines
-    if env.is_main:
-        log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; recipe %s "
-                 "(engine %s, ZeRO %d) on %d rank(s) = dp %d (replicate %d x shard %d) x tp %d x pp %d%s; "
-                 "global batch %d = micro %d x accumulation %d x dp %d",
-                 cfg.model.name, num_parameters / 1e6, cfg.data.name, len(splits.train),
-                 len(splits.val), cfg.recipe.name, cfg.recipe.engine, cfg.recipe.zero_stage, env.world_size,
-                 dims.dp, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp,
-                 f" ({cfg.recipe.pp_schedule}, {cfg.recipe.pp_stages_per_rank} stage(s) per rank)" if dims.pp > 1 else "",
-                 t.global_batch_size, t.micro_batch_size, accumulation, dims.dp)
-
-        log.info("%s", data.describe(splits))
-    if partial:
-        _log_trainable(engine, cfg, dims, env.is_main)
-    loader, sampler = data.train_loader(splits, tokenizer, cfg.data, t.seed, t.micro_batch_size, accumulation,
-                                        engine.dp_rank, dims.dp, start_step=start_step, max_steps=t.max_steps)
-    micro_batches = iter(loader)
-    # Model FLOPs per token (PaLM appendix B) at data.seq_len; MFU where the device's peak is known.
-    frozen, adapter = flops.partial_training_counts(engine.model) if partial else (0, 0)
-    flops_per_token = flops.flops_per_token(hf_config, cfg.data.seq_len, frozen, adapter)
-    peak = flops.peak_tflops(env.device, t.precision, t.peak_tflops)
-    val_batches = data.val_batches(splits, tokenizer, t.micro_batch_size, t.eval_samples, engine.dp_rank, dims.dp)
-    summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(run_dir), "start_step": start_step}
-    eval_s_at_start = state.eval_s
-    if resume_from is None:
-        eval_started = time.perf_counter()
-        summary["initial_val"] = evaluate(engine, val_batches, env.device)
-        state.eval_s += time.perf_counter() - eval_started
-        tracker.log(summary["initial_val"], step=0)
-        if env.is_main:
-            log.info("eval at step 0: val loss %.4f (ppl %.2f)", summary["initial_val"]["val/loss"],
-                     summary["initial_val"]["val/perplexity"])
-    # After everything that draws random numbers at start-up: the dropout streams of the loop.
-    if rng is not None:
-        checkpoint.restore_rng(rng)
-    else:
-        seed_streams(t.seed, engine.dp_rank, getattr(engine, "pp_rank", 0), start_step)
-    preemption = Preemption(t.preempt_signal, t.save_every_minutes)
-    progress = console.Progress(t.progress_bar and env.is_main, t.max_steps, start_step, t.log_every)
-
-    summary["checkpoint_stalls_s"] = []  # [step, seconds the loop waited for its save] per save
-
-    def save(background: bool) -> None:
-        started = time.perf_counter()
-        state.saved_unix = time.time()
-        state.tracker_run_id, state.mlflow_run_id = tracker.run_id, tracker.mlflow_run_id
-        state.world_size, state.global_batch_size = env.world_size, t.global_batch_size
-        tracker.flush()  # every step up to this checkpoint is on disk before the checkpoint counts
-        written = checkpoints.save(engine, state, config_yaml, t.checkpoint_hash, background)
-        if written is not None:
-            summary["checkpoint"] = str(written)
-            tracker.commit(state.step)
-        state.parent = f"step_{state.step}"  # the next checkpoint continues this one
-        preemption.saved()
-        stall = time.perf_counter() - started
-        summary["checkpoint_stalls_s"].append([state.step, stall])
-        state.checkpoint_s += stall
-
-    def seal_background() -> None:  # every rank's background write is done: make it count
-        started = time.perf_counter()
-        sealed = checkpoints.finish_background()
-        summary["checkpoint"] = str(sealed)
-        tracker.commit(checkpoint.step_of(sealed))
-        sealing = time.perf_counter() - started
-        summary["checkpoint_stalls_s"][-1][1] += sealing
-        state.checkpoint_s += sealing
-
-    skipped_in_a_row = 0
-    state.startup_s += time.time() - process_started - (state.eval_s - eval_s_at_start)  # the step-0 eval is eval
-    for step in range(start_step, t.max_steps):
-        started = time.perf_counter()
-        host_batches = [next(micro_batches) for _ in range(accumulation)]
-        # Fingerprint on the host copies: on an accelerator this avoids a device-to-host sync.
-        local_digest = _sample_digest(host_batches)
-        batches = [{k: v.to(env.device) for k, v in b.items()} for b in host_batches]
-        lr = engine.lr()
-        def step_scalars() -> tuple[float, ...]:
-            # Read after backward. Peak memory travels in this rank's slot of a world-size
-            # vector: the sum gives every rank's figure, so the max and the rank holding it cost
-            # no collective of their own.
-            memory_slots = [0.0] * env.world_size
-            memory_slots[env.rank] = float(_memory_bytes(env.device))
-            return local_digest, *preemption.local_flags(), checkpoints.background_written(), *memory_slots
-
-        loss, tokens, (digest, *preempt_flags, written), memory = _split_sums(
-            forward_backward(engine, batches, step_scalars), env.world_size)
-        digest /= dims.data_replicas
-        stop, save_by_time = preemption.decide(preempt_flags)
-        # Loss and gradient norm are global values every rank holds: checking them needs no collective.
-        spike = _loss_spike(loss, state, t.spike_factor)
-        grad_norm = engine.step(keep_update=(lambda norm: math.isfinite(norm) and math.isfinite(loss) and not spike)
-                                if t.nonfinite == "skip" else None)
-        healthy = math.isfinite(loss) and math.isfinite(grad_norm) and not spike
-        if healthy:
-            state.loss_ema = loss if not state.loss_ema_steps else 0.9 * state.loss_ema + 0.1 * loss
-            state.loss_ema_steps += 1
-        skipped_in_a_row = 0 if healthy else skipped_in_a_row + 1
-        elapsed = time.perf_counter() - started
-        done = step + 1
-        state.step, state.consumed_samples = done, done * t.global_batch_size
-        state.skipped_updates += int(not healthy and t.nonfinite == "skip")
-        state.tokens_seen += tokens
-        state.productive_s += elapsed
-        summary["losses"].append(loss)
-        summary["lrs"].append(lr)
-
-        metrics = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
-                   "train/tokens_per_s": tokens / elapsed, "train/step_time_s": elapsed,
-                   "train/tokens_seen": state.tokens_seen, "train/samples_seen": state.consumed_samples,
-                   "data/sample_digest": digest, "memory/peak_bytes": max(memory),
-                   "memory/peak_rank": memory.index(max(memory)),
-                   **flops.achieved(tokens / elapsed, flops_per_token, env.world_size, peak)}
-        if summary["checkpoint_stalls_s"] and summary["checkpoint_stalls_s"][-1][0] == step:
-            metrics["checkpoint/stall_s"] = summary["checkpoint_stalls_s"][-1][1]  # the previous step's save
-        if len(splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed
-            counts = sampler.source_counts(step, len(splits.names))
-            metrics.update({f"data/source/{name}_samples": n for name, n in zip(splits.names, counts)})
-        progress.update(done, loss, lr, grad_norm, tokens / elapsed)
-        metrics.update(goodput.time_metrics(state))
-        if (t.eval_every and done % t.eval_every == 0) or done == t.max_steps:
-            eval_started = time.perf_counter()
-            metrics.update(evaluate(engine, val_batches, env.device))
-            state.eval_s += time.perf_counter() - eval_started
-            if env.is_main:
-                log.info("eval at step %d: val loss %.4f (ppl %.2f), train loss %.4f", done,
-                         metrics["val/loss"], metrics["val/perplexity"], loss)
-        if done == t.max_steps:
-            summary["final_val"] = {k: metrics[k] for k in ("val/loss", "val/perplexity")}
-        if not healthy:
-            metrics["train/skipped_update"] = int(t.nonfinite == "skip")
-        if (t.log_every and done % t.log_every == 0) or "val/loss" in metrics or not healthy:
-            tracker.log(metrics, step=done)
-        if not healthy:
-            _on_nonfinite(t, done, loss, grad_norm, spike, skipped_in_a_row,
-                          summary.get("checkpoint") or (str(resume_from) if resume_from else None),
-                          lambda: (checkpoints.finish_background(), progress.close(), preemption.restore(),
-                                   tracker.finish(complete=False)))
-        _check_optimizer_steps(engine, state)
-        if written == env.world_size:
-            seal_background()
-        if stop or save_by_time or (t.save_every and done % t.save_every == 0) or done == t.max_steps:
-            # The last save and a preemption's are synchronous: the process ends after them.
-            save(background=t.async_checkpoint and not stop and done < t.max_steps)
-        if stop:
-            if env.is_main:
-                log.warning("preempted (%s): saved step %d; rerun the same command to continue",
-                            preemption.requested or "signal on another rank", done)
-            summary["preempted_at"] = done
-            break
-
-    if sealed := checkpoints.finish_background():  # defensive: the last save is synchronous
-        summary["checkpoint"] = str(sealed)
-        tracker.commit(checkpoint.step_of(sealed))
-    preemption.restore()
-    progress.close()
-    if t.export_hf and "preempted_at" not in summary:
-        written = checkpoint.export_hf(engine, cfg, tokenizer, run_dir, data.end_token_ids(cfg.data, tokenizer))
-        summary.update(written)
-        if written:
-            log.info("exported: %s", "; ".join(f"{path} ({kind})" for kind, path in written.items()))
-    # Teardown in dependency order: the tracker (rank 0's files and threads), the engine's
-    # threads and buffers, and then (by the caller, after every rank is here) the process group.
-    if env.is_main:
-        goodput.timeline_event(run_dir, "end", step=state.step,
-                               reason="preempted" if "preempted_at" in summary else "finished")
-        if cfg.tracker.report and (png := _write_report(run_dir)):
-            summary["report"] = png
-            tracker.log_files([run_dir / "report.png", run_dir / "report.md"])  # MLflow, wandb: as run files
-    tracker.finish()
-    engine.close()
-    distributed.barrier()
-    return summary
+    return Trainer(cfg).train()
 
 
 def _log_trainable(engine, cfg: Any, dims: ParallelDims, is_main: bool) -> None:

@@ -39,6 +39,7 @@ from llmtrain import checkpoint, data  # noqa: E402
 from llmtrain.config import gradient_accumulation_steps, register_configs  # noqa: E402
 from llmtrain.engine import build_engine  # noqa: E402
 from llmtrain.models import build_model, byte_tokenizer  # noqa: E402
+from llmtrain.objectives import build_objective  # noqa: E402
 from llmtrain.parallel_dims import ParallelDims  # noqa: E402
 from llmtrain.paths import CONF_DIR  # noqa: E402
 from llmtrain.trainer import forward_backward  # noqa: E402
@@ -59,7 +60,7 @@ def main() -> None:
         cfg = compose("config", overrides=["tracker=none"] + args.overrides)
     env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
     dims = ParallelDims.from_recipe(cfg.recipe, 1)
-    engine = build_engine(cfg, env, gradient_accumulation_steps(cfg.trainer, 1), dims)
+    engine = build_engine(cfg, env, gradient_accumulation_steps(cfg.trainer, 1), dims, build_objective(cfg.objective))
     with engine.model_init_context():
         model = build_model(cfg.model, cfg.trainer.seed)
     engine.setup(model)

@@ -37,7 +37,7 @@ def main() -> None:
     from llmtrain import data
     from llmtrain.config import DataConfig
     from llmtrain.engine import model_inputs
-    from llmtrain.loss import token_cross_entropy_sum
+    from llmtrain.objectives.causal_lm import token_cross_entropy_sum
     from llmtrain.models import byte_tokenizer, model_config
     from tests.conftest import make_cfg
 

@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llmtrain.loss import token_cross_entropy_sum  # noqa: E402
+from llmtrain.objectives.causal_lm import token_cross_entropy_sum  # noqa: E402
 from llmtrain.pipeline import build_schedule, split_stages  # noqa: E402
 
 PP = 2  # pipeline ranks (one process each)

@@ -75,12 +75,13 @@ def test_torch_engine_still_loads_and_exports_a_pre_dcp_checkpoint(tmp_path):
     """Checkpoints written before the move to Distributed Checkpoint (one ``state.pt``) resume."""
     from conftest import make_cfg
     from llmtrain.engine.torch_engine import TorchEngine
+    from llmtrain.objectives import CausalLM
     from llmtrain.export import consolidated_state_dict
     from llmtrain.models import build_model
 
     cfg = make_cfg(["trainer.max_steps=10"])
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    old = TorchEngine(cfg, env, accumulation_steps=1)
+    old = TorchEngine(cfg, env, accumulation_steps=1, objective=CausalLM())
     old.setup(build_model(cfg.model, seed=1))
     for p in old.model.parameters():
         p.grad = torch.ones_like(p)
@@ -88,7 +89,7 @@ def test_torch_engine_still_loads_and_exports_a_pre_dcp_checkpoint(tmp_path):
     (tmp_path / "engine").mkdir()
     torch.save({"model": old.model.state_dict(), "optimizer": old.optimizer.state_dict(),
                 "scheduler": old.scheduler.state_dict()}, tmp_path / "engine" / "state.pt")
-    new = TorchEngine(cfg, env, accumulation_steps=1)
+    new = TorchEngine(cfg, env, accumulation_steps=1, objective=CausalLM())
     new.setup(build_model(cfg.model, seed=2))
     new.load_checkpoint(tmp_path / "engine", saved_world_size=1)
     for (name, a), b in zip(old.model.state_dict().items(), new.model.state_dict().values()):

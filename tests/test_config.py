@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 from hydra.errors import ConfigCompositionException
 
 from conftest import make_cfg
-from llmtrain.config import ConfigError, validate
+from llmtrain.config import ConfigError
+from llmtrain.preflight import validate_and_preflight as validate  # the config, then this machine
 from llmtrain.engine.deepspeed_engine import deepspeed_config
 from llmtrain.paths import CONF_DIR, RECIPES_DIR
 

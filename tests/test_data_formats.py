@@ -319,7 +319,7 @@ def test_a_token_folder_from_another_tokenizer_is_refused_naming_both(tmp_path):
 def test_the_export_stops_generation_on_every_end_token_training_taught(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from llmtrain.checkpoint import save_hf_folder
+    from llmtrain.export import save_hf_folder
     from tests.conftest import make_cfg
 
     c = make_cfg(["data=chat", f"data.path={tmp_path / 'c.json'}", "data.template=chatml"])

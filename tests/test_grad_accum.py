@@ -16,7 +16,9 @@ from llmtrain import data
 from llmtrain.distributed import DistEnv
 from llmtrain.engine.torch_engine import TorchEngine
 from llmtrain.models import build_model, byte_tokenizer
-from llmtrain.trainer import forward_backward, token_cross_entropy_sum
+from llmtrain.objectives import CausalLM
+from llmtrain.objectives.causal_lm import token_cross_entropy_sum
+from llmtrain.trainer import forward_backward
 
 LENGTHS = [5, 11, 16, 8]
 
@@ -50,7 +52,7 @@ def reference_grads() -> dict[str, torch.Tensor]:
 def engine_grads(rank: int, world: int, micro: int) -> dict[str, torch.Tensor]:
     cfg = tiny_cfg()
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), backend="gloo")
-    engine = TorchEngine(cfg, env, accumulation_steps=4 // (micro * world))
+    engine = TorchEngine(cfg, env, accumulation_steps=4 // (micro * world), objective=CausalLM())
     engine.setup(build_model(cfg.model, seed=5))
     mine = samples()[rank * 4 // world:(rank + 1) * 4 // world]
     batches = [data.Collator(257)(mine[i:i + micro]) for i in range(0, len(mine), micro)]

@@ -63,10 +63,11 @@ def test_skip_drops_non_finite_updates_then_stops_after_the_limit(tmp_path):
 def test_a_skipped_update_changes_no_parameter_or_optimizer_state_and_advances_the_schedule():
     from llmtrain.distributed import DistEnv
     from llmtrain.engine.torch_engine import TorchEngine
+    from llmtrain.objectives import CausalLM
     from llmtrain.models import build_model
 
     cfg = make_cfg(["trainer.warmup_steps=4"])
-    engine = TorchEngine(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo"), 1)
+    engine = TorchEngine(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo"), 1, objective=CausalLM())
     engine.setup(build_model(cfg.model, 0))
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
     lr_before = engine.lr()

@@ -123,11 +123,12 @@ def test_torch_engine_accumulates_bf16_micro_batch_gradients_in_fp32():
     from conftest import make_cfg
     from llmtrain.distributed import DistEnv
     from llmtrain.engine.torch_engine import TorchEngine
-    from llmtrain.loss import count_target_tokens
+    from llmtrain.objectives import CausalLM
+    from llmtrain.objectives.causal_lm import count_target_tokens
     from llmtrain.models import build_model
 
     cfg = make_cfg(["trainer.precision=bf16", "trainer.global_batch_size=16", "trainer.micro_batch_size=2"])
-    engine = TorchEngine(cfg, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"), accumulation_steps=8)
+    engine = TorchEngine(cfg, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"), accumulation_steps=8, objective=CausalLM())
     engine.setup(build_model(cfg.model, 0))
     gen = torch.Generator().manual_seed(0)
     batches = [{"input_ids": (ids := torch.randint(0, 256, (2, 32), generator=gen)), "labels": ids.clone(),
@@ -137,12 +138,12 @@ def test_torch_engine_accumulates_bf16_micro_batch_gradients_in_fp32():
 
     reference = [torch.zeros_like(p, dtype=torch.float64) for p in params]
     for batch in batches:
-        engine.forward_backward([batch], targets)
+        engine.accumulate_gradients([batch], targets)
         for total, p in zip(reference, params):
             total += p.grad.double()
             assert p.grad.dtype == torch.float32
         engine.optimizer.zero_grad(set_to_none=True)
-    engine.forward_backward(batches, targets)
+    engine.accumulate_gradients(batches, targets)
     accumulated = torch.cat([p.grad.double().flatten() for p in params])
     want = torch.cat([r.flatten() for r in reference])
     error = float((accumulated - want).norm() / want.norm())

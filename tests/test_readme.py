@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_ok, make_cfg, run_cli, subprocess_env
-from llmtrain.config import check_known_keys, validate
+from llmtrain.config import check_known_keys
+from llmtrain.preflight import validate_and_preflight as validate  # the config, then this machine
 
 README = REPO / "README.md"
 SETUP_COMMANDS = {("pip", "install"), ("python3", "-m"), (".", ".venv/bin/activate"), ("python", "-m", "pytest")}

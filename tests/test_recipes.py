@@ -44,6 +44,10 @@ NATIVE = {
 }
 NATIVE_CASES = [(nproc, name) for nproc, group in NATIVE.items() for name in group]
 
+# A second objective from outside the package (tests/token_weighted.py): no engine knows it.
+WEIGHTED = ["objective.target=tests.token_weighted:TokenWeighted", "objective.name=token_weighted"]
+WEIGHTED_RECIPES = ["ddp", "fsdp", "zero3", "pp"]
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -70,6 +74,7 @@ def runs(tmp_path_factory):
                 group["alpaca"] = alpaca_run + ["+recipe=ddp"]
                 group["alpaca_packed"] = packed + ["+recipe=ddp"]
                 group["docmask"] = docmask + ["+recipe=ddp"]
+                group["weighted"] = COMMON + WEIGHTED + ["+recipe=ddp"]
             if nproc == 2:
                 group["alpaca_pp"] = alpaca_run + ["+recipe=pp", "recipe.pp_pad_multiple=8"]
                 # Packed rows: every pipeline stage gets the per-sample positions.
@@ -78,6 +83,8 @@ def runs(tmp_path_factory):
                 group["alpaca_packed_tp"] = packed + ["+recipe=tp"]
                 group["docmask_pp"] = docmask + ["+recipe=pp", "recipe.pp_schedule=interleaved_1f1b",
                                                  "recipe.pp_stages_per_rank=2"]
+                group.update({f"weighted_{recipe}": COMMON + WEIGHTED + [f"+recipe={recipe}"]
+                              for recipe in WEIGHTED_RECIPES})
             group.update({name: COMMON + o for name, o in NATIVE.get(nproc, {}).items()})
             cache[nproc] = run_scenarios(group, nproc, tmp_path_factory.mktemp(f"runs-{nproc}"))
         return cache[nproc]
@@ -229,3 +236,30 @@ def test_zero_recipe_on_the_torch_engine_matches_deepspeed(recipe, runs):
 def test_resume_across_a_layout_change(saved, nsaved, recipe, nproc, runs, tmp_path):
     """tp 2 -> one rank, pp 2 -> FSDP dp 2, pp 2 x tp 2 x dp 2 -> tp 2: DCP reshards."""
     assert_resumes_exactly(runs(nsaved)[saved], "torch", recipe, nproc, tmp_path)
+
+
+def test_token_weighted_objective_reference_on_one_process(runs):
+    """The 1-process run of the test objective against its equation, computed here from the
+    exported model and a batch: ``sum(w * CE) / sum(w)`` (tests/token_weighted.py) differs from
+    the plain token mean, so the run really trained the weighted loss."""
+    got = steps(runs(1)["weighted"])
+    plain = steps(runs(1)["ddp"])
+    assert sorted(got) == list(range(1, 7))
+    assert all(0.0 <= got[s]["train/accuracy"] <= 1.0 for s in got)
+    # Same data, same initial weights: step 1 differs only by the weighting of the same tokens.
+    assert got[1]["data/sample_digest"] == plain[1]["data/sample_digest"]
+    assert abs(got[1]["train/loss"] - plain[1]["train/loss"]) > 1e-3
+    assert got[6]["train/loss"] < got[1]["train/loss"]
+
+
+@pytest.mark.parametrize("recipe", WEIGHTED_RECIPES)
+def test_token_weighted_objective_on_two_processes_matches_single_process(recipe, runs):
+    """A new objective trains on DDP, FSDP2, ZeRO-3 (DeepSpeed) and the pipeline engine without
+    touching them: per-step loss and its metric equal the single-process run, so each engine
+    normalises by the objective's global-batch normaliser (token weights), not by tokens."""
+    want, got = steps(runs(1)["weighted"]), steps(runs(2)[f"weighted_{recipe}"])
+    assert sorted(got) == list(range(1, 7))
+    for step in got:
+        assert abs(got[step]["train/loss"] - want[step]["train/loss"]) < 1e-5, (step, got[step], want[step])
+        assert abs(got[step]["train/accuracy"] - want[step]["train/accuracy"]) < 1e-6, step
+        assert got[step]["data/sample_digest"] == want[step]["data/sample_digest"]

@@ -28,12 +28,13 @@ from llmtrain.data.formats import (ALPACA_PROMPT, apply_template_setting, end_of
                                    end_token_ids, encode_records, prompt_and_response, uses_chat_template)
 from llmtrain.data.order import (Collator, GlobalSampleOrder, MixtureOrder, StepBatchSampler,  # noqa: F401
                                  pack, packed_samples)
-from llmtrain.data.sources import (RECORD_BUILDERS, _explain, _kind, column, is_saved_dataset, load_hub,  # noqa: F401
+from llmtrain.data.sources import (RECORD_BUILDERS, column, explain_error, file_kind, is_saved_dataset, load_hub,  # noqa: F401
                                    load_records, looks_like_local_path, refuse_records_as_text, source_files)
 from llmtrain.data.tokens import MANIFEST, Complement, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
+from llmtrain import distributed
 from llmtrain.config import mapped_columns
 from llmtrain.errors import ConfigError, DataError
-from llmtrain.loss import IGNORE_INDEX  # noqa: F401  (public here too)
+from llmtrain.labels import IGNORE_INDEX  # noqa: F401  (public here too)
 from llmtrain.paths import CACHE_DIR
 
 log = logging.getLogger("llmtrain")
@@ -85,7 +86,7 @@ def _on_main_first(build: Callable[[], Any]) -> Any:
 
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not distributed.is_initialized() or dist.get_world_size() == 1:
         return build()
     outcome: list[Any] = [None]
     result = None
@@ -112,7 +113,7 @@ def text_documents(src: Any, key: str):
     path = Path(str(src.path)).expanduser() if src.path is not None else None
     files = source_files(src, key) if path is None or (path.exists() and not (
         path.is_dir() and is_saved_dataset(path))) else None
-    if files is not None and all(_kind(f) not in RECORD_BUILDERS for f in files):
+    if files is not None and all(file_kind(f) not in RECORD_BUILDERS for f in files):
         for f in files:
             refuse_records_as_text(f)
         where = str(files[0] if len(files) == 1 else src.path)
@@ -124,7 +125,7 @@ def text_documents(src: Any, key: str):
                                          encoding_errors="replace" if src.path is None else "strict")
         except Exception as err:  # noqa: BLE001 - the builder wraps the decoder's error
             bad = next((f for f in files if not _is_utf8(f)), None)
-            raise DataError(f"{key}.path: {bad or where} could not be read as text: {_explain(err)}; convert it to "
+            raise DataError(f"{key}.path: {bad or where} could not be read as text: {explain_error(err)}; convert it to "
                             "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from err
     else:
         records = load_records(src, key)

@@ -17,7 +17,7 @@ from typing import Any
 from llmtrain.config import canonical_format
 from llmtrain.data.sources import column
 from llmtrain.errors import ConfigError, DataError
-from llmtrain.loss import IGNORE_INDEX
+from llmtrain.labels import IGNORE_INDEX
 
 log = logging.getLogger("llmtrain")
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from llmtrain.loss import IGNORE_INDEX
+from llmtrain.labels import IGNORE_INDEX
 
 
 class GlobalSampleOrder:

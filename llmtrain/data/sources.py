@@ -28,7 +28,7 @@ COMPRESSIONS = (".gz", ".bz2", ".xz")
 DATASETS_CACHE = CACHE_DIR / "datasets"
 
 
-def _kind(path: Path) -> str:
+def file_kind(path: Path) -> str:
     """The format suffix of ``path`` ignoring a compression suffix (``a.jsonl.gz`` -> ``.jsonl``)."""
     suffixes = [s.lower() for s in path.suffixes]
     if suffixes and suffixes[-1] in COMPRESSIONS:
@@ -74,7 +74,7 @@ def source_files(src: Any, key: str) -> list[Path]:
             if src.format == "text":
                 candidates = walk_sorted(root, src.glob)
             else:
-                candidates = (f for f in walk_sorted(root, "**/*") if _kind(f) in RECORD_BUILDERS)
+                candidates = (f for f in walk_sorted(root, "**/*") if file_kind(f) in RECORD_BUILDERS)
         elif root.is_file():
             candidates = iter([root])
         else:
@@ -133,7 +133,7 @@ def _check_file(path: Path, builder: str, key: str) -> None:
                             "magic bytes PAR1); convert it, or give it the suffix of its real format")
 
 
-def _explain(err: BaseException) -> str:
+def explain_error(err: BaseException) -> str:
     """The innermost message of a ``datasets`` builder failure (which wraps the parser's)."""
     chain, seen = [], set()
     while err is not None and id(err) not in seen:
@@ -162,7 +162,7 @@ def load_records(src: Any, key: str):
         try:
             saved = datasets.load_from_disk(str(path))
         except Exception as err:  # noqa: BLE001 - any reader failure is a data error here
-            raise DataError(f"{key}.path: {path} could not be read as a save_to_disk folder: {_explain(err)}") from err
+            raise DataError(f"{key}.path: {path} could not be read as a save_to_disk folder: {explain_error(err)}") from err
         if isinstance(saved, datasets.DatasetDict):
             if src.split not in saved:
                 raise DataError(f"{key}.split={src.split!r} is not a split of {path} (splits: {sorted(saved)})")
@@ -171,7 +171,7 @@ def load_records(src: Any, key: str):
     if not path.exists() and not looks_like_local_path(str(src.path)):
         return _cap(load_hub(src, key), src)
     files = source_files(src, key)
-    kinds = sorted({_kind(f) for f in files})
+    kinds = sorted({file_kind(f) for f in files})
     builders = {RECORD_BUILDERS.get(k) for k in kinds}
     if len(builders) != 1 or None in builders:
         raise DataError(f"{key}.path: {path} mixes or holds unsupported file kinds {kinds}; give files of one "
@@ -184,7 +184,7 @@ def load_records(src: Any, key: str):
                                         cache_dir=str(DATASETS_CACHE))
     except Exception as err:  # noqa: BLE001
         raise DataError(f"{key}.path: {files[0] if len(files) == 1 else path} could not be read as {builder}: "
-                        f"{_explain(err)}") from err
+                        f"{explain_error(err)}") from err
     if len(records) == 0:
         raise DataError(f"{key}.path: {path} holds no records")
     return _cap(records, src)
@@ -232,7 +232,7 @@ def load_hub(src: Any, key: str):
     try:
         return datasets.load_dataset(str(src.path), **kwargs)
     except Exception as err:  # noqa: BLE001
-        raise DataError(f"{key}.path={src.path!r}: {call} failed: {_explain(err)}") from err
+        raise DataError(f"{key}.path={src.path!r}: {call} failed: {explain_error(err)}") from err
 
 
 def column(records: Any, src: Any, field: str, key: str, fmt: str, where: str) -> str:

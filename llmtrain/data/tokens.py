@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from llmtrain.errors import DataError
-from llmtrain.loss import IGNORE_INDEX
+from llmtrain.labels import IGNORE_INDEX
 
 MANIFEST = "manifest.json"
 TOKENS = "tokens.bin"

@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from llmtrain import distributed
+
 # Frozen parameters (LoRA's base, model.freeze) are not saved: they come from the model's source
 # again on resume (llmtrain.adapters), so a LoRA checkpoint is adapter-sized.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
@@ -69,7 +71,7 @@ def _background_group():
     global _checkpoint_group
     import torch.distributed as dist
 
-    if _checkpoint_group is None and dist.is_available() and dist.is_initialized():
+    if _checkpoint_group is None and distributed.is_initialized():
         _checkpoint_group = dist.new_group(backend="gloo")
     return _checkpoint_group
 
@@ -132,7 +134,7 @@ def load(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.O
     Raises:
         ResumeError: the checkpoint lacks tensors this model needs or their shapes differ.
     """
-    from llmtrain.checkpoint import ResumeError
+    from llmtrain.errors import ResumeError
 
     state, hyper = _state(parts, optimizers)
     try:

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 import llmtrain.distributed  # noqa: F401  (sets DS_ACCELERATOR=cpu without CUDA before deepspeed loads)
-from llmtrain.engine import (Engine, apply_schedule, clip_gradients, first_step_count, lr_lambda, model_inputs,
-                             param_groups)
+from llmtrain.engine.base import (Engine, apply_schedule, build_adamw, clip_gradients, first_step_count, lr_lambda,
+                                  model_inputs, param_groups)
 
 
 def communication_sizes(recipe: Any, hidden_size: int) -> dict[str, int]:
@@ -127,8 +127,8 @@ class DeepSpeedEngine(Engine):
     (by default) divides by the accumulation steps; backward passes ``scale_wrt_gas=False`` and
     scales by the world size so the accumulated gradient is that of the global-batch sum."""
 
-    def __init__(self, cfg: Any, env, accumulation_steps: int, dims=None):
-        super().__init__(cfg, env, accumulation_steps, dims)
+    def __init__(self, cfg: Any, env, accumulation_steps: int, dims=None, *, objective):
+        super().__init__(cfg, env, accumulation_steps, dims, objective=objective)
         self.ds_config = deepspeed_config(cfg, env.world_size, accumulation_steps)
         self._hf_ds_config = None
         from llmtrain.adapters import is_partial
@@ -163,7 +163,7 @@ class DeepSpeedEngine(Engine):
         groups = param_groups(model, t.weight_decay)
         optimizer = None
         if "optimizer" not in self.ds_config:
-            optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+            optimizer = build_adamw(groups, t)
         schedule = lr_lambda(t)
         fp32_initial = self._fp32_initial_values(model)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -252,11 +252,15 @@ class DeepSpeedEngine(Engine):
             # torch engine clips.
             params = [p for p in self.ds.module.parameters() if p.grad is not None]
             self._zero0_norm = clip_gradients(params, self.cfg.trainer.grad_clip)
-        # DeepSpeed counts micro-batches itself and applies the optimizer on the last one.
-        self.ds.step()
+        if not self.ds.is_gradient_accumulation_boundary():
+            # DeepSpeed counts micro-batches in its step(); before the boundary it only advances
+            # that count. The update itself is applied in step() below.
+            self.ds.step()
 
     def step(self, keep_update=None) -> float:
-        # keep_update is refused for DeepSpeed at validation: its update already happened in backward().
+        # keep_update is refused for DeepSpeed at validation: DeepSpeed's norm is only known
+        # inside the step that applies the update, too late to drop it.
+        self.ds.step()
         norm = self._zero0_norm if self.cfg.recipe.zero_stage == 0 else self.ds.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
@@ -301,7 +305,7 @@ class DeepSpeedEngine(Engine):
                 if isinstance(param_state.get("step"), torch.Tensor):
                     param_state["step"] = param_state["step"].clone()
         if path is None:
-            from llmtrain.checkpoint import ResumeError
+            from llmtrain.errors import ResumeError
 
             raise ResumeError(f"DeepSpeed could not load {source}")
         apply_schedule(self.scheduler.optimizer, self.scheduler)

@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmtrain.engine import (Engine, advance_schedule_only, apply_schedule, first_step_count, lr_lambda, model_inputs,
-                             param_groups)
 from llmtrain.engine import dcp_state
-from llmtrain.loss import token_cross_entropy_sum
+from llmtrain.engine.base import (Engine, advance_schedule_only, apply_schedule, autocast, build_adamw, build_scheduler,
+                                  first_step_count, model_inputs, param_groups)
 from llmtrain.models import initial_value
 
 
@@ -38,20 +37,22 @@ class NativeEngine(Engine):
     ranks, so non-pipeline losses are scaled by ``dp``; pipeline schedules run with
     ``scale_grads=False`` and the same scaling in their loss function."""
 
-    def __init__(self, cfg: Any, env, accumulation_steps: int, dims):
-        super().__init__(cfg, env, accumulation_steps, dims)
+    def __init__(self, cfg: Any, env, accumulation_steps: int, dims, *, objective):
+        super().__init__(cfg, env, accumulation_steps, dims, objective=objective)
         self.mesh = dims.build_mesh(env.device.type)
-        self.pp_rank = self.mesh.get_local_rank("pp")
+        self._pp_rank = self.mesh.get_local_rank("pp")
         self.tp_rank = self.mesh.get_local_rank("tp")
         self._dp_rank = (self.mesh.get_local_rank("dp_replicate") * dims.dp_shard
                          + self.mesh.get_local_rank("dp_shard"))
         self.from_config = cfg.model.source == "config"
-        t = cfg.trainer
-        self.autocast_dtype = torch.bfloat16 if t.precision == "bf16" else None
 
     @property
     def dp_rank(self) -> int:
         return self._dp_rank
+
+    @property
+    def pp_rank(self) -> int:
+        return self._pp_rank
 
     def model_init_context(self):
         if self.from_config:
@@ -89,10 +90,9 @@ class NativeEngine(Engine):
         self.optimizers, self.schedulers = [], []
         foreach = False if self.dims.tp > 1 else None  # TP mixes DTensor and plain params
         for part in self.parts:
-            opt = torch.optim.AdamW(param_groups(part, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                                    eps=t.eps, foreach=foreach)
+            opt = build_adamw(param_groups(part, t.weight_decay), t, foreach=foreach)
             self.optimizers.append(opt)
-            self.schedulers.append(torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t)))
+            self.schedulers.append(build_scheduler(opt, t))
         if self.dims.pp > 1:
             self._setup_pipeline()
         if self.dims.tp > 1:
@@ -101,13 +101,13 @@ class NativeEngine(Engine):
     def _check_tp_plan_runs(self) -> None:
         """One tiny forward before anything is written: an inconsistent plan (say, a column-
         parallel projection feeding an unsharded one) fails here as a ConfigError, not later."""
-        from llmtrain.config import ConfigError
+        from llmtrain.errors import ConfigError
 
         ids = torch.zeros(1, 4, dtype=torch.long, device=self.env.device)
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
         try:
             self.train(False)
-            self.eval_loss_sum(batch)
+            with torch.no_grad():
+                self._logits({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
         except RuntimeError as err:
             raise ConfigError(f"the tensor-parallel plan does not run on this model (check model.tp_plan): {err}") from err
         finally:
@@ -176,8 +176,16 @@ class NativeEngine(Engine):
                                                      self._pipeline_loss)
         return self._schedules[length]
 
-    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_cross_entropy_sum(logits, labels) / self._normaliser * self.dims.dp
+    def _pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one micro-batch on the last stage: the objective's summed loss
+        over the global normaliser, times ``dp`` as in :meth:`backward`; its sums are kept for the
+        step's result."""
+        from llmtrain.pipeline import unpack_targets
+
+        out = self.objective.loss_sums(logits, unpack_targets(target, self._target_layout))
+        loss = out.loss / self._normaliser * self.dims.dp
+        self._pipeline_sums.append((loss, self.objective.stacked(out)))
+        return loss
 
     @property
     def model(self) -> nn.Module:
@@ -188,8 +196,7 @@ class NativeEngine(Engine):
             part.train(mode)
 
     def _autocast(self):
-        return torch.autocast(self.env.device.type, dtype=self.autocast_dtype or torch.float32,
-                              enabled=self.autocast_dtype is not None)
+        return autocast(self.env.device, self.cfg.trainer.precision)
 
     # ---- one step -------------------------------------------------------------------------
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -206,14 +213,18 @@ class NativeEngine(Engine):
             model.set_requires_gradient_sync(is_last_micro_batch)
         return contextlib.nullcontext()
 
-    def forward_backward(self, batches: list[dict[str, torch.Tensor]], global_targets: float) -> torch.Tensor:
+    def accumulate_gradients(self, batches: list[dict[str, torch.Tensor]], normaliser: float) -> torch.Tensor:
         if self.dims.pp == 1:
-            return super().forward_backward(batches, global_targets)
-        input_ids, labels, positions = self._pipeline_batch(batches)
-        self._normaliser = global_targets
+            return super().accumulate_gradients(batches, normaliser)
+        from llmtrain.pipeline import pack_targets
+
+        input_ids, carried, positions = self._pipeline_batch(batches)
+        target, self._target_layout = pack_targets(carried)
+        self._normaliser = normaliser
+        self._pipeline_sums: list[tuple[torch.Tensor, torch.Tensor]] = []
         losses: list[torch.Tensor] = []
         with self._autocast():
-            kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+            kwargs = {"target": target, "losses": losses} if self.has_last else {}
             if positions is not None:  # split into micro-batches for every stage by the schedule
                 kwargs["position_ids"] = positions
             # return_outputs=False: the loss function sees each micro-batch's logits; keeping
@@ -221,52 +232,66 @@ class NativeEngine(Engine):
             # on the last stage (1 TB for Llama-3-8B at 512 micro-batches of 4096 tokens).
             self._schedule_for(input_ids.shape[1]).step(*([input_ids] if self.has_first else []), return_outputs=False,
                                                         **kwargs)
-        total = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        if self.has_last:
-            # losses hold CE / normaliser * dp per micro-batch; undo to the plain summed CE.
-            total += sum(loss.detach().double() for loss in losses) * global_targets / self.dims.dp
-        dist.broadcast(total, src=self._last_stage_rank, group=self.pp_group)
-        return total
+        sums = torch.zeros(1 + len(self.objective.metric_names), dtype=torch.float64, device=self.env.device)
+        # The schedule's own losses are its micro-batches; a schedule's first step also calls the
+        # loss function once to infer gradient shapes, which must not count.
+        counted = {id(loss) for loss in losses}
+        for loss, stacked in self._pipeline_sums:
+            if id(loss) in counted:
+                sums += stacked
+        self._pipeline_sums = []
+        dist.broadcast(sums, src=self._last_stage_rank, group=self.pp_group)
+        return sums
 
     def _pipeline_batch(self, batches: list[dict[str, torch.Tensor]]
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
         """Concatenate micro-batches, right-padded to one length: the step's longest micro-batch
         rounded up to a multiple of ``recipe.pp_pad_multiple`` (at most ``data.seq_len``), so short
         variable-length steps do not compute a full ``seq_len`` of padding while the number of
         distinct shapes (one pipeline schedule each) stays small. Every rank of a pipeline
         holds the same samples, so the stages agree on the length without communicating.
-        Returns ``input_ids``, ``labels`` and, for packed rows, ``position_ids`` (padding
-        continues as one more sequence), each ``[micro_batches * micro_batch, length]``."""
+        Returns ``input_ids``, the objective's ``carries`` tensors (padded with their pad values,
+        which carry no loss) and, for packed rows, ``position_ids`` (padding continues as one more
+        sequence), each ``[micro_batches * micro_batch, length]``."""
         longest = max(b["input_ids"].shape[1] for b in batches)
         multiple = self.cfg.recipe.pp_pad_multiple
         seq = min(self.cfg.data.seq_len, -(-longest // multiple) * multiple)
-        ids, labels, positions = [], [], []
+        pads = self.objective.carries
+        ids, carried, positions = [], {key: [] for key in pads}, []
         for b in batches:
             extra = seq - b["input_ids"].shape[1]
             # Any token id will do: padded positions come after every real token (causal
             # attention never looks at them) and their label is ignored.
             ids.append(torch.nn.functional.pad(b["input_ids"], (0, extra), value=0))
-            labels.append(torch.nn.functional.pad(b["labels"], (0, extra), value=-100))
+            for key, pad in pads.items():
+                carried[key].append(torch.nn.functional.pad(b[key], (0, extra), value=pad))
             if "position_ids" in b:
                 tail = torch.arange(extra, device=b["position_ids"].device).expand(len(b["position_ids"]), -1)
                 positions.append(torch.cat([b["position_ids"], tail], dim=1))
-        return torch.cat(ids), torch.cat(labels), torch.cat(positions) if positions else None
+        return (torch.cat(ids), {key: torch.cat(parts) for key, parts in carried.items()},
+                torch.cat(positions) if positions else None)
+
+    def _logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Logits of one batch under the run's autocast; with pipeline stages, by blocking
+        send/recv through every stage (any batch shape) and only on the last stage's rank."""
+        with self._autocast():
+            if self.dims.pp == 1:
+                return self.forward(batch)
+            from llmtrain.pipeline import forward_only
+
+            return forward_only(dict(zip(self.stage_ids, self.parts)), self.num_stages, self.pp_group,
+                                batch["input_ids"], self.hf_config.hidden_size, batch.get("position_ids"))
 
     @torch.no_grad()
-    def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def eval_sums(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self._logits(batch)
         if self.dims.pp == 1:
-            with self._autocast():
-                return super().eval_loss_sum(batch)
-        from llmtrain.pipeline import forward_only
-
-        total = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        with self._autocast():
-            logits = forward_only(dict(zip(self.stage_ids, self.parts)), self.num_stages, self.pp_group,
-                                  batch["input_ids"], self.hf_config.hidden_size, batch.get("position_ids"))
+            return self.objective.stacked(self.objective.loss_sums(logits, batch))
+        sums = torch.zeros(1 + len(self.objective.metric_names), dtype=torch.float64, device=self.env.device)
         if logits is not None:
-            total += token_cross_entropy_sum(logits, batch["labels"]).double()
-        dist.broadcast(total, src=self._last_stage_rank, group=self.pp_group)
-        return total
+            sums += self.objective.stacked(self.objective.loss_sums(logits, batch))
+        dist.broadcast(sums, src=self._last_stage_rank, group=self.pp_group)
+        return sums
 
     def step(self, keep_update=None) -> float:
         if self.tied_sync is not None:

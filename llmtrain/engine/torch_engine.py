@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from llmtrain.engine import (Engine, advance_schedule_only, apply_schedule, clip_gradients, dcp_state, lr_lambda,
-                             model_inputs, param_groups)
+from llmtrain.engine import dcp_state
+from llmtrain.engine.base import (Engine, advance_schedule_only, apply_schedule, autocast, build_adamw, build_scheduler,
+                                  clip_gradients, model_inputs, param_groups)
 
 LEGACY_STATE = "state.pt"  # torch-engine checkpoints before DCP: {"model", "optimizer", "scheduler"}
 
@@ -29,10 +30,8 @@ class TorchEngine(Engine):
             # Gradients are views into DDP's all-reduce buckets: no second copy of every gradient
             # (4Ψ bytes in fp32) and no copy between them after each backward.
             self.wrapped = DistributedDataParallel(self._model, device_ids=device_ids, gradient_as_bucket_view=True)
-        self.optimizer = torch.optim.AdamW(param_groups(self._model, t.weight_decay), lr=t.lr,
-                                           betas=(t.beta1, t.beta2), eps=t.eps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(t))
-        self.autocast_dtype = torch.bfloat16 if t.precision == "bf16" else None
+        self.optimizer = build_adamw(param_groups(self._model, t.weight_decay), t)
+        self.scheduler = build_scheduler(self.optimizer, t)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -44,8 +43,7 @@ class TorchEngine(Engine):
         return contextlib.nullcontext()
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with torch.autocast(self.env.device.type, dtype=self.autocast_dtype or torch.float32,
-                            enabled=self.autocast_dtype is not None):
+        with autocast(self.env.device, self.cfg.trainer.precision):
             return self.wrapped(**model_inputs(batch)).logits
 
     def backward(self, loss: torch.Tensor) -> None:

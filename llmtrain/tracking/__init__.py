@@ -10,11 +10,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from llmtrain.config import TRACKER_BACKENDS as BACKENDS  # noqa: F401  (public; validate() checks the names)
 from llmtrain.tracking.wandb_backend import resolve_wandb_mode, wandb_api_key_configured  # noqa: F401  (public)
 
 log = logging.getLogger("llmtrain")
-
-BACKENDS = ("wandb", "tensorboard", "mlflow")
 
 
 class Tracker:
@@ -24,8 +23,9 @@ class Tracker:
 
     def __init__(self, tracker_cfg: Any, run_dir: Path, run_name: str, config: dict, is_main: bool,
                  resume_step: int | None = None, run_id: str | None = None, config_yaml: str = "",
-                 mlflow_run_id: str | None = None):
-        """Open the backends. ``resume_step``: the step a resumed run continues after (None for a
+                 mlflow_run_id: str | None = None, log_every: int = 1):
+        """Open the backends. ``log_every``: the step cadence of :meth:`should_log`
+        (``trainer.log_every``; 0 = only records the loop must log anyway). ``resume_step``: the step a resumed run continues after (None for a
         fresh start); ``run_id`` / ``mlflow_run_id``: the wandb / MLflow run ids stored in that
         checkpoint. Each backend keeps exactly one value per step across resumes (see each
         module).
@@ -36,7 +36,7 @@ class Tracker:
         """
         from llmtrain.tracking.jsonl import JsonlBackend
 
-        self.is_main = is_main
+        self.is_main, self.log_every = is_main, log_every
         self.run_id, self.mlflow_run_id = run_id, mlflow_run_id
         self._backends: list[Any] = []
         self.redone_records: list[dict] = []
@@ -71,6 +71,10 @@ class Tracker:
             else:
                 self.mlflow_run_id = mlflow_backend.run_id
                 self._backends.append(mlflow_backend)
+
+    def should_log(self, step: int) -> bool:
+        """Whether step ``step`` (1-based) is on the logging cadence."""
+        return bool(self.log_every and step % self.log_every == 0)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._each("log", metrics, step)

@@ -1,11 +1,14 @@
-"""The token loss shared by every engine and schedule (pipeline last stages included)."""
+"""Next-token prediction (causal language modelling): the default objective, for pre-training
+and supervised fine-tuning alike (prompt tokens carry label -100 and no loss)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100  # label of tokens that carry no loss (prompt, padding), as in PyTorch/HF
+from llmtrain.objectives.base import LossSums, Objective
+
+from llmtrain.labels import IGNORE_INDEX
 
 
 def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -24,3 +27,16 @@ def target_tokens(labels: torch.Tensor) -> torch.Tensor:
 def count_target_tokens(labels: torch.Tensor) -> int:
     """:func:`target_tokens` as a Python int."""
     return int(target_tokens(labels))
+
+
+class CausalLM(Objective):
+    """Mean next-token cross-entropy over the global batch's target tokens: each micro-batch gives
+    ``sum(CE)``, the normaliser counts target tokens (``labels != -100`` after the shift)."""
+
+    carries = {"labels": IGNORE_INDEX}
+
+    def normaliser(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return target_tokens(batch["labels"])
+
+    def loss_sums(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossSums:
+        return LossSums(token_cross_entropy_sum(output, batch["labels"]))

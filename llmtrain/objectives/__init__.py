@@ -1,0 +1,52 @@
+"""Training objectives: what a micro-batch carries to the loss, what the model must return, and
+the loss the optimizer minimises.
+
+An :class:`Objective` is the one place a loss is defined. Engines and pipeline schedules call it
+on the model's output and never import a loss, so a new objective (preference losses, a memory-
+lean chunked loss, a test's token-weighted loss) is a new module here, picked by the Hydra group
+``objective=NAME`` or by ``objective.target=module:Class``; no engine changes.
+
+Normalisation contract (unchanged from next-token training): each micro-batch's summed loss is
+divided by the normaliser of the whole global batch (:meth:`Objective.normaliser` summed over
+every micro-batch on every data-parallel rank), so gradient accumulation and data parallelism
+give exactly the gradient of one big batch, whatever the split.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from llmtrain.errors import ConfigError
+from llmtrain.objectives.base import LossSums, Objective
+from llmtrain.objectives.causal_lm import CausalLM
+
+__all__ = ["BUILT_IN", "CausalLM", "LossSums", "Objective", "build_objective"]
+
+BUILT_IN: dict[str, type[Objective]] = {"causal_lm": CausalLM}
+
+
+def build_objective(objective_cfg: Any) -> Objective:
+    """The objective ``objective_cfg`` names: ``objective.target`` (``"module:Class"``, a subclass
+    of :class:`Objective` built with the config section) when set, else the built-in
+    ``objective.name``.
+
+    Raises:
+        ConfigError: the name is unknown, or the target cannot be imported or is no Objective.
+    """
+    name = objective_cfg.get("name", "causal_lm") if objective_cfg is not None else "causal_lm"
+    target = objective_cfg.get("target") if objective_cfg is not None else None
+    if not target:
+        if name not in BUILT_IN:
+            raise ConfigError(f"objective.name={name!r} is not a built-in objective (choose one of "
+                              f"{', '.join(sorted(BUILT_IN))}, or set objective.target=module:Class)")
+        return BUILT_IN[name](objective_cfg)
+    module_name, _, class_name = str(target).partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"objective.target={target!r} cannot be loaded ({err}); give it as "
+                          "importable.module:ClassName") from None
+    if not (isinstance(cls, type) and issubclass(cls, Objective)):
+        raise ConfigError(f"objective.target={target!r} is not a subclass of llmtrain.objectives.Objective")
+    return cls(objective_cfg)

@@ -1,0 +1,83 @@
+"""The objective interface every engine and pipeline schedule calls (see the package docstring)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
+
+import torch
+
+
+@dataclass
+class LossSums:
+    """One micro-batch's loss, summed (not averaged) over its loss units.
+
+    Attributes:
+        loss: fp32 0-dim tensor with a graph: the summed loss (e.g. token cross-entropy summed
+            over target tokens). Engines divide it by the global batch's normaliser.
+        metrics: 0-dim tensors, summed over the same units, keyed by the objective's
+            ``metric_names``; logged as ``train/NAME`` (``val/NAME`` in evaluation) after the
+            same world sum and division by the normaliser as the loss.
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Objective(ABC):
+    """A training objective.
+
+    Class attributes:
+        carries: batch keys the loss reads besides the model output, each ``[micro_batch, seq]``,
+            with the value that pads them (the pipeline engine right-pads a step's micro-batches to
+            one length and hands these keys to its last stage).
+        model_output: what the loss needs from the model: ``"logits"`` (``[B, T, V]``). A loss
+            that reads the last hidden states and the output head (to avoid the full logits) will
+            declare ``"hidden"``; no engine provides it yet, and :func:`check_supported` says so.
+        metric_names: names of :attr:`LossSums.metrics`, in the order engines stack them.
+    """
+
+    carries: ClassVar[Mapping[str, float]] = {"labels": -100}
+    model_output: ClassVar[str] = "logits"
+    metric_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, cfg: Any = None):
+        self.cfg = cfg
+
+    @property
+    def name(self) -> str:
+        return (self.cfg.get("name") if self.cfg is not None else None) or type(self).__name__
+
+    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Add what the loss needs to a host micro-batch from the data loader (before it moves to
+        the device); the default adds nothing."""
+        return batch
+
+    @abstractmethod
+    def normaliser(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """0-dim tensor on the batch's device: this micro-batch's share of the normaliser (target
+        tokens for next-token losses; pairs for preference losses). No host sync."""
+
+    @abstractmethod
+    def loss_sums(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossSums:
+        """The summed loss and metrics of one micro-batch from the model ``output`` (see
+        :attr:`model_output`) and the batch's :attr:`carries` tensors."""
+
+    def stacked(self, sums: LossSums) -> torch.Tensor:
+        """float64 vector ``[1 + len(metric_names)]``: loss then metrics, detached (what engines
+        accumulate over micro-batches and the trainer all-reduces)."""
+        values = [sums.loss.detach()] + [sums.metrics[name].detach() for name in self.metric_names]
+        return torch.stack([v.reshape(()).to(torch.float64) for v in values])
+
+    def check_supported(self, engine_name: str) -> None:
+        """Refuse an objective whose :attr:`model_output` no engine provides yet.
+
+        Raises:
+            ConfigError: naming the objective and what it needs.
+        """
+        if self.model_output != "logits":
+            from llmtrain.errors import ConfigError
+
+            raise ConfigError(f"objective {self.name!r} needs model_output={self.model_output!r}, which the "
+                              f"{engine_name} engine does not provide (only logits)")

@@ -1,0 +1,89 @@
+"""Checks of a valid config against the machine it is about to run on.
+
+:func:`llmtrain.config.validate` checks the config itself and is pure; what depends on this
+machine lives here: the packages a tracker backend needs, an MLflow server's reachability, a
+configured wandb API key, a Jinja ``data.template`` file, and ``run_dir`` not being a file. A run
+calls :func:`preflight` right after ``validate``, before anything is built or written; the planner
+does not (it lays out runs for other machines).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from llmtrain.config import validate
+from llmtrain.errors import ConfigError
+from llmtrain.layout import Layout
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def preflight_data(d: Any) -> None:
+    """The ``data`` node's files that must exist before the data is read: a Jinja
+    ``data.template`` (``*.jinja``, ``*.j2``).
+
+    Raises:
+        ConfigError: ``data.template=PATH: no such file``.
+    """
+    template = str(d.template)
+    if template.endswith((".jinja", ".j2")):
+        _require(Path(template).expanduser().is_file(), f"data.template={template}: no such file")
+
+
+def preflight_tracker(tr: Any) -> None:
+    """Whether the ``tracker`` backends can start here: the ``tensorboard`` / ``mlflow`` package
+    installed, the MLflow server at ``tracker.mlflow_uri`` reachable (with ``on_error=raise``),
+    and a wandb API key configured for ``wandb_mode=online``.
+
+    Raises:
+        ConfigError: naming the field and the fix (install, start the server, log in, or the
+            setting that trains without the backend).
+    """
+    import importlib.util
+
+    for backend in ("tensorboard", "mlflow"):  # the package of each is its name
+        _require(backend not in tr.backends or importlib.util.find_spec(backend) is not None,
+                 f"tracker.backends has {backend} but the {backend} package is not installed: pip install {backend} "
+                 f"(or llmtrain[tracking]), or drop it from tracker.backends")
+    if "mlflow" in tr.backends and tr.on_error == "raise" and tr.mlflow_uri:
+        from llmtrain.tracking.mlflow_backend import check_reachable
+
+        problem = check_reachable(tr.mlflow_uri)
+        _require(problem is None, f"tracker.mlflow_uri={tr.mlflow_uri} is unreachable ({problem}): start the "
+                                  "server or fix the URI, or set tracker.on_error=warn to train without MLflow")
+    if tr.wandb_mode == "online":
+        from llmtrain.tracking import wandb_api_key_configured
+
+        _require(wandb_api_key_configured(), "tracker.wandb_mode=online but no wandb API key is configured: set "
+                 "WANDB_API_KEY (or run `wandb login`), or use tracker.wandb_mode=offline")
+
+
+def preflight(cfg: Any) -> None:
+    """Every machine check of ``cfg`` (a config :func:`llmtrain.config.validate` accepted):
+    :func:`preflight_data`, :func:`preflight_tracker`, and ``run_dir`` not an existing file.
+
+    Raises:
+        ConfigError: naming the field, what this machine lacks and the fix.
+    """
+    preflight_data(cfg.data)
+    preflight_tracker(cfg.tracker)
+    _require(not Path(str(cfg.run_dir)).is_file(), f"run_dir={cfg.run_dir} is a file; point run_dir at a folder")
+
+
+def validate_and_preflight(cfg: Any, world_size: int) -> Layout:
+    """:func:`llmtrain.config.validate` then :func:`preflight`: everything a launch of ``cfg``
+    on ``world_size`` ranks checks before it builds or writes anything.
+
+    Returns:
+        The run's :class:`~llmtrain.layout.Layout` (what ``validate`` returns).
+
+    Raises:
+        ConfigError: from either, naming the fields and the fix.
+    """
+    result = validate(cfg, world_size)
+    preflight(cfg)
+    return result

@@ -1,0 +1,58 @@
+"""The Trainer's small parts on their own: the step's named scalars survive their all-reduce
+layout, and each component's cadence is the documented one."""
+
+from __future__ import annotations
+
+import torch
+
+from llmtrain.trainer import Checkpointer, Evaluator, StepResult, StepScalars
+
+
+def test_step_scalars_round_trip_by_name():
+    scalars = StepScalars(sample_digest=123456789.0, preempt_requested=1.0, save_due=0.0, background_written=2.0,
+                          memory_bytes=[10.0, 0.0, 30.0])
+    values = scalars.values()
+    assert values == [123456789.0, 1.0, 0.0, 2.0, 10.0, 0.0, 30.0]
+    assert StepScalars.from_values(values) == scalars
+    # Two ranks' vectors summed, as the all-reduce sums them: each field is the world sum.
+    other = StepScalars(1.0, 0.0, 1.0, 1.0, [0.0, 5.0, 0.0])
+    summed = (torch.tensor(values, dtype=torch.float64) + torch.tensor(other.values(), dtype=torch.float64)).tolist()
+    assert StepScalars.from_values(summed) == StepScalars(123456790.0, 1.0, 1.0, 3.0, [10.0, 5.0, 30.0])
+
+
+def _result(step: int, stop: bool = False, save_by_time: bool = False) -> StepResult:
+    return StepResult(step, 1.0, 1e-3, 1.0, 64, 0.1, {}, StepScalars(), stop, save_by_time, None)
+
+
+def test_evaluator_runs_every_n_steps_and_at_the_end():
+    evaluator = Evaluator(None, [], torch.device("cpu"), every=4, max_steps=10)
+    assert [s for s in range(1, 11) if evaluator.should_run(s)] == [4, 8, 10]
+    never = Evaluator(None, [], torch.device("cpu"), every=0, max_steps=10)
+    assert [s for s in range(1, 11) if never.should_run(s)] == [10]
+
+
+def test_checkpointer_saves_on_cadence_preemption_time_and_the_last_step():
+    from conftest import make_cfg
+
+    cfg = make_cfg(["trainer.save_every=3", "trainer.max_steps=8"])
+    saver = Checkpointer(None, None, None, None, cfg, "", 1)
+    assert [s for s in range(1, 9) if saver.should_save(s, _result(s))] == [3, 6, 8]
+    assert saver.should_save(1, _result(1, stop=True)) and saver.should_save(2, _result(2, save_by_time=True))
+    assert not saver.should_save(4, _result(4))
+
+
+def test_step_result_health():
+    assert _result(1).healthy
+    assert not StepResult(1, float("nan"), 0, 1.0, 1, 1, {}, StepScalars(), False, False, None).healthy
+    assert not StepResult(1, 1.0, 0, float("inf"), 1, 1, {}, StepScalars(), False, False, None).healthy
+    assert not StepResult(1, 1.0, 0, 1.0, 1, 1, {}, StepScalars(), False, False, "spike").healthy
+
+
+def test_tracker_logs_on_its_cadence(tmp_path):
+    from conftest import make_cfg
+    from llmtrain.tracking import Tracker
+
+    tracker = Tracker(make_cfg(["tracker=none"]).tracker, tmp_path, "x", {}, is_main=False, log_every=3)
+    assert [s for s in range(1, 10) if tracker.should_log(s)] == [3, 6, 9]
+    quiet = Tracker(make_cfg(["tracker=none"]).tracker, tmp_path, "x", {}, is_main=False, log_every=0)
+    assert not any(quiet.should_log(s) for s in range(1, 10))
