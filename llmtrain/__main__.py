@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -76,6 +77,26 @@ def _layout(cfg: DictConfig) -> DictConfig:
     return chosen
 
 
+def _in_sweep() -> bool:
+    """Whether this job is one of a Hydra sweep (``-m``) in this process."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+_shutdown_registered = False
+
+
+def _shutdown_at_exit() -> None:
+    global _shutdown_registered
+    if not _shutdown_registered:
+        from llmtrain.distributed import shutdown
+
+        atexit.register(shutdown)
+        _shutdown_registered = True
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     from llmtrain.distributed import shutdown
@@ -90,6 +111,14 @@ def main(cfg: DictConfig) -> None:
                 print(dry_run(cfg, _world_size(cfg)))
             return
         train(cfg)
+        if _in_sweep():
+            # Every job of a sweep (-m) trains on this launch's one process group: DeepSpeed
+            # keeps module-level handles to the groups it first saw (deepspeed.comm,
+            # deepspeed.utils.groups), so a group destroyed after job 0 and made anew for job 1
+            # is "not registered" or hangs its first collective. The group goes once, after
+            # the last job and still before interpreter exit.
+            _shutdown_at_exit()
+            return
     except TrainingStopped as err:  # an LlmtrainError too: caught first, for its own status
         shutdown()
         print(f"llmtrain: stopped: {err}", file=sys.stderr, flush=True)

@@ -132,6 +132,32 @@ def test_multirun_sweep_gives_each_job_its_own_dir(tmp_path):
     assert [len(read_metrics(tmp_path / str(i))) for i in (0, 1)] == [2, 3]
 
 
+def test_a_deepspeed_sweep_under_torchrun_runs_every_job(tmp_path):
+    """Issue 27: from its second job a ZeRO sweep failed on DeepSpeed's cached process groups
+    (or, without evaluation, hung). One launch, eight jobs: zero2 and zero3, with and without
+    evaluation, two learning rates; each job is a complete run with its own swept values."""
+    import yaml
+
+    proc = run_cli(["-m", "+recipe=zero2,zero3", "trainer.eval_every=0,1", "trainer.lr=1e-3,5e-4",
+                    "trainer.max_steps=2", "trainer.warmup_steps=1", "trainer.export_hf=false",
+                    "tracker.report=false", "tracker=none", "trainer.progress_bar=false", "data.max_bytes=100000",
+                    "data.seq_len=64", "trainer.eval_samples=8", f"hydra.sweep.dir={tmp_path}"],
+                   nproc=2, timeout=480)  # a hang becomes a failure
+    assert_ok(proc)
+    seen = set()
+    for job in range(8):
+        run = tmp_path / str(job)
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        key = (cfg["recipe"]["zero_stage"], cfg["trainer"]["eval_every"], cfg["trainer"]["lr"])
+        seen.add(key)
+        assert (run / "checkpoints" / "step_2").is_dir(), job
+        records = {r["step"]: r for r in read_metrics(run)}
+        assert sorted(s for s, r in records.items() if "train/loss" in r) == [1, 2], job
+        assert records[1]["train/lr"] == pytest.approx(cfg["trainer"]["lr"], rel=1e-12), job  # warmup of 1 step
+        assert ("val/loss" in records[1]) == (cfg["trainer"]["eval_every"] == 1), job
+    assert seen == {(stage, every, lr) for stage in (2, 3) for every in (0, 1) for lr in (1e-3, 5e-4)}
+
+
 def _assert_failed_cleanly(proc, run_dir: Path, *needles: str) -> None:
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
