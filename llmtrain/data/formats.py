@@ -5,12 +5,13 @@ A sample is ``{"input_ids": list[int], "labels": list[int]}`` (same length, at m
 labels are -100 where no loss is taken. Chat conversations are rendered with the tokenizer's
 chat template and tokenized exactly as ``tokenizer.apply_chat_template(messages, tokenize=True)``
 does, so the token ids equal the tokenizer's own rendering; the loss is on every assistant turn up
-to and including its end-of-turn token.
+to and including its end-of-turn token, and on nothing else (see :class:`ChatEncoder`).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,12 @@ def render(tokenizer: Any, messages: list[dict], generation_prompt: bool, where:
     Raises:
         DataError: the template raised (names ``where`` and the template's message).
     """
+    return _apply_template(tokenizer, messages, where, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _apply_template(tokenizer: Any, messages: list[dict], where: str, **kwargs: Any) -> Any:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(messages, **kwargs)
     except Exception as err:  # noqa: BLE001 - jinja2's TemplateError and whatever a template raises
         if type(err).__module__.split(".")[0] != "jinja2" and not isinstance(err, (TypeError, ValueError)):
             raise
@@ -118,40 +123,80 @@ def end_token_ids(data_cfg: Any, tokenizer: Any) -> list[int]:
     return ends
 
 
-class ChatEncoder:
-    """Tokenizes conversations with the chat template and labels every assistant turn.
+# ``{% generation %}`` (with any whitespace control): transformers' mark of assistant text.
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Stands in for an opening assistant turn's content, to find where the template puts it.
+CONTENT_PROBE = "LLMTRAIN-CONTENT-PROBE-8c1f"
 
-    Each assistant turn's characters run from the end of the rendered prefix with a generation
-    prompt to the end of the template's end-of-turn token; tokens starting inside those spans are
-    trained. The template must render a conversation's prefix as a prefix of the whole
-    conversation (true of ChatML, Llama, Mistral and most templates).
+
+def has_generation_markers(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template marks assistant text with ``{% generation %}`` ...
+    ``{% endgeneration %}``, the markers that transformers'
+    ``apply_chat_template(..., return_assistant_tokens_mask=True)`` turns into a token mask (for
+    a template without them that mask is all zeros)."""
+    chat_template = getattr(tokenizer, "chat_template", None)
+    if isinstance(chat_template, dict):  # named templates: a conversation without tools uses "default"
+        chat_template = chat_template.get("default")
+    return isinstance(chat_template, str) and GENERATION_MARKER.search(chat_template) is not None
+
+
+def template_name(data_cfg: Any, tokenizer: Any) -> str:
+    """How messages name the chat template in use: ``data.template=VALUE`` when that setting
+    installed it (a named template or a Jinja file), else the tokenizer's own template."""
+    setting = str(data_cfg.template)
+    if setting in NAMED_TEMPLATES or setting.endswith((".jinja", ".j2")):
+        return f"data.template={setting}"
+    return f"{_own_template(tokenizer)} (data.template={setting})"
+
+
+def _own_template(tokenizer: Any) -> str:
+    return f"the chat template of tokenizer {getattr(tokenizer, 'name_or_path', '') or '(unnamed)'}"
+
+
+class ChatEncoder:
+    """Tokenizes conversations with the chat template and labels every assistant turn: an
+    assistant turn's text and the end-of-turn token closing it are trained, nothing else, whatever
+    role opens the conversation.
+
+    The token ids are ``apply_chat_template(messages, tokenize=True)``'s. Which are trained:
+
+    * a template with ``{% generation %}`` markers: the template's own assistant mask
+      (transformers' ``apply_chat_template(..., return_assistant_tokens_mask=True)``), plus the
+      end-of-turn token right after a marked run when the markers leave it out;
+    * otherwise prefix differences. Assistant turn j starts where the rendering of turns 0..j-1
+      with a generation prompt ends; an opening turn (j = 0) has no such prefix (rendering none
+      gives ``""``, which would put a template's injected system prompt and the turn's header in
+      the span: the kind of bug TRL PR #3224 fixed), so it starts where the template puts its content: the
+      text before a probe string rendered in its place. The turn ends with the last end-of-turn
+      token of the rendering of turns 0..j (or where that rendering ends, for a template closing
+      turns with ordinary text). Tokens starting inside a turn's span are trained. Both renderings
+      must agree with the whole conversation's rendering up to there; a template that renders a
+      turn differently inside the conversation than as its last message (Qwen3 drops
+      ``<think>...</think>`` from turns before the last user message; TRL issue #4147, PR #4201)
+      has no such spans, and is refused unless it has generation markers.
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, template: str = ""):
+        """``template``: how error messages name the chat template (see :func:`template_name`);
+        default: the tokenizer's. Raises DataError as :func:`end_of_turn` does."""
         self.tokenizer = tokenizer
+        self.template = template or _own_template(tokenizer)
         self.eot_text, self.eot_id = end_of_turn(tokenizer)
-
-    def _render(self, messages: list[dict], generation_prompt: bool, where: str = "") -> str:
-        if not messages:
-            return ""
-        return render(self.tokenizer, messages, generation_prompt, where)
+        self.marked = has_generation_markers(tokenizer)
 
     def __call__(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
-        """Token ids and labels of one conversation (``[{"role", "content"}]``)."""
-        full = self._render(messages, False, where)
-        spans = []
-        for j, turn in enumerate(messages):
-            if turn["role"] != "assistant":
-                continue
-            prefix = self._render(messages[:j], True, where)
-            if not full.startswith(prefix):
-                raise DataError(f"{where}: the chat template renders turn {j}'s context differently inside the whole "
-                                "conversation, so assistant turns cannot be located; use another data.template")
-            end = len(self._render(messages[:j + 1], False, where))
-            if self.eot_text is not None:
-                close = full.rfind(self.eot_text, len(prefix), end)
-                end = close + len(self.eot_text) if close >= 0 else end
-            spans.append((len(prefix), end))
+        """Token ids and labels of one conversation (``[{"role", "content"}]``): two lists of the
+        same length, labels -100 outside assistant turns.
+
+        Raises:
+            DataError: the template failed, or it has no generation markers and renders an
+                assistant turn or its context differently inside the whole conversation (names
+                ``where``, the template and the fix).
+        """
+        if self.marked:
+            return self._template_mask(messages, where)
+        full = render(self.tokenizer, messages, False, where)
+        spans = [self._span(messages, j, full, where) for j, turn in enumerate(messages) if turn["role"] == "assistant"]
         enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
         labels, k = [], 0
         for token, (start, _) in zip(enc["input_ids"], enc["offset_mapping"]):
@@ -159,6 +204,45 @@ class ChatEncoder:
                 k += 1
             labels.append(token if k < len(spans) and spans[k][0] <= start < spans[k][1] else IGNORE_INDEX)
         return list(enc["input_ids"]), labels
+
+    def _span(self, messages: list[dict], j: int, full: str, where: str) -> tuple[int, int]:
+        """Characters of ``full`` that assistant turn ``j`` writes (see the class docstring)."""
+        if j == 0:
+            probe = render(self.tokenizer, [{**messages[0], "content": CONTENT_PROBE}, *messages[1:]], False, where)
+            if CONTENT_PROBE not in probe:
+                raise self._refuse(where, f"does not render assistant turn {j}'s content as given")
+            prefix = probe[:probe.index(CONTENT_PROBE)]
+        else:
+            prefix = render(self.tokenizer, messages[:j], True, where)
+        if not full.startswith(prefix):
+            raise self._refuse(where, f"renders the turns before assistant turn {j} differently inside the whole "
+                               "conversation")
+        turn = render(self.tokenizer, messages[:j + 1], False, where)
+        end = len(turn)
+        if self.eot_text is not None:
+            close = turn.rfind(self.eot_text, len(prefix), end)
+            end = close + len(self.eot_text) if close >= 0 else end
+        if end < len(prefix) or full[:end] != turn[:end]:
+            raise self._refuse(where, f"renders assistant turn {j} differently inside the whole conversation than as "
+                               "its last message")
+        return len(prefix), end
+
+    def _refuse(self, where: str, how: str) -> DataError:
+        return DataError(
+            f"{where}: {self.template} {how} (it re-renders earlier turns, as Qwen3's template drops <think> blocks "
+            "from turns before the last user message), so the turn's tokens cannot be located, and the template has "
+            "no {% generation %} markers. Set data.template to a .jinja copy of the template with "
+            "{% generation %}...{% endgeneration %} around what the assistant writes (transformers' "
+            "return_assistant_tokens_mask reads them), or to a template that renders each turn the same wherever "
+            "it stands")
+
+    def _template_mask(self, messages: list[dict], where: str) -> tuple[list[int], list[int]]:
+        enc = _apply_template(self.tokenizer, messages, where, tokenize=True, return_dict=True,
+                              return_assistant_tokens_mask=True)
+        ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+        labels = [token if m or (token == self.eot_id and t > 0 and mask[t - 1]) else IGNORE_INDEX
+                  for t, (token, m) in enumerate(zip(ids, mask))]
+        return ids, labels
 
 
 def conversation(record: dict, field: str, layout: str, where: str) -> list[dict]:
@@ -227,7 +311,7 @@ def encoder(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, whe
     if fmt == "chat":
         field, layout = chat_field(records, src, key, where)
         uses_chat_template(data_cfg, "chat", tokenizer)
-        chat = ChatEncoder(tokenizer)
+        chat = ChatEncoder(tokenizer, template_name(data_cfg, tokenizer))
 
         def encode_chat(rec: dict, i: int):
             turns = conversation(rec, field, layout, f"{where} record {i}")
@@ -243,7 +327,7 @@ def encoder(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, whe
         input_col = (column(records, src, "input", key, "instruction", where)
                      if "input" in mapped_columns(src.columns) else "input")
         use_chat = uses_chat_template(data_cfg, fmt, tokenizer)
-        chat = ChatEncoder(tokenizer) if use_chat else None
+        chat = ChatEncoder(tokenizer, template_name(data_cfg, tokenizer)) if use_chat else None
 
         def encode_instruction_record(rec: dict, i: int):
             at = f"{where} record {i}"
