@@ -12,7 +12,7 @@ import llmtrain.distributed  # noqa: F401  (before anything imports deepspeed: p
 import hydra
 from omegaconf import DictConfig
 
-from llmtrain.config import register_configs
+from llmtrain.config import keep_typed_strings, register_configs
 from llmtrain.errors import ConfigError, LlmtrainError, TrainingStopped
 from llmtrain.paths import CONF_DIR
 
@@ -46,6 +46,8 @@ def check_recipe_selection(args: list[str]) -> None:
 try:
     register_configs()  # before @hydra.main composes: the recipes are options of the group
     check_recipe_selection(sys.argv[1:])
+    # Hydra reads sys.argv when main() runs: string fields keep what was typed (name=1_1_1).
+    sys.argv[1:] = keep_typed_strings(sys.argv[1:])
 except LlmtrainError as err:
     _fail(err)
 

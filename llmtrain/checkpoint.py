@@ -4,10 +4,13 @@ Layout of ``RUN_DIR/checkpoints/step_<N>/``::
 
     engine/             engine-native model + optimizer + LR-scheduler state (sharded per rank
                         where the engine shards)
-    rank_<r>.pt         RNG states of rank r (python, numpy, torch CPU, CUDA where present)
+    rank_<r>.pt         RNG states of rank r (python, numpy, torch CPU, CUDA where present), as
+                        tensors and plain types (:func:`capture_rng`; read with weights_only)
     trainer_state.json  step, consumed samples and tokens (global, rank-count independent),
                         tracker run id, world size, global batch
     config.yaml         the resolved config
+    latest              DeepSpeed engine only: DeepSpeed's tag file (``engine``), so its
+    zero_to_fp32.py     ZeRO recovery script (copied by DeepSpeed, ZeRO-1/2/3) runs as documented
     COMPLETE.json       the completion marker: every other file with its size and checksum
 
 Protocol (crash-consistent): every rank writes into ``checkpoints/.tmp-step_<N>/``; after a
@@ -17,8 +20,14 @@ Checksums are XXH3-128 (``trainer.checkpoint_hash=xxh3``, the default: detects c
 truncation at memory speed) or SHA-256 (``sha256``: cryptographic, about 10x slower); a marker
 may carry either, so checkpoints of older versions verify. Only a folder named ``step_<N>`` whose marker verifies counts as a checkpoint:
 a crash at any moment leaves the previous checkpoint as the newest valid one. There are no
-"latest" pointers. The newest ``keep`` complete checkpoints are kept; the only complete one is
-never deleted.
+"latest" pointers between checkpoints (a DeepSpeed checkpoint's ``latest`` names its own
+``engine/`` folder and is listed in its marker like every other file). The newest ``keep``
+complete checkpoints are kept; the only complete one is never deleted.
+
+Trust: RNG files are read with ``torch.load(weights_only=True)`` (:func:`read_rng`), so they can
+run no code; DeepSpeed's loaders, which unpickle, get only folders whose files passed the same
+check (:func:`llmtrain.engine.deepspeed_engine.check_checkpoint_files`). Torch's Distributed
+Checkpoint still reads its ``.metadata`` with ``pickle``: load only checkpoints you trust.
 
 Resuming continues the same run (:func:`check_resumable`). Exports (Hugging Face and PEFT
 folders, in the run and offline) are :mod:`llmtrain.export`'s.
@@ -154,20 +163,98 @@ def _maybe_inject_fault(point: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# Layout of rank_<r>.pt. Format 2: tensors and plain types only, so torch.load(weights_only=True)
+# reads it with torch's default allow-list. Files without "format" are format 1 (before it):
+# random.getstate() and np.random.get_state() tuples as they come, numpy's key a pickled array.
+RNG_FORMAT = 2
+_RNG_KEYS = ("python", "numpy", "torch")
+
+
 def capture_rng() -> dict[str, Any]:
-    """This rank's RNG states: python, numpy, torch CPU and (where present) CUDA."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This rank's RNG states (python, numpy, torch CPU and, where present, CUDA) as tensors and
+    plain types, so that ``torch.load(..., weights_only=True)`` reads them back::
+
+        {"format": 2,
+         "python": {"version": int, "state": int64 tensor (625 words), "gauss": float | None},
+         "numpy": {"bit_generator": "MT19937", "key": int64 tensor (624 uint32 words), "pos": int,
+                   "has_gauss": int, "cached_gaussian": float},
+         "torch": uint8 tensor, "cuda": [uint8 tensor per device]}
+    """
+    version, words, gauss = random.getstate()
+    name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "format": RNG_FORMAT,
+        "python": {"version": int(version), "state": torch.tensor(words, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"bit_generator": str(name), "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    """Set this rank's RNG states from :func:`capture_rng`'s dict (or a format-1 dict of older
+    checkpoints, whose python and numpy states are the tuples of ``getstate``)."""
+    python, numpy_state = state["python"], state["numpy"]
+    if isinstance(python, dict):
+        python = (python["version"], tuple(python["state"].tolist()), python["gauss"])
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["bit_generator"], numpy_state["key"].numpy().astype(np.uint32), numpy_state["pos"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    random.setstate(python)
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _numpy_array_globals() -> list[Any]:
+    """What a pickled numpy array references (a format-1 RNG file's numpy key): the array
+    reconstructor under numpy 2's and numpy 1's module name, the array and dtype classes. They
+    rebuild data-only arrays; allow-listed for :func:`read_rng`'s ``weights_only`` load only."""
+    multiarray = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray
+    return [(multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+            (multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
+            np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _unpickling_reason(err: BaseException) -> str:
+    """The one line of torch's ``weights_only`` refusal that says what the file holds (``Unsupported
+    global: GLOBAL builtins.exec ...``), without its advice to load with ``weights_only=False``."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+    match = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
+    reason = match.group(1) if match else text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return reason.split(" Please use `torch.serialization.add_safe_globals")[0].strip()
+
+
+def read_rng(path: Path) -> dict[str, Any]:
+    """One rank's RNG file (``rank_<r>.pt``), loaded with ``torch.load(weights_only=True)``: only
+    tensors and plain types are built, so a crafted file cannot run code. A format-1 file (before
+    :data:`RNG_FORMAT`; numpy's key a pickled array) loads the same way with numpy's array types
+    allow-listed (:func:`_numpy_array_globals`) and is returned as it is (:func:`restore_rng`
+    takes both); the caller says so in the log (``"format"`` absent).
+
+    Raises:
+        ResumeError: the file holds other pickled objects (refused: none of it runs), is not a
+            torch file, or lacks the python, numpy or torch state; the message names the file.
+    """
+    import pickle
+
+    fix = ("resume from a checkpoint you wrote yourself (trainer.resume=<step or path>) or start a new run_dir; "
+           "load only checkpoints you trust")
+    try:
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ResumeError(f"refusing RNG file {path}: it holds pickled objects that are not RNG states "
+                          f"({_unpickling_reason(err)}); it was not loaded and none of it ran; {fix}") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as err:
+        raise ResumeError(f"RNG file {path} is not a readable torch file ({err}); {fix}") from None
+    missing = [k for k in _RNG_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ResumeError(f"RNG file {path} lacks the {', '.join(missing)} state(s) of an llmtrain RNG file; {fix}")
+    return state
 
 
 def _read_marker(directory: Path) -> tuple[dict | None, str | None]:
@@ -358,14 +445,33 @@ class CheckpointManager:
 
     def load(self, engine, path: Path) -> tuple[TrainState, dict[str, Any] | None]:
         """Load engine state; returns the loop position and this rank's RNG states (None when
-        the checkpoint came from a different world size: RNG streams are per rank)."""
+        the checkpoint came from a different world size: RNG streams are per rank). The RNG
+        files are read first (:func:`read_rng`, ``weights_only``), and every rank learns whether
+        any was refused before the engine loads. Collective call.
+
+        Raises:
+            ResumeError: a rank's RNG file is refused (on every rank, naming that file).
+        """
         state = self.read_state(path)
-        engine.load_checkpoint(path / ENGINE_DIR, saved_world_size=state.world_size)
         rng_file = path / f"rank_{self.env.rank}.pt"
-        rng = None
+        rng, problem = None, None
         if state.world_size == self.env.world_size and rng_file.is_file():
-            rng = torch.load(rng_file, weights_only=False)
-        elif state.world_size != self.env.world_size and self.env.is_main:
+            try:
+                rng = read_rng(rng_file)
+            except ResumeError as err:
+                problem = str(err)
+        if distributed.is_initialized():
+            problems: list[Any] = [None] * self.env.world_size
+            dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p), None)
+        if problem:
+            raise ResumeError(problem)
+        if rng is not None and rng.get("format") != RNG_FORMAT and self.env.is_main:
+            log.warning("checkpoint %s stores RNG states in llmtrain's older format (numpy's state as a pickled "
+                        "array): loaded with weights_only=True and numpy's array types allow-listed; the next "
+                        "save writes the current format", path)
+        engine.load_checkpoint(path / ENGINE_DIR, saved_world_size=state.world_size)
+        if state.world_size != self.env.world_size and self.env.is_main:
             log.warning("checkpoint %s was written by %d rank(s), resuming on %d: model, optimizer and data "
                         "position carry over; per-rank RNG streams (dropout) start anew",
                         path, state.world_size, self.env.world_size)

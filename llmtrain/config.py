@@ -186,7 +186,10 @@ class DataConfig(DataSourceConfig):
     one row of ``seq_len`` tokens, with positions restarting and attention kept inside each.
     Mixtures: ``datasets`` (a list of sources) with ``weights``; each global sample index draws
     its source from the weights and ``trainer.seed``.
-    ``max_bytes`` caps raw text read (null: all); ``max_records`` caps records per source.
+    ``max_bytes`` caps the raw text read from plain-text files at that many bytes in all (null:
+    all; the file the cap falls in is cut at a character boundary; record files are read whole
+    until their sizes reach it); ``max_records`` caps records per source. A mixture's sources read
+    only their own ``data.datasets.N.path`` (a top-level ``data.path`` is refused).
     ``val_fraction`` of the samples (at least one) is held out for validation, chosen by the seed.
     ``num_proc``: processes for tokenization (``datasets.map``).
     """
@@ -273,6 +276,9 @@ class TrainerConfig:
     async_checkpoint: bool = False
     resume: str = "auto"
     preempt_signal: Optional[str] = "SIGUSR1"
+    # Hang watchdog (llmtrain.watchdog): ranks at different steps/phases, none moving for this many seconds,
+    # dump their stacks to run_dir/hang-<time>/ and exit with status 4; 0 = off (off for one process).
+    hang_timeout_s: float = 300.0
     nonfinite: str = "stop"
     max_skipped_steps: int = 5
     spike_factor: float = 0.0
@@ -451,7 +457,96 @@ def compose(overrides: list[str]) -> Any:
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        return hydra_compose(config_name="config", overrides=keep_typed_strings(list(overrides)))
+
+
+def _string_field(dotted_key: str) -> Optional[str]:
+    """``"str"`` when ``dotted_key`` names a string field of :class:`Config` (``name``,
+    ``data.path``, ``data.datasets.0.name``, ``tracker.run_name``), ``"list"`` for a list of
+    strings (``tracker.tags``), else None."""
+    def bare(hint: Any) -> Any:  # Optional[X] -> X
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+
+    schema: Any = Config
+    for part in dotted_key.split("."):
+        schema = bare(schema)
+        if typing.get_origin(schema) is list and part.isdigit():
+            schema = typing.get_args(schema)[0]
+            continue
+        if not dataclasses.is_dataclass(schema):
+            return None
+        hints = typing.get_type_hints(schema)
+        if part not in hints:
+            return None
+        schema = hints[part]
+    schema = bare(schema)
+    if schema is str:
+        return "str"
+    return "list" if typing.get_origin(schema) is list and typing.get_args(schema) == (str,) else None
+
+
+def keep_typed_strings(overrides: list[str]) -> list[str]:
+    """Overrides of string fields quoted where Hydra would read the value as something else, so
+    the field keeps the characters typed.
+
+    Hydra's override grammar reads an unquoted ``1_1_1`` as the integer 111, ``1e3`` as the float
+    1000.0 and ``true`` as a boolean before OmegaConf turns them into the strings ``'111'``,
+    ``'1000.0'``, ``'True'`` (Hydra issue #999): ``name=1_1_1`` would train in ``runs/111``. Such a
+    value of a string field (or an element of a list of strings, or of a ``a,b`` sweep) is
+    quoted as typed: ``name=1_1_1`` becomes ``name='1_1_1'``. Every other override is unchanged.
+
+    Raises:
+        ConfigError: a value of a string field that Hydra reads as a number, inside a form this
+            cannot split safely (``choice(...)``, quotes or brackets inside a list); the message
+            asks for quotes.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep, ValueType
+
+    def retyped(value: Any) -> bool:
+        return isinstance(value, (bool, int, float))
+
+    def refuse(arg: str, key: str, values: list) -> None:
+        example = next(str(v) for v in values if retyped(v))
+        raise ConfigError(f"{arg}: {key} takes strings, but Hydra reads unquoted values such as 1_1 or 1e3 as numbers "
+                          f"(here one becomes {example}); quote each string value, e.g. {key}='1_1' (in a shell, "
+                          f"wrap the whole override in double quotes: \"{key}='1_1'\")")
+
+    def quoted_pieces(arg: str, key: str, text: str, values: list) -> str:
+        pieces = [p.strip() for p in text.split(",")]
+        if len(pieces) != len(values) or any(c in text for c in "'\"[]{}()$\\"):
+            refuse(arg, key, values)
+        return ",".join(f"'{p}'" if retyped(v) else p for p, v in zip(pieces, values))
+
+    parser = OverridesParser.create()
+    kept = []
+    for arg in overrides:
+        match = re.fullmatch(r"(\+{0,2})([A-Za-z_][\w.-]*)=(.*)", arg, re.S)
+        kind = _string_field(match.group(2)) if match else None
+        if kind is None:
+            kept.append(arg)
+            continue
+        prefix, key, text = match.group(1), match.group(2), match.group(3).strip()
+        try:
+            override = parser.parse_override(arg)
+        except Exception:  # noqa: BLE001  (malformed: Hydra reports it while composing)
+            kept.append(arg)
+            continue
+        value = override.value()
+        if override.value_type == ValueType.ELEMENT and retyped(value):
+            arg = f"{prefix}{key}='{text}'"
+        elif kind == "list" and override.value_type == ValueType.ELEMENT and isinstance(value, list) \
+                and any(map(retyped, value)):
+            if not (text.startswith("[") and text.endswith("]")):
+                refuse(arg, key, value)
+            arg = f"{prefix}{key}=[{quoted_pieces(arg, key, text[1:-1], value)}]"
+        elif isinstance(value, ChoiceSweep) and any(map(retyped, value.list)):
+            if override.value_type != ValueType.SIMPLE_CHOICE_SWEEP:  # choice(...): refused, not parsed here
+                refuse(arg, key, value.list)
+            arg = f"{prefix}{key}={quoted_pieces(arg, key, text, value.list)}"
+        kept.append(arg)
+    return kept
 
 
 def load_recipe(name: str) -> Any:
@@ -587,6 +682,11 @@ def validate_data(d: Any) -> None:
         names = [src.name for src in d.datasets]
         _require(len(set(names)) == len(names), f"data.datasets names {names} must be distinct (they name the "
                  "per-source counts data/source/<name>_samples)")
+        _require(OmegaConf.is_missing(d, "path") or d.path is None,
+                 f"data.path={d.path} is set, but data.datasets lists a mixture ({', '.join(names)}), whose sources "
+                 f"read only their own paths, so data.path would be ignored; give each source's instead "
+                 f"({', '.join(f'data.datasets.{i}.path=...' for i in range(len(names)))}), or drop data.datasets "
+                 "(another data= option) to train on data.path alone")
         for i, src in enumerate(d.datasets):
             _validate_source(src, f"data.datasets.{i}")
     else:
@@ -713,6 +813,7 @@ def validate_trainer(t: Any, r: Any) -> None:
     _require(t.dry_run_world_size is None or t.dry_run_world_size >= 1,
              f"trainer.dry_run_world_size={t.dry_run_world_size} must be >= 1 (the number of ranks to lay out)")
     _require(t.save_every_minutes >= 0, f"trainer.save_every_minutes={t.save_every_minutes} must be >= 0")
+    _require(t.hang_timeout_s >= 0, f"trainer.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no hang watchdog)")
     _require(t.peak_tflops >= 0, f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (0 = from the device name)")
     _require(t.checkpoint_hash in ("xxh3", "sha256"), f"trainer.checkpoint_hash={t.checkpoint_hash!r} must be xxh3 or sha256")
     _require(not (t.async_checkpoint and r.engine == "deepspeed"),

@@ -64,6 +64,47 @@ def stdout_to_debug_log(what: str) -> Iterator[None]:
         log.debug("%s: %s", what, line)
 
 
+@contextlib.contextmanager
+def quiet_when_logged(what: str) -> Iterator[None]:
+    """Third-party output of a command-line tool's work (``python -m llmtrain.export``) kept out
+    of a log file, as the trainer keeps it out of its own: when stderr is not a terminal, library
+    progress bars are off (:func:`configure_library_output`, plus plain ``tqdm`` bars of modules
+    imported inside, such as DeepSpeed's ``zero_to_fp32``); when stdout is not one, Python-level
+    prints inside (DeepSpeed's "Processing zero checkpoint ...") go to the debug log. On a
+    terminal both show as usual."""
+    with contextlib.ExitStack() as stack:
+        if not interactive():
+            configure_library_output(is_main=True, on_terminal=False)
+            stack.enter_context(_tqdm_disabled())
+        if not sys.stdout.isatty():
+            stack.enter_context(stdout_to_debug_log(what))
+        yield
+
+
+@contextlib.contextmanager
+def _tqdm_disabled() -> Iterator[None]:
+    """``tqdm.tqdm`` draws nothing for modules that import it (``from tqdm import tqdm``) inside."""
+    import tqdm
+
+    original = tqdm.tqdm
+
+    class Quiet(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    zero_to_fp32 = sys.modules.get("deepspeed.utils.zero_to_fp32")  # imported by an earlier call
+    tqdm.tqdm = Quiet
+    if zero_to_fp32 is not None:
+        zero_to_fp32.tqdm = Quiet
+    try:
+        yield
+    finally:
+        for module in (tqdm, sys.modules.get("deepspeed.utils.zero_to_fp32")):
+            if module is not None and getattr(module, "tqdm", None) is Quiet:
+                module.tqdm = original
+
+
 class Progress:
     """Rank 0's per-step progress; a no-op on other ranks or with ``trainer.progress_bar=false``.
 

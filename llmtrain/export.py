@@ -15,6 +15,7 @@ checkpoints (Distributed Checkpoint, any layout: DDP, FSDP2, TP, PP) are consoli
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import warnings
 from pathlib import Path
@@ -31,6 +32,8 @@ from llmtrain.checkpoint import ENGINE_DIR, verify
 from llmtrain.errors import ModelSourceError, ResumeError
 from llmtrain.models import build_tokenizer, canonical_name, model_config, resolve_gguf
 from llmtrain.paths import follow_umask
+
+log = logging.getLogger("llmtrain")
 
 
 # ---------------------------------------------------------------- in the run
@@ -115,6 +118,31 @@ def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     return base, adapter
 
 
+def untrained_base(state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
+    """The base half of a LoRA run's whole trained ``state`` (:func:`split_state`) as it was
+    before training: the tensors of ``peft.modules_to_save``, which trained in full (the adapter
+    carries their trained copy), are put back to the initial weights of the model's source
+    (:func:`llmtrain.models.build_model` with ``trainer.seed``); every other base tensor was
+    frozen and is taken as it is (fp32).
+
+    Raises:
+        RuntimeError: a ``modules_to_save`` tensor is not in the rebuilt model.
+    """
+    from llmtrain.models import build_model
+
+    base = split_state(state)[0]
+    names = list(cfg.peft.modules_to_save or []) if cfg.get("peft") is not None else []
+    trained = [k for k in base if any(k.startswith(f"{name}.") for name in names)]
+    if not trained:
+        return base
+    initial = build_model(cfg.model, cfg.trainer.seed).state_dict()
+    unknown = [k for k in trained if k not in initial]
+    if unknown:
+        raise RuntimeError(f"adapter export: peft.modules_to_save tensors {unknown[:5]} are not in the model rebuilt "
+                           f"from model={cfg.model.get('name')}")
+    return {**base, **{k: initial[k].detach().float().clone() for k in trained}}
+
+
 def save_adapter(state: dict[str, torch.Tensor], cfg: Any, adapter_dir: Path | None, base_reference: str) -> nn.Module:
     """Write the PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) from
     the trained ``state`` (in-place names, fp32, whole) into ``adapter_dir`` (None: write nothing),
@@ -169,13 +197,14 @@ def export_lora(state: dict[str, torch.Tensor], cfg: Any, tokenizer: Any, adapte
                 merged_dir: Path | None = None, end_token_ids: list[int] | None = None) -> dict[str, str]:
     """Exports of a LoRA run from its whole trained state (in-place names, fp32; rank 0): the PEFT
     adapter folder plus tokenizer in ``adapter_dir``; for a model built from a config (whose base
-    exists nowhere else) its frozen base as a Hugging Face folder in ``adapter_dir/base``, which
-    the adapter names as its base; and the merged model in ``merged_dir``. Either folder may be
-    None. Returns the folders written: ``{"adapter", "base", "export"}``."""
+    exists nowhere else) its untrained base (:func:`untrained_base`: the initial weights, also of
+    ``peft.modules_to_save``) as a Hugging Face folder in ``adapter_dir/base``, which the adapter
+    names as its base; and the merged model in ``merged_dir``. Either folder may be None. Returns
+    the folders written: ``{"adapter", "base", "export"}``."""
     written: dict[str, str] = {}
     base_dir = adapter_dir / "base" if adapter_dir is not None and cfg.model.source == "config" else None
     if base_dir is not None:
-        save_hf_folder(split_state(state)[0], cfg.model, tokenizer, base_dir, end_token_ids)
+        save_hf_folder(untrained_base(state, cfg), cfg.model, tokenizer, base_dir, end_token_ids)
         written["base"] = str(base_dir)
     merged = save_adapter(state, cfg, adapter_dir, base_reference(cfg, base_dir))
     if adapter_dir is not None:
@@ -199,16 +228,32 @@ Checkpoint, any layout: DDP, FSDP2, TP, PP) are consolidated with DCP's ``dcp_to
 
 
 def consolidated_state_dict(checkpoint_dir: Path, engine: str, zero_stage: int = 1) -> dict[str, torch.Tensor]:
-    """Full fp32 model state dict from a checkpoint folder written by ``engine``."""
+    """Full fp32 model state dict from a checkpoint folder written by ``engine``.
+
+    DeepSpeed files are first checked with ``torch.load(weights_only=True)`` and DeepSpeed's own
+    checkpoint classes allow-listed (:func:`llmtrain.engine.deepspeed_engine.check_checkpoint_files`):
+    ZeRO-0's model states are then loaded that way; ZeRO-1/2/3 shards by DeepSpeed's
+    ``zero_to_fp32``, which unpickles them (``weights_only=False``).
+
+    Raises:
+        ResumeError: a DeepSpeed file holds other pickled objects (named; none of it runs).
+    """
     engine_dir = checkpoint_dir / ENGINE_DIR
+    if engine == "deepspeed":
+        from llmtrain.engine.deepspeed_engine import check_checkpoint_files, checkpoint_safe_globals
+
+        check_checkpoint_files(engine_dir)
     if engine == "deepspeed" and zero_stage == 0:
         # ZeRO-0 keeps no partitions (zero_to_fp32 has nothing to merge): the module is whole, in
         # fp32 (bf16 runs train with fp32 parameters under torch autocast).
-        states = torch.load(engine_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(checkpoint_safe_globals()):
+            states = torch.load(engine_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
         return {k: v.float() for k, v in states["module"].items()}
     if engine == "deepspeed":
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        log.info("consolidating %s with DeepSpeed's zero_to_fp32, which unpickles its files (weights_only=False) "
+                 "after a weights_only=True check; load only checkpoints you trust", engine_dir)
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=ENGINE_DIR)
     from llmtrain.engine.dcp_state import consolidated_model, is_dcp_checkpoint
     from llmtrain.engine.torch_engine import LEGACY_STATE
@@ -255,6 +300,24 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, merged: bool = False)
     return save_hf_folder(state, cfg.model, tokenizer, out_dir, end_tokens)
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """``OUT_DIR`` can be a folder to write: it is one, or can be created.
+
+    Raises:
+        ConfigError: it (or the nearest existing folder above it) is a file, or is not writable.
+    """
+    import os
+
+    from llmtrain.errors import ConfigError
+
+    existing = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == out_dir else f"cannot be created: {existing} is a file"
+        raise ConfigError(f"OUT_DIR {out_dir} {where}; give a folder to write the export to (it is created)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"OUT_DIR {out_dir} cannot be written: {existing} is not writable; give another folder")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmtrain.export", description=_CLI_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -263,9 +326,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merged", action="store_true",
                         help="LoRA checkpoints: write the merged model instead of the PEFT adapter folder")
     args = parser.parse_args(argv)
+    from llmtrain.console import quiet_when_logged
+    from llmtrain.errors import ConfigError
+
     try:
-        out = export_checkpoint(args.checkpoint, args.out_dir, merged=args.merged)
-    except (ResumeError, ModelSourceError) as err:
+        check_out_dir(args.out_dir)
+        with quiet_when_logged("export"):  # a log file gets no progress bars or DeepSpeed prints
+            out = export_checkpoint(args.checkpoint, args.out_dir, merged=args.merged)
+    except (ConfigError, ResumeError, ModelSourceError) as err:
         print(f"llmtrain.export: error: {err}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint} -> {out}")

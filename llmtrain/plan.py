@@ -15,7 +15,10 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   the gradients, ``gradient_as_bucket_view``), AdamW 8n (two fp32 moments). FSDP2 (stage 3):
   each / d, plus the all-gathered largest unit twice (current and prefetched) in the compute
   dtype and its fp32 gradient before the reduce-scatter. Stages 1-2 on FSDP2 keep every unit
-  gathered from forward to backward (``reshard_after_forward=False``).
+  gathered from forward to backward (``reshard_after_forward=False``). With gradient
+  accumulation, FSDP2 keeps every unsharded fp32 gradient from the first micro-batch's backward
+  to the last one's reduce-scatter (4n, of which the sharded 4n / d replaces a share), and DDP
+  holds no_sync's gradients beside its buckets (4n).
 - DeepSpeed (ZeRO, Rajbhandari et al. SC'20 section 5.1): working parameters 2n (bf16) or 4n
   (fp32), / d at stage 3; fp32 gradients n (stage 1) or n / d (stages 2-3); an fp32 master
   partition 4n / d (DeepSpeed keeps it even in fp32 runs, a second copy of the weights); AdamW
@@ -221,7 +224,10 @@ class RankPlan:
     @property
     def total(self) -> int:
         """Device bytes at the step's peak: model states, buffers, activations and every
-        temporary (assumed live at once: an upper bound)."""
+        temporary (assumed live at once). An upper bound of the tensors the plan models; what it
+        does not model (ZeRO-3's communication buffers and threads, allocator fragmentation, a
+        GPU's cuBLAS workspace) measured up to 7% of the peak on CPU under ZeRO-3, which
+        ``recipe.memory_margin`` (default 0.1) is there to cover."""
         return self.model_states + sum(self.buffers.values()) + self.activations + sum(self.temporaries.values())
 
 
@@ -326,6 +332,11 @@ def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16:
     d = dims.dp_shard
     plan.params, plan.grads, plan.optimizer = 4 * n // d, 4 * n // d, 8 * n // d
     plan.grads_kept = d == 1 and dims.dp_replicate > 1 and dims.tp == dims.pp == 1  # DDP: buckets are the grads
+    if plan.grads_kept and plan.accumulation > 1:
+        # Under no_sync (every micro-batch but the last) autograd writes fresh gradients beside
+        # DDP's buckets, which stay allocated (zero_grad sets the views to None); the last
+        # micro-batch's backward copies them into the buckets.
+        plan.temporaries["gradients beside DDP's buckets (no_sync micro-batches)"] = 4 * n
     if d > 1:
         unit = max(layer_n, embedding_n + shape.final_norm + head_n)  # a decoder layer, or the root's
         if r.zero_stage == 3:
@@ -333,6 +344,11 @@ def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16:
         else:
             plan.temporaries["FSDP unsharded parameters (kept forward to backward)"] = compute * n
         plan.temporaries["FSDP reduce-scatter input (largest unit, fp32)"] = 4 * unit
+        if plan.accumulation > 1:
+            # Gradient sync is off for every micro-batch but the last: FSDP2 accumulates each
+            # parameter's unsharded gradient (in reduce_dtype, fp32) until the last backward
+            # reduce-scatters it into the sharded gradient (counted above, 4n / d).
+            plan.temporaries["FSDP unsharded gradients between micro-batches (fp32)"] = 4 * n - 4 * n // d
     if r.offload_params:
         plan.host += plan.params + plan.grads + plan.optimizer
         plan.params = plan.grads = plan.optimizer = 0

@@ -41,6 +41,7 @@ from llmtrain.parallel_dims import ParallelDims
 from llmtrain.preemption import Preemption
 from llmtrain.preflight import preflight
 from llmtrain.tracking import Tracker
+from llmtrain.watchdog import Watchdog
 
 log = logging.getLogger("llmtrain")
 
@@ -310,8 +311,8 @@ class Trainer:
     """One run (or its resumption), built in a fixed order by ``_setup_*`` methods that each return
     one component: validate → process group → tokenizer and data → checkpoints (and the one to
     resume) → objective → engine with the model → train state → tracker → data loader →
-    evaluator → checkpointer. Nothing is written before the checks of the config, the data, the
-    model source and the checkpoint have passed.
+    evaluator → checkpointer → hang watchdog. Nothing is written before the checks of the config,
+    the data, the model source and the checkpoint have passed.
 
     Raises (at construction):
         ConfigError, DataError, ModelSourceError, LaunchError, ResumeError (all
@@ -354,6 +355,7 @@ class Trainer:
         self.progress = console.Progress(self.t.progress_bar and self.env.is_main, self.t.max_steps, self.state.step,
                                          self.t.log_every)
         self.skipped_in_a_row = 0
+        self.watchdog = self._setup_watchdog()
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -366,14 +368,17 @@ class Trainer:
         self.state.startup_s += time.time() - self.process_started - self._startup_eval_s
         for step in range(self.state.step, self.t.max_steps):
             result = self.train_step(step)
+            self.watchdog.set("log")
             metrics = self._step_metrics(result)
             if self.evaluator.should_run(result.step):
+                self.watchdog.set("eval")
                 metrics.update(self._log_eval(result.step, self.evaluator.run(self.state), result.loss))
             if self.tracker.should_log(result.step) or "val/loss" in metrics or not result.healthy:
                 self.tracker.log(metrics, step=result.step)
             if not result.healthy:
                 self._on_unhealthy(result)
             _check_optimizer_steps(self.engine, self.state)
+            self.watchdog.set("checkpoint")
             self.checkpointer.seal_if_written(result.scalars, self.state)
             if self.checkpointer.should_save(result.step, result):
                 # The last save and a preemption's are synchronous: the process ends after them.
@@ -389,16 +394,19 @@ class Trainer:
         global batch's gradient, the update (dropped under ``trainer.nonfinite=skip`` when the
         loss or norm is not finite or spikes), and the train state advanced."""
         started = time.perf_counter()
+        self.watchdog.set("data", step + 1)
         host_batches = [self.objective.prepare(next(self.micro_batches)) for _ in range(self.accumulation)]
         # Fingerprint on the host copies: on an accelerator this avoids a device-to-host sync.
         digest = _sample_digest(host_batches)
         batches = [{k: v.to(self.env.device) for k, v in b.items()} for b in host_batches]
         lr = self.engine.lr()
+        self.watchdog.set("forward_backward")
         sums = forward_backward(self.engine, batches, lambda: self._local_scalars(digest))
         stop, save_by_time = self.preemption.decide([sums.scalars.preempt_requested, sums.scalars.save_due])
         # Loss and gradient norm are global values every rank holds: checking them needs no collective.
         spike = _loss_spike(sums.loss, self.state, self.t.spike_factor)
         keep = (lambda norm: math.isfinite(norm) and math.isfinite(sums.loss) and not spike)
+        self.watchdog.set("optimizer")
         grad_norm = self.engine.step(keep_update=keep if self.t.nonfinite == "skip" else None)
         result = StepResult(step + 1, sums.loss, lr, grad_norm, sums.tokens, time.perf_counter() - started,
                             sums.metrics, sums.scalars, stop, save_by_time, spike)
@@ -505,6 +513,13 @@ class Trainer:
                                    self.engine.dp_rank, self.dims.dp)
         return [self.objective.prepare(b) for b in batches]
 
+    def _setup_watchdog(self) -> Watchdog:
+        """The hang watchdog (:mod:`llmtrain.watchdog`), started: this rank's step and phase as a
+        heartbeat file in ``run_dir/.watchdog``, checked against the other ranks'; off for one
+        process and for ``trainer.hang_timeout_s=0``. Collective where on."""
+        return Watchdog.start(self.run_dir, self.env.rank, self.env.world_size, self.t.hang_timeout_s,
+                              self.state.step, self.t.preempt_signal)
+
     def _evaluate_before_training(self) -> None:
         """A fresh run's step-0 evaluation (its time is evaluation, not start-up)."""
         eval_s = self.state.eval_s
@@ -605,6 +620,7 @@ class Trainer:
         tracker (rank 0's files and threads), the engine's threads and buffers, and then (by the
         caller, after every rank is here) the process group. Returns the summary."""
         summary = self.summary
+        self.watchdog.stop()  # the loop is over: export and teardown are not watched
         self._close_outputs(complete=True)
         summary["checkpoint_stalls_s"] = self.checkpointer.stalls_s
         if self.checkpointer.latest:
@@ -635,7 +651,11 @@ def train(cfg: Any) -> dict[str, Any]:
         llmtrain.errors.LlmtrainError: bad input (config, data, model source, launch, checkpoint),
             raised before anything is written; TrainingStopped for a run that stops itself.
     """
-    return Trainer(cfg).train()
+    trainer = Trainer(cfg)
+    try:
+        return trainer.train()
+    finally:
+        trainer.watchdog.stop()  # also when the loop raises: a process that lives on is not watched
 
 
 def _log_trainable(engine, cfg: Any, dims: ParallelDims, is_main: bool) -> None:

@@ -249,3 +249,12 @@ def test_finished_deepspeed_runs_exit_0_every_time(tmp_path):
         proc = run_cli(FAST + ["trainer.max_steps=1", f"+recipe={recipe}", f"run_dir={tmp_path / str(i)}"], nproc=2)
         assert proc.returncode == 0, (i, recipe, proc.stderr[-2000:])
         assert (tmp_path / str(i) / "hf" / "model.safetensors").is_file()
+
+
+def test_run_names_are_kept_as_typed_on_the_command_line():
+    proc = run_cli(["name=1_1_1", "tracker.run_name=20240101_1", "--cfg", "job", "--resolve"])
+    assert_ok(proc)
+    cfg = yaml.safe_load(proc.stdout)
+    assert (cfg["name"], cfg["run_dir"], cfg["tracker"]["run_name"]) == ("1_1_1", "runs/1_1_1", "20240101_1")
+    proc = run_cli(["-m", "name=choice(1_1,2)"])
+    assert proc.returncode == 2 and "quote each string value" in proc.stderr and "Traceback" not in proc.stderr

@@ -283,3 +283,41 @@ def test_rotary_models_past_their_position_range_are_warned_about_and_learned_on
         check_sequence_length(llama, 65)
     with pytest.raises(ConfigError, match="data.seq_len=2048 exceeds the gpt2 model's 1024 learned positions"):
         check_sequence_length(AutoConfig.for_model("gpt2"), 2048)
+
+
+@pytest.mark.parametrize("override,key,typed", [
+    ("name=1_1_1", "name", "1_1_1"),  # Hydra alone: the int 111, run directory runs/111
+    ("name=1e3", "name", "1e3"),  # Hydra alone: the float 1000.0
+    ("tracker.run_name=20240101_1", "tracker.run_name", "20240101_1"),
+    ("name=true", "name", "true"),  # Hydra alone: the boolean, "True"
+    ("++run_dir=2024_01", "run_dir", "2024_01"),
+    ("data.datasets.0.name=1_0", "data.datasets.0.name", "1_0"),
+])
+def test_string_fields_keep_the_characters_typed(override, key, typed):
+    cfg = make_cfg(["data=mix", override])
+    assert OmegaConf.select(cfg, key) == typed
+    if key == "name":
+        assert cfg.run_dir == f"runs/{typed}"
+
+
+def test_typed_strings_in_lists_and_sweeps_and_numbers_left_alone():
+    from llmtrain.config import keep_typed_strings
+
+    cfg = make_cfg(["tracker.tags=[1_1,x,2e3]", "trainer.lr=1e-3", "trainer.seed=1_000"])
+    assert list(cfg.tracker.tags) == ["1_1", "x", "2e3"]
+    assert (cfg.trainer.lr, cfg.trainer.seed) == (1e-3, 1000)  # numeric fields: Hydra's numbers
+    # A -m sweep: each job gets its element quoted (Hydra's sweeper keeps the quotes).
+    assert keep_typed_strings(["-m", "name=1_1,abc", "name=null", "hydra.job.name=1_1"]) == \
+        ["-m", "name='1_1',abc", "name=null", "hydra.job.name=1_1"]
+    with pytest.raises(ConfigError, match=r"name=choice\(1_1,2\): name takes strings.*quote each string value"):
+        keep_typed_strings(["name=choice(1_1,2)"])
+
+
+def test_a_mixture_refuses_a_top_level_data_path():
+    from llmtrain.config import validate as validate_config
+
+    paths = ["data=mix", "data.datasets.0.path=a.json", "data.datasets.1.path=b.json"]
+    with pytest.raises(ConfigError, match=r"data.path=/data/x.json is set, but data.datasets lists a mixture "
+                                          r"\(alpaca, sharegpt\).*data.datasets.0.path=\.\.\., data.datasets.1.path"):
+        validate_config(make_cfg(paths + ["data.path=/data/x.json"]), 1)
+    validate_config(make_cfg(paths), 1)  # data=mix's own data.path: null

@@ -209,3 +209,25 @@ def test_text_format_reads_a_parquet_column(tmp_path):
     blocks += [list(map(int, splits.val[i]["input_ids"])) for i in range(len(splits.val))]
     eos = byte_tokenizer().eos_token_id
     assert sorted(blocks) == sorted([[97, 98, 99], [eos, 100, 101], [102, 103, eos]])
+
+
+def test_max_bytes_caps_the_raw_text_read_not_whole_files(tmp_path):
+    """A single 1.1 MB file with max_bytes=6000 gives 6000 bytes of text (it was read whole); a
+    cut inside a multi-byte character ends before it; a compressed file counts its text."""
+    import gzip
+
+    (tmp_path / "big.txt").write_text("abcdefghij" * 110_000)
+    docs = data.text_documents(text_cfg(tmp_path / "big.txt", max_bytes=6000), "data")
+    assert [len(d["text"]) for d in docs] == [6000]
+    splits = data.load_splits(text_cfg(tmp_path / "big.txt", max_bytes=6000, seq_len=7), byte_tokenizer(), seed=0)
+    assert len(splits.train) + len(splits.val) == 6001 // 7  # 6000 bytes + EOS, in blocks of 7
+    (tmp_path / "u.txt").write_text("é" * 1000)  # two bytes each
+    assert data.text_documents(text_cfg(tmp_path / "u.txt", max_bytes=7), "data")["text"] == ["ééé"]
+    folder = tmp_path / "two"
+    folder.mkdir()
+    (folder / "a.txt").write_text("first\n")
+    (folder / "b.txt").write_text("second file")
+    assert data.text_documents(text_cfg(folder, max_bytes=10), "data")["text"] == ["first\n", "seco"]
+    with gzip.open(tmp_path / "c.txt.gz", "wt") as f:
+        f.write("z" * 50_000)
+    assert [len(t) for t in data.text_documents(text_cfg(tmp_path / "c.txt.gz", max_bytes=1234), "data")["text"]] == [1234]

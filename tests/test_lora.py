@@ -20,16 +20,20 @@ LORA = FAST + ["+peft=lora", "peft.r=4", "peft.alpha=8", "trainer.max_steps=6", 
                "trainer.global_batch_size=16", "trainer.micro_batch_size=4", "trainer.warmup_steps=2",
                "trainer.lr=5e-3", "trainer.export_merged=true"]
 RECIPES = {"ddp": ["+recipe=ddp"], "zero2": ["+recipe=zero2"], "zero3": ["+recipe=zero3"], "fsdp": ["+recipe=fsdp"]}
+# The output head trained in full next to the adapters (untied embeddings: tiny_qwen2).
+HEAD = ["model=tiny_qwen2", "peft.modules_to_save=[lm_head]"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     one = run_scenarios({"single": LORA + ["+recipe=ddp"],
-                         "freeze": FAST + ["trainer.max_steps=2", "model.freeze=[model.embed_tokens.*]"]},
+                         "freeze": FAST + ["trainer.max_steps=2", "model.freeze=[model.embed_tokens.*]"],
+                         "head_single": LORA + HEAD + ["+recipe=ddp"]},
                         1, tmp_path_factory.mktemp("lora-1"))
     # bf16 on DeepSpeed holds the frozen base in bf16 only: its exports must still be fp32-exact.
     two = run_scenarios({**{name: LORA + overrides for name, overrides in RECIPES.items()},
-                         "zero2_bf16": LORA + ["+recipe=zero2", "trainer.precision=bf16"]}, 2,
+                         "zero2_bf16": LORA + ["+recipe=zero2", "trainer.precision=bf16"],
+                         "head_zero3": LORA + HEAD + ["+recipe=zero3"]}, 2,
                         tmp_path_factory.mktemp("lora-2"))
     return {**one, **two}
 
@@ -219,3 +223,35 @@ def test_a_two_rank_lora_checkpoint_resumes_on_one_process(runs, tmp_path):
     assert sorted(got) == [5, 6]
     for step in got:
         assert abs(got[step] - want[step]) < 1e-6, (step, got[step], want[step])
+
+
+@pytest.mark.parametrize("recipe", ["head_single", "head_zero3"])
+def test_adapter_base_is_the_untrained_base_when_modules_to_save_train(recipe, runs, tmp_path):
+    # peft.modules_to_save=[lm_head] trains the head in full: the adapter carries the trained head,
+    # adapter/base (what base_model_name_or_path names) stays the base as built, head included.
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.models import initial_value
+
+    run_dir = runs[recipe]
+    checkpoint = run_dir / "checkpoints" / "step_6"
+    proc = subprocess.run([sys.executable, "-m", "llmtrain.export", str(checkpoint), str(tmp_path / "adapter")],
+                          capture_output=True, text=True, env=subprocess_env(), cwd=REPO)
+    assert_ok(proc)
+    for adapter_dir in (run_dir / "adapter", tmp_path / "adapter"):  # the run's export and the offline one
+        base = AutoModelForCausalLM.from_pretrained(adapter_dir / "base")
+        assert not base.config.tie_word_embeddings
+        std = base.config.initializer_range
+        for name, tensor in base.state_dict().items():  # every tensor, lm_head.weight included
+            assert torch.equal(tensor, initial_value(name, tensor.shape, 1234, std)), (adapter_dir, name)
+        saved = load_file(str(adapter_dir / "adapter_model.safetensors"))
+        head = [saved[k] for k in saved if "lm_head" in k]
+        assert len(head) == 1 and (head[0] - base.lm_head.weight).abs().max() > 1e-3  # trained, in the adapter
+        untouched = _logits(base)
+        adapted = PeftModel.from_pretrained(base, adapter_dir)
+        merged = AutoModelForCausalLM.from_pretrained(run_dir / "hf")
+        assert torch.equal(merged.lm_head.weight, head[0])
+        torch.testing.assert_close(_logits(adapted), _logits(merged), rtol=0, atol=1e-4)
+        assert (_logits(merged) - untouched).abs().max() > 1e-3

@@ -229,3 +229,22 @@ def test_auto_recipe_trains_with_the_chosen_layout(tmp_path):
 
     run = OmegaConf.load(tmp_path / "config.yaml")
     assert (run.recipe.name, run.trainer.micro_batch_size, run.trainer.activation_checkpointing) == ("ddp", 4, False)
+
+
+def test_gradient_accumulation_counts_the_gradients_held_between_micro_batches():
+    """FSDP2 keeps every unsharded fp32 gradient from the first micro-batch's backward to the
+    last one's reduce-scatter; DDP's no_sync micro-batches write gradients beside its buckets
+    (both seen live at the peak of micro-batch 2, torch.profiler memory events on CPU). ZeRO-3
+    reduce-scatters every micro-batch into its partition: nothing more."""
+    from llmtrain.plan import plan_recipe, with_recipe
+
+    one, two = make_cfg(PLAN), make_cfg(PLAN + ["trainer.micro_batch_size=4"])  # accumulation 1 and 2
+    fsdp = plan_recipe(with_recipe(two, "fsdp"), 2)
+    n = fsdp.params // 2  # fp32 parameters sharded over 2 ranks
+    assert fsdp.accumulation == 2 and fsdp.temporaries["FSDP unsharded gradients between micro-batches (fp32)"] == 2 * n
+    assert "FSDP unsharded gradients between micro-batches (fp32)" not in plan_recipe(with_recipe(one, "fsdp"), 2).temporaries
+    ddp = plan_recipe(with_recipe(two, "ddp"), 2)
+    assert ddp.temporaries["gradients beside DDP's buckets (no_sync micro-batches)"] == 4 * n
+    assert "gradients beside DDP's buckets (no_sync micro-batches)" not in plan_recipe(with_recipe(one, "ddp"), 2).temporaries
+    zero3 = plan_recipe(with_recipe(two, "zero3"), 2)
+    assert not any("micro-batches" in name for name in zero3.temporaries)

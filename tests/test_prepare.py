@@ -55,3 +55,23 @@ def test_prepare_refuses_bad_input_and_writes_nothing(tmp_path):
         assert needle in proc.stderr and "Traceback" not in proc.stderr, (name, proc.stderr)
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_a_killed_prepares_half_written_folders_are_removed_by_the_next_run(tmp_path):
+    """A writer killed while writing (SIGKILL: no cleanup of its own) leaves
+    ``.NAME.partial-<pid>@<host>`` beside the folder; the next run there removes those of dead
+    processes on this host, and leaves those of live processes and of other hosts."""
+    import os
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    stale = [f".tokens.partial-{dead.pid}@{host}", f".tokens.partial-{dead.pid}"]  # and the older name
+    kept = [f".tokens.partial-{os.getpid()}@{host}", f".tokens.partial-{dead.pid}@another-host",
+            f".other.partial-{dead.pid}@{host}"]
+    for name in stale + kept:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokens.bin").write_bytes(b"\0" * 10)
+    assert_ok(prepare(["data.max_bytes=20000", f"out={tmp_path / 'tokens'}"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + ["tokens"])

@@ -23,8 +23,8 @@ import torch
 from conftest import FAST, REPO, assert_ok, read_metrics, run_cli, run_scenarios, subprocess_env
 
 STEPS = 8
-# max_bytes=8000 gives 135 training blocks of 64 tokens: a resume at step 4 (192 samples consumed)
-# lands in the middle of the second epoch, and the 8 steps reach into the third.
+# max_bytes=8000 gives 123 training blocks of 64 tokens: a resume at step 4 (192 samples consumed)
+# lands in the middle of the second epoch, and the 8 steps (384 samples) reach into the fourth.
 COMMON = [o for o in FAST if not o.startswith("data.max_bytes")] + [
     "data.max_bytes=8000", f"trainer.max_steps={STEPS}", "trainer.global_batch_size=48",
     "trainer.micro_batch_size=8", "trainer.save_every=2", "trainer.warmup_steps=3",

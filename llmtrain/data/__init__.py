@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import io
 import json
 import logging
 from dataclasses import dataclass, field
@@ -28,8 +29,9 @@ from llmtrain.data.formats import (ALPACA_PROMPT, apply_template_setting, end_of
                                    end_token_ids, encode_records, prompt_and_response, uses_chat_template)
 from llmtrain.data.order import (Collator, GlobalSampleOrder, MixtureOrder, StepBatchSampler,  # noqa: F401
                                  pack, packed_samples)
-from llmtrain.data.sources import (RECORD_BUILDERS, column, explain_error, file_kind, is_saved_dataset, load_hub,  # noqa: F401
-                                   load_records, looks_like_local_path, refuse_records_as_text, source_files)
+from llmtrain.data.sources import (RECORD_BUILDERS, capped_text, column, explain_error, file_kind,  # noqa: F401
+                                   is_saved_dataset, load_hub, load_records, looks_like_local_path,
+                                   refuse_records_as_text, source_files)
 from llmtrain.data.tokens import MANIFEST, Complement, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
 from llmtrain import distributed
 from llmtrain.config import mapped_columns
@@ -119,10 +121,18 @@ def text_documents(src: Any, key: str):
         where = str(files[0] if len(files) == 1 else src.path)
         # The standard library (path null) has a few files in other encodings: replaced, as they
         # are only a default corpus. A user's file that is not UTF-8 is an error naming it.
+        errors = "replace" if src.path is None else "strict"
+        # data.max_bytes: the files that fit whole, then the head of the one the cap falls in.
+        whole, cut = capped_text(files, src.max_bytes) if src.max_bytes is not None else (files, None)
         try:
-            docs = datasets.load_dataset("text", data_files=[str(f) for f in files], sample_by="document",
-                                         split="train", cache_dir=str(CACHE_DIR / "datasets"),
-                                         encoding_errors="replace" if src.path is None else "strict")
+            parts = [datasets.load_dataset("text", data_files=[str(f) for f in whole], sample_by="document",
+                                           split="train", cache_dir=str(CACHE_DIR / "datasets"),
+                                           encoding_errors=errors)] if whole else []
+            if cut is not None or not parts:  # decoded as open() reads the whole files (universal newlines)
+                head = [io.TextIOWrapper(io.BytesIO(cut[1]), encoding="utf-8", errors=errors).read()] if cut else []
+                parts.append(datasets.Dataset.from_dict({"text": head},
+                                                        features=datasets.Features({"text": datasets.Value("string")})))
+            docs = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
         except Exception as err:  # noqa: BLE001 - the builder wraps the decoder's error
             bad = next((f for f in files if not _is_utf8(f)), None)
             raise DataError(f"{key}.path: {bad or where} could not be read as text: {explain_error(err)}; convert it to "
@@ -158,6 +168,8 @@ def _cache_key(src: Any, tokenizer: Any, key: str) -> str:
     and every setting that changes the ids."""
     desc: dict[str, Any] = {"tokenizer": tokenizer_fingerprint(tokenizer), "format": src.format,
                             "columns": mapped_columns(src.columns), "max_bytes": src.max_bytes, "max_records": src.max_records}
+    if src.max_bytes is not None:
+        desc["max_bytes_cuts_text"] = True  # earlier folders read the last file whole
     path = Path(str(src.path)).expanduser() if src.path is not None else None
     if path is None or path.exists():
         if path is not None and path.is_dir() and is_saved_dataset(path):

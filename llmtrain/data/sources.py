@@ -55,7 +55,9 @@ def is_saved_dataset(folder: Path) -> bool:
 
 
 def source_files(src: Any, key: str) -> list[Path]:
-    """The local files of a source, in a deterministic order (``max_bytes`` caps the total).
+    """The local files of a source, in a deterministic order: with ``max_bytes``, the files up to
+    the one in which that many bytes are reached (which :func:`capped_text` cuts for plain text;
+    record files are read whole).
 
     A folder contributes the files matching ``glob`` for ``format=text``; for record formats, the
     files with a record suffix (.json, .jsonl, .parquet, .csv, .arrow). ``path=null`` (text
@@ -89,6 +91,35 @@ def source_files(src: Any, key: str) -> list[Path]:
         wanted = repr(src.glob) if src.format == "text" else "*.json, *.jsonl, *.parquet, *.csv or *.arrow"
         raise DataError(f"{key}.path: no files match {wanted} under {root}")
     return files
+
+
+def capped_text(files: list[Path], max_bytes: int) -> tuple[list[Path], tuple[Path, bytes] | None]:
+    """Plain-text ``files`` cut to ``max_bytes`` bytes of text in all (``data.max_bytes``; a
+    compressed file counts its decompressed bytes): the files read whole, and the file the cap
+    falls inside with its first bytes, ending before an incomplete UTF-8 character (None when the
+    cap falls between files). Memory: at most ``max_bytes`` (one file's head at a time)."""
+    whole, left = [], max_bytes
+    for f in files:
+        opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(f.suffix.lower())
+        if opener is None and f.stat().st_size <= left:
+            whole.append(f)
+            left -= f.stat().st_size
+            continue
+        with (opener or open)(f, "rb") as fh:
+            head = fh.read(left + 1)
+        if len(head) <= left:  # a compressed file that fits
+            whole.append(f)
+            left -= len(head)
+            continue
+        head = head[:left]
+        for back in range(1, min(4, len(head)) + 1):  # the last character's first byte, and its length
+            lead = head[-back]
+            if lead & 0xC0 != 0x80:
+                length = 1 if lead < 0x80 else 2 if lead >> 5 == 0b110 else 3 if lead >> 4 == 0b1110 else 4
+                head = head[:-back] if length > back else head
+                break
+        return whole, (f, head)
+    return whole, None
 
 
 def looks_like_local_path(value: str) -> bool:

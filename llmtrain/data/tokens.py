@@ -10,10 +10,12 @@ token and document counts, EOS id, source). Training reads the blocks it needs w
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -57,20 +59,25 @@ def write_token_folder(documents: Any, tokenizer: Any, out: Path, num_proc: int,
                               num_proc=num_proc if num_proc > 1 and len(documents) >= num_proc else None,
                               desc="tokenize")
     out = Path(out)
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    remove_stale_partials(out)
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}@{socket.gethostname()}")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     count = 0
-    with open(partial / TOKENS, "wb") as f:
-        for batch in tokenized.with_format("numpy").iter(batch_size=1024):
-            for doc in batch["ids"]:
-                f.write(np.asarray(doc, dtype=dtype).tobytes())
-                count += len(doc)
-    manifest = {"tokenizer": getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__,
-                "tokenizer_sha256": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer),
-                "dtype": np.dtype(dtype).name, "num_tokens": count, "num_documents": len(documents),
-                "eos_token_id": eos, "source": source}
-    (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    try:
+        with open(partial / TOKENS, "wb") as f:
+            for batch in tokenized.with_format("numpy").iter(batch_size=1024):
+                for doc in batch["ids"]:
+                    f.write(np.asarray(doc, dtype=dtype).tobytes())
+                    count += len(doc)
+        manifest = {"tokenizer": getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__,
+                    "tokenizer_sha256": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer),
+                    "dtype": np.dtype(dtype).name, "num_tokens": count, "num_documents": len(documents),
+                    "eos_token_id": eos, "source": source}
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    except BaseException:  # an error or Ctrl-C: no half-written folder left (SIGKILL: the next run's)
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     try:
         os.rename(partial, out)
     except OSError:
@@ -80,6 +87,23 @@ def write_token_folder(documents: Any, tokenizer: Any, out: Path, num_proc: int,
         # first: keep its copy, which readers may already hold open.
         shutil.rmtree(partial, ignore_errors=True)
     return manifest
+
+
+def remove_stale_partials(out: Path) -> None:
+    """Delete the half-written ``.<out>.partial-<pid>@<host>`` folders beside ``out`` that a
+    killed writer on this host left (its pid is no longer running). Writers on other hosts
+    sharing the folder, and live ones here, are left alone."""
+    host = socket.gethostname()
+    for folder in Path(out).parent.glob(f".{glob.escape(Path(out).name)}.partial-*"):
+        pid, _, owner = folder.name.rsplit(".partial-", 1)[1].partition("@")
+        if not pid.isdigit() or (owner or host) != host or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # no such process: the writer died
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 def read_manifest(folder: Path, key: str) -> dict:

@@ -269,18 +269,27 @@ class DeepSpeedEngine(Engine):
 
     def save_checkpoint(self, directory: Path, background: bool = False):
         # background: refused at validation (trainer.async_checkpoint needs engine=torch).
-        # save_latest=False: our completion marker, not DeepSpeed's "latest" file, names checkpoints.
+        # save_latest=True writes DeepSpeed's tag file "latest" (contents: "engine") into the
+        # checkpoint folder itself, next to the zero_to_fp32.py it copies there, so that script
+        # runs as its usage line says (`python zero_to_fp32.py . OUT`); the completion marker lists
+        # it like any other file and still alone says which checkpoints are complete.
         # Frozen parameters (LoRA's base, model.freeze) come from the model's source on resume.
-        self.ds.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=False,
+        self.ds.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=True,
                                 exclude_frozen_parameters=self._partial)
 
     def prepare_resume(self, directory: Path, saved_world_size: int) -> None:
         """On a world-size change, convert the ZeRO checkpoint to DeepSpeed's universal format
-        (once, on rank 0, into ``checkpoints/.universal/step_<N>``) and load from there."""
+        (once, on rank 0, into ``checkpoints/.universal/step_<N>``) and load from there.
+        ``ds_to_universal`` unpickles: the files are checked first (:func:`check_checkpoint_files`).
+
+        Raises:
+            ResumeError: a file holds pickled objects beyond DeepSpeed's checkpoint classes.
+        """
         if saved_world_size == self.env.world_size:
             return
         from llmtrain import distributed
 
+        check_checkpoint_files(directory, self.env)
         step_dir = directory.parent
         self._universal_dir = step_dir.parent / ".universal" / step_dir.name
         self.ds_config["checkpoint"] = {"load_universal": True}
@@ -291,6 +300,14 @@ class DeepSpeedEngine(Engine):
     def load_checkpoint(self, directory: Path, saved_world_size: int) -> None:
         universal = saved_world_size != self.env.world_size
         source = self._universal_dir if universal else directory
+        check_checkpoint_files(source, self.env)
+        if self.env.is_main:
+            import logging
+
+            logging.getLogger("llmtrain").info(
+                "loading %s with DeepSpeed's load_checkpoint, which unpickles its files (torch.load "
+                "weights_only=False); they passed a weights_only=True check against DeepSpeed's own checkpoint "
+                "classes first. Load only checkpoints you trust", source)
         weight_decays = [group["weight_decay"] for group in self.ds.optimizer.param_groups]
         path, _ = self.ds.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True, load_module_strict=not self._partial)
@@ -376,3 +393,67 @@ def _convert_to_universal(engine_dir: Path, out_dir: Path) -> None:
                                     num_merge_workers=1, keep_temp_folder=False, strict=True,
                                     inject_missing_state=True))
     tmp.rename(out_dir)
+
+
+def checkpoint_safe_globals() -> list[Any]:
+    """The classes DeepSpeed (0.19) pickles into its checkpoint files besides tensors and plain
+    types: ZeRO's loss scaler (``LossScaler``, ``DynamicLossScaler``), ``ZeroStageEnum`` and the
+    fragment addresses of parameter slices. Unpickling them only sets attributes (no code from the
+    file runs), so they are allow-listed for ``torch.load(weights_only=True)``."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def unsafe_checkpoint_file(directory: Path, rank: int = 0, world_size: int = 1) -> str | None:
+    """Why DeepSpeed's loaders must not open ``directory``, or None: each torch file (``*.pt``,
+    recursively; this rank's share, every ``world_size``-th by name) must load with
+    ``torch.load(weights_only=True)`` and :func:`checkpoint_safe_globals`. The tensor data is
+    memory-mapped, not read. DeepSpeed's own loaders (``load_checkpoint``, ``zero_to_fp32``,
+    ``ds_to_universal``) unpickle with ``weights_only=False``; a file that passes this check holds
+    nothing they could run."""
+    import pickle
+    import re
+
+    files = sorted(p for p in Path(directory).rglob("*.pt") if p.is_file())
+    with torch.serialization.safe_globals(checkpoint_safe_globals()):
+        for path in files[rank::world_size]:
+            try:
+                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except pickle.UnpicklingError as err:
+                text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+                found = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
+                reason = (found.group(1) if found else text.strip()[:300]).split(" Please use `torch")[0]
+                return (f"{path} holds pickled objects beyond tensors, plain types and DeepSpeed's checkpoint classes "
+                        f"({reason.strip()}); it was not loaded and none of it ran")
+            except (RuntimeError, OSError, EOFError, ValueError) as err:
+                return f"{path} is not a readable torch file ({str(err).splitlines()[0] if str(err) else err!r})"
+    return None
+
+
+def check_checkpoint_files(directory: Path, env=None) -> None:
+    """Refuse a DeepSpeed checkpoint folder before DeepSpeed's loaders unpickle it
+    (:func:`unsafe_checkpoint_file`), the files split over the ranks of ``env`` (a
+    :class:`llmtrain.distributed.DistEnv`; None: this process checks them all). Collective when
+    a process group is up: every rank raises the same error.
+
+    Raises:
+        ResumeError: naming the file and what it holds; load only checkpoints you trust.
+    """
+    import torch.distributed as dist
+
+    from llmtrain import distributed
+    from llmtrain.errors import ResumeError
+
+    collective = env is not None and distributed.is_initialized()
+    problem = unsafe_checkpoint_file(directory, env.rank if collective else 0, env.world_size if collective else 1)
+    if collective:
+        problems: list[Any] = [None] * env.world_size
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    if problem:
+        raise ResumeError(f"refusing DeepSpeed checkpoint {directory}: {problem}. DeepSpeed's loaders unpickle their "
+                          "files (code in them would run); load only checkpoints you trust, e.g. one you wrote "
+                          "yourself (trainer.resume=<step or path>)")
