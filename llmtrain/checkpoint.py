@@ -593,7 +593,7 @@ class CheckpointManager:
 RESUMABLE_CHANGES = ("name", "run_dir", "tracker", "trainer.max_steps", "trainer.eval_every", "trainer.eval_samples",
                      "trainer.log_every", "trainer.save_every", "trainer.save_every_minutes", "trainer.keep_checkpoints",
                      "trainer.checkpoint_hash", "trainer.async_checkpoint", "trainer.resume", "trainer.preempt_signal", "trainer.export_hf", "trainer.progress_bar",
-                     "trainer.peak_tflops")
+                     "trainer.peak_tflops", "trainer.hang_timeout_s")
 
 
 # With the torch engine on both sides, the checkpoint is a Distributed Checkpoint keyed by

@@ -377,6 +377,11 @@ class RecipeConfig:
     memory_margin: float = 0.1
 
 
+# torch.distributed's collective timeout (llmtrain.distributed.init_distributed): a hang watchdog
+# must fire before it.
+PROCESS_GROUP_TIMEOUT_S = 600.0
+
+
 @dataclass
 class ObjectiveConfig:
     """The training objective (``objective=NAME``; :mod:`llmtrain.objectives`).
@@ -813,7 +818,9 @@ def validate_trainer(t: Any, r: Any) -> None:
     _require(t.dry_run_world_size is None or t.dry_run_world_size >= 1,
              f"trainer.dry_run_world_size={t.dry_run_world_size} must be >= 1 (the number of ranks to lay out)")
     _require(t.save_every_minutes >= 0, f"trainer.save_every_minutes={t.save_every_minutes} must be >= 0")
-    _require(t.hang_timeout_s >= 0, f"trainer.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no hang watchdog)")
+    _require(0 <= t.hang_timeout_s < PROCESS_GROUP_TIMEOUT_S,
+             f"trainer.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no hang watchdog) and below the process "
+             f"group's timeout of {PROCESS_GROUP_TIMEOUT_S:.0f} s, which would otherwise end a hung job first")
     _require(t.peak_tflops >= 0, f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (0 = from the device name)")
     _require(t.checkpoint_hash in ("xxh3", "sha256"), f"trainer.checkpoint_hash={t.checkpoint_hash!r} must be xxh3 or sha256")
     _require(not (t.async_checkpoint and r.engine == "deepspeed"),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmtrain.config import PROCESS_GROUP_TIMEOUT_S
 from llmtrain.errors import LaunchError  # raised here; also importable as distributed.LaunchError
 
 
@@ -55,7 +56,7 @@ def _int_env(name: str) -> int | None:
         raise LaunchError(f"environment variable {name}={value!r} must be an integer") from err
 
 
-def init_distributed(timeout_s: float = 600.0, need_group: bool = False) -> DistEnv:
+def init_distributed(timeout_s: float = PROCESS_GROUP_TIMEOUT_S, need_group: bool = False) -> DistEnv:
     """Initialise torch.distributed from the launcher's environment (idempotent).
 
     torchrun and ``accelerate launch`` set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and

@@ -743,8 +743,9 @@ def _on_nonfinite(t: Any, step: int, loss: float, grad_norm: float, spike: str |
     close()
     why = (f"{skipped_in_a_row} updates in a row were skipped (trainer.max_skipped_steps={t.max_skipped_steps})"
            if t.nonfinite == "skip" else "trainer.nonfinite=stop")
-    restart = (f"the last healthy checkpoint is {last_healthy}: resume from it (trainer.resume=auto) with a lower "
-               "trainer.lr or stronger clipping" if last_healthy else
+    restart = (f"the last healthy checkpoint is {last_healthy}: resume from it (trainer.resume=auto) to retry with "
+               "the same settings (resume refuses a changed trainer.lr or grad_clip: those make a new run, with its "
+               "own run_dir)" if last_healthy else
                "no checkpoint was written before it: lower trainer.lr or raise trainer.warmup_steps")
     raise TrainingStopped(f"step {step}: {values} ({why}); nothing was saved or exported from this state; "
                           f"{restart}")

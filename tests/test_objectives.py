@@ -84,3 +84,31 @@ def test_an_objective_needing_hidden_states_is_refused_by_name():
     with pytest.raises(ConfigError, match="needs model_output='hidden', which the TorchEngine engine does not provide"):
         TorchEngine(make_cfg([]), env, 1, objective=Hidden())
     assert issubclass(Hidden, Objective)
+
+
+def test_user_objectives_that_cannot_work_are_refused_by_name():
+    import types
+
+    module = types.ModuleType("bad_objectives")
+
+    class Abstract(Objective):  # loss_sums and normaliser left out
+        pass
+
+    class Clash(TokenWeighted):
+        metric_names = ("loss",)
+
+    module.Abstract, module.Clash = Abstract, Clash
+    import sys
+
+    sys.modules["bad_objectives"] = module
+    try:
+        with pytest.raises(ConfigError, match="cannot be built as Abstract"):
+            build_objective(make_cfg(["objective.target=bad_objectives:Abstract"]).objective)
+        with pytest.raises(ConfigError, match=r"names metrics \['loss'\], which the trainer logs itself"):
+            build_objective(make_cfg(["objective.target=bad_objectives:Clash"]).objective)
+    finally:
+        del sys.modules["bad_objectives"]
+    from llmtrain.objectives import LossSums
+
+    with pytest.raises(KeyError, match="declares metric_names \\['accuracy'\\] but its loss_sums returned no accuracy"):
+        TokenWeighted().stacked(LossSums(torch.tensor(1.0)))

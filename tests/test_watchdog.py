@@ -156,3 +156,14 @@ def test_hang_timeout_must_not_be_negative():
     assert make_cfg([]).trainer.hang_timeout_s == 300
     with pytest.raises(ConfigError, match=r"trainer\.hang_timeout_s=-1\.0 must be >= 0"):
         validate(make_cfg(["trainer.hang_timeout_s=-1"]), 1)
+
+
+def test_hang_timeout_must_be_below_the_process_group_timeout_and_may_change_on_resume():
+    from llmtrain.checkpoint import RESUMABLE_CHANGES
+    from llmtrain.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"trainer\.hang_timeout_s=600\.0 .* below the process group's timeout of 600 s"):
+        validate(make_cfg(["trainer.hang_timeout_s=600"]), 1)
+    validate(make_cfg(["trainer.hang_timeout_s=599"]), 1)
+    # A false alarm is mended by relaunching with a longer timeout: resume must accept that.
+    assert "trainer.hang_timeout_s" in RESUMABLE_CHANGES

@@ -159,7 +159,8 @@ class Engine(ABC):
         Args:
             batches: micro-batches (``input_ids``, ``attention_mask`` and the objective's
                 ``carries`` keys, each ``[micro_batch, seq]``) on the engine's device.
-            normaliser: the objective's normaliser of the whole global batch (target tokens).
+            normaliser: the objective's normaliser of the whole global batch (target tokens
+                for next-token training).
 
         Returns:
             float64 ``[1 + len(objective.metric_names)]``: the summed loss of ``batches`` (not
@@ -207,7 +208,7 @@ class Engine(ABC):
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate gradients of ``loss`` (a scalar normalised by global target tokens)."""
+        """Accumulate gradients of ``loss`` (a scalar normalised by the global batch's normaliser)."""
 
     @abstractmethod
     def step(self, keep_update: Callable[[float], bool] | None = None) -> float:

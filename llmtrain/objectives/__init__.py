@@ -49,4 +49,17 @@ def build_objective(objective_cfg: Any) -> Objective:
                           "importable.module:ClassName") from None
     if not (isinstance(cls, type) and issubclass(cls, Objective)):
         raise ConfigError(f"objective.target={target!r} is not a subclass of llmtrain.objectives.Objective")
-    return cls(objective_cfg)
+    try:
+        objective = cls(objective_cfg)
+    except TypeError as err:  # abstract methods left, or another constructor signature
+        raise ConfigError(f"objective.target={target!r} cannot be built as {class_name}(objective_cfg): {err}") from None
+    clashes = sorted(set(objective.metric_names) & RESERVED_METRICS)
+    if clashes:
+        raise ConfigError(f"objective.target={target!r} names metrics {clashes}, which the trainer logs itself "
+                          f"(train/NAME, val/NAME); rename them")
+    return objective
+
+
+# Names the trainer logs under train/ and val/ itself: an objective's metric must not overwrite them.
+RESERVED_METRICS = frozenset({"loss", "perplexity", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tokens_seen",
+                              "samples_seen", "skipped_update"})

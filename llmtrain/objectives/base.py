@@ -47,26 +47,42 @@ class Objective(ABC):
 
     @property
     def name(self) -> str:
+        """``objective.name`` (a built-in's name, or the label of ``objective.target``), else the
+        class name."""
         return (self.cfg.get("name") if self.cfg is not None else None) or type(self).__name__
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Add what the loss needs to a host micro-batch from the data loader (before it moves to
-        the device); the default adds nothing."""
+        """Add what the loss needs to a host micro-batch from the data loader (``input_ids``,
+        ``labels``, ``attention_mask``, packed rows' ``position_ids``, each ``[micro_batch, seq]``),
+        before it moves to the device: every key of :attr:`carries` that the loader does not
+        yield is made here, as a ``[micro_batch, seq]`` tensor. Runs on training and validation
+        batches alike (and the evaluator's filler batch without targets); keep the loader's keys.
+        The default adds nothing."""
         return batch
 
     @abstractmethod
     def normaliser(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """0-dim tensor on the batch's device: this micro-batch's share of the normaliser (target
-        tokens for next-token losses; pairs for preference losses). No host sync."""
+        tokens for next-token losses; pairs for preference losses). No host sync. Summed over the
+        global batch it divides the loss and every metric, and must be > 0."""
 
     @abstractmethod
     def loss_sums(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossSums:
         """The summed loss and metrics of one micro-batch from the model ``output`` (see
-        :attr:`model_output`) and the batch's :attr:`carries` tensors."""
+        :attr:`model_output`) and the batch's :attr:`carries` tensors: read only those (a pipeline's
+        last stage gets nothing else, right-padded with the :attr:`carries` pad values)."""
 
     def stacked(self, sums: LossSums) -> torch.Tensor:
         """float64 vector ``[1 + len(metric_names)]``: loss then metrics, detached (what engines
-        accumulate over micro-batches and the trainer all-reduces)."""
+        accumulate over micro-batches and the trainer all-reduces).
+
+        Raises:
+            KeyError: ``sums.metrics`` lacks one of :attr:`metric_names` (named with the objective).
+        """
+        missing = [name for name in self.metric_names if name not in sums.metrics]
+        if missing:
+            raise KeyError(f"objective {self.name!r} declares metric_names {list(self.metric_names)} but its "
+                           f"loss_sums returned no {', '.join(missing)}")
         values = [sums.loss.detach()] + [sums.metrics[name].detach() for name in self.metric_names]
         return torch.stack([v.reshape(()).to(torch.float64) for v in values])
 
