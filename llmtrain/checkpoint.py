@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from llmtrain import distributed
 from llmtrain.errors import ResumeError  # raised here; also importable as checkpoint.ResumeError
+from llmtrain.safe_load import load_weights_only, unpickling_reason
 
 log = logging.getLogger("llmtrain")
 
@@ -219,15 +220,6 @@ def _numpy_array_globals() -> list[Any]:
             np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
-def _unpickling_reason(err: BaseException) -> str:
-    """The one line of torch's ``weights_only`` refusal that says what the file holds (``Unsupported
-    global: GLOBAL builtins.exec ...``), without its advice to load with ``weights_only=False``."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
-    match = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
-    reason = match.group(1) if match else text.strip().splitlines()[0] if text.strip() else type(err).__name__
-    return reason.split(" Please use `torch.serialization.add_safe_globals")[0].strip()
-
-
 def read_rng(path: Path) -> dict[str, Any]:
     """One rank's RNG file (``rank_<r>.pt``), loaded with ``torch.load(weights_only=True)``: only
     tensors and plain types are built, so a crafted file cannot run code. A format-1 file (before
@@ -244,11 +236,10 @@ def read_rng(path: Path) -> dict[str, Any]:
     fix = ("resume from a checkpoint you wrote yourself (trainer.resume=<step or path>) or start a new run_dir; "
            "load only checkpoints you trust")
     try:
-        with torch.serialization.safe_globals(_numpy_array_globals()):
-            state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_weights_only(path, _numpy_array_globals())
     except pickle.UnpicklingError as err:
         raise ResumeError(f"refusing RNG file {path}: it holds pickled objects that are not RNG states "
-                          f"({_unpickling_reason(err)}); it was not loaded and none of it ran; {fix}") from None
+                          f"({unpickling_reason(err)}); it was not loaded and none of it ran; {fix}") from None
     except (RuntimeError, OSError, EOFError, ValueError) as err:
         raise ResumeError(f"RNG file {path} is not a readable torch file ({err}); {fix}") from None
     missing = [k for k in _RNG_KEYS if not isinstance(state, dict) or k not in state]

@@ -469,26 +469,10 @@ def _string_field(dotted_key: str) -> Optional[str]:
     """``"str"`` when ``dotted_key`` names a string field of :class:`Config` (``name``,
     ``data.path``, ``data.datasets.0.name``, ``tracker.run_name``), ``"list"`` for a list of
     strings (``tracker.tags``), else None."""
-    def bare(hint: Any) -> Any:  # Optional[X] -> X
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
-
-    schema: Any = Config
-    for part in dotted_key.split("."):
-        schema = bare(schema)
-        if typing.get_origin(schema) is list and part.isdigit():
-            schema = typing.get_args(schema)[0]
-            continue
-        if not dataclasses.is_dataclass(schema):
-            return None
-        hints = typing.get_type_hints(schema)
-        if part not in hints:
-            return None
-        schema = hints[part]
-    schema = bare(schema)
-    if schema is str:
+    hint = _schema_hint(dotted_key, through_containers=True)
+    if hint is str:
         return "str"
-    return "list" if typing.get_origin(schema) is list and typing.get_args(schema) == (str,) else None
+    return "list" if typing.get_origin(hint) is list and typing.get_args(hint) == (str,) else None
 
 
 def keep_typed_strings(overrides: list[str]) -> list[str]:
@@ -583,15 +567,37 @@ def is_schema_key(dotted_key: str) -> bool:
     """Whether ``dotted_key`` (``trainer.lr``) names a field of :class:`Config`, or lies inside a
     field that is not a dataclass (``model.architecture.rope_theta``: free-form mappings take any
     key). The same notion of the schema as :func:`check_known_keys`, for plain dicts."""
+    return _schema_hint(dotted_key, through_containers=False) is not _NOT_IN_SCHEMA
+
+
+_NOT_IN_SCHEMA = object()
+_FREE_FORM = object()
+
+
+def _schema_hint(dotted_key: str, through_containers: bool) -> Any:
+    """The type hint of the :class:`Config` field ``dotted_key`` names; :data:`_FREE_FORM` when
+    the key lies inside a field that is not a dataclass, :data:`_NOT_IN_SCHEMA` when a part is
+    no field. ``through_containers``: also step through ``Optional[X]`` and list indexes
+    (``data.datasets.0.name``) and return the bare hint; otherwise such a field counts as
+    free-form (as :func:`check_known_keys` sees plain dicts)."""
+    def bare(hint: Any) -> Any:  # Optional[X] -> X
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+
     schema: Any = Config
     for part in dotted_key.split("."):
+        if through_containers:
+            schema = bare(schema)
+            if typing.get_origin(schema) is list and part.isdigit():
+                schema = typing.get_args(schema)[0]
+                continue
         if not dataclasses.is_dataclass(schema):
-            return True
+            return _FREE_FORM
         hints = typing.get_type_hints(schema)
         if part not in hints:
-            return False
+            return _NOT_IN_SCHEMA
         schema = hints[part]
-    return True
+    return bare(schema) if through_containers else schema
 
 
 _NO_DEFAULT = object()

@@ -119,7 +119,7 @@ def _deepspeed_report(cfg: Any, world_size: int, accumulation: int, hf_config: A
     ``stage3_param_persistence_threshold`` elements whole on every rank."""
     from transformers import AutoModelForCausalLM
 
-    from llmtrain.engine import param_groups
+    from llmtrain.engine.base import param_groups
     from llmtrain.engine.deepspeed_engine import communication_sizes, deepspeed_config
 
     config = deepspeed_config(cfg, world_size, accumulation)

@@ -32,6 +32,7 @@ from llmtrain.checkpoint import ENGINE_DIR, verify
 from llmtrain.errors import ModelSourceError, ResumeError
 from llmtrain.models import build_tokenizer, canonical_name, model_config, resolve_gguf
 from llmtrain.paths import follow_umask
+from llmtrain.safe_load import load_weights_only
 
 log = logging.getLogger("llmtrain")
 
@@ -246,8 +247,7 @@ def consolidated_state_dict(checkpoint_dir: Path, engine: str, zero_stage: int =
     if engine == "deepspeed" and zero_stage == 0:
         # ZeRO-0 keeps no partitions (zero_to_fp32 has nothing to merge): the module is whole, in
         # fp32 (bf16 runs train with fp32 parameters under torch autocast).
-        with torch.serialization.safe_globals(checkpoint_safe_globals()):
-            states = torch.load(engine_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+        states = load_weights_only(engine_dir / "mp_rank_00_model_states.pt", checkpoint_safe_globals())
         return {k: v.float() for k, v in states["module"].items()}
     if engine == "deepspeed":
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -330,6 +330,8 @@ class Trainer:
         self.run_dir = _run_dir(cfg)
         self.tokenizer, self.hf_config = self._setup_tokenizer()
         self.splits = data.load_splits(cfg.data, self.tokenizer, self.t.seed)
+        self.partial = adapters.is_partial(cfg)  # LoRA or model.freeze: some parameters stay frozen
+        self.fingerprint = adapters.base_fingerprint(cfg.model, self.t.seed) if self.partial else None
         self.checkpoints, self.resume_from = self._setup_checkpoints()
         self.objective = build_objective(cfg.get("objective"))
         self.engine = self._setup_engine()
@@ -440,8 +442,6 @@ class Trainer:
         """The run's checkpoint manager and the checkpoint to resume (checked compatible), if any."""
         manager = checkpoint.CheckpointManager(self.run_dir, self.env, self.t.keep_checkpoints)
         resume_from = manager.resolve(self.t.resume)
-        self.partial = adapters.is_partial(self.cfg)  # LoRA or model.freeze: some parameters stay frozen
-        self.fingerprint = adapters.base_fingerprint(self.cfg.model, self.t.seed) if self.partial else None
         if resume_from is not None:
             checkpoint.check_resumable(resume_from, self.cfg, manager, self.env.is_main, self.fingerprint)
         return manager, resume_from

@@ -415,21 +415,19 @@ def unsafe_checkpoint_file(directory: Path, rank: int = 0, world_size: int = 1) 
     ``ds_to_universal``) unpickle with ``weights_only=False``; a file that passes this check holds
     nothing they could run."""
     import pickle
-    import re
+
+    from llmtrain.safe_load import load_weights_only, unpickling_reason
 
     files = sorted(p for p in Path(directory).rglob("*.pt") if p.is_file())
-    with torch.serialization.safe_globals(checkpoint_safe_globals()):
-        for path in files[rank::world_size]:
-            try:
-                torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except pickle.UnpicklingError as err:
-                text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
-                found = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
-                reason = (found.group(1) if found else text.strip()[:300]).split(" Please use `torch")[0]
-                return (f"{path} holds pickled objects beyond tensors, plain types and DeepSpeed's checkpoint classes "
-                        f"({reason.strip()}); it was not loaded and none of it ran")
-            except (RuntimeError, OSError, EOFError, ValueError) as err:
-                return f"{path} is not a readable torch file ({str(err).splitlines()[0] if str(err) else err!r})"
+    allowed = checkpoint_safe_globals()
+    for path in files[rank::world_size]:
+        try:
+            load_weights_only(path, allowed, mmap=True)
+        except pickle.UnpicklingError as err:
+            return (f"{path} holds pickled objects beyond tensors, plain types and DeepSpeed's checkpoint classes "
+                    f"({unpickling_reason(err)}); it was not loaded and none of it ran")
+        except (RuntimeError, OSError, EOFError, ValueError) as err:
+            return f"{path} is not a readable torch file ({str(err).splitlines()[0] if str(err) else err!r})"
     return None
 
 

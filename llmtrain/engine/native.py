@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmtrain.engine import dcp_state
+import llmtrain.engine.dcp_state as dcp_state
 from llmtrain.engine.base import (Engine, advance_schedule_only, apply_schedule, autocast, build_adamw, build_scheduler,
                                   first_step_count, model_inputs, param_groups)
 from llmtrain.models import initial_value

@@ -25,6 +25,10 @@ __all__ = ["BUILT_IN", "CausalLM", "LossSums", "Objective", "build_objective"]
 
 BUILT_IN: dict[str, type[Objective]] = {"causal_lm": CausalLM}
 
+# Names the trainer logs under train/ and val/ itself: an objective's metric must not overwrite them.
+RESERVED_METRICS = frozenset({"loss", "perplexity", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tokens_seen",
+                              "samples_seen", "skipped_update"})
+
 
 def build_objective(objective_cfg: Any) -> Objective:
     """The objective ``objective_cfg`` names: ``objective.target`` (``"module:Class"``, a subclass
@@ -58,8 +62,3 @@ def build_objective(objective_cfg: Any) -> Objective:
         raise ConfigError(f"objective.target={target!r} names metrics {clashes}, which the trainer logs itself "
                           f"(train/NAME, val/NAME); rename them")
     return objective
-
-
-# Names the trainer logs under train/ and val/ itself: an objective's metric must not overwrite them.
-RESERVED_METRICS = frozenset({"loss", "perplexity", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tokens_seen",
-                              "samples_seen", "skipped_update"})

@@ -8,6 +8,8 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
+from llmtrain.errors import ConfigError
+
 
 @dataclass
 class LossSums:
@@ -93,7 +95,5 @@ class Objective(ABC):
             ConfigError: naming the objective and what it needs.
         """
         if self.model_output != "logits":
-            from llmtrain.errors import ConfigError
-
             raise ConfigError(f"objective {self.name!r} needs model_output={self.model_output!r}, which the "
                               f"{engine_name} engine does not provide (only logits)")
