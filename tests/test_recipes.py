@@ -239,9 +239,10 @@ def test_resume_across_a_layout_change(saved, nsaved, recipe, nproc, runs, tmp_p
 
 
 def test_token_weighted_objective_reference_on_one_process(runs):
-    """The 1-process run of the test objective against its equation, computed here from the
-    exported model and a batch: ``sum(w * CE) / sum(w)`` (tests/token_weighted.py) differs from
-    the plain token mean, so the run really trained the weighted loss."""
+    """The 1-process run of the test objective (the reference of the two-process runs below)
+    trained the weighted loss: on the same samples and initial weights, step 1's
+    ``sum(w * CE) / sum(w)`` differs from the plain token mean, and the loss falls. The loss itself
+    is checked against its equation, token by token, in tests/test_objectives.py."""
     got = steps(runs(1)["weighted"])
     plain = steps(runs(1)["ddp"])
     assert sorted(got) == list(range(1, 7))
