@@ -8,8 +8,9 @@ parameter gets no gradient and no optimizer state; checkpoints hold the trainabl
 (:func:`is_partial`), and the base weights are identified by :func:`base_fingerprint`.
 
 The whole state of a partial checkpoint (:func:`whole_state`) puts its trained tensors on the base
-rebuilt from the model's source. Exports (a PEFT adapter folder that ``PeftModel.from_pretrained(base,
-folder)`` loads, the merged model) are :mod:`llmtrain.export`'s.
+rebuilt from the model's source. Exports (a PEFT adapter folder that
+``AutoPeftModelForCausalLM.from_pretrained(folder)`` loads with its base, the merged model) are
+:mod:`llmtrain.export`'s.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ line per logged step instead, greppable with ``grep '^step'``::
     step 10/200: train loss 4.3491, lr 5.50e-04, grad norm 0.532, 8,881 tokens/s, eta 0:00:52
 
 Library progress bars (``datasets`` map/filter, ``transformers`` shard writing and GGUF
-dequantization, ``huggingface_hub``) are shown only on rank 0 and only on a terminal.
+dequantization, ``huggingface_hub``) are shown only on rank 0 and only on a terminal. Library
+chatter that says nothing about this run (wandb's run summary, peft's guess about a base model
+with no Hub config) is off unless llmtrain's debug log is on (``hydra.verbose=llmtrain``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,38 @@ def configure_library_output(is_main: bool, on_terminal: bool) -> None:
     # GGUF dequantization draws a plain tqdm bar that ignores transformers' switch above.
     if not isinstance(gguf_loading.tqdm, functools.partial):
         gguf_loading.tqdm = functools.partial(gguf_loading.tqdm, disable=True)
+
+
+def debug_logging() -> bool:
+    """llmtrain's debug mode (``hydra.verbose=llmtrain``: the llmtrain logger at DEBUG): library
+    chatter that is off by default (:func:`quiet_library_warnings`, wandb's quiet mode) shows."""
+    return log.isEnabledFor(logging.DEBUG)
+
+
+# Library warnings that llmtrain expects and that change nothing, as (category, message regex).
+EXPECTED_LIBRARY_WARNINGS = (
+    # peft's save_pretrained looks for the base model's config.json (to see whether the vocabulary
+    # was resized) locally or on the Hub; a GGUF-loaded base (its folder holds the .gguf file
+    # only) or a Hub id under HF_HUB_OFFLINE has none to find. llmtrain never resizes the
+    # vocabulary, so peft's assumption is right.
+    (UserWarning, r"Could not find a config file in .* - will assume that the vocabulary was not modified"),
+    # The same probe when the Hub cannot be reached.
+    (UserWarning, r"(?s)Unable to fetch remote file due to the following error .* - silently ignoring the lookup "
+                  r"for the file config\.json"),
+)
+
+
+@contextlib.contextmanager
+def quiet_library_warnings() -> Iterator[None]:
+    """Silence :data:`EXPECTED_LIBRARY_WARNINGS` raised inside (every other warning shows as
+    usual); in llmtrain's debug mode (:func:`debug_logging`) they show too."""
+    import warnings
+
+    with warnings.catch_warnings():
+        if not debug_logging():
+            for category, message in EXPECTED_LIBRARY_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=category)
+        yield
 
 
 @contextlib.contextmanager

@@ -1,7 +1,8 @@
 """Exports: a run's weights as a Hugging Face folder (safetensors + config + tokenizer) that
 ``AutoModelForCausalLM.from_pretrained`` loads, and for a LoRA run a PEFT adapter folder that
-``PeftModel.from_pretrained(base, folder)`` loads (optionally also the merged model), both built by
-``peft`` itself from the trained state dict.
+``AutoPeftModelForCausalLM.from_pretrained(folder)`` loads with its base (a base that its source
+cannot give ``from_pretrained``, built from a config or read from GGUF, is written next to it), and
+optionally the merged model, both built by ``peft`` itself from the trained state dict.
 
 In the run (:func:`export_hf`, at the end of training): from the live engine's weights.
 
@@ -27,7 +28,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from llmtrain import adapters, checkpoint
+from llmtrain import adapters, checkpoint, console
 from llmtrain.checkpoint import ENGINE_DIR, verify
 from llmtrain.errors import ModelSourceError, ResumeError
 from llmtrain.models import build_tokenizer, canonical_name, model_config, resolve_gguf
@@ -178,17 +179,35 @@ def save_adapter(state: dict[str, torch.Tensor], cfg: Any, adapter_dir: Path | N
         raise RuntimeError(f"adapter export: adapter weights missing from the state: {missing_lora[:5]}")
     if adapter_dir is not None:
         adapter_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(str(adapter_dir))
+        with console.quiet_library_warnings():  # peft looks for the base's config on the Hub: expected to fail
+            model.save_pretrained(str(adapter_dir))
     return model.merge_and_unload()
+
+
+BASE_DIR = "base"  # adapter_dir/base: the base written next to the adapter when its source is not loadable
+
+
+def base_needs_folder(model_cfg: Any) -> bool:
+    """Whether a LoRA run's base must be written out for ``from_pretrained`` to load it: a model
+    built from a config (its weights exist nowhere else) or read from a GGUF file (which
+    ``from_pretrained`` opens only with a ``gguf_file`` argument, which an adapter's metadata cannot
+    carry). A pretrained folder or Hub id loads as it is."""
+    return model_cfg.source in ("config", "gguf")
 
 
 def base_reference(cfg: Any, base_dir: Path | None) -> str:
     """Where the adapter's base model is loaded from (``adapter_config.json``'s
-    ``base_model_name_or_path``): the pretrained folder or Hub id, the GGUF folder, or, for a
-    model built from a config (whose weights exist nowhere else), ``base_dir``."""
+    ``base_model_name_or_path``, which ``AutoPeftModelForCausalLM.from_pretrained(adapter_dir)``
+    passes to ``from_pretrained``): ``base_dir`` as an absolute path for a source that
+    :func:`base_needs_folder` (peft resolves a relative path against the working directory, not the
+    adapter folder), else the pretrained folder (absolute) or Hub id. Without ``base_dir`` (none
+    written) for such a source: the source's own location (the GGUF folder), or "" for a config.
+    """
     m = cfg.model
+    if base_needs_folder(m) and base_dir is not None:
+        return str(base_dir.resolve())
     if m.source == "config":
-        return str(base_dir.resolve()) if base_dir is not None else ""
+        return ""
     if m.source == "gguf":
         return str(Path(resolve_gguf(m)[0]).resolve())
     return str(Path(str(m.path)).resolve()) if Path(str(m.path)).exists() else str(m.path)
@@ -196,20 +215,36 @@ def base_reference(cfg: Any, base_dir: Path | None) -> str:
 
 def export_lora(state: dict[str, torch.Tensor], cfg: Any, tokenizer: Any, adapter_dir: Path | None,
                 merged_dir: Path | None = None, end_token_ids: list[int] | None = None) -> dict[str, str]:
-    """Exports of a LoRA run from its whole trained state (in-place names, fp32; rank 0): the PEFT
-    adapter folder plus tokenizer in ``adapter_dir``; for a model built from a config (whose base
-    exists nowhere else) its untrained base (:func:`untrained_base`: the initial weights, also of
-    ``peft.modules_to_save``) as a Hugging Face folder in ``adapter_dir/base``, which the adapter
-    names as its base; and the merged model in ``merged_dir``. Either folder may be None. Returns
-    the folders written: ``{"adapter", "base", "export"}``."""
+    """Exports of a LoRA run from its whole trained state (in-place names, fp32; rank 0).
+
+    ``adapter_dir``: the PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``),
+    the tokenizer and a ``generation_config.json`` whose ``eos_token_id`` lists ``end_token_ids``.
+    For a base that ``from_pretrained`` cannot load from its source (:func:`base_needs_folder`: built
+    from a config, or a GGUF file) the untrained base (:func:`untrained_base`: the frozen weights,
+    and ``peft.modules_to_save`` at their initial values) is written as a Hugging Face folder (fp32
+    safetensors) to ``adapter_dir/base``, and the adapter names that folder (absolute path) as its
+    ``base_model_name_or_path``; so ``AutoPeftModelForCausalLM.from_pretrained(adapter_dir)`` loads
+    base and adapter from the folder's own metadata. A pretrained base is named by its folder or
+    Hub id. ``merged_dir``: the merged model. Either folder may be None.
+
+    Returns:
+        The folders written: ``{"adapter", "base", "export"}`` (those written only).
+
+    Raises:
+        RuntimeError: the state does not fit the model (names listed).
+    """
     written: dict[str, str] = {}
-    base_dir = adapter_dir / "base" if adapter_dir is not None and cfg.model.source == "config" else None
+    base_dir = adapter_dir / BASE_DIR if adapter_dir is not None and base_needs_folder(cfg.model) else None
     if base_dir is not None:
         save_hf_folder(untrained_base(state, cfg), cfg.model, tokenizer, base_dir, end_token_ids)
         written["base"] = str(base_dir)
     merged = save_adapter(state, cfg, adapter_dir, base_reference(cfg, base_dir))
     if adapter_dir is not None:
         tokenizer.save_pretrained(adapter_dir)
+        if end_token_ids:  # what generate() stops on, as in the merged and base folders
+            generation = merged.generation_config
+            generation.eos_token_id = end_token_ids if len(end_token_ids) > 1 else end_token_ids[0]
+            generation.save_pretrained(adapter_dir)
         follow_umask(adapter_dir)
         written["adapter"] = str(adapter_dir)
     if merged_dir is not None:
@@ -267,7 +302,8 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, merged: bool = False)
     """Verify ``checkpoint_dir`` and write its model as a Hugging Face folder to ``out_dir``.
 
     A LoRA checkpoint (``+peft=lora``) becomes a PEFT adapter folder (plus, for a model built from
-    a config, its base in ``out_dir/base``), or with ``merged`` the merged Hugging Face model. The
+    a config or read from a GGUF file, its base in ``out_dir/base``, which the adapter names), or
+    with ``merged`` the merged Hugging Face model. The
     frozen base of a partial checkpoint (LoRA, ``model.freeze``) is rebuilt from the model's
     source, which must still hold the weights it was trained on.
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 from omegaconf import DictConfig, OmegaConf
 
 GIB = 2**30
@@ -120,7 +121,65 @@ def _resume_lines(ax, xs: list[float]) -> None:
                 fontsize=8, color="gray")
 
 
-def _plot(path: Path, records: list[dict], resumes: list[int], title: str) -> None:
+def _step_ticks(ax) -> None:
+    """Integer ticks on the x axis (steps, tokens): a 3-step run shows 1, 2, 3, not 1.5."""
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def proportional_scale(xs: tuple[list[int], list[float]], ys: tuple[list[int], list[float]],
+                       rtol: float = 1e-6) -> float | None:
+    """The factor ``k`` with ``y = k * x`` at every step both series log (``perf/tflops_per_device``
+    and ``perf/mfu`` are fixed multiples of ``train/tokens_per_s`` within a run), or None when
+    they share no step with ``x > 0`` or the ratio varies by more than ``rtol`` (a resume on
+    another world size changes it)."""
+    x_at = dict(zip(*xs))
+    ratios = [y / x_at[s] for s, y in zip(*ys) if x_at.get(s, 0) > 0]
+    if not ratios or not all(math.isfinite(r) for r in ratios):
+        return None
+    lo, hi = min(ratios), max(ratios)
+    return ratios[0] if hi - lo <= rtol * max(abs(hi), abs(lo), 1e-300) else None
+
+
+def _throughput(ax, records: list[dict], resumes: list[int]) -> None:
+    """tokens/s against steps, and MFU (%) or else TFLOP/s per device: while the second is
+    proportional to the first, a secondary y axis (one curve, two scales); otherwise its own
+    dashed curve on a twin axis."""
+    tps = series(records, "train/tokens_per_s")
+    mfu, tflops = series(records, "perf/mfu"), series(records, "perf/tflops_per_device")
+    other, other_label, factor = ((mfu, "MFU (%)", 100.0) if mfu[0] else (tflops, "TFLOP/s per device", 1.0))
+    if not tps[0] and not other[0]:
+        _no_data(ax)
+        return
+    ax.set(xlabel="step", title="throughput")
+    _step_ticks(ax)
+    if not tps[0]:  # a second quantity without tokens/s: plotted on its own
+        ax.plot(other[0], [factor * v for v in other[1]], color="tab:orange", label=other_label)
+        ax.set_ylabel(other_label)
+        _resume_lines(ax, resumes)
+        return
+    ax.plot(tps[0], tps[1], label="tokens/s")
+    ax.set_ylabel("tokens/s")
+    _resume_lines(ax, resumes)
+    if not other[0]:
+        return
+    k = proportional_scale(tps, other)
+    if k is not None and k > 0:
+        scale = factor * k
+        ax.secondary_yaxis("right", functions=(lambda t: t * scale, lambda m: m / scale)).set_ylabel(other_label)
+        return
+    right = ax.twinx()
+    right.plot(other[0], [factor * v for v in other[1]], color="tab:orange", linestyle="--", label=other_label)
+    right.set_ylabel(other_label)
+    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], loc="lower right")
+
+
+def build_figure(records: list[dict], resumes: list[int], title: str) -> Figure:
+    """The report's 3 x 2 panels (figsize 12 x 10 inches): loss against steps and against tokens
+    seen (train curve, validation points), learning rate, gradient norm, throughput (tokens/s,
+    with MFU or TFLOP/s per device as a second scale) and peak memory (GiB) against steps, with
+    a dashed line at each resume step. Step axes have integer ticks. ``records`` are the cleaned
+    ``metrics.jsonl`` records sorted by step; a panel without data says so."""
     fig = Figure(figsize=(12, 10), dpi=100)
     FigureCanvasAgg(fig)  # attaches itself to fig: no pyplot, no global backend state
     axes = fig.subplots(3, 2).ravel()
@@ -142,6 +201,7 @@ def _plot(path: Path, records: list[dict], resumes: list[int], title: str) -> No
             continue
         _resume_lines(ax, resume_xs)
         ax.set(xlabel=xlabel, ylabel="loss (nats/token)", title=f"loss vs {xlabel}")
+        _step_ticks(ax)
         ax.legend()
 
     single = [(axes[2], "train/lr", 1.0, "learning rate", "learning rate"),
@@ -155,29 +215,11 @@ def _plot(path: Path, records: list[dict], resumes: list[int], title: str) -> No
         ax.plot(steps, [v * scale for v in values])
         _resume_lines(ax, resumes)
         ax.set(xlabel="step", ylabel=ylabel, title=name)
+        _step_ticks(ax)
 
-    ax = axes[4]
-    tps = series(records, "train/tokens_per_s")
-    mfu, tflops = series(records, "perf/mfu"), series(records, "perf/tflops_per_device")
-    if not tps[0] and not mfu[0] and not tflops[0]:
-        _no_data(ax)
-    else:
-        if tps[0]:
-            ax.plot(tps[0], tps[1], label="tokens/s")
-        ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
-        _resume_lines(ax, resumes)
-        right = ax.twinx()
-        if mfu[0]:
-            right.plot(mfu[0], [100 * v for v in mfu[1]], color="tab:orange", label="MFU")
-            right.set_ylabel("MFU (%)")
-        elif tflops[0]:
-            right.plot(tflops[0], tflops[1], color="tab:orange", label="TFLOP/s per device")
-            right.set_ylabel("TFLOP/s per device")
-        handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-        ax.legend(handles, [h.get_label() for h in handles], loc="lower right")
-
+    _throughput(axes[4], records, resumes)
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    return fig
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
@@ -290,7 +332,7 @@ def write_report(run_dir: Path) -> tuple[Path, Path]:
     # Both are rendered before either replaces the previous report: they never disagree.
     text = _markdown(run_dir, records, cfg, procs, title)
     png_tmp, md_tmp = png.with_name(png.name + ".tmp"), md.with_name(md.name + ".tmp")
-    _plot(png_tmp, records, resumes, title)
+    build_figure(records, resumes, title).savefig(png_tmp, format="png")
     md_tmp.write_text(text, encoding="utf-8")
     os.replace(png_tmp, png)
     os.replace(md_tmp, md)

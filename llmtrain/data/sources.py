@@ -7,9 +7,11 @@ Every error names the source (``data.path`` or ``data.datasets.N.path``), the fi
 from __future__ import annotations
 
 import bz2
+import contextlib
 import difflib
 import gzip
 import json
+import logging
 import lzma
 import os
 import socket
@@ -179,6 +181,95 @@ def explain_error(err: BaseException) -> str:
     return str(chain[-1]).splitlines()[0] if str(chain[-1]) else type(chain[-1]).__name__
 
 
+class _DropErrors(logging.Filter):
+    """Drops a logger's ERROR and CRITICAL records (warnings pass)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
+@contextlib.contextmanager
+def quiet_builder_errors(builder: str) -> Iterator[None]:
+    """Silence the error lines a ``datasets`` packaged builder logs before raising (the JSON
+    builder logs ``Failed to load JSON from file ... in row N`` once per attempt), for the
+    duration of the block: the failure still raises, and llmtrain reports it once, with the
+    file and line. Warnings from the builder still print."""
+    logger = logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}")
+    drop = _DropErrors()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+def _at_column(err: json.JSONDecodeError) -> str:
+    """``invalid JSON: Expecting value at column 7`` (or ``... starting at column 10``)."""
+    return f"invalid JSON: {err.msg}{'' if err.msg.endswith(' at') else ' at'} column {err.colno}"
+
+
+def _json_problem(value: Any) -> str | None:
+    return None if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object"
+
+
+def locate_json_error(path: Path) -> str | None:
+    """Where a JSON or JSON-lines file (also ``.gz``/``.bz2``/``.xz``) is malformed, read with
+    the ``json`` module after ``datasets`` failed on it.
+
+    A ``.jsonl``/``.ndjson`` file not starting with ``[``, or one whose first non-blank line is a
+    JSON object on its own, is read as JSON lines: the answer is ``"FILE line N: invalid JSON: <json error> at column C; ..."`` for the first line
+    (1-based, blank lines counted) that is not valid JSON or not a JSON object. Any other file is
+    one JSON document (an array of records, or an object): ``"FILE line L: invalid JSON: <json
+    error> at column C"`` from :class:`json.JSONDecodeError`. Memory: one line at a time for JSON
+    lines, the whole text for a document (as ``datasets`` itself reads one).
+
+    Returns:
+        The message, or None when the ``json`` module reads the file without error, or the file
+        is not UTF-8 (the failure lies elsewhere: the caller reports ``datasets``' own message).
+    """
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(path.suffix.lower(), open)
+    with opener(path, "rb") as fh:
+        first = b""
+        for first in fh:
+            if first.strip():
+                break
+    try:
+        head = first.decode("utf-8-sig").strip()
+    except UnicodeDecodeError:
+        return None  # reported as not UTF-8 by the caller
+    json_lines = not head.startswith("[") and file_kind(path) in (".jsonl", ".ndjson")
+    if not json_lines and head.startswith("{"):
+        try:
+            json_lines = isinstance(json.loads(head), dict)
+        except ValueError:
+            pass
+    if json_lines:
+        with opener(path, "rb") as fh:
+            for number, raw in enumerate(fh, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                except UnicodeDecodeError:
+                    return None
+                try:
+                    problem = _json_problem(json.loads(text.rstrip("\r\n")))
+                except json.JSONDecodeError as err:
+                    problem = _at_column(err)
+                if problem is not None:
+                    return f"{path} line {number}: {problem}; each line must hold one whole JSON object"
+        return None
+    with opener(path, "rb") as fh:
+        raw = fh.read()
+    try:
+        json.loads(raw.decode("utf-8-sig"))
+    except UnicodeDecodeError:
+        return None
+    except json.JSONDecodeError as err:
+        return f"{path} line {err.lineno}: {_at_column(err)}"
+    return None
+
+
 def load_records(src: Any, key: str):
     """The raw records of one source as a ``datasets.Dataset`` (columns renamed per ``columns``
     happen later, in :mod:`llmtrain.data.formats`).
@@ -211,9 +302,15 @@ def load_records(src: Any, key: str):
     for f in files:
         _check_file(f, builder, key)
     try:
-        records = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
-                                        cache_dir=str(DATASETS_CACHE))
+        with quiet_builder_errors(builder):
+            records = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
+                                            cache_dir=str(DATASETS_CACHE))
     except Exception as err:  # noqa: BLE001
+        if builder == "json":
+            for f in files:
+                where = locate_json_error(f)
+                if where is not None:
+                    raise DataError(f"{key}.path: {where}") from err
         raise DataError(f"{key}.path: {files[0] if len(files) == 1 else path} could not be read as {builder}: "
                         f"{explain_error(err)}") from err
     if len(records) == 0:

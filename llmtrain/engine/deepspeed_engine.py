@@ -183,10 +183,11 @@ class DeepSpeedEngine(Engine):
         self._report_duplicate_master_copy()
 
     def _report_duplicate_master_copy(self) -> None:
-        """Say so when DeepSpeed ZeRO-3 keeps a second fp32 copy of the parameter partitions in
-        an fp32 run. Its code means to share them (``stage3.py``, ``_create_fp32_partitions``),
-        but compares a ``torch.device`` with the device-name string, which is never equal, so
-        every rank holds 4Ψ/N bytes more than ZeRO theory (scripts/repro_deepspeed_zero3_fp32_copy.py)."""
+        """Say so in the debug log (``hydra.verbose=llmtrain``) when DeepSpeed ZeRO-3 keeps a
+        second fp32 copy of the parameter partitions in an fp32 run. Its code means to share them
+        (``stage3.py``, ``_create_fp32_partitions``), but compares a ``torch.device`` with the
+        device-name string, which is never equal, so every rank holds 4Ψ/N bytes more than ZeRO
+        theory (scripts/repro_deepspeed_zero3_fp32_copy.py)."""
         opt = getattr(self.ds, "optimizer", None)
         working = getattr(opt, "fp16_partitioned_groups_flat", None)
         master = getattr(opt, "fp32_partitioned_groups_flat", None)
@@ -197,7 +198,8 @@ class DeepSpeedEngine(Engine):
         if duplicated:
             import logging
 
-            logging.getLogger("llmtrain").info(
+            # Debug level: every fp32 ZeRO-3 run has it, and there is nothing to do about it.
+            logging.getLogger("llmtrain").debug(
                 "DeepSpeed ZeRO-3 keeps a second fp32 copy of this rank's parameter partition in an fp32 run "
                 "(%.1f MiB per rank beyond ZeRO theory; a DeepSpeed device-comparison bug, see "
                 "scripts/repro_deepspeed_zero3_fp32_copy.py)", duplicated / 2**20)

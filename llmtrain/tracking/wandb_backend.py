@@ -10,6 +10,11 @@ every step up to the checkpoint that none of them holds is logged again from ``m
 each. Online, steps are logged as they happen (a dashboard is live); the server ignores a step
 lower than the run's current one, so steps a crash made the run redo keep their first values,
 and the steps the server never received are filled from ``metrics.jsonl`` in the same way.
+
+Output. wandb runs in its own quiet mode (:func:`wandb_settings`): no run summary panel and sync
+hints after llmtrain's closing lines; its warnings and errors still show. A user's own
+``WANDB_QUIET`` / ``WANDB_SILENT`` is kept as set, and llmtrain's debug mode
+(``hydra.verbose=llmtrain``) shows wandb's full output.
 """
 
 from __future__ import annotations
@@ -41,6 +46,20 @@ def resolve_wandb_mode(mode: str) -> str:
     if mode == "auto":
         return "online" if wandb_api_key_configured() else "offline"
     return mode
+
+
+def wandb_settings() -> Any:
+    """The ``wandb.Settings`` llmtrain starts a run with: ``quiet=True`` (wandb's own switch,
+    as ``WANDB_QUIET=true``), or None (wandb's defaults) when the user set ``WANDB_QUIET`` or
+    ``WANDB_SILENT`` (settings passed to ``wandb.init`` would override them) or llmtrain's
+    debug log is on."""
+    import wandb
+
+    from llmtrain.console import debug_logging
+
+    if "WANDB_QUIET" in os.environ or "WANDB_SILENT" in os.environ or debug_logging():
+        return None
+    return wandb.Settings(quiet=True)
 
 
 def offline_folders(run_dir: Path, run_id: str) -> list[Path]:
@@ -124,7 +143,8 @@ class WandbBackend:
                             duplicated[0], duplicated[-1], resume_step)
         self._run = wandb.init(project=tracker_cfg.project, entity=tracker_cfg.entity, mode=mode, id=self.run_id,
                                resume="allow" if run_id else None, name=tracker_cfg.run_name or run_name,
-                               tags=list(tracker_cfg.tags), config=config, dir=str(run_dir))
+                               tags=list(tracker_cfg.tags), config=config, dir=str(run_dir),
+                               settings=wandb_settings())
         if run_id and resume_step is not None:
             # Online, the server's next step says what it already has; offline, the folders read above.
             first_missing = 0 if self._deferred else self._run.step
@@ -153,8 +173,16 @@ class WandbBackend:
             self._run.log(metrics, step=logged_step)
 
     def log_files(self, paths: list[Path]) -> None:
+        """Upload copies of ``paths`` (the run report: small, written once at the end) placed in
+        the run's files folder: ``save`` of a file outside it would symlink it there and warn
+        "Symlinked 1 file into the W&B run directory" once per file."""
+        import shutil
+
+        files_dir = Path(self._run.dir)
         for path in paths:
-            self._run.save(str(path), base_path=str(path.parent), policy="now")
+            (files_dir / path.name).unlink(missing_ok=True)  # a link there would be written through
+            shutil.copyfile(path, files_dir / path.name)
+            self._run.save(str(files_dir / path.name), base_path=str(files_dir), policy="now", glob=False)
 
     def flush(self) -> None:
         pass  # wandb's service process owns its files; commit() decides what it gets

@@ -1,0 +1,58 @@
+"""A run ends with llmtrain's own closing lines: library chatter (wandb's run summary, its
+"Symlinked 1 file" warnings) is off by default and the trackers finish before llmtrain says what
+it wrote."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FAST, REPO, subprocess_env
+
+
+def test_a_wandb_offline_run_ends_with_llmtrains_closing_lines(tmp_path):
+    env = subprocess_env()
+    for key in ("WANDB_SILENT", "WANDB_QUIET", "WANDB_API_KEY"):  # wandb's defaults, as a user has them
+        env.pop(key, None)
+    env.update(NETRC=str(tmp_path / "no-netrc"), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+               WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"), WANDB_DATA_DIR=str(tmp_path / "wandb-data"))
+    run_dir = tmp_path / "run"
+    overrides = [o for o in FAST if not o.startswith("tracker")] + [
+        "tracker.wandb_mode=offline", "trainer.max_steps=2", f"run_dir={run_dir}"]
+    # One stream, as a terminal or a log file shows it (llmtrain logs to stdout, wandb to stderr).
+    proc = subprocess.run([sys.executable, "-m", "llmtrain", *overrides], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600, env=env, cwd=REPO)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:]
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[-2] == f"exported: {run_dir / 'hf'} (export)", out[-3000:]
+    assert lines[-1] == f"run report: {run_dir / 'report.png'} and {run_dir / 'report.md'}", out[-3000:]
+    # Before: 33 lines of wandb's run summary and sync hints after them, and one "wandb: WARNING
+    # Symlinked 1 file into the W&B run directory" per report file.
+    assert "Symlinked" not in out and "Run summary" not in out and "wandb sync" not in out, out[-3000:]
+    (folder,) = (run_dir / "wandb").glob("offline-run-*")
+    for name in ("report.png", "report.md"):  # wandb still has the report, as a copy
+        copy = folder / "files" / name
+        assert not copy.is_symlink() and copy.read_bytes() == (run_dir / name).read_bytes()
+
+
+@pytest.mark.parametrize("environ,debug,quiet", [({}, False, True), ({"WANDB_QUIET": "false"}, False, None),
+                                                 ({"WANDB_SILENT": "true"}, False, None), ({}, True, None)])
+def test_wandb_is_quiet_unless_the_user_or_debug_mode_says_otherwise(environ, debug, quiet, monkeypatch):
+    from llmtrain.tracking.wandb_backend import wandb_settings
+
+    for key in ("WANDB_QUIET", "WANDB_SILENT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    logger = logging.getLogger("llmtrain")
+    level = logger.level
+    logger.setLevel(logging.DEBUG if debug else logging.INFO)  # debug: hydra.verbose=llmtrain
+    try:
+        settings = wandb_settings()
+    finally:
+        logger.setLevel(level)
+    assert (None if settings is None else settings.quiet) == quiet
