@@ -3,25 +3,53 @@
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import sys
+import time
 
-import llmtrain.distributed  # noqa: F401  (before anything imports deepspeed: picks its accelerator)
+# OpenMP threads that sleep while they wait instead of spinning (libgomp reads this when torch
+# loads it, so before any torch import; OMP_WAIT_POLICY=ACTIVE restores spinning). A plain process
+# runs one intra-op thread per core; with spinning, any other busy process on those cores made
+# every parallel region wait out the descheduled thread's time slice: SmolLM2 on 2 cores next to
+# one busy process took 35-46 s a step instead of 6.9 s (4.4 s on idle cores, where spinning
+# gives 3.3 s). torchrun sets OMP_NUM_THREADS=1 for several ranks, where there is no waiting.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Nothing here imports torch at module level: ``--help`` and ``--cfg job`` answer from the
+# config alone, in about a second. ``main`` imports llmtrain.distributed before anything imports
+# DeepSpeed (it picks DeepSpeed's accelerator).
 import hydra
 from omegaconf import DictConfig
 
-from llmtrain.config import keep_typed_strings, register_configs
+from llmtrain.config import check_overrides, keep_typed_strings, register_configs
 from llmtrain.errors import ConfigError, LlmtrainError, TrainingStopped
 from llmtrain.paths import CONF_DIR
 
 log = logging.getLogger("llmtrain")
 
 
-def _fail(err: Exception) -> None:
-    print(f"llmtrain: error: {err}", file=sys.stderr, flush=True)
-    sys.exit(2)
+def _fail(err: Exception, status: int = 2, kind: str = "error") -> None:
+    """Report ``err`` as one line and exit with ``status``.
+
+    Under torchrun (torch elastic sets ``TORCHELASTIC_ERROR_FILE`` per rank) the line also goes
+    to this rank's error file, which torchrun's failure summary shows as the root cause instead of
+    "To enable traceback see ...", and only rank 0 prints it: every rank raises these alike, so
+    the screen holds the message once, first. A rank that fails alone still reaches the screen
+    through the summary. Without an error file every rank prints."""
+    message = f"llmtrain: {kind}: {err}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(error_file, "w", encoding="utf-8") as file:
+                json.dump({"message": {"message": message, "extraInfo": {
+                    "py_callstack": message, "timestamp": str(int(time.time()))}}}, file)
+        except OSError:
+            error_file = None
+    if not error_file or os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+    sys.exit(status)
 
 
 def check_recipe_selection(args: list[str]) -> None:
@@ -46,6 +74,7 @@ def check_recipe_selection(args: list[str]) -> None:
 try:
     register_configs()  # before @hydra.main composes: the recipes are options of the group
     check_recipe_selection(sys.argv[1:])
+    check_overrides(sys.argv[1:])  # a misspelt field or option: our one line, before Hydra's advice
     # Hydra reads sys.argv when main() runs: string fields keep what was typed (name=1_1_1).
     sys.argv[1:] = keep_typed_strings(sys.argv[1:])
 except LlmtrainError as err:
@@ -99,8 +128,22 @@ def _shutdown_at_exit() -> None:
         _shutdown_registered = True
 
 
+def _record(task):
+    """torch elastic's ``record``: an unexpected exception's traceback goes to this rank's error
+    file, so torchrun's summary shows it as the root cause (Hydra then prints it and exits 1)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(task)
+
+
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
+    import llmtrain.distributed  # noqa: F401  (before anything imports DeepSpeed: picks its accelerator)
+
+    _record(_main)(cfg)
+
+
+def _main(cfg: DictConfig) -> None:
     from llmtrain.distributed import shutdown
     from llmtrain.trainer import train
 
@@ -123,8 +166,7 @@ def main(cfg: DictConfig) -> None:
             return
     except TrainingStopped as err:  # an LlmtrainError too: caught first, for its own status
         shutdown()
-        print(f"llmtrain: stopped: {err}", file=sys.stderr, flush=True)
-        sys.exit(3)
+        _fail(err, status=3, kind="stopped")
     except LlmtrainError as err:
         # Bad input (ConfigError, DataError, ModelSourceError, LaunchError, ResumeError), reported
         # as one line naming the field or file; exit status 2, nothing trained.

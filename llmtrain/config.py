@@ -87,6 +87,9 @@ class PeftConfig:
     every Linear of the decoder layers, i.e. the attention and MLP projections, not the output
     head). ``modules_to_save``: modules trained in full besides the adapters (``[lm_head]`` after
     adding tokens). ``bias``: ``none``, ``all`` or ``lora_only`` biases trained.
+
+    Selecting ``+peft=lora`` also sets ``trainer.lr`` to 2e-4, LoRA's usual rate (``conf/peft/lora.yaml``
+    is a ``_global_`` package applied after the trainer group); a ``trainer.lr`` override still wins.
     """
 
     method: str = "lora"
@@ -218,7 +221,7 @@ class TrainerConfig:
     ``lr * min_lr_ratio`` at ``max_steps`` (Loshchilov & Hutter, SGDR, 2017, eq. 5).
     Intervals (``eval_every``, ``save_every``, ``log_every``) are in optimizer steps; 0 = never
     (a final checkpoint and evaluation are always made); ``save_every_minutes`` adds a
-    wall-clock cadence (0 = off). ``keep_checkpoints`` newest complete checkpoints are kept.
+    wall-clock cadence (default 30: a crash loses at most half an hour; 0 = off). ``keep_checkpoints`` newest complete checkpoints are kept.
     ``checkpoint_hash``: the completion marker's per-file checksum, ``xxh3`` (XXH3-128: detects
     corruption at memory speed) or ``sha256`` (cryptographic, slower); either way each rank
     checksums a share of the files. ``async_checkpoint`` (torch engine): a periodic save copies
@@ -270,7 +273,7 @@ class TrainerConfig:
     eval_samples: int = 64
     log_every: int = 1
     save_every: int = 0
-    save_every_minutes: float = 0.0
+    save_every_minutes: float = 30.0
     keep_checkpoints: int = 3
     checkpoint_hash: str = "xxh3"
     async_checkpoint: bool = False
@@ -428,8 +431,27 @@ def _recipe_name(name: str, own_engine: str, _parent_: Any) -> str:
     return name if engine == own_engine else f"{name}-{engine}"
 
 
+SWEEP_SUBDIR_MAX = 200  # bytes of a sweep job's folder name; file systems allow 255
+
+
+def sweep_subdir(job_num: Any, overrides: str) -> str:
+    """A sweep job's folder name: ``<job number>_<its overrides>`` (``3_trainer.lr=0.001``), with
+    ``/`` made ``_`` (a value with a slash would nest folders) and a name longer than
+    :data:`SWEEP_SUBDIR_MAX` bytes (UTF-8) cut, ending in a hash of the whole name so that it
+    stays unique."""
+    import hashlib
+
+    name = f"{job_num}_{overrides}".rstrip("_").replace("/", "_")
+    if len(name.encode()) > SWEEP_SUBDIR_MAX:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+        kept = name.encode()[:SWEEP_SUBDIR_MAX - 10].decode(errors="ignore")
+        name = f"{kept}..{digest}"
+    return name
+
+
 def _register_resolvers() -> None:
-    for name, resolver in (("recipe_engine", _recipe_engine), ("recipe_name", _recipe_name)):
+    for name, resolver in (("recipe_engine", _recipe_engine), ("recipe_name", _recipe_name),
+                           ("sweep_subdir", sweep_subdir)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)
 
@@ -460,6 +482,7 @@ def compose(overrides: list[str]) -> Any:
     from llmtrain.paths import CONF_DIR
 
     register_configs()
+    check_overrides(list(overrides))
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return hydra_compose(config_name="config", overrides=keep_typed_strings(list(overrides)))
@@ -644,13 +667,101 @@ def check_known_keys(node: Any, prefix: str = "") -> None:
     for key in node.keys():
         path = f"{prefix}{key}"
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.5)
-            owner = f"a field of {prefix.rstrip('.')}" if prefix else "a top-level field"
-            hint = f"did you mean {prefix}{close[0]}?" if close else f"the fields are {', '.join(fields)}."
-            raise ConfigError(f"{path} is not {owner}: {hint} Fix or remove it "
-                              "(`python -m llmtrain --help` lists the groups and fields)")
+            raise _unknown_key(path, prefix, fields)
         if OmegaConf.is_config(node._get_node(key)):
             check_known_keys(node[key], f"{path}.")
+
+
+def _unknown_key(path: str, prefix: str, fields: list[str]) -> ConfigError:
+    """The error for ``path``, not a field of the schema node at ``prefix`` (``trainer.``), with
+    the closest of ``fields``."""
+    key = path[len(prefix):]
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.5)
+    owner = f"a field of {prefix.rstrip('.')}" if prefix else "a top-level field"
+    hint = f"did you mean {prefix}{close[0]}?" if close else f"the fields are {', '.join(fields)}."
+    return ConfigError(f"{path} is not {owner}: {hint} Fix or remove it "
+                       "(`python -m llmtrain --help` lists the groups and fields)")
+
+
+def config_groups() -> dict[str, list[str]]:
+    """Every config group and its options: the folders of ``conf/`` and ``recipe`` (the files of
+    ``recipes/``), e.g. ``{"data": ["alpaca", "chat", ...], "recipe": ["3d", "auto", ...]}``."""
+    from llmtrain.paths import CONF_DIR
+
+    groups = {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in Path(CONF_DIR).iterdir() if d.is_dir()}
+    groups["recipe"] = sorted(f.stem for f in Path(RECIPES_DIR).glob("*.yaml"))
+    return groups
+
+
+def check_overrides(args: list[str]) -> None:
+    """Check command-line overrides against the schema and the config groups before Hydra
+    composes, so that a misspelt field (``trainer.max_step=10``, ``data.colums.text=content``)
+    or option (``data=alpacca``, ``+recipe=zero4``) gets one line naming the closest one, as
+    :func:`check_known_keys` gives for ``+key=value``, instead of Hydra's composition error and
+    its advice to append with ``+``. Hydra's own flags (``--cfg job``), ``hydra.*`` and
+    ``hydra/...`` overrides, deletions (``~key``) and keys inside free-form mappings
+    (``model.architecture.*``) pass through; malformed overrides are left to Hydra's parser.
+
+    Raises:
+        ConfigError: naming the override and the closest field or option.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    groups = config_groups()
+    parser = OverridesParser.create()
+    if any(a in ("--config-dir", "-cd") or a.startswith("--config-dir=") for a in args):
+        groups = {}  # options from a folder of the user's: Hydra names what it cannot find
+    for arg in args:  # hydra.searchpath=[file://DIR]: DIR's groups add options
+        match = re.match(r"^\+{0,2}hydra\.searchpath=(.*)$", arg)
+        if match:
+            for entry in str(parser.parse_override(arg).value() or []).strip("[]").split(","):
+                entry = entry.strip().strip("'\"")
+                if not entry.startswith("file://"):
+                    groups = {}
+                    break
+                for folder in Path(entry[len("file://"):]).glob("*/"):
+                    groups.setdefault(folder.name, [])
+                    groups[folder.name] = sorted(set(groups[folder.name]) | {f.stem for f in folder.glob("*.yaml")})
+    selected = set()
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg or arg.startswith("~"):
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except Exception:  # noqa: BLE001  (malformed: Hydra's parser reports it, with its grammar)
+            continue
+        key = override.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or override.package is not None:
+            continue
+        if key in groups:
+            selected.add(key)
+            value = override.value()
+            chosen = value.list if isinstance(value, ChoiceSweep) else [value]
+            for option in chosen:
+                if option is not None and str(option) not in groups[key]:
+                    close = difflib.get_close_matches(str(option), groups[key], n=1, cutoff=0.5)
+                    hint = f"did you mean {close[0]}? " if close else ""
+                    raise ConfigError(f"{arg}: {option!r} is not an option of group {key}: {hint}the options are "
+                                      f"{', '.join(groups[key])} (`python -m llmtrain --help` lists every group)")
+            continue
+        schema: Any = Config
+        for depth, part in enumerate(key.split(".")):
+            hint = typing.get_type_hints(schema)
+            if part not in hint:
+                prefix = ".".join(key.split(".")[:depth])
+                raise _unknown_key(".".join(key.split(".")[:depth + 1]), f"{prefix}." if prefix else "",
+                                   list(hint))
+            schema = hint[part]
+            args_of = [a for a in typing.get_args(schema) if a is not type(None)]
+            if typing.get_origin(schema) is typing.Union and len(args_of) == 1:
+                schema = args_of[0]  # Optional[X] -> X
+            if not dataclasses.is_dataclass(schema):
+                break  # a plain field, or a free-form mapping or list: any key below it is the user's
+    for arg in args:
+        if re.match(r"^\+{0,2}peft\.", arg) and "peft" not in selected:
+            raise ConfigError(f"{arg}: no peft method is selected; add +peft=lora (the fields are those of "
+                              "conf/peft/lora.yaml)")
 
 
 def _require(condition: bool, message: str) -> None:

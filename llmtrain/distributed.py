@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -23,6 +24,30 @@ def _cuda_available() -> bool:
 
 if not _cuda_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def _ops_cache_per_version() -> None:
+    """Keep DeepSpeed's JIT-compiled ops (cpu_adam, shm_comm, ...) in a folder of their own per
+    Python, torch and DeepSpeed version under llmtrain's cache, unless ``TORCH_EXTENSIONS_DIR`` is
+    set. torch's default, ``~/.cache/torch_extensions/py311_cpu``, is shared by every venv of the
+    machine: a venv with another torch or DeepSpeed found the others' ops stale and rebuilt them
+    under the folder's lock, minutes of silence at every start-up."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from llmtrain.paths import CACHE_DIR
+
+    if "TORCH_EXTENSIONS_DIR" in os.environ:
+        return
+    try:
+        deepspeed_version = version("deepspeed")
+    except PackageNotFoundError:
+        return
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(
+        CACHE_DIR / "torch_extensions" / f"{python}-torch{torch.__version__}-deepspeed{deepspeed_version}")
+
+
+_ops_cache_per_version()
 
 import torch.distributed as dist  # noqa: E402
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from llmtrain.checkpoint import TrainState
 from llmtrain.tracking.jsonl import move_aside
@@ -26,6 +26,50 @@ def timeline_event(run_dir: Path, event: str, fresh: bool = False, **fields: Any
         move_aside(path)
     with open(path, "a", encoding="utf-8") as file:
         file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+
+
+def unfinished_process(run_dir: Path) -> Optional[dict]:
+    """The previous process of ``run_dir`` when it ended without its ``end`` event (killed,
+    crashed, or stopped on a bad step): its ``start`` event (``time``, ``step``, ``host``,
+    ``pid``) with ``last_step``, the last step ``metrics.jsonl`` logged after that start (its
+    start step when none). None for a run that ended cleanly or never started. Rank 0 only."""
+    path = run_dir / TIMELINE
+    if not path.is_file():
+        return None
+    last = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the kill
+        if isinstance(event, dict) and event.get("event") in ("start", "end"):
+            last = event
+    if last is None or last["event"] != "start":
+        return None
+    last_step = int(last.get("step", 0))
+    metrics = run_dir / "metrics.jsonl"
+    for line in metrics.read_text(encoding="utf-8").splitlines() if metrics.is_file() else []:
+        try:
+            record = json.loads(line)
+            if record.get("time", 0.0) >= last.get("time", 0.0):
+                last_step = max(last_step, int(record["step"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+            continue
+    return {**last, "last_step": last_step}
+
+
+def describe_unfinished(previous: dict, resumed_step: int) -> str:
+    """The line a rerun prints about a previous process that did not end cleanly
+    (:func:`unfinished_process`), resuming at ``resumed_step`` (0: a fresh start)."""
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(previous.get("time", 0.0)))
+    where = f" on {previous['host']}, pid {previous['pid']}" if "host" in previous and "pid" in previous else ""
+    last = previous["last_step"]
+    redone = max(0, last - resumed_step)
+    since = f"since step {resumed_step}" if resumed_step else "at all"
+    return (f"the previous process (started {started}{where}) ended after step {last} without its final save "
+            f"(killed or crashed) and with no checkpoint {since}: {redone} step{'s' if redone != 1 else ''} "
+            f"{'are' if redone != 1 else 'is'} redone. trainer.save_every=N or trainer.save_every_minutes=M "
+            "bounds the work a crash loses")
 
 
 def account_restart(state: TrainState, redone: list[dict], process_started: float, resumed: bool) -> None:

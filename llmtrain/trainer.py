@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import random
+import socket
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -307,6 +308,55 @@ def _sample_digest(batches: list[dict[str, torch.Tensor]]) -> float:
                      for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"])))
 
 
+class StartupPhases:
+    """Start-up named as it goes: rank 0 logs each phase as it begins (``start-up: model (GGUF:
+    dequantizing …) …``) and, at :meth:`done`, every phase's wall time in seconds, so minutes of
+    loading, tokenizing or compiling are never silent."""
+
+    def __init__(self, on: bool):
+        self.on, self.seconds = on, {}
+        self._current: str | None = None
+        self._began = time.time()
+
+    def begin(self, name: str, detail: str = "") -> None:
+        self._end()
+        self._current, self._began = name, time.time()
+        if self.on:
+            log.info("start-up: %s%s ...", name, f" ({detail})" if detail else "")
+
+    def _end(self) -> None:
+        if self._current is not None:
+            self.seconds[self._current] = self.seconds.get(self._current, 0.0) + time.time() - self._began
+            self._current = None
+
+    def done(self, total_s: float) -> None:
+        self._end()
+        if self.on:
+            log.info("start-up: ready in %.1f s (%s)", total_s,
+                     ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.seconds.items()))
+
+
+def _model_detail(model_cfg: Any) -> str:
+    """What loading ``model`` does, for its start-up line."""
+    if model_cfg.source == "gguf":
+        return f"model.source=gguf: reading and dequantizing {model_cfg.gguf_file or 'the GGUF file'}"
+    if model_cfg.source == "pretrained":
+        return f"model.source=pretrained: loading {model_cfg.path}"
+    return "model.source=config: initialised from the seed"
+
+
+def _engine_detail(cfg: Any) -> str:
+    """What setting up the engine does, for its start-up line; for DeepSpeed, where its compiled
+    ops are cached (one folder per Python/torch/DeepSpeed version, llmtrain.distributed) and
+    whether this run compiles them."""
+    if cfg.recipe.engine != "deepspeed":
+        return f"{cfg.recipe.name} on the torch engine"
+    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")).expanduser()
+    built = cache.is_dir() and any(cache.glob("*/*.so"))
+    return (f"DeepSpeed ZeRO-{cfg.recipe.zero_stage}; compiled ops cached in {cache}"
+            + ("" if built else "; this first run with these versions compiles them (1-2 min, once)"))
+
+
 class Trainer:
     """One run (or its resumption), built in a fixed order by ``_setup_*`` methods that each return
     one component: validate → process group → tokenizer and data → checkpoints (and the one to
@@ -324,27 +374,36 @@ class Trainer:
         # Read-only: the run uses exactly the composed config that `--cfg job --resolve` prints.
         OmegaConf.set_readonly(cfg, True)
         self.cfg, self.t = cfg, cfg.trainer
+        self.phases = phases = StartupPhases(on=os.environ.get("RANK", "0") == "0")
+        phases.begin("process group")
         self.env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
         self.dims, self.accumulation = self._setup_layout()
         seed_everything(self.t.seed)
         self.run_dir = _run_dir(cfg)
+        phases.begin("tokenizer", f"model {cfg.model.name}")
         self.tokenizer, self.hf_config = self._setup_tokenizer()
+        phases.begin("data", f"data {cfg.data.name}: reading and tokenizing{f' {cfg.data.path}' if cfg.data.path else ''}")
         self.splits = data.load_splits(cfg.data, self.tokenizer, self.t.seed)
         self.partial = adapters.is_partial(cfg)  # LoRA or model.freeze: some parameters stay frozen
         self.fingerprint = adapters.base_fingerprint(cfg.model, self.t.seed) if self.partial else None
+        phases.begin("checkpoints", f"finding and verifying the one to resume in {self.run_dir / 'checkpoints'}")
         self.checkpoints, self.resume_from = self._setup_checkpoints()
         self.objective = build_objective(cfg.get("objective"))
         self.engine = self._setup_engine()
+        phases.begin("train state")
         self.state, rng = self._setup_state()
         self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        phases.begin("tracker", ", ".join(["metrics.jsonl", *cfg.tracker.backends]))
         self.tracker = self._setup_tracker()
         self._log_start()
+        phases.begin("data loader and validation batches")
         self.sampler, self.micro_batches = self._setup_data_loader()
         self.flops_per_token, self.peak_tflops = self._setup_flops()
         self.evaluator = Evaluator(self.engine, self._setup_val_batches(), self.env.device, self.t.eval_every,
                                    self.t.max_steps)
         self.summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(self.run_dir),
                                         "start_step": self.state.step}
+        phases.begin("first evaluation" if self.resume_from is None else "resume")
         self._evaluate_before_training()
         # After everything that draws random numbers at start-up: the dropout streams of the loop.
         if rng is not None:
@@ -358,6 +417,7 @@ class Trainer:
                                          self.t.log_every)
         self.skipped_in_a_row = 0
         self.watchdog = self._setup_watchdog()
+        phases.done(time.time() - self.process_started)
 
     # ---- the loop ------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -444,6 +504,11 @@ class Trainer:
         resume_from = manager.resolve(self.t.resume)
         if resume_from is not None:
             checkpoint.check_resumable(resume_from, self.cfg, manager, self.env.is_main, self.fingerprint)
+        if self.env.is_main and self.t.resume == "auto":  # a rerun of the same command: say what a crash cost
+            previous = goodput.unfinished_process(self.run_dir)
+            resumed_step = checkpoint.step_of(resume_from) if resume_from is not None else 0
+            if previous is not None and previous["last_step"] > resumed_step:
+                log.warning("resume=%s: %s", self.t.resume, goodput.describe_unfinished(previous, resumed_step))
         return manager, resume_from
 
     def _setup_engine(self):
@@ -451,10 +516,12 @@ class Trainer:
         built), LoRA/frozen parameters applied, and a resume's checkpoint prepared."""
         self.dims.check_model_config(self.hf_config, self.cfg.recipe.pp_stages_per_rank)
         engine = build_engine(self.cfg, self.env, self.accumulation, self.dims, self.objective)
+        self.phases.begin("model", _model_detail(self.cfg.model))
         with engine.model_init_context():
             model = build_model(self.cfg.model, self.t.seed)
             if self.partial:
                 adapters.apply(model, self.cfg)  # LoRA layers in place; frozen parameters marked
+        self.phases.begin("engine", _engine_detail(self.cfg))
         if self.resume_from is not None:
             self.checkpoints.prepare(engine, self.resume_from)
         engine.setup(model)
@@ -488,7 +555,7 @@ class Trainer:
         if env.is_main:
             goodput.timeline_event(self.run_dir, "start", fresh=resumed is None, step=state.step,
                                    resumed_from=resumed.name if resumed else None, world_size=env.world_size,
-                                   recipe=cfg.recipe.name)
+                                   recipe=cfg.recipe.name, host=socket.gethostname(), pid=os.getpid())
         return tracker
 
     def _setup_data_loader(self):
@@ -600,10 +667,7 @@ class Trainer:
                       last_healthy, lambda: self._close_outputs(complete=False))
 
     def _on_preempted(self, step: int) -> None:
-        if self.env.is_main:
-            log.warning("preempted (%s): saved step %d; rerun the same command to continue",
-                        self.preemption.requested or "signal on another rank", step)
-        self.summary["preempted_at"] = step
+        self.summary["preempted_at"] = step  # close() says so, last
 
     # ---- the end -------------------------------------------------------------------------------
     def _close_outputs(self, complete: bool) -> None:
@@ -620,6 +684,7 @@ class Trainer:
         tracker (rank 0's files and threads), the engine's threads and buffers, and then (by the
         caller, after every rank is here) the process group. Returns the summary."""
         summary = self.summary
+        closing: list[str] = []  # llmtrain's last lines, printed once the trackers have finished
         self.watchdog.stop()  # the loop is over: export and teardown are not watched
         self._close_outputs(complete=True)
         summary["checkpoint_stalls_s"] = self.checkpointer.stalls_s
@@ -630,14 +695,20 @@ class Trainer:
                                        data.end_token_ids(self.cfg.data, self.tokenizer))
             summary.update(written)
             if written:
-                log.info("exported: %s", "; ".join(f"{path} ({kind})" for kind, path in written.items()))
+                closing.append("exported: " + "; ".join(f"{path} ({kind})" for kind, path in written.items()))
         if self.env.is_main:
             goodput.timeline_event(self.run_dir, "end", step=self.state.step,
                                    reason="preempted" if "preempted_at" in summary else "finished")
             if self.cfg.tracker.report and (png := _write_report(self.run_dir)):
                 summary["report"] = png
+                closing.append(f"run report: {png} and {Path(png).with_suffix('.md')}")
                 self.tracker.log_files([self.run_dir / "report.png", self.run_dir / "report.md"])  # MLflow, wandb
         self.tracker.finish()
+        for line in closing:
+            log.info("%s", line)
+        if self.env.is_main and "preempted_at" in summary:
+            log.warning("preempted (%s): saved step %d; rerun the same command to continue",
+                        self.preemption.requested or "signal on another rank", summary["preempted_at"])
         self.engine.close()
         distributed.barrier()
         return summary
@@ -720,7 +791,6 @@ def _write_report(run_dir: Path) -> str | None:
     except Exception as err:  # noqa: BLE001  (matplotlib missing or a plotting error)
         log.warning("could not write the run report (%s); `python -m llmtrain.report %s` retries", err, run_dir)
         return None
-    log.info("run report: %s and %s", png, png.with_suffix(".md"))
     return str(png)
 
 

@@ -29,6 +29,15 @@ def test_default_job_trains_with_falling_loss_and_exports(tmp_path):
     progress = [line for line in proc.stdout.splitlines() if re.match(r"step \d+/30: train loss ", line)]
     assert [int(line.split("/")[0][5:]) for line in progress] == list(range(1, 31))
     assert [line for line in proc.stdout.splitlines() if line.startswith("step")] == progress  # grep '^step'
+    # Start-up names each phase as it begins, in order, and then their times.
+    begun = re.findall(r"^start-up: ([a-z ,]+?)(?: \(.*\))? \.\.\.$", proc.stdout, re.M)
+    assert begun == ["process group", "tokenizer", "data", "checkpoints", "model", "engine", "train state", "tracker",
+                     "data loader and validation batches", "first evaluation"], proc.stdout[:3000]
+    assert "start-up: model (model.source=config: initialised from the seed) ..." in proc.stdout
+    ready = re.search(r"^start-up: ready in ([\d.]+) s \((.*)\)$", proc.stdout, re.M)
+    times = dict(re.match(r"(.+) ([\d.]+) s$", part).groups() for part in ready.group(2).split(", "))
+    assert list(times) == begun and sum(map(float, times.values())) <= float(ready.group(1)) + 0.1 * len(times)
+    assert proc.stdout.index(ready.group(0)) < proc.stdout.index(progress[0])
     # safetensors writes model.safetensors 0600; every file of the run follows the umask instead.
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in tmp_path.rglob("*") if p.is_file()}
     assert "hf/model.safetensors" in modes
@@ -129,7 +138,39 @@ def test_cfg_job_prints_the_config_the_run_uses():
 def test_multirun_sweep_gives_each_job_its_own_dir(tmp_path):
     proc = run_cli(["-m"] + FAST + ["trainer.max_steps=1,2", f"hydra.sweep.dir={tmp_path}"])
     assert_ok(proc)
-    assert [len(read_metrics(tmp_path / str(i))) for i in (0, 1)] == [2, 3]
+    # Each folder names the job's overrides (tracker and progress-bar keys left out).
+    common = "data.max_bytes=327975,data.seq_len=64,trainer.eval_every=0,trainer.eval_samples=8"
+    jobs = [f"0_{common},trainer.max_steps=1", f"1_{common},trainer.max_steps=2"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == jobs
+    assert [len(read_metrics(tmp_path / job)) for job in jobs] == [2, 3]
+    # Path-valued keys (they would nest folders, or climb out with ../) and name/run_dir are left out.
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf, open_dict
+
+    from llmtrain.config import register_configs
+    from llmtrain.paths import CONF_DIR
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", return_hydra_config=True, overrides=[
+            "name=sw", f"run_dir={tmp_path}/r", "data=text", "data.path=../corpus/a.txt", "+recipe=zero2",
+            "trainer.lr=3e-4", "tracker=none", "model.tokenizer=tok/dir"])
+        with open_dict(cfg):
+            cfg.hydra.job.num = 3
+        HydraConfig.instance().set_config(cfg)
+        try:
+            assert OmegaConf.select(cfg, "hydra.sweep.dir") == "multirun/sw"
+            assert OmegaConf.select(cfg, "hydra.sweep.subdir") == "3_+recipe=zero2,data=text,trainer.lr=3e-4"
+        finally:
+            HydraConfig.instance().cfg = None  # no Hydra state left for later tests in this process
+    # A value with a slash stays one folder; a name too long for the file system is cut, unique by a hash.
+    from llmtrain.config import SWEEP_SUBDIR_MAX, sweep_subdir
+
+    assert sweep_subdir(0, "model.architecture.model_type=a/b") == "0_model.architecture.model_type=a_b"
+    assert sweep_subdir(4, "") == "4"
+    long_a, long_b = (sweep_subdir(1, f"trainer.lr={'9' * 300}{end}") for end in "12")
+    assert len(long_a.encode()) == SWEEP_SUBDIR_MAX and long_a != long_b and long_a[:-8] == long_b[:-8]
 
 
 def test_a_deepspeed_sweep_under_torchrun_runs_every_job(tmp_path):
@@ -145,11 +186,14 @@ def test_a_deepspeed_sweep_under_torchrun_runs_every_job(tmp_path):
                    nproc=2, timeout=480)  # a hang becomes a failure
     assert_ok(proc)
     seen = set()
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 8
     for job in range(8):
-        run = tmp_path / str(job)
+        (run,) = tmp_path.glob(f"{job}_*")  # e.g. 0_+recipe=zero2,...,trainer.eval_every=0,trainer.lr=0.001,...
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         key = (cfg["recipe"]["zero_stage"], cfg["trainer"]["eval_every"], cfg["trainer"]["lr"])
         seen.add(key)
+        named = {f"+recipe=zero{key[0]}", f"trainer.eval_every={key[1]}", f"trainer.lr={key[2]}"}  # lr=0.0005
+        assert named <= set(run.name.split("_", 1)[1].split(",")), run.name  # the folder says what the job ran
         assert (run / "checkpoints" / "step_2").is_dir(), job
         records = {r["step"]: r for r in read_metrics(run)}
         assert sorted(s for s, r in records.items() if "train/loss" in r) == [1, 2], job
@@ -171,7 +215,7 @@ def _assert_failed_cleanly(proc, run_dir: Path, *needles: str) -> None:
 
 
 @pytest.mark.parametrize("overrides,needles", [
-    (["+recipe=zero9"], ["recipe/zero9", "zero3_offload"]),
+    (["+recipe=zero9"], ["'zero9' is not an option of group recipe", "zero3_offload"]),
     # Accepted and ignored before the schema was closed (exit 0, stored in config.yaml).
     (["+trainer.max_step=10"], ["trainer.max_step is not a field of trainer: did you mean trainer.max_steps?"]),
     (["trainer.max_steps=many"], ["trainer.max_steps=many"]),
@@ -221,6 +265,44 @@ def test_layout_errors_on_two_ranks_fail_before_writing(overrides, needle, tmp_p
     run_dir = tmp_path / "run"
     proc = run_cli(["tracker=none", f"run_dir={run_dir}"] + overrides, nproc=2)
     _assert_failed_cleanly(proc, run_dir, needle)
+    # The message once on screen (rank 0), before torchrun's lines, and torchrun's summary
+    # shows it as the root cause (the ranks' elastic error files), not "To enable traceback".
+    output = proc.stdout + proc.stderr
+    printed = [line for line in output.splitlines() if line.startswith("llmtrain: error:")]
+    assert len(printed) == 1 and needle in printed[0], output[-3000:]
+    assert output.index(printed[0]) < output.index("ChildFailedError"), output[-3000:]
+    root_cause = output.split("Root Cause (first observed failure):")[1]
+    assert f"traceback : {printed[0]}" in root_cause and "To enable traceback" not in output, output[-3000:]
+    assert proc.returncode == 1  # torchrun's own status when a rank fails (each rank exited 2)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    # Without '+', Hydra would say "Could not override ... To append use +trainer.max_step=10".
+    (["trainer.max_step=10"], "trainer.max_step is not a field of trainer: did you mean trainer.max_steps?"),
+    (["data.colums.text=content"], "data.colums is not a field of data: did you mean data.columns?"),
+    (["tracker.wandb_mod=offline"], "tracker.wandb_mod is not a field of tracker: did you mean tracker.wandb_mode?"),
+    (["trainr.lr=1e-4"], "trainr is not a top-level field: did you mean trainer?"),
+    # Hydra would print its search path and exit 1.
+    (["data=alpacca"], "data=alpacca: 'alpacca' is not an option of group data: did you mean alpaca?"),
+    (["+recipe=zero4"], "+recipe=zero4: 'zero4' is not an option of group recipe: did you mean zero3?"),
+    (["-m", "trainer=default,finetun"], "trainer=default,finetun: 'finetun' is not an option of group trainer: did you mean finetune?"),
+    (["peft.r=4"], "peft.r=4: no peft method is selected; add +peft=lora"),
+])
+def test_misspelt_fields_and_options_get_one_line_naming_the_closest_and_exit_2(overrides, message, tmp_path):
+    proc = run_cli(["tracker=none", f"run_dir={tmp_path / 'run'}"] + overrides)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "" and proc.stderr.splitlines()[0].startswith(f"llmtrain: error: {message}"), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "run").exists(), proc.stderr
+
+
+def test_help_and_cfg_job_answer_without_importing_torch():
+    """``--help`` and ``--cfg job`` read the config only: no torch, transformers or DeepSpeed import
+    (which took 10-20 s on a loaded machine)."""
+    for flags in (["--help"], ["--cfg", "job"]):
+        proc = run_cli(flags, env={**subprocess_env(), "PYTHONPROFILEIMPORTTIME": "1"})
+        assert_ok(proc)
+        imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+        assert "hydra" in imported and not imported & {"torch", "transformers", "deepspeed"}, flags
 
 
 @pytest.mark.parametrize("records,extra,needle", [

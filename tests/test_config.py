@@ -114,7 +114,8 @@ def test_default_run_is_plain_torch_and_names_run_dir():
 
 
 def test_unknown_recipe_fails_at_compose():
-    with pytest.raises(Exception, match="recipe/zero9"):
+    with pytest.raises(ConfigError, match=r"\+recipe=zero9: 'zero9' is not an option of group recipe: did you mean "
+                                          r"zero3\? the options are 3d, auto, ddp"):
         make_cfg(["+recipe=zero9"])
 
 
@@ -124,8 +125,16 @@ def test_wrong_type_fails_at_compose_naming_the_key():
 
 
 def test_unknown_key_fails_at_compose_naming_the_key():
-    with pytest.raises(ConfigCompositionException, match=r"trainer\.max_stepz"):
+    with pytest.raises(ConfigError, match=r"trainer\.max_stepz is not a field of trainer: did you mean trainer\.max_steps\?"):
         make_cfg(["trainer.max_stepz=3"])
+
+
+def test_options_from_a_search_path_of_the_users_are_known(tmp_path):
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "mine.yaml").write_text("max_steps: 7\n")
+    assert make_cfg([f"hydra.searchpath=[file://{tmp_path}]", "trainer=mine"]).trainer.max_steps == 7
+    with pytest.raises(ConfigError, match="'mien' is not an option of group trainer: did you mean mine"):
+        make_cfg([f"hydra.searchpath=[file://{tmp_path}]", "trainer=mien"])
 
 
 @pytest.mark.parametrize("overrides,world_size,needle", [

@@ -191,9 +191,17 @@ def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path
     wait_for_step(proc, tmp_path, 5)          # a checkpoint at step 4 exists, step 5+ is lost
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    read_metrics_before_rerun = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+                                 if line.endswith("}") and "train/loss" in line]
     resumed = run_cli(overrides, nproc=2)
     assert_ok(resumed)
-    assert "resuming from" in resumed.stdout + resumed.stderr
+    output = resumed.stdout + resumed.stderr
+    assert "resuming from" in output
+    # The rerun says what the kill cost: the killed process's last logged step, the checkpoint
+    # it resumes from, and the difference.
+    killed_at = max(r["step"] for r in read_metrics_before_rerun)
+    assert (f"ended after step {killed_at} without its final save (killed or crashed) and with no checkpoint "
+            f"since step 4: {killed_at - 4} steps are redone") in output, output
     got = per_step(tmp_path)
     assert [row[0] for row in got] == list(range(1, STEPS + 1))  # one record per step, none twice
     assert got == reference(2, recipe)
@@ -238,6 +246,33 @@ def _check_trackers(run_dir: Path, uri: str, got: list[tuple]) -> None:
     (live,) = [r for r in client.search_runs([client.get_experiment_by_name(run_dir.name).experiment_id])
                if "llmtrain.superseded_by" not in r.data.tags]
     assert {a.path for a in client.list_artifacts(live.info.run_id)} >= {"config.yaml", "report.png", "report.md"}
+
+
+def test_a_rerun_names_the_unfinished_process_and_the_steps_it_redoes(tmp_path):
+    """A start without an end in timeline.jsonl is a process that did not end cleanly; its last
+    logged step comes from metrics.jsonl records written after that start (a line cut short by
+    the kill is skipped), and the redone steps are counted from the checkpoint resumed."""
+    from llmtrain import goodput
+
+    (tmp_path / "timeline.jsonl").write_text(
+        json.dumps({"event": "start", "time": 100.0, "step": 0, "host": "n1", "pid": 7}) + "\n"
+        + json.dumps({"event": "end", "time": 200.0, "step": 3, "reason": "preempted"}) + "\n"
+        + json.dumps({"event": "start", "time": 300.0, "step": 3, "host": "n2", "pid": 9}) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "train/loss": 1.0, "time": t}) + "\n"
+                for s, t in ((1, 110.0), (2, 120.0), (3, 130.0), (4, 310.0), (5, 320.0), (6, 330.0)))
+        + '{"step": 7, "train/lo')
+    previous = goodput.unfinished_process(tmp_path)
+    assert (previous["host"], previous["pid"], previous["step"], previous["last_step"]) == ("n2", 9, 3, 6)
+    line = goodput.describe_unfinished(previous, resumed_step=4)
+    assert line.startswith("the previous process (started 1970-01-01 00:05:00 UTC on n2, pid 9) ended after step 6 ")
+    assert line.endswith("no checkpoint since step 4: 2 steps are redone. trainer.save_every=N or "
+                         "trainer.save_every_minutes=M bounds the work a crash loses")
+    assert "no checkpoint at all: 6 steps are redone" in goodput.describe_unfinished(previous, resumed_step=0)
+    with open(tmp_path / "timeline.jsonl", "a") as f:
+        f.write(json.dumps({"event": "end", "time": 400.0, "step": 8, "reason": "finished"}) + "\n")
+    assert goodput.unfinished_process(tmp_path) is None
+    assert goodput.unfinished_process(tmp_path / "never-ran") is None
 
 
 def test_sigkill_of_a_packed_mixture_continues_exactly_and_counts_sources(mixture, reference, tmp_path):
