@@ -314,8 +314,12 @@ def lock_run_dir(run_dir: Path) -> None:
 
     if any(Path(h.name) == run_dir / ".lock" for h in _RUN_LOCKS):
         return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(run_dir / ".lock", "a+")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(run_dir / ".lock", "a+")
+    except OSError as err:
+        raise ResumeError(f"run_dir={run_dir} cannot be created or written ({err.strerror}); choose a folder "
+                          "you can write, e.g. run_dir=runs/NAME") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

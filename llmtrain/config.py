@@ -737,6 +737,9 @@ def check_overrides(args: list[str]) -> None:
         if key in groups:
             selected.add(key)
             value = override.value()
+            if not isinstance(value, (str, ChoiceSweep)) or (isinstance(value, ChoiceSweep) and
+                                                            not all(isinstance(v, str) for v in value.list)):
+                continue  # glob(...), range(...), null: Hydra expands or refuses them
             chosen = value.list if isinstance(value, ChoiceSweep) else [value]
             for option in chosen:
                 if option is not None and str(option) not in groups[key]:
@@ -747,6 +750,12 @@ def check_overrides(args: list[str]) -> None:
             continue
         schema: Any = Config
         for depth, part in enumerate(key.split(".")):
+            if typing.get_origin(schema) is list:  # data.datasets.0.path: an element's fields are checked too
+                element = typing.get_args(schema)[0]
+                if not (part.isdigit() and dataclasses.is_dataclass(element)):
+                    break
+                schema = element
+                continue
             hint = typing.get_type_hints(schema)
             if part not in hint:
                 prefix = ".".join(key.split(".")[:depth])
@@ -756,8 +765,8 @@ def check_overrides(args: list[str]) -> None:
             args_of = [a for a in typing.get_args(schema) if a is not type(None)]
             if typing.get_origin(schema) is typing.Union and len(args_of) == 1:
                 schema = args_of[0]  # Optional[X] -> X
-            if not dataclasses.is_dataclass(schema):
-                break  # a plain field, or a free-form mapping or list: any key below it is the user's
+            if not dataclasses.is_dataclass(schema) and typing.get_origin(schema) is not list:
+                break  # a plain field, or a free-form mapping: any key below it is the user's
     for arg in args:
         if re.match(r"^\+{0,2}peft\.", arg) and "peft" not in selected:
             raise ConfigError(f"{arg}: no peft method is selected; add +peft=lora (the fields are those of "
@@ -1030,6 +1039,8 @@ def validate(cfg: Any, world_size: int) -> Layout:
         ConfigError: naming the offending fields, their values and the fix.
     """
     check_known_keys(cfg)
+    _require(str(cfg.name).strip() != "", "name= is empty, so the run would write into runs/ itself, beside other "
+             "runs; give it a name (name=NAME) or leave name out for <model>-<data>-<recipe>")
     validate_model(cfg.model)
     validate_data(cfg.data)
     validate_trainer(cfg.trainer, cfg.recipe)

@@ -7,6 +7,7 @@ selects its CPU accelerator (gloo) instead of failing to find a GPU.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import sys
 import warnings
@@ -28,7 +29,7 @@ if not _cuda_available():
 
 def _ops_cache_per_version() -> None:
     """Keep DeepSpeed's JIT-compiled ops (cpu_adam, shm_comm, ...) in a folder of their own per
-    Python, torch and DeepSpeed version under llmtrain's cache, unless ``TORCH_EXTENSIONS_DIR`` is
+    Python, torch and DeepSpeed version and venv (a hash of ``sys.prefix``) under llmtrain's cache, unless ``TORCH_EXTENSIONS_DIR`` is
     set. torch's default, ``~/.cache/torch_extensions/py311_cpu``, is shared by every venv of the
     machine: a venv with another torch or DeepSpeed found the others' ops stale and rebuilt them
     under the folder's lock, minutes of silence at every start-up."""
@@ -43,8 +44,11 @@ def _ops_cache_per_version() -> None:
     except PackageNotFoundError:
         return
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    # The build files name the venv's include paths: two venvs of the same versions sharing a folder
+    # still rebuilt each other's ops at every switch, so the folder is per venv too.
+    venv = hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:8]
     os.environ["TORCH_EXTENSIONS_DIR"] = str(
-        CACHE_DIR / "torch_extensions" / f"{python}-torch{torch.__version__}-deepspeed{deepspeed_version}")
+        CACHE_DIR / "torch_extensions" / f"{python}-torch{torch.__version__}-deepspeed{deepspeed_version}-{venv}")
 
 
 _ops_cache_per_version()

@@ -24,8 +24,10 @@ def timeline_event(run_dir: Path, event: str, fresh: bool = False, **fields: Any
     path = run_dir / TIMELINE
     if fresh:
         move_aside(path)
+    # A kill mid-write leaves a line cut short: the next event starts on a line of its own.
+    cut_short = path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
     with open(path, "a", encoding="utf-8") as file:
-        file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+        file.write(("\n" if cut_short else "") + json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
 
 
 def unfinished_process(run_dir: Path) -> Optional[dict]:

@@ -9,6 +9,7 @@ does not (it lays out runs for other machines).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +65,21 @@ def preflight_tracker(tr: Any) -> None:
 
 def preflight(cfg: Any) -> None:
     """Every machine check of ``cfg`` (a config :func:`llmtrain.config.validate` accepted):
-    :func:`preflight_data`, :func:`preflight_tracker`, and ``run_dir`` not an existing file.
+    :func:`preflight_data`, :func:`preflight_tracker`, and ``run_dir`` a folder that exists or
+    can be created here (its nearest existing parent a writable folder).
 
     Raises:
         ConfigError: naming the field, what this machine lacks and the fix.
     """
     preflight_data(cfg.data)
     preflight_tracker(cfg.tracker)
-    _require(not Path(str(cfg.run_dir)).is_file(), f"run_dir={cfg.run_dir} is a file; point run_dir at a folder")
+    run_dir = Path(str(cfg.run_dir)).expanduser().absolute()
+    _require(not run_dir.is_file(), f"run_dir={cfg.run_dir} is a file; point run_dir at a folder")
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())  # the root always exists
+    _require(existing.is_dir() and os.access(existing, os.W_OK | os.X_OK),
+             f"run_dir={cfg.run_dir} cannot be created: {existing} is "
+             f"{'not a folder' if not existing.is_dir() else 'not writable'}; choose a folder you can write, "
+             "e.g. run_dir=runs/NAME")
 
 
 def validate_and_preflight(cfg: Any, world_size: int) -> Layout:

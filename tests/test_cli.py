@@ -30,9 +30,10 @@ def test_default_job_trains_with_falling_loss_and_exports(tmp_path):
     assert [int(line.split("/")[0][5:]) for line in progress] == list(range(1, 31))
     assert [line for line in proc.stdout.splitlines() if line.startswith("step")] == progress  # grep '^step'
     # Start-up names each phase as it begins, in order, and then their times.
-    begun = re.findall(r"^start-up: ([a-z ,]+?)(?: \(.*\))? \.\.\.$", proc.stdout, re.M)
-    assert begun == ["process group", "tokenizer", "data", "checkpoints", "model", "engine", "train state", "tracker",
-                     "data loader and validation batches", "first evaluation"], proc.stdout[:3000]
+    begun = re.findall(r"^start-up: ([a-z ,-]+?)(?: \(.*\))? \.\.\.$", proc.stdout, re.M)
+    assert begun == ["process group", "tokenizer", "data", "checkpoints", "engine", "model", "engine set-up",
+                     "train state", "tracker", "data loader and validation batches", "first evaluation"], proc.stdout[:3000]
+    assert "start-up: tracker (metrics.jsonl) ..." in proc.stdout  # tracker=none: wandb disabled
     assert "start-up: model (model.source=config: initialised from the seed) ..." in proc.stdout
     ready = re.search(r"^start-up: ready in ([\d.]+) s \((.*)\)$", proc.stdout, re.M)
     times = dict(re.match(r"(.+) ([\d.]+) s$", part).groups() for part in ready.group(2).split(", "))
@@ -226,6 +227,9 @@ def _assert_failed_cleanly(proc, run_dir: Path, *needles: str) -> None:
     (["recipe=fsdp", "+recipe=zero3"], ["the recipe is selected 2 times (recipe=fsdp, +recipe=zero3)"]),
     (["+recipe=fsdp", "recipe=zero3"], ["the recipe is selected 2 times (+recipe=fsdp, recipe=zero3)"]),
     (["recipe=fsdp"], ["recipe=fsdp: the recipe group has no default to override; select it with +recipe=fsdp"]),
+    # An empty name would write the run into runs/ itself; a run_dir under a file cannot be made.
+    (["name="], ["name= is empty"]),
+    (["run_dir=/dev/null/x"], ["run_dir=/dev/null/x cannot be created: /dev/null is not a folder"]),
     # Learned positions: an IndexError at the first evaluation, after the run folder was made.
     (["model.architecture.model_type=gpt2", "model.architecture.max_position_embeddings=32", "data.seq_len=64"],
      ["data.seq_len=64 exceeds the gpt2 model's 32 learned positions", "data.seq_len<=32"]),
@@ -287,6 +291,9 @@ def test_layout_errors_on_two_ranks_fail_before_writing(overrides, needle, tmp_p
     (["+recipe=zero4"], "+recipe=zero4: 'zero4' is not an option of group recipe: did you mean zero3?"),
     (["-m", "trainer=default,finetun"], "trainer=default,finetun: 'finetun' is not an option of group trainer: did you mean finetune?"),
     (["peft.r=4"], "peft.r=4: no peft method is selected; add +peft=lora"),
+    # Fields of list elements too (with '+', Hydra would have added the key to the element).
+    (["data=mix", "+data.datasets.0.pth=a.json"],
+     "data.datasets.0.pth is not a field of data.datasets.0: did you mean data.datasets.0.path?"),
 ])
 def test_misspelt_fields_and_options_get_one_line_naming_the_closest_and_exit_2(overrides, message, tmp_path):
     proc = run_cli(["tracker=none", f"run_dir={tmp_path / 'run'}"] + overrides)

@@ -330,3 +330,11 @@ def test_a_mixture_refuses_a_top_level_data_path():
                                           r"\(alpaca, sharegpt\).*data.datasets.0.path=\.\.\., data.datasets.1.path"):
         validate_config(make_cfg(paths + ["data.path=/data/x.json"]), 1)
     validate_config(make_cfg(paths), 1)  # data=mix's own data.path: null
+
+
+def test_sweeps_hydra_expands_itself_pass_the_option_check():
+    from llmtrain.config import check_overrides
+
+    check_overrides(["-m", "trainer=glob(fine*)", "data=range(1,2)", "model=null"])  # Hydra's to expand or refuse
+    with pytest.raises(ConfigError, match="'finetun' is not an option of group trainer"):
+        check_overrides(["-m", "trainer=choice(default,finetun)"])

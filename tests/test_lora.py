@@ -299,6 +299,8 @@ def test_ask_answers_from_an_adapter_folder_also_after_the_run_folder_moved(runs
     shutil.rmtree(moved / "base")  # no base anywhere: one error line naming the fix, exit 2
     proc = ask(moved)
     assert proc.returncode == 2 and "ask.py: error:" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    proc = ask(tmp_path / "no-such-run" / "adapter")  # a mistyped path, not a Hub id
+    assert proc.returncode == 2 and "no such folder" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_a_gguf_base_is_written_next_to_the_adapter_and_a_pretrained_one_named():
