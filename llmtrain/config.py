@@ -603,24 +603,31 @@ def _schema_hint(dotted_key: str, through_containers: bool) -> Any:
     no field. ``through_containers``: also step through ``Optional[X]`` and list indexes
     (``data.datasets.0.name``) and return the bare hint; otherwise such a field counts as
     free-form (as :func:`check_known_keys` sees plain dicts)."""
+    return _walk_schema(dotted_key, through_containers)[0]
+
+
+def _walk_schema(dotted_key: str, through_containers: bool) -> tuple[Any, int, list[str]]:
+    """:func:`_schema_hint`'s walk: ``(hint, depth, fields)``, where for :data:`_NOT_IN_SCHEMA`
+    ``depth`` is the index of the first part that is no field and ``fields`` are the fields of
+    the node that lacks it (for the error naming the closest); otherwise ``(hint, -1, [])``."""
     def bare(hint: Any) -> Any:  # Optional[X] -> X
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
 
     schema: Any = Config
-    for part in dotted_key.split("."):
+    for depth, part in enumerate(dotted_key.split(".")):
         if through_containers:
             schema = bare(schema)
             if typing.get_origin(schema) is list and part.isdigit():
                 schema = typing.get_args(schema)[0]
                 continue
         if not dataclasses.is_dataclass(schema):
-            return _FREE_FORM
+            return _FREE_FORM, -1, []
         hints = typing.get_type_hints(schema)
         if part not in hints:
-            return _NOT_IN_SCHEMA
+            return _NOT_IN_SCHEMA, depth, list(hints)
         schema = hints[part]
-    return bare(schema) if through_containers else schema
+    return (bare(schema) if through_containers else schema), -1, []
 
 
 _NO_DEFAULT = object()
@@ -708,29 +715,30 @@ def check_overrides(args: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
 
-    groups = config_groups()
     parser = OverridesParser.create()
-    if any(a in ("--config-dir", "-cd") or a.startswith("--config-dir=") for a in args):
-        groups = {}  # options from a folder of the user's: Hydra names what it cannot find
-    for arg in args:  # hydra.searchpath=[file://DIR]: DIR's groups add options
-        match = re.match(r"^\+{0,2}hydra\.searchpath=(.*)$", arg)
-        if match:
-            for entry in str(parser.parse_override(arg).value() or []).strip("[]").split(","):
-                entry = entry.strip().strip("'\"")
-                if not entry.startswith("file://"):
-                    groups = {}
-                    break
-                for folder in Path(entry[len("file://"):]).glob("*/"):
-                    groups.setdefault(folder.name, [])
-                    groups[folder.name] = sorted(set(groups[folder.name]) | {f.stem for f in folder.glob("*.yaml")})
-    selected = set()
+    overrides = []
     for arg in args:
         if arg.startswith("-") or "=" not in arg or arg.startswith("~"):
             continue
         try:
-            override = parser.parse_override(arg)
+            overrides.append((arg, parser.parse_override(arg)))
         except Exception:  # noqa: BLE001  (malformed: Hydra's parser reports it, with its grammar)
             continue
+    groups = config_groups()
+    if any(a in ("--config-dir", "-cd") or a.startswith("--config-dir=") for a in args):
+        groups = {}  # options from a folder of the user's: Hydra names what it cannot find
+    for _, override in overrides:  # hydra.searchpath=[file://DIR]: DIR's groups add options
+        if override.key_or_group != "hydra.searchpath":
+            continue
+        entries = override.value() or []
+        for entry in entries if isinstance(entries, list) else [entries]:
+            if not str(entry).startswith("file://"):
+                groups = {}  # pkg:// and the like: not read here
+                break
+            for folder in Path(str(entry)[len("file://"):]).glob("*/"):
+                groups[folder.name] = sorted(set(groups.get(folder.name, [])) | {f.stem for f in folder.glob("*.yaml")})
+    selected = set()
+    for arg, override in overrides:
         key = override.key_or_group
         if key == "hydra" or key.startswith(("hydra.", "hydra/")) or override.package is not None:
             continue
@@ -748,27 +756,15 @@ def check_overrides(args: list[str]) -> None:
                     raise ConfigError(f"{arg}: {option!r} is not an option of group {key}: {hint}the options are "
                                       f"{', '.join(groups[key])} (`python -m llmtrain --help` lists every group)")
             continue
-        schema: Any = Config
-        for depth, part in enumerate(key.split(".")):
-            if typing.get_origin(schema) is list:  # data.datasets.0.path: an element's fields are checked too
-                element = typing.get_args(schema)[0]
-                if not (part.isdigit() and dataclasses.is_dataclass(element)):
-                    break
-                schema = element
-                continue
-            hint = typing.get_type_hints(schema)
-            if part not in hint:
-                prefix = ".".join(key.split(".")[:depth])
-                raise _unknown_key(".".join(key.split(".")[:depth + 1]), f"{prefix}." if prefix else "",
-                                   list(hint))
-            schema = hint[part]
-            args_of = [a for a in typing.get_args(schema) if a is not type(None)]
-            if typing.get_origin(schema) is typing.Union and len(args_of) == 1:
-                schema = args_of[0]  # Optional[X] -> X
-            if not dataclasses.is_dataclass(schema) and typing.get_origin(schema) is not list:
-                break  # a plain field, or a free-form mapping: any key below it is the user's
-    for arg in args:
-        if re.match(r"^\+{0,2}peft\.", arg) and "peft" not in selected:
+        # Through Optional and list elements (data.datasets.0.path); keys inside a free-form
+        # mapping (model.architecture.*) are the user's.
+        hint, depth, fields = _walk_schema(key, through_containers=True)
+        if hint is _NOT_IN_SCHEMA:
+            parts = key.split(".")
+            prefix = ".".join(parts[:depth])
+            raise _unknown_key(".".join(parts[:depth + 1]), f"{prefix}." if prefix else "", fields)
+    for arg, override in overrides:
+        if override.key_or_group.startswith("peft.") and "peft" not in selected:
             raise ConfigError(f"{arg}: no peft method is selected; add +peft=lora (the fields are those of "
                               "conf/peft/lora.yaml)")
 

@@ -100,7 +100,7 @@ def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: An
     ``generation_config.json``'s ``eos_token_id`` so ``generate()`` stops on any of them."""
     fresh = model_from_state(state, model_cfg)
     if end_token_ids:
-        fresh.generation_config.eos_token_id = end_token_ids if len(end_token_ids) > 1 else end_token_ids[0]
+        fresh.generation_config.eos_token_id = _eos_token_id(end_token_ids)
     out_dir.mkdir(parents=True, exist_ok=True)
     fresh.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
@@ -184,6 +184,11 @@ def save_adapter(state: dict[str, torch.Tensor], cfg: Any, adapter_dir: Path | N
     return model.merge_and_unload()
 
 
+def _eos_token_id(end_token_ids: list[int]) -> int | list[int]:
+    """``generation_config.eos_token_id`` for the tokens training taught as ends: one id, or the list."""
+    return end_token_ids if len(end_token_ids) > 1 else end_token_ids[0]
+
+
 BASE_DIR = "base"  # adapter_dir/base: the base written next to the adapter when its source is not loadable
 
 
@@ -242,9 +247,8 @@ def export_lora(state: dict[str, torch.Tensor], cfg: Any, tokenizer: Any, adapte
     if adapter_dir is not None:
         tokenizer.save_pretrained(adapter_dir)
         if end_token_ids:  # what generate() stops on, as in the merged and base folders
-            generation = merged.generation_config
-            generation.eos_token_id = end_token_ids if len(end_token_ids) > 1 else end_token_ids[0]
-            generation.save_pretrained(adapter_dir)
+            merged.generation_config.eos_token_id = _eos_token_id(end_token_ids)
+            merged.generation_config.save_pretrained(adapter_dir)
         follow_umask(adapter_dir)
         written["adapter"] = str(adapter_dir)
     if merged_dir is not None:

@@ -5,6 +5,7 @@ time lost to start-up, evaluation, checkpoints, work redone after a crash, and r
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -25,9 +26,10 @@ def timeline_event(run_dir: Path, event: str, fresh: bool = False, **fields: Any
     if fresh:
         move_aside(path)
     # A kill mid-write leaves a line cut short: the next event starts on a line of its own.
-    cut_short = path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
-    with open(path, "a", encoding="utf-8") as file:
-        file.write(("\n" if cut_short else "") + json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+    with open(path, "a+b") as file:
+        cut_short = file.tell() > 0 and (file.seek(-1, os.SEEK_END), file.read(1))[1] != b"\n"
+        line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
+        file.write((b"\n" if cut_short else b"") + line.encode("utf-8"))
 
 
 def unfinished_process(run_dir: Path) -> Optional[dict]:
