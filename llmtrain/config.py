@@ -103,7 +103,7 @@ class PeftConfig:
     use_dora: bool = False
 
 
-DATA_FORMATS = ("text", "instruction", "alpaca", "chat", "prompt_completion", "tokens")
+DATA_FORMATS = ("text", "instruction", "alpaca", "chat", "prompt_completion", "tokens", "preference")
 # Older spellings of a format: same records, same samples.
 FORMAT_ALIASES = {"alpaca": "instruction"}
 
@@ -118,6 +118,7 @@ FORMAT_COLUMNS = {
     "chat": ("messages", "conversations"),
     "prompt_completion": ("prompt", "completion"),
     "tokens": (),
+    "preference": ("prompt", "chosen", "rejected", "margin"),
 }
 
 
@@ -134,6 +135,9 @@ class ColumnsConfig:
     conversations: Optional[str] = None
     prompt: Optional[str] = None
     completion: Optional[str] = None
+    chosen: Optional[str] = None
+    rejected: Optional[str] = None
+    margin: Optional[str] = None
 
 
 def mapped_columns(columns: Any) -> dict[str, str]:
@@ -183,6 +187,13 @@ class DataConfig(DataSourceConfig):
         token are trained. ``template``: ``auto`` (the tokenizer's), ``chatml`` (a built-in
         template) or a path to a Jinja file.
       * ``prompt_completion``: {prompt, completion}; the completion and EOS are trained.
+      * ``preference``: preference pairs for ``objective=dpo|simpo|orpo|reward``, TRL's layouts:
+        {prompt, chosen, rejected} as strings or message lists (rendered with the chat
+        template), or implicit prompts ({chosen, rejected} only; the prompt is their shared
+        prefix, as in Anthropic HH-RLHF); optional ``margin`` (reward models). Each sequence
+        (prompt + completion + EOS) is at most ``seq_len`` tokens: a prompt over
+        ``max_prompt_tokens`` keeps its last tokens, then completions are cut from the right;
+        pairs left without a completion token are dropped and counted. Loss on completions only.
       * ``tokens``: a folder written by ``python -m llmtrain.prepare`` (read by block from disk).
     ``truncation``: a sample longer than ``seq_len`` is cut (``right``) or dropped (``drop``); a
     sample left without target tokens is dropped either way. ``packing``: several samples share
@@ -206,6 +217,7 @@ class DataConfig(DataSourceConfig):
     document_masking: bool = False
     shuffle: bool = True
     num_proc: int = 1
+    max_prompt_tokens: Optional[int] = None
     datasets: List[DataSourceConfig] = field(default_factory=list)
     weights: List[float] = field(default_factory=list)
 
@@ -390,14 +402,46 @@ class ObjectiveConfig:
     """The training objective (``objective=NAME``; :mod:`llmtrain.objectives`).
 
     Attributes:
-        name: a built-in objective (``causal_lm``: next-token cross-entropy over target tokens),
-            or the label of ``target``.
+        name: a built-in objective: ``causal_lm`` (next-token cross-entropy over target tokens),
+            ``dpo``, ``simpo``, ``orpo`` (preference pairs, ``data.format=preference``) or
+            ``reward`` (a sequence-classification head on pairs); or the label of ``target``.
         target: ``"module:Class"`` of your own :class:`llmtrain.objectives.Objective` subclass
             (importable on every rank); built with this section.
+        beta: the preference losses' temperature: DPO's β (Rafailov et al. 2023, eq. 7; 0.1), IPO's
+            τ (Azar et al. 2023, eq. 17), SimPO's β (Meng et al. 2024, eq. 6; 2.0 in
+            ``objective=simpo``), ORPO's λ weighting the odds-ratio term (Hong et al. 2024, eq. 6;
+            0.1, TRL's ``beta``).
+        loss_type: DPO's pairwise loss: ``sigmoid`` (DPO eq. 7), ``ipo`` (IPO eq. 17 on length-
+            normalised log-ratios, as TRL), ``hinge`` (SLiC-HF, Zhao et al. 2023, eq. 1) or
+            ``robust`` (Chowdhury et al. 2024, eq. 6, with ``label_smoothing`` the flip rate).
+        label_smoothing: ε, the assumed rate of flipped preference labels: conservative DPO
+            (Mitchell 2023) under ``sigmoid`` (and SimPO), robust DPO under ``robust``; in [0, 0.5).
+        gamma: SimPO's target reward margin γ (eq. 6; 1.0, the paper's γ/β = 0.5 at β = 2).
+        nll_on_prompt: ORPO's SFT term over the whole chosen sequence, prompt included (true, as
+            the authors' code and TRL), or over its completion only (false).
+        margin_column: reward models: subtract the record's ``margin`` column from the score
+            difference (Llama 2, Touvron et al. 2023, eq. 2); needs the column in the data.
+        center_coefficient: reward models: weight of the centering term (r_w + r_l)²
+            (Eisenstein et al. 2023; TRL's ``center_rewards_coefficient``); 0 = off.
+        reference: the frozen reference policy of ``dpo``: ``auto`` (with ``+peft=lora`` the base
+            model with adapters disabled, no second copy; otherwise ``copy``), ``copy`` (a frozen
+            copy of the initial weights laid out like the policy) or ``adapters_disabled``.
+        precompute_reference: one pass over the training and validation pairs before step 1
+            stores the reference log-probs in ``run_dir/reference_logps.safetensors`` (kept for
+            resume); each step then runs one model.
     """
 
     name: str = "causal_lm"
     target: Optional[str] = None
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    gamma: float = 1.0
+    nll_on_prompt: bool = True
+    margin_column: bool = False
+    center_coefficient: float = 0.0
+    reference: str = "auto"
+    precompute_reference: bool = False
 
 
 @dataclass
@@ -1044,4 +1088,54 @@ def validate(cfg: Any, world_size: int) -> Layout:
     if cfg.get("peft") is not None:
         validate_peft(cfg.peft, cfg.recipe)
     validate_recipe(cfg.recipe, cfg.get("engine"))
+    validate_objective(cfg)
     return layout(cfg, world_size)
+
+
+PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo", "reward")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+REFERENCE_KINDS = ("auto", "copy", "adapters_disabled")
+
+
+def validate_objective(cfg: Any) -> None:
+    """The ``objective`` node against the data, the recipe and ``peft``.
+
+    Raises:
+        ConfigError: naming the field, its value and the fix.
+    """
+    o, d, r = cfg.objective, cfg.data, cfg.recipe
+    formats = {canonical_format(src.format) for src in d.datasets} if d.datasets else {canonical_format(d.format)}
+    if o.target:
+        return
+    name = o.name
+    _require(name == "causal_lm" or name in PREFERENCE_OBJECTIVES,
+             f"objective.name={name!r} is not a built-in objective (choose causal_lm, {', '.join(PREFERENCE_OBJECTIVES)}"
+             ", or set objective.target=module:Class)")
+    if name == "causal_lm":
+        _require("preference" not in formats, "data.format=preference holds preference pairs, which objective=causal_lm "
+                 "does not train on; pick a preference objective (objective=dpo, simpo, orpo or reward)")
+        return
+    _require(formats == {"preference"}, f"objective={name} trains on preference pairs: data.format must be preference "
+             f"(data=preference), not {', '.join(sorted(formats))}")
+    _require(o.beta > 0, f"objective.beta={o.beta} must be > 0")
+    _require(o.loss_type in DPO_LOSS_TYPES, f"objective.loss_type={o.loss_type!r} must be one of "
+             f"{', '.join(DPO_LOSS_TYPES)}")
+    _require(0.0 <= o.label_smoothing < 0.5, f"objective.label_smoothing={o.label_smoothing} must be in [0, 0.5)")
+    _require(o.center_coefficient >= 0, f"objective.center_coefficient={o.center_coefficient} must be >= 0")
+    _require(o.reference in REFERENCE_KINDS, f"objective.reference={o.reference!r} must be one of "
+             f"{', '.join(REFERENCE_KINDS)}")
+    _require(o.reference != "adapters_disabled" or cfg.get("peft") is not None,
+             "objective.reference=adapters_disabled needs +peft=lora (the base model is the reference when the "
+             "adapters are off); use objective.reference=copy for full fine-tuning")
+    _require(not o.precompute_reference or name == "dpo",
+             f"objective.precompute_reference=true: objective={name} is reference-free (only dpo has a reference "
+             "model); drop the setting")
+    _require(not o.margin_column or name == "reward", "objective.margin_column=true applies to objective=reward")
+    _require(r.pp == 1, f"objective={name} with recipe {r.name} (recipe.pp={r.pp}): preference and reward losses "
+             "compare a pair's sequences, which pipeline stages do not see together; use a data-parallel, "
+             "ZeRO, FSDP or tensor-parallel recipe")
+    if name == "reward":
+        _require(not d.packing, "objective=reward scores one sequence per row (the classification head reads its "
+                 "last token): set data.packing=false")
+        _require(r.tp == 1, f"objective=reward with recipe {r.name} (recipe.tp={r.tp}): the classification head "
+                 "is not in the tensor-parallel plan; use a data-parallel, ZeRO or FSDP recipe")

@@ -170,6 +170,16 @@ def barrier() -> None:
         dist.barrier()
 
 
+def all_gather_objects(value: object) -> list[object]:
+    """Every rank's ``value`` (picklable, written by this program itself), in rank order; ``[value]``
+    for one process."""
+    if not is_initialized():
+        return [value]
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def derived_seed(*parts: object) -> int:
     """A 63-bit seed derived from ``parts`` (e.g. the run's seed and a rank's coordinates):
     SHA-256 of their ``/``-joined text, so distinct coordinates get unrelated streams."""

@@ -66,20 +66,28 @@ def export_hf(engine, cfg: Any, tokenizer: Any, run_dir: Path, end_token_ids: li
     return {"export": str(save_hf_folder(state, cfg.model, tokenizer, run_dir / "hf", end_token_ids))}
 
 
-def model_from_state(state: dict[str, torch.Tensor], model_cfg: Any) -> torch.nn.Module:
+def model_from_state(state: dict[str, torch.Tensor], model_cfg: Any, pad_token_id: int | None = None) -> torch.nn.Module:
     """A plain fp32 model built from the config holding ``state`` (a whole state dict; a tied
     output embedding may be absent from it: it is filled by re-tying). GGUF quantization metadata
-    is dropped from the config: the weights are plain fp32.
+    is dropped from the config: the weights are plain fp32. A state with a ``score`` head (a
+    reward model) builds ``AutoModelForSequenceClassification`` with ``pad_token_id`` (the token
+    its pooling skips).
 
     Raises:
         RuntimeError: the state does not fit the model (names listed).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = model_config(model_cfg)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if "score.weight" in state:  # a reward model (objective=reward): the classification head
+        config.num_labels = int(state["score.weight"].shape[0])
+        if pad_token_id is not None:
+            config.pad_token_id = pad_token_id
+        fresh = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    else:
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     result = fresh.load_state_dict(state, strict=False)
     fresh.tie_weights()
     loaded = {fresh.get_parameter(k).data_ptr() for k in state if k in dict(fresh.named_parameters())}
@@ -98,8 +106,9 @@ def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: An
     ``end_token_ids``: every token training taught as the end of a response (the chat
     template's end-of-turn token and EOS, :func:`llmtrain.data.end_token_ids`); written as
     ``generation_config.json``'s ``eos_token_id`` so ``generate()`` stops on any of them."""
-    fresh = model_from_state(state, model_cfg)
-    if end_token_ids:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    fresh = model_from_state(state, model_cfg, pad)
+    if end_token_ids and getattr(fresh, "generation_config", None) is not None:  # a reward model generates nothing
         fresh.generation_config.eos_token_id = _eos_token_id(end_token_ids)
     out_dir.mkdir(parents=True, exist_ok=True)
     fresh.save_pretrained(out_dir, safe_serialization=True)

@@ -152,8 +152,13 @@ def model_config(model_cfg: Any):
     return AutoConfig.from_pretrained(_local_or_hub("model.path", model_cfg.path))
 
 
-def build_model(model_cfg: Any, seed: int) -> torch.nn.Module:
-    """Build the causal LM in fp32. Call inside the engine's ``model_init_context()``.
+def build_model(model_cfg: Any, seed: int, head: str = "logits", pad_token_id: int | None = None) -> torch.nn.Module:
+    """Build the model in fp32. Call inside the engine's ``model_init_context()``.
+
+    ``head``: ``"logits"``, the causal LM; ``"scores"``, a reward model: the same decoder with a
+    one-output sequence-classification head (``AutoModelForSequenceClassification``,
+    ``num_labels=1``; a pretrained model's head is new and seeded like a config model's), which
+    reads each row's last token that is not ``pad_token_id``.
 
     Models from config are initialised by :func:`init_weights`, so the initial weights depend on
     the seed alone, not on the engine or the number of ranks.
@@ -162,14 +167,25 @@ def build_model(model_cfg: Any, seed: int) -> torch.nn.Module:
         ModelSourceError: weights are missing (see :func:`resolve_gguf`).
     """
     kwargs = dict(attn_implementation=model_cfg.attn_implementation, dtype=torch.float32)
+    auto = AutoModelForCausalLM
+    if head == "scores":
+        from transformers import AutoModelForSequenceClassification
+
+        auto = AutoModelForSequenceClassification
+        kwargs.update(num_labels=1, pad_token_id=pad_token_id)
     if model_cfg.source == "config":
-        model = AutoModelForCausalLM.from_config(model_config(model_cfg), **kwargs)
+        config = model_config(model_cfg)
+        if head == "scores":
+            config.num_labels, config.pad_token_id = 1, pad_token_id
+        model = auto.from_config(config, **{k: v for k, v in kwargs.items() if k not in ("num_labels", "pad_token_id")})
         init_weights(model, seed)
     elif model_cfg.source == "gguf":
         folder, file = resolve_gguf(model_cfg)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, **kwargs)
+        model = auto.from_pretrained(folder, gguf_file=file, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(_local_or_hub("model.path", model_cfg.path), **kwargs)
+        model = auto.from_pretrained(_local_or_hub("model.path", model_cfg.path), **kwargs)
+    if head == "scores" and model_cfg.source != "config":
+        init_weights(model, seed, only=lambda name: name.startswith("score."))
     return model
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from llmtrain import adapters, checkpoint, console, data, distributed, export, flops, goodput
+from llmtrain import adapters, checkpoint, console, data, distributed, export, flops, goodput, reference
 from llmtrain.config import ConfigError, validate
 from llmtrain.engine import build_engine
 from llmtrain.errors import TrainingStopped
@@ -171,7 +171,8 @@ def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, flo
     engine.train(True)
     normaliser = totals[-1].clamp(min=1)
     loss = float(totals[0] / normaliser)
-    return {"val/loss": loss, "val/perplexity": math.exp(min(loss, 50.0)),
+    perplexity = {"val/perplexity": math.exp(min(loss, 50.0))} if objective.reports_perplexity else {}
+    return {"val/loss": loss, **perplexity,
             **{f"val/{name}": float(totals[1 + k] / normaliser) for k, name in enumerate(names)}}
 
 
@@ -397,6 +398,7 @@ class Trainer:
                                                            if b != "wandb" or cfg.tracker.wandb_mode != "disabled")]))
         self.tracker = self._setup_tracker()
         self._log_start()
+        self.reference = self._setup_reference()
         phases.begin("data loader and validation batches")
         self.sampler, self.micro_batches = self._setup_data_loader()
         self.flops_per_token, self.peak_tflops = self._setup_flops()
@@ -462,6 +464,9 @@ class Trainer:
         # Fingerprint on the host copies: on an accelerator this avoids a device-to-host sync.
         digest = _sample_digest(host_batches)
         batches = [{k: v.to(self.env.device) for k, v in b.items()} for b in host_batches]
+        if self.reference is not None:
+            for b in batches:
+                b["ref_logps"] = self.reference(b)
         lr = self.engine.lr()
         self.watchdog.set("forward_backward")
         sums = forward_backward(self.engine, batches, lambda: self._local_scalars(digest))
@@ -520,15 +525,36 @@ class Trainer:
         engine = build_engine(self.cfg, self.env, self.accumulation, self.dims, self.objective)
         self.phases.begin("model", _model_detail(self.cfg.model))
         with engine.model_init_context():
-            model = build_model(self.cfg.model, self.t.seed)
+            model = self._build_model()
             if self.partial:
                 adapters.apply(model, self.cfg)  # LoRA layers in place; frozen parameters marked
+                if self.objective.model_output == "scores":
+                    model.score.requires_grad_(True)  # a reward model's new head trains with the adapters
         self.phases.begin("engine set-up")
         if self.resume_from is not None:
             self.checkpoints.prepare(engine, self.resume_from)
         engine.setup(model)
         engine.train(True)
         return engine
+
+    def _build_model(self):
+        """The model with its initial weights (the policy, or its frozen reference copy)."""
+        return build_model(self.cfg.model, self.t.seed, head=self.objective.model_output,
+                           pad_token_id=data.pad_id_of(self.tokenizer))
+
+    def _setup_reference(self):
+        """The reference policy of an objective that has one: log-probs precomputed into the data
+        (returns None), or a live reference called on every micro-batch. Collective call."""
+        if not self.objective.needs_reference:
+            return None
+        if self.cfg.objective.precompute_reference:
+            self.phases.begin("reference", "precomputing the reference log-probs of every pair")
+            reference.precompute(self.engine, self.splits, data.collator_for(self.cfg.data, self.tokenizer),
+                                 self.t.micro_batch_size, self.env.device, self.engine.dp_rank, self.dims.dp,
+                                 self.run_dir, self.resume_from is not None, self.env.is_main)
+            return None
+        self.phases.begin("reference", f"objective.reference={reference.reference_kind(self.cfg)}")
+        return reference.build_reference(self.cfg, self.engine, self._build_model)
 
     def _setup_state(self) -> tuple[checkpoint.TrainState, dict | None]:
         """A fresh train state, or the resumed checkpoint's (and its RNG states) loaded into the
@@ -579,8 +605,14 @@ class Trainer:
     def _setup_val_batches(self) -> list[dict]:
         """This rank's share of the held-out batches, with what the objective adds."""
         batches = data.val_batches(self.splits, self.tokenizer, self.t.micro_batch_size, self.t.eval_samples,
-                                   self.engine.dp_rank, self.dims.dp)
-        return [self.objective.prepare(b) for b in batches]
+                                   self.engine.dp_rank, self.dims.dp, data.collator_for(self.cfg.data, self.tokenizer))
+        batches = [self.objective.prepare(b) for b in batches]
+        if self.reference is not None:  # the reference does not change: its held-out log-probs once
+            self.engine.train(False)
+            for b in batches:
+                b["ref_logps"] = self.reference({k: v.to(self.env.device) for k, v in b.items()}).cpu()
+            self.engine.train(True)
+        return batches
 
     def _setup_watchdog(self) -> Watchdog:
         """The hang watchdog (:mod:`llmtrain.watchdog`), started: this rank's step and phase as a
@@ -657,10 +689,14 @@ class Trainer:
 
     def _log_eval(self, step: int, metrics: dict[str, float], train_loss: float | None = None) -> dict[str, float]:
         if self.env.is_main:
-            log.info("eval at step %d: val loss %.4f (ppl %.2f)%s", step, metrics["val/loss"],
-                     metrics["val/perplexity"], f", train loss {train_loss:.4f}" if train_loss is not None else "")
+            detail = (f"ppl {metrics['val/perplexity']:.2f}" if "val/perplexity" in metrics else
+                      f"preference accuracy {metrics.get('val/rewards/accuracies', float('nan')):.3f}, margin "
+                      f"{metrics.get('val/rewards/margins', float('nan')):.4f}")
+            log.info("eval at step %d: val loss %.4f (%s)%s", step, metrics["val/loss"], detail,
+                     f", train loss {train_loss:.4f}" if train_loss is not None else "")
         if step == self.t.max_steps and step > 0:
-            self.summary["final_val"] = {k: metrics[k] for k in ("val/loss", "val/perplexity")}
+            self.summary["final_val"] = {k: v for k, v in metrics.items() if k in ("val/loss", "val/perplexity")
+                                         or k.startswith("val/rewards/")}
         return metrics
 
     def _on_unhealthy(self, result: StepResult) -> None:

@@ -67,12 +67,16 @@ def test_engine_override_runs_a_zero_recipe_on_the_torch_engine(recipe):
     assert cfg.recipe.engine == "torch" and cfg.recipe.name == f"{recipe}-torch"
 
 
-@pytest.mark.parametrize("group", ["model", "data", "trainer", "tracker"])
+@pytest.mark.parametrize("group", ["model", "data", "trainer", "tracker", "objective"])
 def test_every_group_option_composes_and_validates(group):
     options = group_options(group)
     assert options, f"no options in conf/{group}"
     for option in options:
         overrides = [f"{group}={option}"]
+        if (group, option) == ("data", "preference"):
+            overrides.append("objective=dpo")  # pairs train preference objectives only
+        if group == "objective" and option != "causal_lm":
+            overrides += ["data=preference", "data.path=/some/file"]
         composed = make_cfg(overrides).data
         if group == "data" and composed.datasets:
             overrides += [f"data.datasets.{i}.path=/some/file" for i in range(len(composed.datasets))]
@@ -93,7 +97,8 @@ def test_a_mixture_without_paths_names_each_entry():
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("data.format=csv", "data.format='csv' must be one of text, instruction, alpaca, chat, prompt_completion, tokens"),
+    ("data.format=csv", "data.format='csv' must be one of text, instruction, alpaca, chat, prompt_completion, tokens, "
+                        "preference"),
     ("data.columns.output=body", r"data.columns: \['output'\] are not fields of format text; it reads text"),
     ("data.chat_layout=openai", "data.chat_layout='openai' must be auto, messages or sharegpt"),
     ("data.truncation=left", "data.truncation='left' must be right or drop"),

@@ -32,6 +32,7 @@ from llmtrain.data.order import (Collator, GlobalSampleOrder, MixtureOrder, Step
 from llmtrain.data.sources import (RECORD_BUILDERS, capped_text, column, explain_error, file_kind,  # noqa: F401
                                    is_saved_dataset, load_hub, load_records, looks_like_local_path,
                                    refuse_records_as_text, source_files)
+from llmtrain.data.preference import PackedPairs, PairCollator, WithReference, encode_pairs, pairs_of  # noqa: F401
 from llmtrain.data.tokens import MANIFEST, Complement, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
 from llmtrain import distributed
 from llmtrain.config import mapped_columns
@@ -218,13 +219,19 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int) -
 
     def encode():
         records = load_records(src, key)
+        if src.format == "preference":
+            return encode_pairs(records, src, data_cfg, tokenizer, key, f"{key}.path: {src.path}")
         return encode_records(records, src, data_cfg, tokenizer, key, f"{key}.path: {src.path}")
 
     samples, counts = _on_main_first(encode)
     train_idx, val_idx = _split(len(samples), data_cfg.val_fraction, seed)
     train, val = samples.select([train_idx[k] for k in range(len(train_idx))]), samples.select(val_idx.tolist())
-    stats = dict(counts, samples=len(samples))
-    if data_cfg.packing:
+    stats = dict(counts, samples=len(samples), **({"pairs": len(samples)} if src.format == "preference" else {}))
+    if data_cfg.packing and src.format == "preference":
+        unpacked = len(train)
+        train = PackedPairs(train, data_cfg.seq_len)
+        stats["packed_rows"], stats["packed_samples"] = len(train), unpacked
+    elif data_cfg.packing:
         unpacked = len(train)
         train = packed_samples(train, data_cfg.seq_len)
         stats["packed_rows"], stats["packed_samples"] = len(train), unpacked
@@ -258,7 +265,11 @@ def describe(splits: Splits) -> str:
     """One log line per source: records, samples, truncated and dropped counts, packing."""
     lines = []
     for name, s in splits.stats.items():
-        if "records" in s:
+        if "records" in s and "pairs" in s:
+            line = (f"data {name}: {s['records']} records -> {s['pairs']} preference pairs (truncated "
+                    f"{s['truncated']}, dropped {s['dropped_too_long']} too long and {s['dropped_truncated_away']} left "
+                    "without a completion token)")
+        elif "records" in s:
             line = (f"data {name}: {s['records']} records -> {s['samples']} samples (truncated {s['truncated']}, "
                     f"dropped {s['dropped_too_long']} too long, {s['dropped_truncated_away']} cut before their first "
                     f"target token and {s['dropped_no_target']} without a target token)")
@@ -276,6 +287,18 @@ def pad_id_of(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+def is_preference(data_cfg: Any) -> bool:
+    """Whether the data are preference pairs (every source has ``format=preference``)."""
+    sources = list(data_cfg.datasets) or [data_cfg]
+    return all(src.format == "preference" for src in sources)
+
+
+def collator_for(data_cfg: Any, tokenizer: Any):
+    """The micro-batch layout of the data: :class:`PairCollator` for preference pairs, else
+    :class:`Collator`."""
+    return (PairCollator if is_preference(data_cfg) else Collator)(pad_id_of(tokenizer))
+
+
 def train_loader(splits: Splits, tokenizer: Any, data_cfg: Any, seed: int, micro_batch: int,
                  accumulation: int, dp_rank: int, dp_size: int, start_step: int, max_steps: int):
     """A DataLoader over data-parallel rank ``dp_rank``'s micro-batches (of ``dp_size``) from
@@ -285,18 +308,18 @@ def train_loader(splits: Splits, tokenizer: Any, data_cfg: Any, seed: int, micro
                                start_step, max_steps)
     # Its own generator: creating the iterator must not draw from the global RNG (dropout), or a
     # resumed run would diverge from an uninterrupted one.
-    loader = torch.utils.data.DataLoader(splits.train, batch_sampler=sampler, collate_fn=Collator(pad_id_of(tokenizer)),
+    loader = torch.utils.data.DataLoader(splits.train, batch_sampler=sampler, collate_fn=collator_for(data_cfg, tokenizer),
                                          generator=torch.Generator().manual_seed(seed))
     return loader, sampler
 
 
 def val_batches(splits: Splits, tokenizer: Any, micro_batch: int, max_samples: int,
-                dp_rank: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
+                dp_rank: int, dp_size: int, collate: Any = None) -> list[dict[str, torch.Tensor]]:
     """Data-parallel rank ``dp_rank``'s share (``dp_rank::dp_size``) of the first
-    ``max_samples`` validation samples."""
+    ``max_samples`` validation samples, collated by ``collate`` (default :class:`Collator`)."""
     n = min(len(splits.val), max_samples) if max_samples else len(splits.val)
     mine = list(range(dp_rank, n, dp_size))
-    collate = Collator(pad_id_of(tokenizer))
+    collate = collate or Collator(pad_id_of(tokenizer))
     return [collate([splits.val[i] for i in mine[j:j + micro_batch]]) for j in range(0, len(mine), micro_batch)]
 
 

@@ -180,6 +180,13 @@ class Engine(ABC):
         without gradients."""
         return self.objective.stacked(self.objective.loss_sums(self.forward(batch), batch))
 
+    def frozen_copy(self, build: Callable[[], torch.nn.Module]) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | None:
+        """A frozen copy of the model (``build()`` makes it with its initial weights), laid out
+        like the policy (sharded where the policy is), for a preference objective's reference.
+        Returns its forward (``batch -> logits``, no gradients, the run's autocast), or None
+        where this engine cannot lay one out. Called after :meth:`setup`; collective call."""
+        return None
+
     def model_init_context(self):
         """Context in which the model is built (ZeRO-3 partitions parameters as they appear)."""
         return contextlib.nullcontext()

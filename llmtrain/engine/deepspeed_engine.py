@@ -182,6 +182,40 @@ class DeepSpeedEngine(Engine):
                     safe_set_full_fp32_param(param, fp32_initial(name, param).to(self.env.device))
         self._report_duplicate_master_copy()
 
+    def frozen_copy(self, build):
+        """ZeRO-3: the copy is built partitioned and wrapped by a DeepSpeed engine without an
+        optimizer (TRL's ``prepare_deepspeed`` for its reference model); ZeRO 0-2 hold whole
+        weights on every rank, and so does the copy."""
+        import deepspeed
+
+        t = self.cfg.trainer
+        if self.cfg.recipe.zero_stage != 3:
+            copy = build().to(self.env.device).eval().requires_grad_(False)
+            autocast_on = t.precision == "bf16"
+
+            def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+                with torch.no_grad(), torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=autocast_on):
+                    return copy(**model_inputs(batch)).logits
+            return forward
+        config = {key: self.ds_config[key] for key in ("train_micro_batch_size_per_gpu", "bf16", "zero_optimization",
+                                                       "steps_per_print", "wall_clock_breakdown")}
+        config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()
+                                       if not k.startswith("offload_optimizer")}
+        config["train_batch_size"] = self.ds_config["train_micro_batch_size_per_gpu"] * self.env.world_size
+        config["gradient_accumulation_steps"] = 1
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep = HfDeepSpeedConfig(config)  # noqa: F841 - transformers builds inside zero.Init while it lives
+        copy = build().requires_grad_(False)
+        del keep
+        wrapped, *_ = deepspeed.initialize(model=copy, config=config, dist_init_required=self.env.world_size > 1)
+        wrapped.eval()
+
+        def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            with torch.no_grad():
+                return wrapped(**model_inputs(batch)).logits
+        return forward
+
     def _report_duplicate_master_copy(self) -> None:
         """Say so in the debug log (``hydra.verbose=llmtrain``) when DeepSpeed ZeRO-3 keeps a
         second fp32 copy of the parameter partitions in an fp32 run. Its code means to share them

@@ -98,6 +98,29 @@ class NativeEngine(Engine):
         if self.dims.tp > 1:
             self._check_tp_plan_runs()
 
+    def frozen_copy(self, build):
+        """The copy goes through the same ``parallelize`` (TP plan, FSDP2 shards) as the policy;
+        not for pipeline layouts (no preference objective runs there)."""
+        if self.dims.pp > 1:
+            return None
+        from llmtrain.parallelize import parallelize, tp_plan
+
+        with self.model_init_context():
+            copy = build()
+        if self.tied:
+            copy.tie_weights()
+        plan = tp_plan(copy, self.cfg.model.get("tp_plan")) if self.dims.tp > 1 else None
+        buffers = {n: b.detach().clone() for n, b in copy.named_buffers()}
+        parallelize(copy, self.cfg, self.mesh, self.dims, plan)
+        self._materialize(copy, buffers)
+        copy.requires_grad_(False)
+        copy.eval()
+
+        def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            with torch.no_grad(), self._autocast():
+                return copy(**model_inputs(batch)).logits
+        return forward
+
     def _check_tp_plan_runs(self) -> None:
         """One tiny forward before anything is written: an inconsistent plan (say, a column-
         parallel projection feeding an unsharded one) fails here as a ConfigError, not later."""

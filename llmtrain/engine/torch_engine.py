@@ -37,6 +37,14 @@ class TorchEngine(Engine):
     def model(self) -> torch.nn.Module:
         return self._model
 
+    def frozen_copy(self, build):
+        copy = build().to(self.env.device).eval().requires_grad_(False)
+
+        def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            with torch.no_grad(), autocast(self.env.device, self.cfg.trainer.precision):
+                return copy(**model_inputs(batch)).logits
+        return forward
+
     def accumulate(self, is_last_micro_batch: bool):
         if isinstance(self.wrapped, DistributedDataParallel) and not is_last_micro_batch:
             return self.wrapped.no_sync()

@@ -38,11 +38,18 @@ class Objective(ABC):
             that reads the last hidden states and the output head (to avoid the full logits) will
             declare ``"hidden"``; no engine provides it yet, and :func:`check_supported` says so.
         metric_names: names of :attr:`LossSums.metrics`, in the order engines stack them.
+        reports_perplexity: exp(loss) is a perplexity (next-token losses), logged as such.
+        needs_reference: the loss reads ``ref_logps``, the frozen reference policy's per-token
+            log-probs, which the trainer fills in before each step (or precomputes).
     """
 
     carries: ClassVar[Mapping[str, float]] = {"labels": -100}
     model_output: ClassVar[str] = "logits"
     metric_names: ClassVar[tuple[str, ...]] = ()
+    # Whether exp(loss) means anything (the trainer then logs val/perplexity).
+    reports_perplexity: ClassVar[bool] = True
+    # Whether batches need the reference policy's log-probs (``ref_logps``) before the step.
+    needs_reference: ClassVar[bool] = False
 
     def __init__(self, cfg: Any = None):
         self.cfg = cfg

@@ -1,0 +1,320 @@
+"""Preference pairs: records -> pairs of token sequences, their truncation, packing and batching.
+
+A *pair* is ``{"chosen_ids", "rejected_ids": list[int], "prompt_len": int}`` (and ``margin`` when
+the data has one): both sequences are the same ``prompt_len`` prompt tokens followed by their
+completion, and only completion tokens carry a loss. Layouts read (TRL's, by column mapping):
+
+* explicit prompt: ``prompt``, ``chosen``, ``rejected`` as strings, or as message lists
+  (``[{"role", "content"}]``; the prompt rendered with the chat template and its generation
+  prompt, each completion as the conversation's continuation);
+* implicit prompt: ``chosen`` and ``rejected`` only, the prompt being their shared prefix (strings:
+  TRL's ``extract_prompt`` rule, as in Anthropic HH-RLHF; message lists: the shared leading turns).
+
+Token ids follow TRL's ``DPOTrainer`` tokenization (``trl/trainer/dpo_trainer.py``,
+``_prepare_dataset``): prompt and prompt+completion are tokenized separately and the completion
+starts where the two diverge; string completions end with EOS. A micro-batch lays out ``m`` pairs
+as ``2m`` rows, chosen rows first (TRL's concatenated forward), or, packed (``data.packing``),
+several pairs per row with every sequence a document of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from llmtrain.data.formats import _apply_template, conversation, uses_chat_template
+from llmtrain.data.order import pack
+from llmtrain.data.sources import column
+from llmtrain.errors import DataError
+from llmtrain.labels import IGNORE_INDEX
+
+# What the collated micro-batch carries besides the model inputs (pad values for the pipeline's
+# right padding): see PairCollator.
+PAIR_CARRIES = {"labels": IGNORE_INDEX, "segment": -1, "ref_logps": 0.0, "margin": 0.0}
+
+
+def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
+    """(prompt, chosen completion, rejected completion) of an implicit-prompt pair: the longest
+    shared prefix of two strings (a space before the first differing character goes to the
+    completions) or of two message lists, as TRL's ``data_utils.extract_prompt``."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if isinstance(chosen, str) and idx > 0 and chosen[idx - 1] == " ":
+                idx -= 1
+            break
+    else:
+        idx = min(len(chosen), len(rejected))
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PairEncoder:
+    """Tokenizes one record into (prompt ids, chosen completion ids, rejected completion ids).
+
+    Raises (per record, naming ``where``, the record and the field):
+        DataError: a field of the wrong type, a message list that is not role/content turns,
+            chosen identical to rejected, or an implicit-prompt pair with no shared prefix.
+    """
+
+    def __init__(self, records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str):
+        from llmtrain.config import mapped_columns
+
+        self.tokenizer, self.where, self.data_cfg = tokenizer, where, data_cfg
+        self.chosen = column(records, src, "chosen", key, "preference", where)
+        self.rejected = column(records, src, "rejected", key, "preference", where)
+        mapped = mapped_columns(src.columns)
+        self.prompt = (column(records, src, "prompt", key, "preference", where)
+                       if "prompt" in mapped or "prompt" in records.column_names else None)
+        self.margin = (column(records, src, "margin", key, "preference", where)
+                       if "margin" in mapped or "margin" in records.column_names else None)
+        self.eos = tokenizer.eos_token_id
+        self._chat_checked = False
+
+    def __call__(self, rec: dict, i: int) -> tuple[list[int], list[int], list[int]]:
+        at = f"{self.where} record {i}"
+        chosen, rejected = rec[self.chosen], rec[self.rejected]
+        prompt = rec[self.prompt] if self.prompt is not None else None
+        conversational = isinstance(chosen, list)
+        for name, value in (("chosen", chosen), ("rejected", rejected)) + ((("prompt", prompt),) if self.prompt else ()):
+            if value is None:
+                raise DataError(f"{at}: field {self._col(name)!r} is missing (null)")
+            if not isinstance(value, (str, list)) or isinstance(value, list) != conversational:
+                raise DataError(f"{at}: field {self._col(name)!r} must be a string or a list of messages like the "
+                                f"others, got {type(value).__name__}")
+        if chosen == rejected:
+            raise DataError(f"{at}: fields {self.chosen!r} and {self.rejected!r} are identical, so the pair prefers "
+                            "nothing; remove the record or fix its rejected completion")
+        if prompt is None:
+            prompt, chosen, rejected = extract_prompt(chosen, rejected)
+            if not prompt:
+                raise DataError(f"{at}: fields {self.chosen!r} and {self.rejected!r} share no prefix, so no prompt can "
+                                "be taken from them (implicit-prompt layout); add a prompt column (data.columns.prompt="
+                                "COLUMN) or check the two columns")
+        if conversational:
+            return self._conversation(prompt, chosen, rejected, at)
+        tok = self.tokenizer
+        prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        full_c = tok(prompt + chosen, add_special_tokens=False)["input_ids"] + [self.eos]
+        full_r = tok(prompt + rejected, add_special_tokens=False)["input_ids"] + [self.eos]
+        return self._split(prompt_ids, full_c, full_r)
+
+    def _col(self, name: str) -> str:
+        return {"chosen": self.chosen, "rejected": self.rejected, "prompt": self.prompt}[name]
+
+    def _conversation(self, prompt: list, chosen: list, rejected: list, at: str):
+        if not self._chat_checked:
+            uses_chat_template(self.data_cfg, "chat", self.tokenizer)
+            self._chat_checked = True
+        turns = {name: conversation({name: value}, name, "messages", at) for name, value in
+                 (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))} if prompt else None
+        if turns is None:
+            raise DataError(f"{at}: the prompt turns are empty; a pair needs at least one prompt turn")
+
+        def ids(messages: list[dict], generation_prompt: bool = False) -> list[int]:
+            return list(_apply_template(self.tokenizer, messages, at, tokenize=True, return_dict=True,
+                                        add_generation_prompt=generation_prompt)["input_ids"])
+        prompt_ids = ids(turns["prompt"], generation_prompt=True)
+        return self._split(prompt_ids, ids(turns["prompt"] + turns["chosen"]),
+                           ids(turns["prompt"] + turns["rejected"]))
+
+    @staticmethod
+    def _split(prompt_ids: list[int], full_c: list[int], full_r: list[int]):
+        # The completion starts where prompt and prompt+completion diverge (tokens may merge
+        # across the boundary), as TRL does.
+        n = min(_common_prefix(prompt_ids, full_c), _common_prefix(prompt_ids, full_r))
+        return prompt_ids[:n], full_c[n:], full_r[n:]
+
+
+def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int], seq_len: int, max_prompt_tokens: int | None,
+             drop_long: bool) -> tuple[dict | None, str]:
+    """Truncate one pair so each sequence (prompt + completion) has at most ``seq_len`` tokens:
+    the prompt keeps its last ``max_prompt_tokens`` (when set), then each completion its first
+    ``seq_len - len(prompt)`` tokens (TRL's ``keep_start``).
+
+    Returns:
+        (pair, outcome): outcome ``kept``, ``truncated``, ``dropped_too_long`` (``drop`` mode),
+        or ``dropped_truncated_away`` (no completion token left, or the two completions became
+        identical); the pair is None when dropped.
+    """
+    outcome = "kept"
+    if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
+        if drop_long:
+            return None, "dropped_too_long"
+        prompt, outcome = prompt[len(prompt) - max_prompt_tokens:], "truncated"
+    room = seq_len - len(prompt)
+    if len(prompt) + max(len(chosen), len(rejected)) > seq_len:
+        if drop_long:
+            return None, "dropped_too_long"
+        chosen, rejected, outcome = chosen[:max(room, 0)], rejected[:max(room, 0)], "truncated"
+    if not chosen or not rejected or chosen == rejected or room <= 0:
+        return None, "dropped_truncated_away"
+    return {"chosen_ids": prompt + chosen, "rejected_ids": prompt + rejected, "prompt_len": len(prompt)}, outcome
+
+
+def encode_pairs(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str):
+    """Encode every record of a preference source into pairs (see :func:`fit_pair`).
+
+    Returns:
+        (``datasets.Dataset`` with ``chosen_ids``, ``rejected_ids``, ``prompt_len`` and, with a
+        margin column, ``margin``; counts ``{"records", "truncated", "dropped_too_long",
+        "dropped_truncated_away", "dropped_no_target"}``).
+
+    Raises:
+        DataError: a malformed record (names file, record and field), or fewer than 2 pairs left.
+    """
+    encode = PairEncoder(records, src, data_cfg, tokenizer, key, where)
+    seq_len, drop_long, max_prompt = data_cfg.seq_len, data_cfg.truncation == "drop", data_cfg.max_prompt_tokens
+
+    def encode_batch(batch: dict, indices: list[int]) -> dict:
+        out: dict[str, list] = {"chosen_ids": [], "rejected_ids": [], "prompt_len": [], "margin": [], "outcome": []}
+        for values, i in zip(zip(*batch.values()), indices):
+            rec = dict(zip(batch, values))
+            pair, outcome = fit_pair(*encode(rec, i), seq_len, max_prompt, drop_long)
+            margin = rec.get(encode.margin) if encode.margin is not None else 0.0
+            if not isinstance(margin, (int, float)) or isinstance(margin, bool):
+                raise DataError(f"{where} record {i}: field {encode.margin!r} must be a number, got "
+                                f"{type(margin).__name__}")
+            pair = pair or {"chosen_ids": [], "rejected_ids": [], "prompt_len": 0}
+            for name in ("chosen_ids", "rejected_ids", "prompt_len"):
+                out[name].append(pair[name])
+            out["margin"].append(float(margin))
+            out["outcome"].append(outcome)
+        return out
+
+    encoded = records.map(encode_batch, batched=True, with_indices=True, remove_columns=records.column_names,
+                          num_proc=data_cfg.num_proc if 1 < data_cfg.num_proc <= len(records) // 2 else None,
+                          desc=f"encode {src.name}")
+    outcomes = encoded["outcome"]
+    counts = {"records": len(records), "dropped_no_target": 0}
+    for kind in ("truncated", "dropped_too_long", "dropped_truncated_away"):
+        counts[kind] = outcomes.count(kind)
+    keep = [i for i, o in enumerate(outcomes) if o in ("kept", "truncated")]
+    pairs = encoded.select(keep).remove_columns(["outcome"] + ([] if encode.margin is not None else ["margin"]))
+    if len(pairs) < 2:
+        raise DataError(f"{where}: {len(pairs)} of {len(records)} preference records give a usable pair at "
+                        f"data.seq_len={seq_len} (truncated {counts['truncated']}, dropped as too long "
+                        f"{counts['dropped_too_long']}, left without a completion token {counts['dropped_truncated_away']})"
+                        "; need at least 2; raise data.seq_len or lower data.max_prompt_tokens")
+    return pairs, counts
+
+
+class PackedPairs(torch.utils.data.Dataset):
+    """Pairs packed into rows: row ``k`` holds the pairs ``groups[k]`` (first fit in order, at most
+    ``2 * seq_len`` tokens a row, as each sequence has at most ``seq_len``). An item is
+    ``{"pairs": [pair, ...]}``."""
+
+    def __init__(self, pairs: Any, seq_len: int):
+        self.pairs = pairs
+        lengths = [len(c) + len(r) for c, r in zip(pairs["chosen_ids"], pairs["rejected_ids"])]
+        self.groups = pack(lengths, 2 * seq_len)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __getitem__(self, k: int) -> dict:
+        return {"pairs": [self.pairs[i] for i in self.groups[k]]}
+
+
+class WithReference(torch.utils.data.Dataset):
+    """A dataset whose pairs carry precomputed reference log-probs: item ``k``'s pairs get
+    ``ref_chosen_logp`` and ``ref_rejected_logp`` from ``values[offsets[k]:offsets[k + 1]]``
+    (float64 ``[pairs, 2]``, nats), in the order the item lists its pairs."""
+
+    def __init__(self, base: Any, values: torch.Tensor, offsets: torch.Tensor):
+        self.base, self.values, self.offsets = base, values, offsets
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, k: int) -> dict:
+        item = self.base[k]
+        pairs = item["pairs"] if "pairs" in item else [item]
+        start = int(self.offsets[k])
+        with_ref = [dict(p, ref_chosen_logp=float(self.values[start + j, 0]), ref_rejected_logp=float(
+            self.values[start + j, 1])) for j, p in enumerate(pairs)]
+        return {"pairs": with_ref} if "pairs" in item else with_ref[0]
+
+
+def pairs_of(item: dict) -> list[dict]:
+    """The pairs of one dataset item (a pair, or a packed row's pairs)."""
+    return item["pairs"] if "pairs" in item else [item]
+
+
+class PairCollator:
+    """Lays out a micro-batch of pairs (or packed rows of pairs) for the model and the loss.
+
+    Unpacked (items are pairs): ``2m`` rows for ``m`` pairs, the chosen sequences then the
+    rejected ones, right-padded to the longest. Packed (items are ``{"pairs": [...]}``): one row
+    per item, each sequence a document with positions restarting at 0 (``position_ids``).
+
+    Returns int64 ``[rows, longest]`` tensors ``input_ids`` (padding ``pad_id``),
+    ``attention_mask`` and ``labels`` (-100 on prompt tokens and padding), and:
+
+    * ``segment``: int64, the sequence each token belongs to (prompt included), numbered in the
+      micro-batch: pair ``j``'s chosen is ``2j``, its rejected ``2j + 1``; -1 on padding;
+    * ``ref_logps`` (float32, when the pairs carry precomputed ones) and ``margin`` (float32,
+      always): a per-sequence number placed on the sequence's first completion token, 0 elsewhere,
+      so summing over a segment gives it back (rows split or padded keep it).
+    """
+
+    def __init__(self, pad_id: int):
+        self.pad_id = pad_id
+
+    def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
+        packed = "pairs" in items[0]
+        if packed:
+            rows, j = [], 0
+            for item in items:
+                row = []
+                for pair in item["pairs"]:
+                    row += [_sequence(pair, "chosen", 2 * j), _sequence(pair, "rejected", 2 * j + 1)]
+                    j += 1
+                rows.append(row)
+        else:
+            rows = ([[_sequence(p, "chosen", 2 * j)] for j, p in enumerate(items)]
+                    + [[_sequence(p, "rejected", 2 * j + 1)] for j, p in enumerate(items)])
+        has_ref = "ref_chosen_logp" in pairs_of(items[0])[0]
+        longest = max(sum(len(doc["ids"]) for doc in row) for row in rows)
+        shape = (len(rows), longest)
+        out = {"input_ids": torch.full(shape, self.pad_id, dtype=torch.long),
+               "attention_mask": torch.zeros(shape, dtype=torch.long),
+               "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.long),
+               "segment": torch.full(shape, -1, dtype=torch.long),
+               "margin": torch.zeros(shape, dtype=torch.float32)}
+        if has_ref:
+            out["ref_logps"] = torch.zeros(shape, dtype=torch.float32)
+        if packed:
+            out["position_ids"] = torch.zeros(shape, dtype=torch.long)
+        for r, row in enumerate(rows):
+            t = 0
+            for doc in row:
+                n, first = len(doc["ids"]), t + doc["prompt_len"]
+                out["input_ids"][r, t:t + n] = torch.as_tensor(doc["ids"])
+                out["attention_mask"][r, t:t + n] = 1
+                out["labels"][r, first:t + n] = torch.as_tensor(doc["ids"][doc["prompt_len"]:])
+                out["segment"][r, t:t + n] = doc["segment"]
+                out["margin"][r, first] = doc["margin"]
+                if has_ref:
+                    out["ref_logps"][r, first] = doc["ref"]
+                if packed:
+                    out["position_ids"][r, t:t + n] = torch.arange(n)
+                t += n
+            if packed:
+                out["position_ids"][r, t:] = torch.arange(longest - t)
+        return out
+
+
+def _sequence(pair: dict, which: str, segment: int) -> dict:
+    return {"ids": pair[f"{which}_ids"], "prompt_len": pair["prompt_len"], "segment": segment,
+            "margin": float(pair.get("margin", 0.0)) if which == "chosen" else 0.0,
+            "ref": pair.get(f"ref_{which}_logp", 0.0)}
