@@ -68,7 +68,8 @@ class NativeEngine(Engine):
 
         cfg, r, t = self.cfg, self.cfg.recipe, self.cfg.trainer
         self.hf_config = model.config
-        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        # A reward model's classification head is not an output embedding: nothing to tie.
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False)) and model.get_output_embeddings() is not None
         self.tied_sync = None
         if self.tied:
             model.tie_weights()  # accelerate's meta-device init builds the two as separate tensors
