@@ -39,13 +39,13 @@ def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
     shared prefix of two strings (a space before the first differing character goes to the
     completions) or of two message lists, as TRL's ``data_utils.extract_prompt``."""
     idx = 0
+    # TRL's loop exactly, including its end: when one is a prefix of the other, the prompt stops
+    # one element short of it (the loop variable's last value).
     for idx in range(min(len(chosen), len(rejected))):
         if chosen[idx] != rejected[idx]:
-            if isinstance(chosen, str) and idx > 0 and chosen[idx - 1] == " ":
+            if idx > 0 and chosen[idx - 1] == " ":
                 idx -= 1
             break
-    else:
-        idx = min(len(chosen), len(rejected))
     return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
