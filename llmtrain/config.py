@@ -103,7 +103,7 @@ class PeftConfig:
     use_dora: bool = False
 
 
-DATA_FORMATS = ("text", "instruction", "alpaca", "chat", "prompt_completion", "tokens", "preference")
+DATA_FORMATS = ("text", "instruction", "alpaca", "chat", "prompt_completion", "tokens", "preference", "kto")
 # Older spellings of a format: same records, same samples.
 FORMAT_ALIASES = {"alpaca": "instruction"}
 
@@ -119,6 +119,7 @@ FORMAT_COLUMNS = {
     "prompt_completion": ("prompt", "completion"),
     "tokens": (),
     "preference": ("prompt", "chosen", "rejected", "margin"),
+    "kto": ("prompt", "completion", "label"),
 }
 
 
@@ -138,6 +139,7 @@ class ColumnsConfig:
     chosen: Optional[str] = None
     rejected: Optional[str] = None
     margin: Optional[str] = None
+    label: Optional[str] = None
 
 
 def mapped_columns(columns: Any) -> dict[str, str]:
@@ -194,6 +196,10 @@ class DataConfig(DataSourceConfig):
         (prompt + completion + EOS) is at most ``seq_len`` tokens: a prompt over
         ``max_prompt_tokens`` keeps its last tokens, then completions are cut from the right;
         pairs left without a completion token are dropped and counted. Loss on completions only.
+      * ``kto``: unpaired examples for ``objective=kto``: {prompt, completion, label} (strings or
+        message lists; ``label`` a boolean: desirable or not), TRL's unpaired layout, truncated
+        as pairs are. ``objective=kto`` also reads ``preference`` pairs, each as a desirable
+        (chosen) and an undesirable (rejected) example.
       * ``tokens``: a folder written by ``python -m llmtrain.prepare`` (read by block from disk).
     ``truncation``: a sample longer than ``seq_len`` is cut (``right``) or dropped (``drop``); a
     sample left without target tokens is dropped either way. ``packing``: several samples share
@@ -403,8 +409,9 @@ class ObjectiveConfig:
 
     Attributes:
         name: a built-in objective: ``causal_lm`` (next-token cross-entropy over target tokens),
-            ``dpo``, ``simpo``, ``orpo`` (preference pairs, ``data.format=preference``) or
-            ``reward`` (a sequence-classification head on pairs); or the label of ``target``.
+            ``dpo``, ``simpo``, ``orpo`` (preference pairs, ``data.format=preference``), ``kto``
+            (unpaired examples, ``data.format=kto``, or pairs) or ``reward`` (a
+            sequence-classification head on pairs); or the label of ``target``.
         target: ``"module:Class"`` of your own :class:`llmtrain.objectives.Objective` subclass
             (importable on every rank); built with this section.
         beta: the preference losses' temperature: DPO's β (Rafailov et al. 2023, eq. 7; 0.1), IPO's
@@ -417,6 +424,8 @@ class ObjectiveConfig:
         label_smoothing: ε, the assumed rate of flipped preference labels: conservative DPO
             (Mitchell 2023) under ``sigmoid`` (and SimPO), robust DPO under ``robust``; in [0, 0.5).
         gamma: SimPO's target reward margin γ (eq. 6; 1.0, the paper's γ/β = 0.5 at β = 2).
+        desirable_weight, undesirable_weight: KTO's λ_D and λ_U (Ethayarajh et al. 2024, eq. 8;
+            1.0 each; the paper's rule: λ_D n_D / (λ_U n_U) in [1, 4/3]).
         nll_on_prompt: ORPO's SFT term over the whole chosen sequence, prompt included (true, as
             the authors' code and TRL), or over its completion only (false).
         margin_column: reward models: subtract the record's ``margin`` column from the score
@@ -438,6 +447,8 @@ class ObjectiveConfig:
     label_smoothing: float = 0.0
     gamma: float = 1.0
     nll_on_prompt: bool = True
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
     margin_column: bool = False
     center_coefficient: float = 0.0
     reference: str = "auto"
@@ -1092,7 +1103,7 @@ def validate(cfg: Any, world_size: int) -> Layout:
     return layout(cfg, world_size)
 
 
-PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo", "reward")
+PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo", "reward", "kto")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 REFERENCE_KINDS = ("auto", "copy", "adapters_disabled")
 
@@ -1112,11 +1123,25 @@ def validate_objective(cfg: Any) -> None:
              f"objective.name={name!r} is not a built-in objective (choose causal_lm, {', '.join(PREFERENCE_OBJECTIVES)}"
              ", or set objective.target=module:Class)")
     if name == "causal_lm":
-        _require("preference" not in formats, "data.format=preference holds preference pairs, which objective=causal_lm "
-                 "does not train on; pick a preference objective (objective=dpo, simpo, orpo or reward)")
+        _require(not formats & {"preference", "kto"}, f"data.format={'/'.join(sorted(formats & {'preference', 'kto'}))} "
+                 "holds preference data, which objective=causal_lm does not train on; pick a preference objective "
+                 "(objective=dpo, simpo, orpo, kto or reward)")
         return
-    _require(formats == {"preference"}, f"objective={name} trains on preference pairs: data.format must be preference "
-             f"(data=preference), not {', '.join(sorted(formats))}")
+    if name == "kto":
+        _require(len(formats) == 1 and formats <= {"kto", "preference"}, "objective=kto trains on unpaired examples: "
+                 f"data.format must be kto (data=kto) or preference (pairs, unpaired), not {', '.join(sorted(formats))}")
+        _require(not d.packing, "objective=kto estimates its KL term from the micro-batch's own mismatched examples: "
+                 "set data.packing=false")
+        _require(not o.precompute_reference, "objective.precompute_reference=true: KTO's KL examples pair each prompt "
+                 "with another example of its micro-batch, which changes with the data order; drop the setting")
+        _require(cfg.trainer.micro_batch_size >= 2, f"objective=kto with trainer.micro_batch_size="
+                 f"{cfg.trainer.micro_batch_size}: the KL term pairs each prompt with another example of the "
+                 "micro-batch, so it needs at least 2 (as TRL's KTOTrainer)")
+        _require(o.desirable_weight > 0 and o.undesirable_weight > 0, "objective.desirable_weight and "
+                 "objective.undesirable_weight must be > 0")
+    else:
+        _require(formats == {"preference"}, f"objective={name} trains on preference pairs: data.format must be "
+                 f"preference (data=preference), not {', '.join(sorted(formats))}")
     _require(o.beta > 0, f"objective.beta={o.beta} must be > 0")
     _require(o.loss_type in DPO_LOSS_TYPES, f"objective.loss_type={o.loss_type!r} must be one of "
              f"{', '.join(DPO_LOSS_TYPES)}")
@@ -1127,8 +1152,8 @@ def validate_objective(cfg: Any) -> None:
     _require(o.reference != "adapters_disabled" or cfg.get("peft") is not None,
              "objective.reference=adapters_disabled needs +peft=lora (the base model is the reference when the "
              "adapters are off); use objective.reference=copy for full fine-tuning")
-    _require(not o.precompute_reference or name == "dpo",
-             f"objective.precompute_reference=true: objective={name} is reference-free (only dpo has a reference "
+    _require(not o.precompute_reference or name in ("dpo", "kto"),
+             f"objective.precompute_reference=true: objective={name} is reference-free (dpo and kto have a reference "
              "model); drop the setting")
     _require(not o.margin_column or name == "reward", "objective.margin_column=true applies to objective=reward")
     _require(r.pp == 1, f"objective={name} with recipe {r.name} (recipe.pp={r.pp}): preference and reward losses "

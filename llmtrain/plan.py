@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from llmtrain.config import ConfigError, compose, parse_bytes
+from llmtrain.config import PREFERENCE_OBJECTIVES, ConfigError, compose, parse_bytes
 
 GIB = 2**30
 DEFAULT_MARGIN = 0.1  # of device memory, for the allocator's fragmentation and the CUDA context
@@ -265,7 +265,13 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     # bf16 runs compute on bf16 weights under DeepSpeed's ZeRO and FSDP2 (its param_dtype);
     # DDP, TP and PP without FSDP keep fp32 weights under autocast.
     fsdp = r.engine == "torch" and dims.dp > 1 and dims.dp_replicate != world_size
-    acts = measure_activations(hf_config, micro, cfg.data.seq_len, t.precision, dims.tp,
+    # Preference objectives run a micro-batch of pairs as twice as many rows (chosen, rejected).
+    objective = cfg.get("objective")
+    pairs = objective is not None and not objective.get("target") and objective.name in PREFERENCE_OBJECTIVES
+    rows = micro * (2 if pairs else 1)
+    frozen_copy = (pairs and objective.name == "dpo" and not objective.precompute_reference
+                   and (objective.reference == "copy" or (objective.reference == "auto" and cfg.get("peft") is None)))
+    acts = measure_activations(hf_config, rows, cfg.data.seq_len, t.precision, dims.tp,
                                bf16_weights=bf16 and ((r.engine == "deepspeed" and r.zero_stage >= 1) or fsdp))
     layer_n = shape.tp_sharded // dims.tp + (shape.layer - shape.tp_sharded)
     embedding_n = shape.embedding // (dims.tp if shape.embedding_tp else 1)
@@ -288,8 +294,10 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={})
         _model_states(candidate, r, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
                       communication_sizes(r, shape.hidden))
+        if frozen_copy:  # DPO's reference: the initial weights, frozen, laid out like the policy's
+            candidate.buffers["frozen reference model"] = _reference_bytes(r, n, dims, compute, shape)
         # The logits and their gradient, fp32, live on the last stage while the loss backpropagates.
-        tokens = micro * cfg.data.seq_len
+        tokens = rows * cfg.data.seq_len
         if last:
             candidate.temporaries["logits and their gradient"] = 2 * tokens * shape.vocab * 4
         if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps
@@ -297,6 +305,17 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         if best is None or candidate.total > best.total:
             best = candidate
     return best
+
+
+def _reference_bytes(r: Any, n: int, dims: Any, compute: int, shape: ModelShape) -> int:
+    """Bytes of the frozen reference copy (:meth:`llmtrain.engine.base.Engine.frozen_copy`) of a
+    stage of ``n`` parameters: under ZeRO-3 partitioned like the policy in its working dtype (small
+    parameters gathered); under FSDP2 sharded over ``dp_shard`` in fp32; otherwise whole, fp32."""
+    if r.engine == "deepspeed":
+        if r.zero_stage == 3:
+            return compute * n // dims.world_size + compute * shape.small_params * shape.layers
+        return 4 * n
+    return 4 * n // dims.dp_shard
 
 
 def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16: bool, shape: ModelShape,

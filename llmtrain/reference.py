@@ -84,6 +84,24 @@ class CopyReference:
         return completion_token_logps(self.forward(batch), batch["labels"])
 
 
+def annotate_batches(reference: Callable[[dict[str, torch.Tensor]], torch.Tensor], engine: Any,
+                     batches: list[dict[str, torch.Tensor]], device: torch.device) -> None:
+    """Fill each host batch's ``ref_logps`` from ``reference``, in eval mode. Ranks holding fewer
+    batches run the last one again (its result unused), so every rank makes the same number of
+    forwards: ZeRO-3 and FSDP2 gather parameters collectively in each. Collective call."""
+    most = int(distributed.all_reduce_max(torch.tensor(len(batches), device=device)))
+    engine.train(False)
+    for j in range(most):
+        batch = batches[min(j, len(batches) - 1)] if batches else None
+        if batch is None:  # no batch at all on this rank: a one-pair stand-in
+            batch = {"input_ids": torch.zeros(2, 2, dtype=torch.long), "attention_mask": torch.ones(2, 2, dtype=torch.long),
+                     "labels": torch.full((2, 2), -100, dtype=torch.long)}
+        logps = reference({k: v.to(device) for k, v in batch.items()}).cpu()
+        if j < len(batches):
+            batch["ref_logps"] = logps
+    engine.train(True)
+
+
 def _item_sums(engine: Any, items: list[dict], collate: Any, device: torch.device) -> torch.Tensor:
     """float64 ``[pairs, 2]``: (chosen, rejected) policy log-probs of the items' pairs in order."""
     batch = {k: v.to(device) for k, v in collate(items).items()}

@@ -119,8 +119,9 @@ def forward_backward(engine, batches: list[dict[str, torch.Tensor]],
                                                     torch.tensor(scalars.values(), dtype=torch.float64,
                                                                  device=device)]))
     values = reduced.tolist()  # the step's one host sync after backward
-    loss, *metrics = [v / replicas / normaliser for v in values[:len(sums)]]
-    return StepSums(loss, int(tokens), dict(zip(objective.metric_names, metrics)),
+    loss, *metric_sums = [v / replicas for v in values[:len(sums)]]
+    metrics = objective.average(dict(zip(objective.metric_names, metric_sums)), normaliser)
+    return StepSums(loss / normaliser, int(tokens), metrics,
                     StepScalars.from_values(values[len(sums):]))
 
 
@@ -172,8 +173,10 @@ def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, flo
     normaliser = totals[-1].clamp(min=1)
     loss = float(totals[0] / normaliser)
     perplexity = {"val/perplexity": math.exp(min(loss, 50.0))} if objective.reports_perplexity else {}
-    return {"val/loss": loss, **perplexity,
-            **{f"val/{name}": float(totals[1 + k] / normaliser) for k, name in enumerate(names)}}
+    if objective.counted_unit:
+        perplexity[f"val/{objective.counted_unit}"] = int(totals[-1])
+    averaged = objective.average({name: float(totals[1 + k]) for k, name in enumerate(names)}, float(normaliser))
+    return {"val/loss": loss, **perplexity, **{f"val/{name}": value for name, value in averaged.items()}}
 
 
 class Evaluator:
@@ -384,7 +387,7 @@ class Trainer:
         phases.begin("tokenizer", f"model {cfg.model.name}")
         self.tokenizer, self.hf_config = self._setup_tokenizer()
         phases.begin("data", f"data {cfg.data.name}: reading and tokenizing{f' {cfg.data.path}' if cfg.data.path else ''}")
-        self.splits = data.load_splits(cfg.data, self.tokenizer, self.t.seed)
+        self.splits = data.load_splits(cfg.data, self.tokenizer, self.t.seed, unpair=cfg.objective.name == "kto")
         self.partial = adapters.is_partial(cfg)  # LoRA or model.freeze: some parameters stay frozen
         self.fingerprint = adapters.base_fingerprint(cfg.model, self.t.seed) if self.partial else None
         phases.begin("checkpoints", f"finding and verifying the one to resume in {self.run_dir / 'checkpoints'}")
@@ -608,10 +611,7 @@ class Trainer:
                                    self.engine.dp_rank, self.dims.dp, data.collator_for(self.cfg.data, self.tokenizer))
         batches = [self.objective.prepare(b) for b in batches]
         if self.reference is not None:  # the reference does not change: its held-out log-probs once
-            self.engine.train(False)
-            for b in batches:
-                b["ref_logps"] = self.reference({k: v.to(self.env.device) for k, v in b.items()}).cpu()
-            self.engine.train(True)
+            reference.annotate_batches(self.reference, self.engine, batches, self.env.device)
         return batches
 
     def _setup_watchdog(self) -> Watchdog:
@@ -689,9 +689,13 @@ class Trainer:
 
     def _log_eval(self, step: int, metrics: dict[str, float], train_loss: float | None = None) -> dict[str, float]:
         if self.env.is_main:
-            detail = (f"ppl {metrics['val/perplexity']:.2f}" if "val/perplexity" in metrics else
-                      f"preference accuracy {metrics.get('val/rewards/accuracies', float('nan')):.3f}, margin "
-                      f"{metrics.get('val/rewards/margins', float('nan')):.4f}")
+            if "val/perplexity" in metrics:
+                detail = f"ppl {metrics['val/perplexity']:.2f}"
+            elif "val/rewards/accuracies" in metrics:
+                detail = (f"preference accuracy {metrics['val/rewards/accuracies']:.3f}, margin "
+                          f"{metrics['val/rewards/margins']:.4f}")
+            else:
+                detail = ", ".join(f"{k[4:]} {v:.4f}" for k, v in metrics.items() if k.startswith("val/rewards/"))
             log.info("eval at step %d: val loss %.4f (%s)%s", step, metrics["val/loss"], detail,
                      f", train loss {train_loss:.4f}" if train_loss is not None else "")
         if step == self.t.max_steps and step > 0:

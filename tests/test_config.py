@@ -73,10 +73,10 @@ def test_every_group_option_composes_and_validates(group):
     assert options, f"no options in conf/{group}"
     for option in options:
         overrides = [f"{group}={option}"]
-        if (group, option) == ("data", "preference"):
-            overrides.append("objective=dpo")  # pairs train preference objectives only
+        if group == "data" and option in ("preference", "kto"):
+            overrides.append("objective=kto" if option == "kto" else "objective=dpo")  # preference objectives only
         if group == "objective" and option != "causal_lm":
-            overrides += ["data=preference", "data.path=/some/file"]
+            overrides += ["data=preference", "data.path=/some/file"]  # objective=kto reads pairs too
         composed = make_cfg(overrides).data
         if group == "data" and composed.datasets:
             overrides += [f"data.datasets.{i}.path=/some/file" for i in range(len(composed.datasets))]

@@ -31,7 +31,7 @@ def _splits(path: Path, *extra: str):
     cfg = make_cfg(["data=preference", f"data.path={path}", "objective=dpo", "data.shuffle=false", *extra])
     validate(cfg, 1)
     tok = build_tokenizer(cfg.model)
-    return data.load_splits(cfg.data, tok, cfg.trainer.seed), tok, cfg
+    return data.load_splits(cfg.data, tok, cfg.trainer.seed, unpair=cfg.objective.name == "kto"), tok, cfg
 
 
 PAIRS = [{"prompt": f"Question {i}: what is {i} + {i}?", "chosen": f" It is {2 * i}.", "rejected": f" Maybe {i}."}
@@ -134,6 +134,25 @@ def test_bad_pairs_name_the_file_record_and_field(tmp_path, records, needle):
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("label,needle", [("yes", "field 'label' must be a boolean"), (None, "field 'label' must be a boolean")])
+def test_kto_labels_must_be_booleans(tmp_path, label, needle):
+    records = [{"prompt": "Q", "completion": " a", "label": True}] * 3 + [{"prompt": "Q", "completion": " b", "label": label}]
+    with pytest.raises(DataError, match=f"record 3: {needle}"):
+        _splits(_write(tmp_path / "k.jsonl", records), "data.format=kto", "objective=kto")
+
+
+def test_kto_reads_pairs_as_a_desirable_and_an_undesirable_example(tmp_path):
+    splits, tok, cfg = _splits(_write(tmp_path / "p.jsonl", PAIRS), "objective=kto", "data.val_fraction=0.1")
+    assert len(splits.train) + len(splits.val) == 2 * len(PAIRS)
+    labels = [splits.train[k]["label"] for k in range(len(splits.train))]
+    assert 0 < sum(labels) < len(labels)
+    batch = data.collator_for(cfg.data, tok)([splits.train[k] for k in range(3)])
+    # Example j's KL sequence: its own prompt, the previous example's completion.
+    first, prev = splits.train[0], splits.train[2]
+    kl = batch["input_ids"][3][batch["attention_mask"][3].bool()].tolist()
+    assert kl == first["ids"][:first["prompt_len"]] + prev["completion_ids"]
+
+
 def test_a_bad_pair_stops_the_cli_before_anything_is_written(tmp_path):
     path = _write(tmp_path / "bad.jsonl", [{"prompt": "Q", "chosen": " same", "rejected": " same"}] * 4)
     proc = run_cli(["data=preference", f"data.path={path}", "objective=dpo", f"run_dir={tmp_path / 'run'}",
@@ -144,7 +163,7 @@ def test_a_bad_pair_stops_the_cli_before_anything_is_written(tmp_path):
 
 @pytest.mark.parametrize("overrides,needle", [
     (["objective=dpo"], "objective=dpo trains on preference pairs: data.format must be preference"),
-    (["data=preference", "data.path=/x"], "data.format=preference holds preference pairs, which objective=causal_lm"),
+    (["data=preference", "data.path=/x"], "data.format=preference holds preference data, which objective=causal_lm"),
     (["data=preference", "data.path=/x", "objective=dpo", "+recipe=pp"], "pipeline stages"),
     (["data=preference", "data.path=/x", "objective=reward", "data.packing=true"], "set data.packing=false"),
     (["data=preference", "data.path=/x", "objective=simpo", "objective.precompute_reference=true"],
@@ -177,4 +196,4 @@ def test_reward_margin_column_reaches_the_loss(tmp_path):
 def test_cli_help_lists_the_objective_group():
     proc = run_cli(["--help"])
     assert_ok(proc)
-    assert "objective: causal_lm, dpo, orpo, reward, simpo" in proc.stdout
+    assert "objective: causal_lm, dpo, kto, orpo, reward, simpo" in proc.stdout

@@ -24,6 +24,7 @@ from test_resume import launch, wait_for_step
 STEPS = 8
 TOL = 1e-5
 METRICS = ("train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/accuracies")
+KTO_METRICS = ("train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/kl")
 LORA = ["+peft=lora", "peft.r=4"]
 
 
@@ -32,7 +33,7 @@ def common(pairs: Path) -> list[str]:
         "data=preference", f"data.path={pairs}", "data.seq_len=128", "data.max_prompt_tokens=96",
         f"trainer.max_steps={STEPS}", "trainer.save_every=4", "trainer.global_batch_size=8",
         "trainer.micro_batch_size=2", "trainer.warmup_steps=2", "trainer.lr=3e-3", "trainer.eval_every=4",
-        "trainer.eval_samples=8", "trainer.export_hf=false"]
+        "trainer.eval_samples=5", "trainer.export_hf=false"]
 
 
 # name -> objective overrides; each runs on 1 process (+recipe=ddp) and on 2 with the recipes below.
@@ -40,9 +41,12 @@ OBJECTIVES = {"dpo": ["objective=dpo"], "reward": ["objective=reward"],
               "dpo_lora": ["objective=dpo", *LORA],
               # Short pairs in rows of 2 x 512 tokens: two or more pairs a row.
               "dpo_packed": ["objective=dpo", "data.packing=true", "data.seq_len=512", "data.path=SHORT"],
-              "dpo_precompute": ["objective=dpo", "objective.precompute_reference=true"]}
-TWO_RANKS = {"dpo": ["ddp", "zero2", "zero3", "fsdp"], "reward": ["ddp", "zero2", "zero3", "fsdp"],
-             "dpo_lora": ["zero3", "fsdp"], "dpo_packed": ["fsdp"], "dpo_precompute": ["zero3"]}
+              "dpo_precompute": ["objective=dpo", "objective.precompute_reference=true"],
+              # KTO on the pairs, unpaired: its KL term is per micro-batch, and micro-batches hold the same
+              # examples on any number of ranks (contiguous slices of the global batch).
+              "kto": ["objective=kto"]}
+TWO_RANKS = {"dpo": ["ddp", "zero2", "zero3", "fsdp", "tp"], "reward": ["ddp", "zero2", "zero3", "fsdp"],
+             "dpo_lora": ["zero3", "fsdp"], "dpo_packed": ["fsdp"], "dpo_precompute": ["zero3"], "kto": ["ddp", "zero3"]}
 CASES = [(objective, recipe) for objective, recipes in TWO_RANKS.items() for recipe in recipes]
 
 
@@ -95,11 +99,13 @@ def test_two_ranks_equal_one_process(objective, recipe, runs):
     one, two = per_step(runs[objective]), per_step(runs[f"{objective}-{recipe}"])
     for a, b in zip(one, two):
         assert b["train/loss"] == pytest.approx(a["train/loss"], abs=TOL), f"step {a['step']}"
-        for key in METRICS[1:]:  # rewards (raw scores of a reward model) drift a little more in fp32
-            assert b[key] == pytest.approx(a[key], abs=10 * TOL), f"step {a['step']} {key}"
+        for key in (KTO_METRICS if objective == "kto" else METRICS)[1:]:
+            # rewards (raw scores of a reward model, KTO's means over a few examples) drift a little more in fp32
+            assert b[key] == pytest.approx(a[key], abs=10 * TOL, rel=1e-5), f"step {a['step']} {key}"
     assert one[-1]["train/loss"] != one[0]["train/loss"]  # it trained
     evals = [r for r in read_metrics(runs[f"{objective}-{recipe}"]) if "val/loss" in r]
-    assert [r["step"] for r in evals] == [0, 4, 8] and all(0 <= r["val/rewards/accuracies"] <= 1 for r in evals)
+    assert [r["step"] for r in evals] == [0, 4, 8]
+    assert all(0 <= r["val/rewards/accuracies"] <= 1 for r in evals) or objective == "kto"
 
 
 @pytest.mark.slow

@@ -32,7 +32,8 @@ from llmtrain.data.order import (Collator, GlobalSampleOrder, MixtureOrder, Step
 from llmtrain.data.sources import (RECORD_BUILDERS, capped_text, column, explain_error, file_kind,  # noqa: F401
                                    is_saved_dataset, load_hub, load_records, looks_like_local_path,
                                    refuse_records_as_text, source_files)
-from llmtrain.data.preference import PackedPairs, PairCollator, WithReference, encode_pairs, pairs_of  # noqa: F401
+from llmtrain.data.preference import (PackedPairs, PairCollator, WithReference, encode_examples,  # noqa: F401
+                                     encode_pairs, pairs_of)
 from llmtrain.data.tokens import MANIFEST, Complement, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
 from llmtrain import distributed
 from llmtrain.config import mapped_columns
@@ -204,7 +205,8 @@ def _split(n: int, val_fraction: float, seed: int) -> tuple[Complement, np.ndarr
     return Complement(n, val), val
 
 
-def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int) -> tuple[Any, Any, dict]:
+def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int, unpair: bool = False
+                 ) -> tuple[Any, Any, dict]:
     """(train, val, stats) of one source."""
     if src.format in ("text", "tokens"):
         tokens, manifest = _on_main_first(lambda: token_source(src, key, tokenizer, data_cfg.num_proc))
@@ -219,6 +221,9 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int) -
 
     def encode():
         records = load_records(src, key)
+        if src.format == "kto" or (src.format == "preference" and unpair):
+            return encode_examples(records, src, data_cfg, tokenizer, key, f"{key}.path: {src.path}",
+                                   unpair=src.format == "preference")
         if src.format == "preference":
             return encode_pairs(records, src, data_cfg, tokenizer, key, f"{key}.path: {src.path}")
         return encode_records(records, src, data_cfg, tokenizer, key, f"{key}.path: {src.path}")
@@ -226,7 +231,8 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int) -
     samples, counts = _on_main_first(encode)
     train_idx, val_idx = _split(len(samples), data_cfg.val_fraction, seed)
     train, val = samples.select([train_idx[k] for k in range(len(train_idx))]), samples.select(val_idx.tolist())
-    stats = dict(counts, samples=len(samples), **({"pairs": len(samples)} if src.format == "preference" else {}))
+    kind = "examples" if src.format == "kto" or unpair else "pairs" if src.format == "preference" else None
+    stats = dict(counts, samples=len(samples), **({kind: len(samples)} if kind else {}))
     if data_cfg.packing and src.format == "preference":
         unpacked = len(train)
         train = PackedPairs(train, data_cfg.seq_len)
@@ -238,9 +244,11 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int) -
     return train, val, stats
 
 
-def load_splits(data_cfg: Any, tokenizer: Any, seed: int) -> Splits:
+def load_splits(data_cfg: Any, tokenizer: Any, seed: int, unpair: bool = False) -> Splits:
     """Read, tokenize and encode the configured data (one source or a mixture) and hold out
-    ``val_fraction`` of each source's samples (at least 1), chosen by ``seed``.
+    ``val_fraction`` of each source's samples (at least 1), chosen by ``seed``. ``unpair``
+    (``objective=kto``): preference pairs become unpaired examples (see
+    :func:`~llmtrain.data.preference.encode_examples`).
 
     Raises:
         DataError: missing, empty or malformed data (the message names the file, record and field).
@@ -251,7 +259,7 @@ def load_splits(data_cfg: Any, tokenizer: Any, seed: int) -> Splits:
     keys = [f"data.datasets.{i}" for i in range(len(sources))] if data_cfg.datasets else ["data"]
     trains, vals, stats = [], [], {}
     for src, key in zip(sources, keys):
-        train, val, source_stats = _load_source(src, key, data_cfg, tokenizer, seed)
+        train, val, source_stats = _load_source(src, key, data_cfg, tokenizer, seed, unpair)
         trains.append(train)
         vals.append(val)
         stats[src.name] = source_stats
@@ -265,8 +273,9 @@ def describe(splits: Splits) -> str:
     """One log line per source: records, samples, truncated and dropped counts, packing."""
     lines = []
     for name, s in splits.stats.items():
-        if "records" in s and "pairs" in s:
-            line = (f"data {name}: {s['records']} records -> {s['pairs']} preference pairs (truncated "
+        if "records" in s and ("pairs" in s or "examples" in s):
+            kind = "preference pairs" if "pairs" in s else "unpaired examples"
+            line = (f"data {name}: {s['records']} records -> {s.get('pairs', s.get('examples'))} {kind} (truncated "
                     f"{s['truncated']}, dropped {s['dropped_too_long']} too long and {s['dropped_truncated_away']} left "
                     "without a completion token)")
         elif "records" in s:
@@ -288,15 +297,17 @@ def pad_id_of(tokenizer: Any) -> int:
 
 
 def is_preference(data_cfg: Any) -> bool:
-    """Whether the data are preference pairs (every source has ``format=preference``)."""
+    """Whether the data are preference data (every source has ``format`` preference or kto)."""
     sources = list(data_cfg.datasets) or [data_cfg]
-    return all(src.format == "preference" for src in sources)
+    return all(src.format in ("preference", "kto") for src in sources)
 
 
 def collator_for(data_cfg: Any, tokenizer: Any):
-    """The micro-batch layout of the data: :class:`PairCollator` for preference pairs, else
+    """The micro-batch layout of the data: :class:`PairCollator` for preference data, else
     :class:`Collator`."""
-    return (PairCollator if is_preference(data_cfg) else Collator)(pad_id_of(tokenizer))
+    if is_preference(data_cfg):
+        return PairCollator(pad_id_of(tokenizer), data_cfg.seq_len)
+    return Collator(pad_id_of(tokenizer))
 
 
 def train_loader(splits: Splits, tokenizer: Any, data_cfg: Any, seed: int, micro_batch: int,

@@ -31,7 +31,7 @@ from llmtrain.labels import IGNORE_INDEX
 
 # What the collated micro-batch carries besides the model inputs (pad values for the pipeline's
 # right padding): see PairCollator.
-PAIR_CARRIES = {"labels": IGNORE_INDEX, "segment": -1, "ref_logps": 0.0, "margin": 0.0}
+PAIR_CARRIES = {"labels": IGNORE_INDEX, "segment": -1, "ref_logps": 0.0, "margin": 0.0, "desirable": 0.0}
 
 
 def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
@@ -58,7 +58,40 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-class PairEncoder:
+class _Continuations:
+    """Tokenization shared by pairs and unpaired examples (:meth:`continuations`)."""
+
+    def __init__(self, data_cfg: Any, tokenizer: Any, where: str):
+        self.tokenizer, self.where, self.data_cfg = tokenizer, where, data_cfg
+        self.eos = tokenizer.eos_token_id
+        self._chat_checked = False
+
+    def continuations(self, prompt: Any, completions: list[Any], at: str) -> tuple[list[int], list[list[int]]]:
+        """(prompt ids, completion ids of each) of a prompt and its completions, all strings or all
+        message lists. The completion starts where prompt and prompt+completion diverge (tokens
+        may merge across the boundary), as TRL does; string completions end with EOS."""
+        if isinstance(prompt, list):
+            if not self._chat_checked:
+                uses_chat_template(self.data_cfg, "chat", self.tokenizer)
+                self._chat_checked = True
+            if not prompt:
+                raise DataError(f"{at}: the prompt turns are empty; a preference record needs at least one prompt turn")
+            turns = conversation({"prompt": prompt}, "prompt", "messages", at)
+
+            def ids(messages: list[dict], generation_prompt: bool = False) -> list[int]:
+                return list(_apply_template(self.tokenizer, messages, at, tokenize=True, return_dict=True,
+                                            add_generation_prompt=generation_prompt)["input_ids"])
+            prompt_ids = ids(turns, generation_prompt=True)
+            fulls = [ids(turns + conversation({"completion": c}, "completion", "messages", at)) for c in completions]
+        else:
+            tok = self.tokenizer
+            prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            fulls = [tok(prompt + c, add_special_tokens=False)["input_ids"] + [self.eos] for c in completions]
+        n = min(_common_prefix(prompt_ids, full) for full in fulls)
+        return prompt_ids[:n], [full[n:] for full in fulls]
+
+
+class PairEncoder(_Continuations):
     """Tokenizes one record into (prompt ids, chosen completion ids, rejected completion ids).
 
     Raises (per record, naming ``where``, the record and the field):
@@ -69,7 +102,7 @@ class PairEncoder:
     def __init__(self, records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str):
         from llmtrain.config import mapped_columns
 
-        self.tokenizer, self.where, self.data_cfg = tokenizer, where, data_cfg
+        super().__init__(data_cfg, tokenizer, where)
         self.chosen = column(records, src, "chosen", key, "preference", where)
         self.rejected = column(records, src, "rejected", key, "preference", where)
         mapped = mapped_columns(src.columns)
@@ -77,8 +110,6 @@ class PairEncoder:
                        if "prompt" in mapped or "prompt" in records.column_names else None)
         self.margin = (column(records, src, "margin", key, "preference", where)
                        if "margin" in mapped or "margin" in records.column_names else None)
-        self.eos = tokenizer.eos_token_id
-        self._chat_checked = False
 
     def __call__(self, rec: dict, i: int) -> tuple[list[int], list[int], list[int]]:
         at = f"{self.where} record {i}"
@@ -100,51 +131,23 @@ class PairEncoder:
                 raise DataError(f"{at}: fields {self.chosen!r} and {self.rejected!r} share no prefix, so no prompt can "
                                 "be taken from them (implicit-prompt layout); add a prompt column (data.columns.prompt="
                                 "COLUMN) or check the two columns")
-        if conversational:
-            return self._conversation(prompt, chosen, rejected, at)
-        tok = self.tokenizer
-        prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
-        full_c = tok(prompt + chosen, add_special_tokens=False)["input_ids"] + [self.eos]
-        full_r = tok(prompt + rejected, add_special_tokens=False)["input_ids"] + [self.eos]
-        return self._split(prompt_ids, full_c, full_r)
+        prompt_ids, (c, r) = self.continuations(prompt, [chosen, rejected], at)
+        return prompt_ids, c, r
 
     def _col(self, name: str) -> str:
         return {"chosen": self.chosen, "rejected": self.rejected, "prompt": self.prompt}[name]
 
-    def _conversation(self, prompt: list, chosen: list, rejected: list, at: str):
-        if not self._chat_checked:
-            uses_chat_template(self.data_cfg, "chat", self.tokenizer)
-            self._chat_checked = True
-        turns = {name: conversation({name: value}, name, "messages", at) for name, value in
-                 (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))} if prompt else None
-        if turns is None:
-            raise DataError(f"{at}: the prompt turns are empty; a pair needs at least one prompt turn")
 
-        def ids(messages: list[dict], generation_prompt: bool = False) -> list[int]:
-            return list(_apply_template(self.tokenizer, messages, at, tokenize=True, return_dict=True,
-                                        add_generation_prompt=generation_prompt)["input_ids"])
-        prompt_ids = ids(turns["prompt"], generation_prompt=True)
-        return self._split(prompt_ids, ids(turns["prompt"] + turns["chosen"]),
-                           ids(turns["prompt"] + turns["rejected"]))
-
-    @staticmethod
-    def _split(prompt_ids: list[int], full_c: list[int], full_r: list[int]):
-        # The completion starts where prompt and prompt+completion diverge (tokens may merge
-        # across the boundary), as TRL does.
-        n = min(_common_prefix(prompt_ids, full_c), _common_prefix(prompt_ids, full_r))
-        return prompt_ids[:n], full_c[n:], full_r[n:]
-
-
-def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int], seq_len: int, max_prompt_tokens: int | None,
-             drop_long: bool) -> tuple[dict | None, str]:
-    """Truncate one pair so each sequence (prompt + completion) has at most ``seq_len`` tokens:
-    the prompt keeps its last ``max_prompt_tokens`` (when set), then each completion its first
-    ``seq_len - len(prompt)`` tokens (TRL's ``keep_start``).
+def fit_example(prompt: list[int], completion: list[int], seq_len: int, max_prompt_tokens: int | None,
+                drop_long: bool) -> tuple[dict | None, str]:
+    """Truncate one prompt + completion to at most ``seq_len`` tokens: the prompt keeps its last
+    ``max_prompt_tokens`` (when set), then the completion its first ``seq_len - len(prompt)``
+    tokens (TRL's ``keep_start``).
 
     Returns:
-        (pair, outcome): outcome ``kept``, ``truncated``, ``dropped_too_long`` (``drop`` mode),
-        or ``dropped_truncated_away`` (no completion token left, or the two completions became
-        identical); the pair is None when dropped.
+        (``{"ids", "prompt_len"}`` or None when dropped, outcome): ``kept``, ``truncated``,
+        ``dropped_too_long`` (``data.truncation=drop``) or ``dropped_truncated_away`` (no
+        completion token left).
     """
     outcome = "kept"
     if max_prompt_tokens is not None and len(prompt) > max_prompt_tokens:
@@ -152,13 +155,33 @@ def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int], seq_len:
             return None, "dropped_too_long"
         prompt, outcome = prompt[len(prompt) - max_prompt_tokens:], "truncated"
     room = seq_len - len(prompt)
-    if len(prompt) + max(len(chosen), len(rejected)) > seq_len:
+    if len(prompt) + len(completion) > seq_len:
         if drop_long:
             return None, "dropped_too_long"
-        chosen, rejected, outcome = chosen[:max(room, 0)], rejected[:max(room, 0)], "truncated"
-    if not chosen or not rejected or chosen == rejected or room <= 0:
+        completion, outcome = completion[:max(room, 0)], "truncated"
+    if room <= 0 or not completion:
         return None, "dropped_truncated_away"
-    return {"chosen_ids": prompt + chosen, "rejected_ids": prompt + rejected, "prompt_len": len(prompt)}, outcome
+    return {"ids": prompt + completion, "prompt_len": len(prompt)}, outcome
+
+
+def fit_pair(prompt: list[int], chosen: list[int], rejected: list[int], seq_len: int, max_prompt_tokens: int | None,
+             drop_long: bool) -> tuple[dict | None, str]:
+    """:func:`fit_example` for both completions of a pair (the same prompt cut for both).
+
+    Returns:
+        (``{"chosen_ids", "rejected_ids", "prompt_len"}`` or None, outcome): ``kept`` or
+        ``truncated`` when either was cut; dropped when either is, or when the two completions
+        became identical (``dropped_truncated_away``).
+    """
+    c, c_outcome = fit_example(prompt, chosen, seq_len, max_prompt_tokens, drop_long)
+    r, r_outcome = fit_example(prompt, rejected, seq_len, max_prompt_tokens, drop_long)
+    for outcome in ("dropped_too_long", "dropped_truncated_away"):
+        if outcome in (c_outcome, r_outcome):
+            return None, outcome
+    if c["ids"] == r["ids"]:
+        return None, "dropped_truncated_away"
+    outcome = "truncated" if "truncated" in (c_outcome, r_outcome) else "kept"
+    return {"chosen_ids": c["ids"], "rejected_ids": r["ids"], "prompt_len": c["prompt_len"]}, outcome
 
 
 def encode_pairs(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str):
@@ -206,6 +229,76 @@ def encode_pairs(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str
                         f"{counts['dropped_too_long']}, left without a completion token {counts['dropped_truncated_away']})"
                         "; need at least 2; raise data.seq_len or lower data.max_prompt_tokens")
     return pairs, counts
+
+
+class ExampleEncoder(_Continuations):
+    """Tokenizes one unpaired record (KTO's {prompt, completion, label}) into (prompt ids,
+    completion ids, desirable).
+
+    Raises (per record, naming ``where``, the record and the field):
+        DataError: a missing field, a prompt and completion of different kinds, or a label that
+            is not a boolean.
+    """
+
+    def __init__(self, records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str):
+        super().__init__(data_cfg, tokenizer, where)
+        self.fields = {f: column(records, src, f, key, "kto", where) for f in ("prompt", "completion", "label")}
+
+    def __call__(self, rec: dict, i: int) -> tuple[list[int], list[int], bool]:
+        at = f"{self.where} record {i}"
+        prompt, completion, label = (rec[self.fields[f]] for f in ("prompt", "completion", "label"))
+        for name, value in (("prompt", prompt), ("completion", completion)):
+            if value is None:
+                raise DataError(f"{at}: field {self.fields[name]!r} is missing (null)")
+            if not isinstance(value, (str, list)) or isinstance(value, list) != isinstance(prompt, list):
+                raise DataError(f"{at}: field {self.fields[name]!r} must be a string or a list of messages like "
+                                f"the prompt, got {type(value).__name__}")
+        if not isinstance(label, bool):
+            raise DataError(f"{at}: field {self.fields['label']!r} must be a boolean (true: a desirable completion, "
+                            f"false: an undesirable one), got {type(label).__name__} {label!r}")
+        prompt_ids, (completion_ids,) = self.continuations(prompt, [completion], at)
+        return prompt_ids, completion_ids, label
+
+
+def encode_examples(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str, unpair: bool):
+    """KTO's unpaired examples: of a ``kto`` source, or of a ``preference`` source with ``unpair``
+    (each pair gives its chosen completion as a desirable example, then its rejected one as an
+    undesirable example, as TRL's ``unpair_preference_dataset`` does). Truncated as pairs are
+    (:func:`fit_example`); ``completion_ids`` keeps the whole completion (up to ``seq_len``
+    tokens), which another example's KL sequence borrows before its own cut, as TRL does.
+
+    Returns:
+        (``datasets.Dataset`` with ``ids``, ``prompt_len``, ``label`` (1 desirable, 0 not),
+        ``completion_ids``; counts of examples as :func:`encode_pairs`'s of pairs).
+
+    Raises:
+        DataError: a malformed record (names file, record and field), or fewer than 2 examples left.
+    """
+    import datasets
+
+    seq_len, drop_long, max_prompt = data_cfg.seq_len, data_cfg.truncation == "drop", data_cfg.max_prompt_tokens
+    counts = {"records": len(records), "dropped_no_target": 0, "truncated": 0, "dropped_too_long": 0,
+              "dropped_truncated_away": 0}
+    out: dict[str, list] = {"ids": [], "prompt_len": [], "label": [], "completion_ids": []}
+    encode = (PairEncoder if unpair else ExampleEncoder)(records, src, data_cfg, tokenizer, key, where)
+    for i, rec in enumerate(records):
+        if unpair:
+            prompt, chosen, rejected = encode(rec, i)
+            examples = [(prompt, chosen, True), (prompt, rejected, False)]
+        else:
+            examples = [encode(rec, i)]
+        for prompt, completion, label in examples:
+            fitted, outcome = fit_example(prompt, completion, seq_len, max_prompt, drop_long)
+            if outcome in counts:
+                counts[outcome] += 1
+            if fitted is not None:
+                out["ids"].append(fitted["ids"])
+                out["prompt_len"].append(fitted["prompt_len"])
+                out["label"].append(int(label))
+                out["completion_ids"].append(completion[:seq_len])
+    if len(out["ids"]) < 2:
+        raise DataError(f"{where}: {len(out['ids'])} examples left at data.seq_len={seq_len}; need at least 2")
+    return datasets.Dataset.from_dict(out), counts
 
 
 class PackedPairs(torch.utils.data.Dataset):
@@ -262,17 +355,22 @@ class PairCollator:
 
     * ``segment``: int64, the sequence each token belongs to (prompt included), numbered in the
       micro-batch: pair ``j``'s chosen is ``2j``, its rejected ``2j + 1``; -1 on padding;
-    * ``ref_logps`` (float32, when the pairs carry precomputed ones) and ``margin`` (float32,
-      always): a per-sequence number placed on the sequence's first completion token, 0 elsewhere,
-      so summing over a segment gives it back (rows split or padded keep it).
+    * ``ref_logps`` (float32, when the pairs carry precomputed ones), ``margin`` and ``desirable``
+      (float32, always; KTO's label): a per-sequence number placed on the sequence's first
+      completion token, 0 elsewhere, so summing over a segment gives it back (rows split or
+      padded keep it).
+
+    KTO examples (items with a ``label``) are laid out as :meth:`_kto_rows` says.
     """
 
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, seq_len: int | None = None):
+        self.pad_id, self.seq_len = pad_id, seq_len
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
         packed = "pairs" in items[0]
-        if packed:
+        if "label" in items[0]:
+            rows = self._kto_rows(items)
+        elif packed:
             rows, j = [], 0
             for item in items:
                 row = []
@@ -283,14 +381,15 @@ class PairCollator:
         else:
             rows = ([[_sequence(p, "chosen", 2 * j)] for j, p in enumerate(items)]
                     + [[_sequence(p, "rejected", 2 * j + 1)] for j, p in enumerate(items)])
-        has_ref = "ref_chosen_logp" in pairs_of(items[0])[0]
+        has_ref = "ref_chosen_logp" in pairs_of(items[0])[0] or "ref_logp" in items[0]
         longest = max(sum(len(doc["ids"]) for doc in row) for row in rows)
         shape = (len(rows), longest)
         out = {"input_ids": torch.full(shape, self.pad_id, dtype=torch.long),
                "attention_mask": torch.zeros(shape, dtype=torch.long),
                "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.long),
                "segment": torch.full(shape, -1, dtype=torch.long),
-               "margin": torch.zeros(shape, dtype=torch.float32)}
+               "margin": torch.zeros(shape, dtype=torch.float32),
+               "desirable": torch.zeros(shape, dtype=torch.float32)}
         if has_ref:
             out["ref_logps"] = torch.zeros(shape, dtype=torch.float32)
         if packed:
@@ -304,6 +403,7 @@ class PairCollator:
                 out["labels"][r, first:t + n] = torch.as_tensor(doc["ids"][doc["prompt_len"]:])
                 out["segment"][r, t:t + n] = doc["segment"]
                 out["margin"][r, first] = doc["margin"]
+                out["desirable"][r, first] = doc.get("desirable", 0.0)
                 if has_ref:
                     out["ref_logps"][r, first] = doc["ref"]
                 if packed:
@@ -312,6 +412,23 @@ class PairCollator:
             if packed:
                 out["position_ids"][r, t:] = torch.arange(longest - t)
         return out
+
+
+    def _kto_rows(self, examples: list[dict]) -> list[list[dict]]:
+        """KTO: example ``j`` (segment ``2j``) and its KL sequence (segment ``2j + 1``): its prompt
+        with the completion of example ``j - 1`` (cyclically) of the micro-batch, cut to
+        ``seq_len``, the mismatched pairs of TRL's ``KTOTrainer`` (its KL estimate, Ethayarajh et
+        al. 2024, section 4.1)."""
+        m = len(examples)
+        rows, kl_rows = [], []
+        for j, ex in enumerate(examples):
+            prev = examples[(j - 1) % m]
+            kl_ids = (ex["ids"][:ex["prompt_len"]] + prev["completion_ids"])[:self.seq_len]
+            rows.append([{"ids": ex["ids"], "prompt_len": ex["prompt_len"], "segment": 2 * j, "margin": 0.0,
+                          "desirable": float(ex["label"]), "ref": ex.get("ref_logp", 0.0)}])
+            kl_rows.append([{"ids": kl_ids, "prompt_len": ex["prompt_len"], "segment": 2 * j + 1, "margin": 0.0,
+                             "ref": ex.get("ref_kl_logp", 0.0)}])
+        return rows + kl_rows
 
 
 def _sequence(pair: dict, which: str, segment: int) -> dict:

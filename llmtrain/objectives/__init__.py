@@ -20,13 +20,13 @@ from typing import Any
 from llmtrain.errors import ConfigError
 from llmtrain.objectives.base import LossSums, Objective
 from llmtrain.objectives.causal_lm import CausalLM
-from llmtrain.objectives.preference import DPO, ORPO, PairObjective, Reward, SimPO
+from llmtrain.objectives.preference import DPO, KTO, ORPO, PairObjective, Reward, SimPO
 
-__all__ = ["BUILT_IN", "CausalLM", "DPO", "LossSums", "ORPO", "Objective", "PairObjective", "Reward", "SimPO",
+__all__ = ["BUILT_IN", "CausalLM", "DPO", "KTO", "LossSums", "ORPO", "Objective", "PairObjective", "Reward", "SimPO",
            "build_objective"]
 
 BUILT_IN: dict[str, type[Objective]] = {"causal_lm": CausalLM, "dpo": DPO, "simpo": SimPO, "orpo": ORPO,
-                                        "reward": Reward}
+                                        "reward": Reward, "kto": KTO}
 
 # Names the trainer logs under train/ and val/ itself: an objective's metric must not overwrite them.
 RESERVED_METRICS = frozenset({"loss", "perplexity", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tokens_seen",

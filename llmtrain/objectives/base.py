@@ -41,7 +41,25 @@ class Objective(ABC):
         reports_perplexity: exp(loss) is a perplexity (next-token losses), logged as such.
         needs_reference: the loss reads ``ref_logps``, the frozen reference policy's per-token
             log-probs, which the trainer fills in before each step (or precomputes).
+        counted_unit: the normaliser's unit (``"pairs"``), when evaluation logs its held-out count
+            as ``val/UNIT`` (for a standard error of a held-out mean); None: not logged.
+        metric_denominators: ``{metric: other metric}``: the logged value is the metric's world sum
+            over the other's (a mean over a subset, e.g. KTO's desirable examples) rather than over
+            the normaliser.
     """
+
+    def average(self, sums: dict[str, float], normaliser: float) -> dict[str, float]:
+        """The logged metric values from their world sums (``sums``, keyed by name) and the
+        normaliser's: each over the normaliser, or over its :attr:`metric_denominators` metric's
+        sum (NaN where that is 0)."""
+        out = {}
+        for name, total in sums.items():
+            other = self.metric_denominators.get(name)
+            if other is None:
+                out[name] = total / normaliser
+            else:
+                out[name] = total / sums[other] if sums[other] else float("nan")
+        return out
 
     carries: ClassVar[Mapping[str, float]] = {"labels": -100}
     model_output: ClassVar[str] = "logits"
@@ -50,6 +68,10 @@ class Objective(ABC):
     reports_perplexity: ClassVar[bool] = True
     # Whether batches need the reference policy's log-probs (``ref_logps``) before the step.
     needs_reference: ClassVar[bool] = False
+    # What the normaliser counts, when evaluation should log the count (``val/pairs``).
+    counted_unit: ClassVar[str | None] = None
+    # Metrics averaged over another metric's sum instead of the normaliser (name -> denominator).
+    metric_denominators: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, cfg: Any = None):
         self.cfg = cfg

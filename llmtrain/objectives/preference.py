@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from llmtrain.labels import IGNORE_INDEX
 from llmtrain.objectives.base import LossSums, Objective
-from llmtrain.objectives.preference_losses import PairLosses, dpo_losses, orpo_losses, reward_losses, simpo_losses
+from llmtrain.objectives.preference_losses import (PairLosses, dpo_losses, kto_losses, orpo_losses, reward_losses,
+                                                   simpo_losses)
 
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected")
@@ -50,10 +51,11 @@ def segment_sums(values: torch.Tensor, segment: torch.Tensor, count: int) -> tor
 class PairObjective(Objective):
     """Shared pair bookkeeping: per-sequence log-probs, pair counts, TRL's metrics."""
 
-    carries = {"labels": IGNORE_INDEX, "segment": -1, "ref_logps": 0.0, "margin": 0.0}
+    carries = {"labels": IGNORE_INDEX, "segment": -1, "ref_logps": 0.0, "margin": 0.0, "desirable": 0.0}
     metric_names = PAIR_METRICS
     reports_perplexity = False
     needs_reference = False
+    counted_unit = "pairs"
 
     def __init__(self, cfg: Any = None):
         super().__init__(cfg)
@@ -64,12 +66,15 @@ class PairObjective(Objective):
         self.gamma = float(get("gamma", 1.0))
         self.center_coefficient = float(get("center_coefficient", 0.0))
         self.use_margin = bool(get("margin_column", False))
+        self.desirable_weight = float(get("desirable_weight", 1.0))
+        self.undesirable_weight = float(get("undesirable_weight", 1.0))
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         shape = batch["input_ids"].shape
         batch.setdefault("segment", torch.full(shape, -1, dtype=torch.long))
         batch.setdefault("margin", torch.zeros(shape, dtype=torch.float32))
         batch.setdefault("ref_logps", torch.zeros(shape, dtype=torch.float32))
+        batch.setdefault("desirable", torch.zeros(shape, dtype=torch.float32))
         return batch
 
     def normaliser(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -191,3 +196,44 @@ class Reward(PairObjective):
         margin = segment_sums(batch["margin"], batch["segment"], n)[0::2] if self.use_margin else None
         pairs = reward_losses(c, r, margin, self.center_coefficient)
         return LossSums(pairs.losses.sum(), self.pair_sums(pairs, c, r))
+
+
+class KTO(PairObjective):
+    """KTO (Ethayarajh et al. 2024, eq. 8) on unpaired examples, against a frozen reference
+    (:func:`~llmtrain.objectives.preference_losses.kto_losses`), with TRL's ``KTOTrainer``
+    estimate of the reference point z₀: the mean over the micro-batch of log π − log π_ref of
+    mismatched (prompt, completion) examples (each prompt with the previous example's
+    completion; :meth:`llmtrain.data.preference.PairCollator._kto_rows`), clamped at 0 and
+    detached. z₀ is a micro-batch statistic (TRL's too, averaged over its ranks), so unlike the
+    pairwise objectives KTO's loss depends on the micro-batch size; the mean over examples is
+    over the global batch. Segments: example ``j`` is ``2j``, its KL sequence ``2j + 1``.
+
+    Metrics as TRL names them: ``rewards/chosen`` and ``logps/chosen`` are means over the
+    desirable examples, ``rewards/rejected`` and ``logps/rejected`` over the undesirable ones,
+    ``kl`` the micro-batches' z₀ weighted by their examples, ``count/chosen`` and
+    ``count/rejected`` the share of each kind."""
+
+    needs_reference = True
+    counted_unit = "examples"
+    metric_names = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl", "count/chosen",
+                    "count/rejected")
+    metric_denominators = {"rewards/chosen": "count/chosen", "logps/chosen": "count/chosen",
+                           "rewards/rejected": "count/rejected", "logps/rejected": "count/rejected"}
+
+    def normaliser(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Examples of the micro-batch (each with its KL sequence: ``2m`` segments)."""
+        return super().normaliser(batch)
+
+    def loss_sums(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossSums:
+        logps, _, ref = self.sequence_logps(output, batch)
+        n = self.count(batch)
+        x, ref_x = logps[0::2], ref[0::2]
+        kl = (logps[1::2] - ref[1::2]).mean().detach().clamp(min=0)
+        desirable = segment_sums(batch["desirable"], batch["segment"], n)[0::2] > 0.5
+        pairs = kto_losses(x, ref_x, desirable, kl, self.beta, self.desirable_weight, self.undesirable_weight)
+        chosen, rejected = desirable.to(torch.float64), (~desirable).to(torch.float64)
+        sums = {"rewards/chosen": pairs.chosen_rewards.nan_to_num().sum(),
+                "rewards/rejected": pairs.rejected_rewards.nan_to_num().sum(),
+                "logps/chosen": (x.detach() * chosen).sum(), "logps/rejected": (x.detach() * rejected).sum(),
+                "kl": kl * len(x), "count/chosen": chosen.sum(), "count/rejected": rejected.sum()}
+        return LossSums(pairs.losses.sum(), sums)
