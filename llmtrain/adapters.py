@@ -34,15 +34,19 @@ log = logging.getLogger("llmtrain")
 ADAPTER_NAME = "default"
 
 
-def lora_config(p: Any) -> Any:
+def lora_config(p: Any, model: Any = None) -> Any:
     """``peft.LoraConfig`` for the ``peft`` config group (``modules_to_save`` is applied by
-    :func:`apply` in place, and given to peft only when exporting)."""
+    :func:`apply` in place, and given to peft only when exporting). A reward model's
+    classification head (``model.score``) is excluded from the targets: it is new and trains in
+    full, which ``all-linear`` would otherwise turn into an adapter."""
     import peft
     from omegaconf import OmegaConf
 
     targets = p.target_modules if isinstance(p.target_modules, str) else list(OmegaConf.to_container(p.target_modules))
+    exclude = ["score"] if model is not None and hasattr(model, "score") else None
     return peft.LoraConfig(r=int(p.r), lora_alpha=float(p.alpha), lora_dropout=float(p.dropout), target_modules=targets,
-                           bias=p.bias, use_rslora=bool(p.use_rslora), use_dora=bool(p.use_dora))
+                           bias=p.bias, use_rslora=bool(p.use_rslora), use_dora=bool(p.use_dora),
+                           exclude_modules=exclude)
 
 
 def is_partial(cfg: Any) -> bool:
@@ -68,7 +72,7 @@ def apply(model: nn.Module, cfg: Any) -> nn.Module:
         _check_targets(model, p)
         import peft
 
-        peft.inject_adapter_in_model(lora_config(p), model, adapter_name=ADAPTER_NAME)
+        peft.inject_adapter_in_model(lora_config(p, model), model, adapter_name=ADAPTER_NAME)
         modules = dict(model.named_modules())
         for name in p.modules_to_save:
             for param in modules[name].parameters():

@@ -60,6 +60,10 @@ def export_hf(engine, cfg: Any, tokenizer: Any, run_dir: Path, end_token_ids: li
         # tensors on the fp32 base rebuilt from its source, as users load it.
         trainable = {n for n, p in engine.model.named_parameters(remove_duplicate=False) if p.requires_grad}
         state = adapters.whole_state({k: v for k, v in state.items() if k in trainable}, cfg)
+    if cfg.get("peft") is not None and "score.weight" in state:
+        # A LoRA reward model: its classification head trained in full, outside the adapter, so
+        # the export is the merged classifier (AutoModelForSequenceClassification), no adapter.
+        return export_lora(state, cfg, tokenizer, None, run_dir / "hf", end_token_ids)
     if cfg.get("peft") is not None:
         return export_lora(state, cfg, tokenizer, run_dir / "adapter",
                            run_dir / "hf" if cfg.trainer.export_merged else None, end_token_ids)
@@ -169,11 +173,13 @@ def save_adapter(state: dict[str, torch.Tensor], cfg: Any, adapter_dir: Path | N
 
     base, adapter = split_state(state)
     fresh = model_from_state(base, cfg.model)
-    config = adapters.lora_config(cfg.peft)
+    config = adapters.lora_config(cfg.peft, fresh)
     config.modules_to_save = list(cfg.peft.modules_to_save) or None
     config.base_model_name_or_path = fresh.name_or_path = base_reference
     with warnings.catch_warnings():  # peft probes transformers' deprecated gradient-checkpointing flag
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        # A merged-only export (a LoRA reward model) names no base: peft notes it, nothing to act on.
+        warnings.filterwarnings("ignore", message=".*base_model_name_or_path. was renamed.*", category=UserWarning)
         model = peft.get_peft_model(fresh, config, adapter_name=adapters.ADAPTER_NAME)
     for name in cfg.peft.modules_to_save:  # trained in full: the wrapper's copy gets the trained weights
         for key, tensor in base.items():

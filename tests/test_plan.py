@@ -248,3 +248,24 @@ def test_gradient_accumulation_counts_the_gradients_held_between_micro_batches()
     assert "gradients beside DDP's buckets (no_sync micro-batches)" not in plan_recipe(with_recipe(one, "ddp"), 2).temporaries
     zero3 = plan_recipe(with_recipe(two, "zero3"), 2)
     assert not any("micro-batches" in name for name in zero3.temporaries)
+
+
+def test_dpo_plans_count_the_frozen_reference_and_two_rows_a_pair():
+    """A frozen reference copy is one more set of parameters laid out like the policy's: whole
+    under DDP, a dp_shard-th under FSDP2 and ZeRO-3; LoRA (adapters off) and precomputed
+    log-probs add none; a micro-batch of m pairs is 2m rows of activations."""
+    from llmtrain.plan import plan_recipe
+
+    pairs = ["data=preference", "data.path=/x", "model=llama3_8b", "data.seq_len=512", "trainer.micro_batch_size=2"]
+    sft = plan_recipe(make_cfg(["model=llama3_8b", "data.seq_len=512", "trainer.micro_batch_size=2",
+                                "+recipe=ddp"]), 2)
+    sft_rows = plan_recipe(make_cfg(["model=llama3_8b", "data.seq_len=512", "trainer.micro_batch_size=4",
+                                     "+recipe=ddp"]), 2)
+    for recipe, shards in (("ddp", 1), ("fsdp", 2), ("zero3", 2)):
+        copy = plan_recipe(make_cfg(pairs + ["objective=dpo", f"+recipe={recipe}"]), 2)
+        assert copy.buffers["frozen reference model"] * shards == pytest.approx(copy.params * shards, rel=0.02), recipe
+        for other in (["objective=dpo", "objective.precompute_reference=true"], ["objective=dpo", "+peft=lora"],
+                      ["objective=simpo"]):
+            assert "frozen reference model" not in plan_recipe(make_cfg(pairs + other + [f"+recipe={recipe}"]), 2).buffers
+    dpo = plan_recipe(make_cfg(pairs + ["objective=simpo", "+recipe=ddp"]), 2)
+    assert dpo.activations == sft_rows.activations != sft.activations

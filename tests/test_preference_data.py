@@ -197,3 +197,33 @@ def test_cli_help_lists_the_objective_group():
     proc = run_cli(["--help"])
     assert_ok(proc)
     assert "objective: causal_lm, dpo, kto, orpo, reward, simpo" in proc.stdout
+
+
+def test_reward_export_loads_as_a_classifier_and_scores_as_the_run_evaluated(tmp_path):
+    """The export, read back by transformers alone (scripts/reward_accuracy.py), scores the held-
+    out pairs in the order the run's own final evaluation did; a causal LM export is refused."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, read_metrics, subprocess_env
+    from llmtrain.trainer import train
+
+    path = _write(tmp_path / "p.jsonl", PAIRS * 3)
+    run = tmp_path / "reward"
+    train(make_cfg(["data=preference", f"data.path={path}", "objective=reward", "data.val_fraction=0.25",
+                    "trainer.max_steps=3", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+                    "trainer.eval_samples=0", "tracker=none", "trainer.progress_bar=false", f"run_dir={run}"]))
+    final = [r for r in read_metrics(run) if "val/rewards/accuracies" in r][-1]
+    proc = subprocess.run([sys.executable, "scripts/reward_accuracy.py", str(run)], capture_output=True, text=True,
+                          cwd=REPO, env=subprocess_env())
+    assert_ok(proc)
+    assert f"{final['val/pairs']} held-out pairs" in proc.stdout
+    assert f"= {final['val/rewards/accuracies']:.3f} +-" in proc.stdout
+    lm = tmp_path / "lm"
+    train(make_cfg(["data=preference", f"data.path={path}", "objective=dpo", "trainer.max_steps=1",
+                    "trainer.global_batch_size=2", "trainer.micro_batch_size=2", "tracker=none",
+                    "trainer.progress_bar=false", f"run_dir={lm}"]))
+    proc = subprocess.run([sys.executable, "scripts/reward_accuracy.py", str(lm)], capture_output=True, text=True,
+                          cwd=REPO, env=subprocess_env())
+    assert proc.returncode == 1
+    assert "is not a reward model" in proc.stderr and "objective=reward" in proc.stderr
