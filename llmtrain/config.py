@@ -1104,6 +1104,17 @@ def validate(cfg: Any, world_size: int) -> Layout:
 
 
 PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo", "reward", "kto")
+# The objective fields each built-in objective reads (any other one must keep its default).
+OBJECTIVE_FIELDS = {
+    "all": ("beta", "loss_type", "label_smoothing", "gamma", "nll_on_prompt", "desirable_weight", "undesirable_weight",
+            "margin_column", "center_coefficient", "reference", "precompute_reference"),
+    "causal_lm": (),
+    "dpo": ("beta", "loss_type", "label_smoothing", "reference", "precompute_reference"),
+    "simpo": ("beta", "gamma", "label_smoothing"),
+    "orpo": ("beta", "nll_on_prompt"),
+    "kto": ("beta", "desirable_weight", "undesirable_weight", "reference"),
+    "reward": ("margin_column", "center_coefficient"),
+}
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 REFERENCE_KINDS = ("auto", "copy", "adapters_disabled")
 
@@ -1126,6 +1137,7 @@ def validate_objective(cfg: Any) -> None:
         _require(not formats & {"preference", "kto"}, f"data.format={'/'.join(sorted(formats & {'preference', 'kto'}))} "
                  "holds preference data, which objective=causal_lm does not train on; pick a preference objective "
                  "(objective=dpo, simpo, orpo, kto or reward)")
+        _refuse_stray_fields(o, name)
         return
     if name == "kto":
         _require(len(formats) == 1 and formats <= {"kto", "preference"}, "objective=kto trains on unpaired examples: "
@@ -1164,3 +1176,14 @@ def validate_objective(cfg: Any) -> None:
                  "last token): set data.packing=false")
         _require(r.tp == 1, f"objective=reward with recipe {r.name} (recipe.tp={r.tp}): the classification head "
                  "is not in the tensor-parallel plan; use a data-parallel, ZeRO or FSDP recipe")
+    _refuse_stray_fields(o, name)
+
+
+def _refuse_stray_fields(o: Any, name: str) -> None:
+    """An objective field set away from its default that ``objective=name`` does not read (say
+    ``objective.gamma`` under DPO) would be silently ignored: refused naming what it reads."""
+    defaults = ObjectiveConfig()
+    stray = [f"objective.{key}={o[key]}" for key in OBJECTIVE_FIELDS["all"] if key not in OBJECTIVE_FIELDS[name]
+             and o[key] != getattr(defaults, key)]
+    _require(not stray, f"{', '.join(stray)} does not apply to objective={name}, which reads "
+             f"{', '.join(f'objective.{k}' for k in OBJECTIVE_FIELDS[name]) or 'no objective field'}; drop it")

@@ -27,13 +27,13 @@ RECIPES_DIR = _locate("recipes")
 CACHE_DIR = Path(os.environ.get("LLMTRAIN_CACHE", Path.home() / ".cache" / "llmtrain"))
 
 
-def follow_umask(folder: Path) -> None:
-    """Give the files in ``folder`` the mode every other file of the run gets (0o666 minus the
-    process umask). safetensors creates ``model.safetensors`` with mode 0600, which teammates on
-    a shared file system cannot read."""
+def follow_umask(folder: Path, only: str | None = None) -> None:
+    """Give the files in ``folder`` (or its file named ``only``) the mode every other file of the
+    run gets (0o666 minus the process umask). safetensors creates ``model.safetensors`` with mode
+    0600, which teammates on a shared file system cannot read."""
     umask = _process_umask()
     for path in folder.iterdir():
-        if path.is_file():
+        if path.is_file() and (only is None or path.name == only):
             path.chmod(0o666 & ~umask)
 
 

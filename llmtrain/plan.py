@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from llmtrain.config import PREFERENCE_OBJECTIVES, ConfigError, compose, parse_bytes
+from llmtrain.config import PREFERENCE_OBJECTIVES, ConfigError, compose, parse_bytes, validate_objective
 
 GIB = 2**30
 DEFAULT_MARGIN = 0.1  # of device memory, for the allocator's fragmentation and the CUDA context
@@ -248,6 +248,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     ckpt = t.activation_checkpointing if checkpointing is None else checkpointing
     plan = RankPlan(recipe=r.name, world_size=world_size, micro_batch=micro, checkpointing=ckpt)
     try:
+        validate_objective(cfg)  # pairs refuse pipeline recipes (and reward models tp)
         lay = layout(cfg, world_size, micro_batch_size=micro)  # degrees, accumulation, pipeline micro-batches
         dims = ParallelDims.from_layout(lay)
         dims.check_model_config(hf_config, r.pp_stages_per_rank)
@@ -298,8 +299,10 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
             candidate.buffers["frozen reference model"] = _reference_bytes(r, n, dims, compute, shape)
         # The logits and their gradient, fp32, live on the last stage while the loss backpropagates.
         tokens = rows * cfg.data.seq_len
+        # A reward model's head gives one score per token, not vocabulary logits.
+        outputs = 1 if pairs and objective.name == "reward" else shape.vocab
         if last:
-            candidate.temporaries["logits and their gradient"] = 2 * tokens * shape.vocab * 4
+            candidate.temporaries["logits and their gradient"] = 2 * tokens * outputs * 4
         if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps
             candidate.buffers["pipeline receive buffers (one per micro-batch)"] = accumulation * tokens * shape.hidden * 4
         if best is None or candidate.total > best.total:

@@ -144,9 +144,23 @@ def compute_table(engine: Any, dataset: Any, collate: Any, micro_batch: int, dev
     return values.to(torch.float64), offsets
 
 
+class _Head(torch.utils.data.Dataset):
+    """The first ``n`` items of a dataset (the held-out pairs evaluation reads)."""
+
+    def __init__(self, base: Any, n: int):
+        self.base, self.n = base, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, k: int) -> Any:
+        return self.base[k]
+
+
 def precompute(engine: Any, splits: Any, collate: Any, micro_batch: int, device: torch.device, dp_rank: int,
-               dp_size: int, run_dir: Path, resumed: bool, is_main: bool) -> None:
-    """Attach reference log-probs to ``splits.train`` and ``splits.val`` (in place): read from
+               dp_size: int, run_dir: Path, resumed: bool, is_main: bool, eval_samples: int = 0) -> None:
+    """Attach reference log-probs to ``splits.train`` and to the first ``eval_samples`` (0: all)
+    items of ``splits.val``, those evaluation reads (in place): read from
     ``run_dir/reference_logps.safetensors``, or, on a fresh run, computed with the policy before
     its first update and written there (atomically, by rank 0). Collective call.
 
@@ -155,6 +169,10 @@ def precompute(engine: Any, splits: Any, collate: Any, micro_batch: int, device:
     """
     from safetensors.torch import load_file, save_file
 
+    from llmtrain.paths import follow_umask
+
+    if eval_samples and eval_samples < len(splits.val):
+        splits.val = _Head(splits.val, eval_samples)
     path = run_dir / REFERENCE_FILE
     if resumed or path.is_file():
         if not path.is_file():
@@ -162,11 +180,15 @@ def precompute(engine: Any, splits: Any, collate: Any, micro_batch: int, device:
                               "policy before its first update, which a resumed run no longer has; restore the file "
                               "or start a new run (another run_dir)")
         tables = load_file(str(path))
-        for name, split in (("train", splits.train), ("val", splits.val)):
-            if len(tables[f"{name}_offsets"]) != len(split) + 1:
-                raise ResumeError(f"{path} holds reference log-probs of {len(tables[f'{name}_offsets']) - 1} {name} "
-                                  f"items, the data now give {len(split)}: the data or data.* settings changed since "
-                                  "the run started; restore them or start a new run")
+        if len(tables["train_offsets"]) != len(splits.train) + 1:
+            raise ResumeError(f"{path} holds reference log-probs of {len(tables['train_offsets']) - 1} training items, "
+                              f"the data now give {len(splits.train)}: the data or data.* settings changed since the "
+                              "run started; restore them or start a new run")
+        stored, needed = len(tables["val_offsets"]) - 1, len(splits.val)
+        if stored < needed:
+            raise ResumeError(f"{path} holds reference log-probs of {stored} held-out items and evaluation now reads "
+                              f"{needed}: set trainer.eval_samples={stored} (or fewer), or start a new run")
+        tables["val_offsets"] = tables["val_offsets"][:needed + 1]
     else:
         tables = {}
         for name, split in (("train", splits.train), ("val", splits.val)):
@@ -176,6 +198,7 @@ def precompute(engine: Any, splits: Any, collate: Any, micro_batch: int, device:
             pending = path.with_name(f".{path.name}.{os.getpid()}")
             save_file(tables, str(pending))
             pending.replace(path)
+            follow_umask(run_dir, only=path.name)  # safetensors writes 0600
             log.info("reference log-probs of %d train and %d val items precomputed into %s", len(splits.train),
                      len(splits.val), path)
         distributed.barrier()

@@ -23,7 +23,7 @@ from matplotlib.ticker import MaxNLocator
 from omegaconf import DictConfig, OmegaConf
 
 GIB = 2**30
-CONFIG_FIELDS = ["name", "model.name", "data.name", "data.seq_len", "recipe.name", "recipe.engine",
+CONFIG_FIELDS = ["name", "model.name", "data.name", "data.seq_len", "objective.name", "recipe.name", "recipe.engine",
                  "recipe.zero_stage", "recipe.auto", "trainer.max_steps", "trainer.global_batch_size",
                  "trainer.micro_batch_size", "trainer.precision", "trainer.lr"]
 GOODPUT_ROWS = [("productive", "time/productive_s"), ("startup", "time/startup_s"), ("eval", "time/eval_s"),
@@ -186,9 +186,14 @@ def build_figure(records: list[dict], resumes: list[int], title: str) -> Figure:
     fig.suptitle(title)
     train, val = series(records, "train/loss"), series(records, "val/loss")
     resume_tokens = _tokens_at(records, resumes)
+    unit = loss_unit(records)
+    panels = [(axes[0], lambda s: s, "step", resumes)]
+    if unit == "token":
+        panels.append((axes[1], lambda s: _tokens_at(records, s), "tokens seen", resume_tokens))
+    else:  # preference runs: accuracy and margins where token-based runs show loss vs tokens
+        _preference_panel(axes[1], records, resumes)
 
-    for ax, xs_of, xlabel, resume_xs in ((axes[0], lambda s: s, "step", resumes),
-                                         (axes[1], lambda s: _tokens_at(records, s), "tokens seen", resume_tokens)):
+    for ax, xs_of, xlabel, resume_xs in panels:
         if not train[0] and not val[0]:
             _no_data(ax)
             continue
@@ -200,7 +205,8 @@ def build_figure(records: list[dict], resumes: list[int], title: str) -> Figure:
             _no_data(ax)
             continue
         _resume_lines(ax, resume_xs)
-        ax.set(xlabel=xlabel, ylabel="loss (nats/token)", title=f"loss vs {xlabel}")
+        ax.set(xlabel=xlabel, ylabel=f"loss (per {unit})" if unit != "token" else "loss (nats/token)",
+               title=f"loss vs {xlabel}")
         _step_ticks(ax)
         ax.legend()
 
@@ -220,6 +226,47 @@ def build_figure(records: list[dict], resumes: list[int], title: str) -> Figure:
     _throughput(axes[4], records, resumes)
     fig.tight_layout()
     return fig
+
+
+def loss_unit(records: list[dict]) -> str:
+    """What a run's loss is a mean over: ``token`` (next-token objectives), ``pair`` (preference
+    and reward objectives) or ``example`` (KTO), told by the metrics the run logged."""
+    keys = set().union(*(r.keys() for r in records)) if records else set()
+    if "train/kl" in keys or "val/kl" in keys:
+        return "example"
+    if "train/rewards/chosen" in keys or "val/rewards/chosen" in keys:
+        return "pair"
+    return "token"
+
+
+def _preference_panel(ax, records: list[dict], resumes: list[int]) -> None:
+    """Preference accuracy (train line, validation points) and, on a second scale, the mean
+    reward margin, against steps; KTO (no accuracy): the desirable and undesirable rewards."""
+    plotted = False
+    for key, style, label in (("train/rewards/accuracies", "-", "train accuracy"),
+                              ("val/rewards/accuracies", "o", "val accuracy"),
+                              ("train/rewards/chosen", "-", "train reward (desirable)"),
+                              ("train/rewards/rejected", "-", "train reward (undesirable)")):
+        if key.endswith(("chosen", "rejected")) and series(records, "train/rewards/accuracies")[0]:
+            continue
+        steps, values = series(records, key)
+        if steps:
+            ax.plot(steps, values, style, label=label)
+            plotted = True
+    if not plotted:
+        _no_data(ax)
+        return
+    margins = series(records, "val/rewards/margins")
+    if margins[0]:
+        twin = ax.twinx()
+        twin.plot(margins[0], margins[1], "s", color="tab:red", label="val margin")
+        twin.set_ylabel("reward margin (chosen - rejected)")
+        twin.legend(loc="lower right")
+    _resume_lines(ax, resumes)
+    ax.set(xlabel="step", ylabel="preference accuracy" if series(records, "train/rewards/accuracies")[0]
+           else "implicit reward", title="preference accuracy and margin")
+    _step_ticks(ax)
+    ax.legend(loc="upper left")
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
@@ -251,6 +298,9 @@ def _markdown(run_dir: Path, records: list[dict], cfg, procs: list[dict] | None,
         ["last val perplexity", _fmt(ppl.get(val_steps[-1]) if val else None, ".3f")],
         ["best val loss", f"{best_val:.4f} (step {best_step})" if best_val is not None else "n/a"],
         ["best val perplexity", _fmt(ppl.get(best_step), ".3f")],
+        *([["last val preference accuracy", _fmt(series(records, "val/rewards/accuracies")[1][-1], ".3f")],
+           ["last val reward margin", _fmt(series(records, "val/rewards/margins")[1][-1], ".4f")]]
+          if series(records, "val/rewards/accuracies")[0] else []),
         ["total steps", _fmt(max((r["step"] for r in records if "step" in r), default=None), "d")],
         ["tokens seen", _fmt(int(tokens[-1]) if tokens else None, ",d")],
         ["tokens/s (mean of last 10 logged steps)",

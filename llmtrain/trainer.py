@@ -554,7 +554,7 @@ class Trainer:
             self.phases.begin("reference", "precomputing the reference log-probs of every pair")
             reference.precompute(self.engine, self.splits, data.collator_for(self.cfg.data, self.tokenizer),
                                  self.t.micro_batch_size, self.env.device, self.engine.dp_rank, self.dims.dp,
-                                 self.run_dir, self.resume_from is not None, self.env.is_main)
+                                 self.run_dir, self.resume_from is not None, self.env.is_main, self.t.eval_samples)
             return None
         self.phases.begin("reference", f"objective.reference={reference.reference_kind(self.cfg)}")
         return reference.build_reference(self.cfg, self.engine, self._build_model)

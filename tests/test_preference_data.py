@@ -171,6 +171,13 @@ def test_a_bad_pair_stops_the_cli_before_anything_is_written(tmp_path):
     (["data=preference", "data.path=/x", "objective=dpo", "objective.reference=adapters_disabled"], "needs +peft=lora"),
     (["data=preference", "data.path=/x", "objective=dpo", "objective.loss_type=kto"], "objective.loss_type='kto'"),
     (["data=preference", "data.path=/x", "objective=dpo", "objective.label_smoothing=0.5"], "must be in [0, 0.5)"),
+    (["data=preference", "data.path=/x", "objective=orpo", "objective.loss_type=ipo"],
+     "objective.loss_type=ipo does not apply to objective=orpo, which reads objective.beta, objective.nll_on_prompt"),
+    (["data=preference", "data.path=/x", "objective=dpo", "objective.gamma=3"], "objective.gamma=3.0 does not apply"),
+    (["objective.beta=0.5"], "objective.beta=0.5 does not apply to objective=causal_lm"),
+    (["data=preference", "data.path=/x", "objective=kto", "trainer.micro_batch_size=1", "trainer.global_batch_size=4"],
+     "needs at least 2"),
+    (["data=kto", "data.path=/x", "objective=dpo"], "objective=dpo trains on preference pairs"),
 ])
 def test_objective_settings_that_cannot_work_are_refused(overrides, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):

@@ -23,10 +23,10 @@ from typing import Any, Sequence
 
 import torch
 
-from llmtrain.data.formats import _apply_template, conversation, uses_chat_template
+from llmtrain.data.formats import _apply_template, conversation
 from llmtrain.data.order import pack
 from llmtrain.data.sources import column
-from llmtrain.errors import DataError
+from llmtrain.errors import ConfigError, DataError
 from llmtrain.labels import IGNORE_INDEX
 
 # What the collated micro-batch carries besides the model inputs (pad values for the pipeline's
@@ -72,7 +72,10 @@ class _Continuations:
         may merge across the boundary), as TRL does; string completions end with EOS."""
         if isinstance(prompt, list):
             if not self._chat_checked:
-                uses_chat_template(self.data_cfg, "chat", self.tokenizer)
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise ConfigError(f"{at}: message lists are rendered with a chat template, and this tokenizer has "
+                                      "none; set data.template=chatml (the built-in ChatML template) or "
+                                      "data.template=/path/to/template.jinja")
                 self._chat_checked = True
             if not prompt:
                 raise DataError(f"{at}: the prompt turns are empty; a preference record needs at least one prompt turn")

@@ -125,13 +125,16 @@ class DPO(PairObjective):
 
 class SimPO(PairObjective):
     """SimPO (Meng et al. 2024): reference-free, length-normalised, with margin ``objective.gamma``
-    (:func:`~llmtrain.objectives.preference_losses.simpo_losses`)."""
+    (:func:`~llmtrain.objectives.preference_losses.simpo_losses`). ``logps/*`` are per-token
+    means, as TRL logs them for SimPO and ORPO."""
 
     def loss_sums(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossSums:
         logps, tokens, _ = self.sequence_logps(output, batch)
         c, r = logps[0::2], logps[1::2]
         pairs = simpo_losses(c, r, tokens[0::2], tokens[1::2], self.beta, self.gamma, self.label_smoothing)
-        return LossSums(pairs.losses.sum(), self.pair_sums(pairs, c, r))
+        # logps/* are per-token means here, as TRL's CPOTrainer logs them for SimPO.
+        return LossSums(pairs.losses.sum(), self.pair_sums(pairs, c / tokens[0::2].clamp(min=1),
+                                                           r / tokens[1::2].clamp(min=1)))
 
 
 class ORPO(PairObjective):
@@ -167,7 +170,7 @@ class ORPO(PairObjective):
         pairs, log_odds = orpo_losses(c, r, tokens[0::2], tokens[1::2], self.beta)
         nll = (self._chosen_nll(output, batch, self.count(batch)) if self.nll_on_prompt
                else -c / tokens[0::2].clamp(min=1))
-        sums = self.pair_sums(pairs, c, r)
+        sums = self.pair_sums(pairs, c / tokens[0::2].clamp(min=1), r / tokens[1::2].clamp(min=1))  # as TRL's ORPO
         sums.update({"nll_loss": nll.detach().sum(), "log_odds_ratio": F.logsigmoid(log_odds).sum(),
                      "log_odds_chosen": log_odds.sum()})
         return LossSums((nll + pairs.losses).sum(), sums)
@@ -179,9 +182,10 @@ class Reward(PairObjective):
     Bradley-Terry loss, optional margin and centering term
     (:func:`~llmtrain.objectives.preference_losses.reward_losses`). ``rewards/chosen`` and
     ``rewards/rejected`` are the mean scores, ``rewards/accuracies`` the share of pairs scored in
-    order (TRL's ``accuracy``), ``rewards/margins`` the mean score difference."""
+    order (TRL's ``accuracy``), ``rewards/margins`` the mean score difference (no ``logps/*``: a score is no log-probability)."""
 
     model_output = "scores"
+    metric_names = PAIR_METRICS[:4]  # a score is no log-probability
 
     def check_supported(self, engine_name: str) -> None:
         """Every engine returns the model's ``logits``; a classification model's are the scores."""
@@ -195,7 +199,8 @@ class Reward(PairObjective):
         c, r = scores[0::2], scores[1::2]
         margin = segment_sums(batch["margin"], batch["segment"], n)[0::2] if self.use_margin else None
         pairs = reward_losses(c, r, margin, self.center_coefficient)
-        return LossSums(pairs.losses.sum(), self.pair_sums(pairs, c, r))
+        sums = self.pair_sums(pairs, c, r)
+        return LossSums(pairs.losses.sum(), {name: sums[name] for name in self.metric_names})
 
 
 class KTO(PairObjective):
@@ -210,15 +215,15 @@ class KTO(PairObjective):
 
     Metrics as TRL names them: ``rewards/chosen`` and ``logps/chosen`` are means over the
     desirable examples, ``rewards/rejected`` and ``logps/rejected`` over the undesirable ones,
-    ``kl`` the micro-batches' z₀ weighted by their examples, ``count/chosen`` and
-    ``count/rejected`` the share of each kind."""
+    ``kl`` the micro-batches' z₀ weighted by their examples, ``share/desirable`` and
+    ``share/undesirable`` the share of each kind."""
 
     needs_reference = True
     counted_unit = "examples"
-    metric_names = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl", "count/chosen",
-                    "count/rejected")
-    metric_denominators = {"rewards/chosen": "count/chosen", "logps/chosen": "count/chosen",
-                           "rewards/rejected": "count/rejected", "logps/rejected": "count/rejected"}
+    metric_names = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl", "share/desirable",
+                    "share/undesirable")
+    metric_denominators = {"rewards/chosen": "share/desirable", "logps/chosen": "share/desirable",
+                           "rewards/rejected": "share/undesirable", "logps/rejected": "share/undesirable"}
 
     def normaliser(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Examples of the micro-batch (each with its KL sequence: ``2m`` segments)."""
@@ -235,5 +240,5 @@ class KTO(PairObjective):
         sums = {"rewards/chosen": pairs.chosen_rewards.nan_to_num().sum(),
                 "rewards/rejected": pairs.rejected_rewards.nan_to_num().sum(),
                 "logps/chosen": (x.detach() * chosen).sum(), "logps/rejected": (x.detach() * rejected).sum(),
-                "kl": kl * len(x), "count/chosen": chosen.sum(), "count/rejected": rejected.sum()}
+                "kl": kl * len(x), "share/desirable": chosen.sum(), "share/undesirable": rejected.sum()}
         return LossSums(pairs.losses.sum(), sums)
