@@ -888,6 +888,11 @@ def validate_data(d: Any) -> None:
              f"data.document_masking=true applies to format text/tokens (got {', '.join(sorted(formats))}); "
              "use data.packing=true for the other formats")
     _require(d.seq_len >= 2, f"data.seq_len={d.seq_len} must be at least 2")
+    if d.max_prompt_tokens is not None:
+        _require(formats <= {"preference", "kto"}, f"data.max_prompt_tokens={d.max_prompt_tokens} applies to "
+                 f"preference data (format preference or kto), not {', '.join(sorted(formats))}; drop it")
+        _require(0 < d.max_prompt_tokens < d.seq_len, f"data.max_prompt_tokens={d.max_prompt_tokens} must be > 0 and "
+                 f"< data.seq_len={d.seq_len} (room for the completion); lower it or raise data.seq_len")
     _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     _require(d.num_proc >= 1, f"data.num_proc={d.num_proc} must be >= 1")
 
@@ -1141,7 +1146,8 @@ def validate_objective(cfg: Any) -> None:
         return
     if name == "kto":
         _require(len(formats) == 1 and formats <= {"kto", "preference"}, "objective=kto trains on unpaired examples: "
-                 f"data.format must be kto (data=kto) or preference (pairs, unpaired), not {', '.join(sorted(formats))}")
+                 "every source's format must be kto (data=kto), or every source's preference (pairs, unpaired); "
+                 f"the data has {' and '.join(sorted(formats))}")
         _require(not d.packing, "objective=kto estimates its KL term from the micro-batch's own mismatched examples: "
                  "set data.packing=false")
         _require(not o.precompute_reference, "objective.precompute_reference=true: KTO's KL examples pair each prompt "
@@ -1152,8 +1158,13 @@ def validate_objective(cfg: Any) -> None:
         _require(o.desirable_weight > 0 and o.undesirable_weight > 0, "objective.desirable_weight and "
                  "objective.undesirable_weight must be > 0")
     else:
-        _require(formats == {"preference"}, f"objective={name} trains on preference pairs: data.format must be "
-                 f"preference (data=preference), not {', '.join(sorted(formats))}")
+        sources = list(d.datasets) if d.datasets else [d]
+        keys = [f"data.datasets.{i}.format" for i in range(len(sources))] if d.datasets else ["data.format"]
+        bad = [f"{key}={src.format}" for key, src in zip(keys, sources) if src.format != "preference"]
+        _require(not bad, f"objective={name} trains on preference pairs: {', '.join(bad)} must be preference "
+                 "(data=preference)")
+    for key in ("beta", "label_smoothing", "gamma", "center_coefficient", "desirable_weight", "undesirable_weight"):
+        _require(math.isfinite(o[key]), f"objective.{key}={o[key]} must be a finite number")
     _require(o.beta > 0, f"objective.beta={o.beta} must be > 0")
     _require(o.loss_type in DPO_LOSS_TYPES, f"objective.loss_type={o.loss_type!r} must be one of "
              f"{', '.join(DPO_LOSS_TYPES)}")

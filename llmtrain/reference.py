@@ -157,16 +157,56 @@ class _Head(torch.utils.data.Dataset):
         return self.base[k]
 
 
+def data_digest(dataset: Any, n: int | None = None) -> str:
+    """SHA-256 of the token ids of the first ``n`` (default all) items of ``dataset`` (pairs, or
+    packed rows of pairs), in order: what precomputed reference log-probs belong to."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in range(len(dataset) if n is None else n):
+        for pair in pairs_of(dataset[k]):
+            h.update(repr((pair["chosen_ids"], pair["rejected_ids"], pair["prompt_len"])).encode())
+    return h.hexdigest()
+
+
+def check_stored(run_dir: Path, splits: Any, eval_samples: int) -> None:
+    """Before anything of a resumed run is written: its ``reference_logps.safetensors`` exists and
+    belongs to this data (item counts and token ids of the training pairs and of the held-out
+    pairs it covers), and covers the held-out pairs evaluation now reads.
+
+    Raises:
+        ResumeError: the file is missing or was written for other data (naming the fix).
+    """
+    from safetensors import safe_open
+
+    path = run_dir / REFERENCE_FILE
+    if not path.is_file():
+        raise ResumeError(f"objective.precompute_reference=true: {path} is missing, and the reference is the policy "
+                          "before its first update, which a resumed run no longer has; restore the file or start a "
+                          "new run (another run_dir)")
+    with safe_open(str(path), "pt") as f:
+        meta, train_items, stored = f.metadata() or {}, len(f.get_tensor("train_offsets")) - 1, len(
+            f.get_tensor("val_offsets")) - 1
+    needed = min(len(splits.val), eval_samples) if eval_samples else len(splits.val)
+    if train_items != len(splits.train) or meta.get("train_digest") != data_digest(splits.train):
+        raise ResumeError(f"{path} holds the reference log-probs of other training data ({train_items} items; the data "
+                          f"now give {len(splits.train)}, or their tokens changed): restore the data and data.* "
+                          "settings the run started with, or start a new run")
+    if stored < needed:
+        raise ResumeError(f"{path} holds reference log-probs of {stored} held-out items and evaluation now reads "
+                          f"{needed}: set trainer.eval_samples={stored} (or fewer), or start a new run")
+    if meta.get("val_digest") != data_digest(splits.val, stored):
+        raise ResumeError(f"{path} holds the reference log-probs of other held-out data: restore the data the run "
+                          "started with, or start a new run")
+
+
 def precompute(engine: Any, splits: Any, collate: Any, micro_batch: int, device: torch.device, dp_rank: int,
                dp_size: int, run_dir: Path, resumed: bool, is_main: bool, eval_samples: int = 0) -> None:
     """Attach reference log-probs to ``splits.train`` and to the first ``eval_samples`` (0: all)
     items of ``splits.val``, those evaluation reads (in place): read from
-    ``run_dir/reference_logps.safetensors``, or, on a fresh run, computed with the policy before
-    its first update and written there (atomically, by rank 0). Collective call.
-
-    Raises:
-        ResumeError: a resumed run whose file is missing or was written for other data.
-    """
+    ``run_dir/reference_logps.safetensors`` when resuming (:func:`check_stored` vouched for it),
+    or, on a fresh run, computed with the policy before its first update and written there
+    (atomically, by rank 0, with the digests of the data it covers). Collective call."""
     from safetensors.torch import load_file, save_file
 
     from llmtrain.paths import follow_umask
@@ -174,29 +214,18 @@ def precompute(engine: Any, splits: Any, collate: Any, micro_batch: int, device:
     if eval_samples and eval_samples < len(splits.val):
         splits.val = _Head(splits.val, eval_samples)
     path = run_dir / REFERENCE_FILE
-    if resumed or path.is_file():
-        if not path.is_file():
-            raise ResumeError(f"objective.precompute_reference=true: {path} is missing, and the reference is the "
-                              "policy before its first update, which a resumed run no longer has; restore the file "
-                              "or start a new run (another run_dir)")
+    if resumed:  # checked by check_stored before the run wrote anything
         tables = load_file(str(path))
-        if len(tables["train_offsets"]) != len(splits.train) + 1:
-            raise ResumeError(f"{path} holds reference log-probs of {len(tables['train_offsets']) - 1} training items, "
-                              f"the data now give {len(splits.train)}: the data or data.* settings changed since the "
-                              "run started; restore them or start a new run")
-        stored, needed = len(tables["val_offsets"]) - 1, len(splits.val)
-        if stored < needed:
-            raise ResumeError(f"{path} holds reference log-probs of {stored} held-out items and evaluation now reads "
-                              f"{needed}: set trainer.eval_samples={stored} (or fewer), or start a new run")
-        tables["val_offsets"] = tables["val_offsets"][:needed + 1]
+        tables["val_offsets"] = tables["val_offsets"][:len(splits.val) + 1]
     else:
         tables = {}
         for name, split in (("train", splits.train), ("val", splits.val)):
             values, offsets = compute_table(engine, split, collate, micro_batch, device, dp_rank, dp_size)
             tables[f"{name}_values"], tables[f"{name}_offsets"] = values, offsets
-        if is_main:
+        if is_main:  # a fresh run's file is always its own: one left by an earlier start is replaced
             pending = path.with_name(f".{path.name}.{os.getpid()}")
-            save_file(tables, str(pending))
+            save_file(tables, str(pending), metadata={"train_digest": data_digest(splits.train),
+                                                     "val_digest": data_digest(splits.val)})
             pending.replace(path)
             follow_umask(run_dir, only=path.name)  # safetensors writes 0600
             log.info("reference log-probs of %d train and %d val items precomputed into %s", len(splits.train),

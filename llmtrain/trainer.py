@@ -393,6 +393,7 @@ class Trainer:
         phases.begin("checkpoints", f"finding and verifying the one to resume in {self.run_dir / 'checkpoints'}")
         self.checkpoints, self.resume_from = self._setup_checkpoints()
         self.objective = build_objective(cfg.get("objective"))
+        self._check_data_for_objective()
         self.engine = self._setup_engine()
         phases.begin("train state")
         self.state, rng = self._setup_state()
@@ -540,6 +541,21 @@ class Trainer:
         engine.train(True)
         return engine
 
+    def _check_data_for_objective(self) -> None:
+        """What the objective needs of the data that only the data can tell, before anything is
+        written: a margin column for ``objective.margin_column``, and a resumed run's precomputed
+        reference log-probs matching the data (:func:`reference.check_stored`).
+
+        Raises:
+            DataError, ResumeError: naming the field or file and the fix.
+        """
+        o = self.cfg.objective
+        if o.get("margin_column") and "margin" not in self.splits.train[0]:
+            raise data.DataError(f"objective.margin_column=true, but data.path={self.cfg.data.path} has no margin "
+                                 "column; map yours with data.columns.margin=COLUMN, or drop the setting")
+        if self.objective.needs_reference and o.get("precompute_reference") and self.resume_from is not None:
+            reference.check_stored(self.run_dir, self.splits, self.t.eval_samples)
+
     def _build_model(self):
         """The model with its initial weights (the policy, or its frozen reference copy)."""
         return build_model(self.cfg.model, self.t.seed, head=self.objective.model_output,
@@ -551,7 +567,8 @@ class Trainer:
         if not self.objective.needs_reference:
             return None
         if self.cfg.objective.precompute_reference:
-            self.phases.begin("reference", "precomputing the reference log-probs of every pair")
+            self.phases.begin("reference", "reading the precomputed reference log-probs" if self.resume_from is not None
+                              else "precomputing the reference log-probs of every pair")
             reference.precompute(self.engine, self.splits, data.collator_for(self.cfg.data, self.tokenizer),
                                  self.t.micro_batch_size, self.env.device, self.engine.dp_rank, self.dims.dp,
                                  self.run_dir, self.resume_from is not None, self.env.is_main, self.t.eval_samples)

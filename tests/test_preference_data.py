@@ -124,13 +124,15 @@ def test_packed_rows_give_the_unpacked_log_probs(tmp_path):
     ([{"prompt": "a", "good": "b", "rejected": "c"}] * 4, "'chosen'"),
     ([{"prompt": "Q", "chosen": " same", "rejected": " same"}] * 4, "record 0: fields 'chosen' and 'rejected' are identical"),
     ([{"chosen": "Hello there", "rejected": "Goodbye"}] * 4, "record 0: fields 'chosen' and 'rejected' share no prefix"),
-    ([{"prompt": "Q", "chosen": 3, "rejected": " b"}] * 4, "record 0: field 'chosen' must be a string or a list of messages"),
+    ([{"prompt": "Q", "chosen": 3, "rejected": " b"}] * 4, "record 0: field 'chosen' is a int, field 'chosen' a int"),
+    ([{"prompt": [{"role": "user", "content": "Q"}], "chosen": [{"role": "robot", "content": "x"}],
+       "rejected": [{"role": "assistant", "content": "y"}]}] * 4, "record 0 field 'chosen' turn 0: role='robot' is not a known role"),
     ([{"prompt": "Q", "chosen": None, "rejected": " b"}] * 4, "record 0: field 'chosen' is missing"),
 ])
 def test_bad_pairs_name_the_file_record_and_field(tmp_path, records, needle):
     path = _write(tmp_path / "bad.jsonl", records)
     with pytest.raises(DataError, match=needle) as info:
-        _splits(path)
+        _splits(path, "data.template=chatml")
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
@@ -162,7 +164,7 @@ def test_a_bad_pair_stops_the_cli_before_anything_is_written(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["objective=dpo"], "objective=dpo trains on preference pairs: data.format must be preference"),
+    (["objective=dpo"], "objective=dpo trains on preference pairs: data.format=text must be preference"),
     (["data=preference", "data.path=/x"], "data.format=preference holds preference data, which objective=causal_lm"),
     (["data=preference", "data.path=/x", "objective=dpo", "+recipe=pp"], "pipeline stages"),
     (["data=preference", "data.path=/x", "objective=reward", "data.packing=true"], "set data.packing=false"),
@@ -234,3 +236,65 @@ def test_reward_export_loads_as_a_classifier_and_scores_as_the_run_evaluated(tmp
                           cwd=REPO, env=subprocess_env())
     assert proc.returncode == 1
     assert "is not a reward model" in proc.stderr and "objective=reward" in proc.stderr
+
+
+def test_kto_keeps_both_examples_of_a_pair_on_one_side_of_the_split(tmp_path):
+    splits, _, _ = _splits(_write(tmp_path / "p.jsonl", PAIRS * 2), "objective=kto", "data.val_fraction=0.25")
+    train = {splits.train[k]["group"] for k in range(len(splits.train))}
+    val = {splits.val[k]["group"] for k in range(len(splits.val))}
+    assert train and val and not train & val
+
+
+def test_a_resumed_runs_reference_file_must_match_its_data(tmp_path):
+    """reference.check_stored, which runs before a resumed run writes anything: a missing file, one
+    written for other pairs (same count, other tokens) and one covering fewer held-out pairs than
+    evaluation reads are refused; the file written for these pairs passes."""
+    from safetensors.torch import save_file
+
+    from llmtrain.errors import ResumeError
+    from llmtrain.reference import REFERENCE_FILE, check_stored, data_digest
+
+    splits, _, _ = _splits(_write(tmp_path / "p.jsonl", PAIRS), "data.val_fraction=0.25")
+    other, _, _ = _splits(_write(tmp_path / "q.jsonl", [dict(p, rejected=p["rejected"] + "!") for p in PAIRS]),
+                          "data.val_fraction=0.25")
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(ResumeError, match="is missing"):
+        check_stored(run, splits, 0)
+
+    def write(source, val_items: int) -> None:
+        n = len(source.train)
+        save_file({"train_values": torch.zeros(n, 2, dtype=torch.float64), "train_offsets": torch.arange(n + 1),
+                   "val_values": torch.zeros(val_items, 2, dtype=torch.float64), "val_offsets": torch.arange(val_items + 1)},
+                  str(run / REFERENCE_FILE), metadata={"train_digest": data_digest(source.train),
+                                                       "val_digest": data_digest(source.val, val_items)})
+    write(other, len(other.val))
+    with pytest.raises(ResumeError, match="other training data"):
+        check_stored(run, splits, 0)
+    write(splits, 1)
+    with pytest.raises(ResumeError, match=r"1 held-out items and evaluation now reads 3: set trainer.eval_samples=1"):
+        check_stored(run, splits, 0)
+    check_stored(run, splits, 1)
+    write(splits, len(splits.val))
+    check_stored(run, splits, 0)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["data=preference", "data.path=/x", "objective=dpo", "data.max_prompt_tokens=0"], "must be > 0 and < data.seq_len"),
+    (["data=preference", "data.path=/x", "objective=dpo", "data.seq_len=128"], "data.max_prompt_tokens=384 must be"),
+    (["data=alpaca", "data.path=/x", "data.max_prompt_tokens=8"], "applies to preference data"),
+    (["data=preference", "data.path=/x", "objective=dpo", "objective.beta=inf"], "objective.beta=inf must be a finite"),
+])
+def test_data_and_objective_numbers_that_cannot_work(overrides, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        validate(make_cfg(overrides), 1)
+
+
+def test_margin_column_without_a_margin_is_refused_before_writing(tmp_path):
+    from llmtrain.trainer import train
+
+    run = tmp_path / "run"
+    with pytest.raises(DataError, match="objective.margin_column=true, but data.path=.* has no margin column"):
+        train(make_cfg(["data=preference", f"data.path={_write(tmp_path / 'p.jsonl', PAIRS)}", "objective=reward",
+                        "objective.margin_column=true", "tracker=none", f"run_dir={run}"]))
+    assert not run.exists()

@@ -229,8 +229,18 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int, u
         return encode_records(records, src, data_cfg, tokenizer, key, f"{key}.path: {src.path}")
 
     samples, counts = _on_main_first(encode)
-    train_idx, val_idx = _split(len(samples), data_cfg.val_fraction, seed)
-    train, val = samples.select([train_idx[k] for k in range(len(train_idx))]), samples.select(val_idx.tolist())
+    if "group" in samples.column_names:  # KTO examples: split by the record (pair) they come from
+        groups = samples["group"]
+        _, val_groups = _split(max(groups) + 1, data_cfg.val_fraction, seed)
+        held = set(val_groups.tolist())
+        train = samples.select([k for k, g in enumerate(groups) if g not in held])
+        val = samples.select([k for k, g in enumerate(groups) if g in held])
+        if len(train) == 0 or len(val) == 0:
+            raise DataError(f"{key}.path: {src.path}: {len(samples)} examples from {len(set(groups))} records leave "
+                            f"{len(train)} to train and {len(val)} to validate; add records or change data.val_fraction")
+    else:
+        train_idx, val_idx = _split(len(samples), data_cfg.val_fraction, seed)
+        train, val = samples.select([train_idx[k] for k in range(len(train_idx))]), samples.select(val_idx.tolist())
     kind = "examples" if src.format == "kto" or unpair else "pairs" if src.format == "preference" else None
     stats = dict(counts, samples=len(samples), **({kind: len(samples)} if kind else {}))
     if data_cfg.packing and src.format == "preference":
@@ -275,7 +285,8 @@ def describe(splits: Splits) -> str:
     for name, s in splits.stats.items():
         if "records" in s and ("pairs" in s or "examples" in s):
             kind = "preference pairs" if "pairs" in s else "unpaired examples"
-            line = (f"data {name}: {s['records']} records -> {s.get('pairs', s.get('examples'))} {kind} (truncated "
+            of = f"of {s['examples_read']} examples: " if "examples_read" in s else ""
+            line = (f"data {name}: {s['records']} records -> {s.get('pairs', s.get('examples'))} {kind} ({of}truncated "
                     f"{s['truncated']}, dropped {s['dropped_too_long']} too long and {s['dropped_truncated_away']} left "
                     "without a completion token)")
         elif "records" in s:

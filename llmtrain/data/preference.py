@@ -66,10 +66,12 @@ class _Continuations:
         self.eos = tokenizer.eos_token_id
         self._chat_checked = False
 
-    def continuations(self, prompt: Any, completions: list[Any], at: str) -> tuple[list[int], list[list[int]]]:
+    def continuations(self, prompt: Any, completions: list[Any], at: str,
+                      names: tuple[str, list[str]] = ("prompt", ["completion"])) -> tuple[list[int], list[list[int]]]:
         """(prompt ids, completion ids of each) of a prompt and its completions, all strings or all
-        message lists. The completion starts where prompt and prompt+completion diverge (tokens
-        may merge across the boundary), as TRL does; string completions end with EOS."""
+        message lists; ``names``: the columns they come from (for error messages). The
+        completion starts where prompt and prompt+completion diverge (tokens may merge across the
+        boundary), as TRL does; string completions end with EOS."""
         if isinstance(prompt, list):
             if not self._chat_checked:
                 if not getattr(self.tokenizer, "chat_template", None):
@@ -78,14 +80,16 @@ class _Continuations:
                                       "data.template=/path/to/template.jinja")
                 self._chat_checked = True
             if not prompt:
-                raise DataError(f"{at}: the prompt turns are empty; a preference record needs at least one prompt turn")
-            turns = conversation({"prompt": prompt}, "prompt", "messages", at)
+                raise DataError(f"{at}: field {names[0]!r} has no turns; a preference record needs at least one prompt "
+                                "turn")
+            turns = conversation({names[0]: prompt}, names[0], "messages", f"{at} field {names[0]!r}")
 
             def ids(messages: list[dict], generation_prompt: bool = False) -> list[int]:
                 return list(_apply_template(self.tokenizer, messages, at, tokenize=True, return_dict=True,
                                             add_generation_prompt=generation_prompt)["input_ids"])
             prompt_ids = ids(turns, generation_prompt=True)
-            fulls = [ids(turns + conversation({"completion": c}, "completion", "messages", at)) for c in completions]
+            fulls = [ids(turns + conversation({name: c}, name, "messages", f"{at} field {name!r}"))
+                     for name, c in zip(names[1], completions)]
         else:
             tok = self.tokenizer
             prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
@@ -123,8 +127,8 @@ class PairEncoder(_Continuations):
             if value is None:
                 raise DataError(f"{at}: field {self._col(name)!r} is missing (null)")
             if not isinstance(value, (str, list)) or isinstance(value, list) != conversational:
-                raise DataError(f"{at}: field {self._col(name)!r} must be a string or a list of messages like the "
-                                f"others, got {type(value).__name__}")
+                raise DataError(f"{at}: field {self._col(name)!r} is a {type(value).__name__}, field {self.chosen!r} a "
+                                f"{type(chosen).__name__}: a pair's fields must all be strings or all message lists")
         if chosen == rejected:
             raise DataError(f"{at}: fields {self.chosen!r} and {self.rejected!r} are identical, so the pair prefers "
                             "nothing; remove the record or fix its rejected completion")
@@ -134,7 +138,8 @@ class PairEncoder(_Continuations):
                 raise DataError(f"{at}: fields {self.chosen!r} and {self.rejected!r} share no prefix, so no prompt can "
                                 "be taken from them (implicit-prompt layout); add a prompt column (data.columns.prompt="
                                 "COLUMN) or check the two columns")
-        prompt_ids, (c, r) = self.continuations(prompt, [chosen, rejected], at)
+        prompt_ids, (c, r) = self.continuations(prompt, [chosen, rejected], at,
+                                                (self.prompt or "prompt", [self.chosen, self.rejected]))
         return prompt_ids, c, r
 
     def _col(self, name: str) -> str:
@@ -227,10 +232,11 @@ def encode_pairs(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str
     keep = [i for i, o in enumerate(outcomes) if o in ("kept", "truncated")]
     pairs = encoded.select(keep).remove_columns(["outcome"] + ([] if encode.margin is not None else ["margin"]))
     if len(pairs) < 2:
+        dropped = counts["dropped_too_long"] + counts["dropped_truncated_away"]
         raise DataError(f"{where}: {len(pairs)} of {len(records)} preference records give a usable pair at "
                         f"data.seq_len={seq_len} (truncated {counts['truncated']}, dropped as too long "
                         f"{counts['dropped_too_long']}, left without a completion token {counts['dropped_truncated_away']})"
-                        "; need at least 2; raise data.seq_len or lower data.max_prompt_tokens")
+                        "; need at least 2" + ("; raise data.seq_len" if dropped else "; add records"))
     return pairs, counts
 
 
@@ -259,7 +265,8 @@ class ExampleEncoder(_Continuations):
         if not isinstance(label, bool):
             raise DataError(f"{at}: field {self.fields['label']!r} must be a boolean (true: a desirable completion, "
                             f"false: an undesirable one), got {type(label).__name__} {label!r}")
-        prompt_ids, (completion_ids,) = self.continuations(prompt, [completion], at)
+        prompt_ids, (completion_ids,) = self.continuations(prompt, [completion], at,
+                                                           (self.fields["prompt"], [self.fields["completion"]]))
         return prompt_ids, completion_ids, label
 
 
@@ -282,7 +289,9 @@ def encode_examples(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: 
     seq_len, drop_long, max_prompt = data_cfg.seq_len, data_cfg.truncation == "drop", data_cfg.max_prompt_tokens
     counts = {"records": len(records), "dropped_no_target": 0, "truncated": 0, "dropped_too_long": 0,
               "dropped_truncated_away": 0}
-    out: dict[str, list] = {"ids": [], "prompt_len": [], "label": [], "completion_ids": []}
+    # group: the record an example comes from, so a pair's two examples land on the same side of
+    # the train/validation split (no held-out prompt seen in training).
+    out: dict[str, list] = {"ids": [], "prompt_len": [], "label": [], "completion_ids": [], "group": []}
     encode = (PairEncoder if unpair else ExampleEncoder)(records, src, data_cfg, tokenizer, key, where)
     for i, rec in enumerate(records):
         if unpair:
@@ -299,8 +308,10 @@ def encode_examples(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: 
                 out["prompt_len"].append(fitted["prompt_len"])
                 out["label"].append(int(label))
                 out["completion_ids"].append(completion[:seq_len])
+                out["group"].append(i)
     if len(out["ids"]) < 2:
         raise DataError(f"{where}: {len(out['ids'])} examples left at data.seq_len={seq_len}; need at least 2")
+    counts["examples_read"] = sum(counts[k] for k in ("dropped_too_long", "dropped_truncated_away")) + len(out["ids"])
     return datasets.Dataset.from_dict(out), counts
 
 
@@ -394,7 +405,7 @@ class PairCollator:
                "margin": torch.zeros(shape, dtype=torch.float32),
                "desirable": torch.zeros(shape, dtype=torch.float32)}
         if has_ref:
-            out["ref_logps"] = torch.zeros(shape, dtype=torch.float32)
+            out["ref_logps"] = torch.zeros(shape, dtype=torch.float64)  # sums of ~-500 nats: float32 rounds them
         if packed:
             out["position_ids"] = torch.zeros(shape, dtype=torch.long)
         for r, row in enumerate(rows):
