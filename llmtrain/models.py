@@ -167,23 +167,22 @@ def build_model(model_cfg: Any, seed: int, head: str = "logits", pad_token_id: i
         ModelSourceError: weights are missing (see :func:`resolve_gguf`).
     """
     kwargs = dict(attn_implementation=model_cfg.attn_implementation, dtype=torch.float32)
-    auto = AutoModelForCausalLM
+    auto, head_config = AutoModelForCausalLM, {}
     if head == "scores":
         from transformers import AutoModelForSequenceClassification
 
-        auto = AutoModelForSequenceClassification
-        kwargs.update(num_labels=1, pad_token_id=pad_token_id)
+        auto, head_config = AutoModelForSequenceClassification, dict(num_labels=1, pad_token_id=pad_token_id)
     if model_cfg.source == "config":
         config = model_config(model_cfg)
-        if head == "scores":
-            config.num_labels, config.pad_token_id = 1, pad_token_id
-        model = auto.from_config(config, **{k: v for k, v in kwargs.items() if k not in ("num_labels", "pad_token_id")})
+        for key, value in head_config.items():
+            setattr(config, key, value)
+        model = auto.from_config(config, **kwargs)
         init_weights(model, seed)
     elif model_cfg.source == "gguf":
         folder, file = resolve_gguf(model_cfg)
-        model = auto.from_pretrained(folder, gguf_file=file, **kwargs)
+        model = auto.from_pretrained(folder, gguf_file=file, **kwargs, **head_config)
     else:
-        model = auto.from_pretrained(_local_or_hub("model.path", model_cfg.path), **kwargs)
+        model = auto.from_pretrained(_local_or_hub("model.path", model_cfg.path), **kwargs, **head_config)
     if head == "scores" and model_cfg.source != "config":
         init_weights(model, seed, only=lambda name: name.startswith("score."))
     return model

@@ -241,6 +241,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     from llmtrain.models import model_config
     from llmtrain.parallel_dims import ParallelDims
     from llmtrain.pipeline import stage_layer_ids
+    from llmtrain.reference import reference_kind
 
     r, t = cfg.recipe, cfg.trainer
     hf_config = hf_config or model_config(cfg.model)
@@ -271,7 +272,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     pairs = objective is not None and not objective.get("target") and objective.name in PREFERENCE_OBJECTIVES
     rows = micro * (2 if pairs else 1)
     frozen_copy = (pairs and objective.name == "dpo" and not objective.precompute_reference
-                   and (objective.reference == "copy" or (objective.reference == "auto" and cfg.get("peft") is None)))
+                   and reference_kind(cfg) == "copy")
     acts = measure_activations(hf_config, rows, cfg.data.seq_len, t.precision, dims.tp,
                                bf16_weights=bf16 and ((r.engine == "deepspeed" and r.zero_stage >= 1) or fsdp))
     layer_n = shape.tp_sharded // dims.tp + (shape.layer - shape.tp_sharded)

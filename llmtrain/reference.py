@@ -3,10 +3,11 @@
 Three sources, one contract: a micro-batch's ``ref_logps`` (``[rows, seq]`` fp32) holds, summed
 over each sequence's completion tokens, the reference policy's log-prob of that completion.
 
-* :class:`AdapterReference` (``+peft=lora``): the policy's own model with its LoRA layers switched
-  off, run without gradients: the base model is the reference and there is no second copy.
-* :class:`CopyReference` (full fine-tuning): a frozen copy of the initial weights, built and laid
-  out by the engine like the policy (:meth:`llmtrain.engine.base.Engine.frozen_copy`).
+* :class:`LiveReference` over the policy's own model with its LoRA layers switched off
+  (``+peft=lora``), run without gradients: the base model is the reference and there is no
+  second copy;
+* :class:`LiveReference` over a frozen copy of the initial weights (full fine-tuning), built and
+  laid out by the engine like the policy (:meth:`llmtrain.engine.base.Engine.frozen_copy`);
 * precomputed (``objective.precompute_reference=true``): :func:`precompute` runs the policy
   before its first update (it *is* the reference then) over every training and validation item
   once and stores the sums in ``run_dir/reference_logps.safetensors``; the data then carries them
@@ -27,7 +28,7 @@ import torch
 from llmtrain import distributed
 from llmtrain.data import WithReference, pairs_of
 from llmtrain.errors import ConfigError, ResumeError
-from llmtrain.objectives.preference import completion_token_logps, segment_sums
+from llmtrain.objectives.preference import PairObjective, completion_token_logps, segment_sums
 
 log = logging.getLogger("llmtrain")
 REFERENCE_FILE = "reference_logps.safetensors"
@@ -60,21 +61,10 @@ def adapters_disabled(model: torch.nn.Module):
             m._disable_adapters = flag
 
 
-class AdapterReference:
-    """Reference log-probs from the policy's model with its adapters off (no gradients)."""
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-
-    @torch.no_grad()
-    def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with adapters_disabled(self.engine.model):
-            return completion_token_logps(self.engine.forward(batch), batch["labels"])
-
-
-class CopyReference:
-    """Reference log-probs from a frozen copy of the initial weights (``forward``: the engine's
-    :meth:`~llmtrain.engine.base.Engine.frozen_copy`)."""
+class LiveReference:
+    """Reference log-probs of a micro-batch, per token (``[rows, seq]``), from ``forward``
+    (``batch -> logits``) run without gradients: the policy's model with its adapters off, or the
+    engine's frozen copy (:meth:`~llmtrain.engine.base.Engine.frozen_copy`)."""
 
     def __init__(self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor]):
         self.forward = forward
@@ -82,6 +72,13 @@ class CopyReference:
     @torch.no_grad()
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return completion_token_logps(self.forward(batch), batch["labels"])
+
+
+def _adapters_off_forward(engine: Any) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with adapters_disabled(engine.model):
+            return engine.forward(batch)
+    return forward
 
 
 def annotate_batches(reference: Callable[[dict[str, torch.Tensor]], torch.Tensor], engine: Any,
@@ -105,7 +102,7 @@ def annotate_batches(reference: Callable[[dict[str, torch.Tensor]], torch.Tensor
 def _item_sums(engine: Any, items: list[dict], collate: Any, device: torch.device) -> torch.Tensor:
     """float64 ``[pairs, 2]``: (chosen, rejected) policy log-probs of the items' pairs in order."""
     batch = {k: v.to(device) for k, v in collate(items).items()}
-    count = int(batch["segment"].max()) + 1
+    count = PairObjective.count(batch)
     with torch.no_grad():
         sums = segment_sums(completion_token_logps(engine.forward(batch), batch["labels"]), batch["segment"], count)
     return sums.view(-1, 2).cpu()
@@ -142,19 +139,6 @@ def compute_table(engine: Any, dataset: Any, collate: Any, micro_batch: int, dev
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
     values = torch.cat([merged[k] for k in range(len(dataset))]) if len(dataset) else torch.zeros(0, 2)
     return values.to(torch.float64), offsets
-
-
-class _Head(torch.utils.data.Dataset):
-    """The first ``n`` items of a dataset (the held-out pairs evaluation reads)."""
-
-    def __init__(self, base: Any, n: int):
-        self.base, self.n = base, n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, k: int) -> Any:
-        return self.base[k]
 
 
 def data_digest(dataset: Any, n: int | None = None) -> str:
@@ -212,7 +196,7 @@ def precompute(engine: Any, splits: Any, collate: Any, micro_batch: int, device:
     from llmtrain.paths import follow_umask
 
     if eval_samples and eval_samples < len(splits.val):
-        splits.val = _Head(splits.val, eval_samples)
+        splits.val = torch.utils.data.Subset(splits.val, range(eval_samples))
     path = run_dir / REFERENCE_FILE
     if resumed:  # checked by check_stored before the run wrote anything
         tables = load_file(str(path))
@@ -245,10 +229,10 @@ def build_reference(cfg: Any, engine: Any, build: Callable[[], torch.nn.Module]
     """
     kind = reference_kind(cfg)
     if kind == "adapters_disabled":
-        return AdapterReference(engine)
+        return LiveReference(_adapters_off_forward(engine))
     forward = engine.frozen_copy(build)
     if forward is None:
         raise ConfigError(f"objective.reference=copy: the {type(engine).__name__} engine of recipe {cfg.recipe.name} "
                           "cannot lay out a frozen copy of the model; set objective.precompute_reference=true "
                           "(one pass before step 1, no second model) or train LoRA adapters (+peft=lora)")
-    return CopyReference(forward)
+    return LiveReference(forward)

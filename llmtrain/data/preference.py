@@ -29,10 +29,6 @@ from llmtrain.data.sources import column
 from llmtrain.errors import ConfigError, DataError
 from llmtrain.labels import IGNORE_INDEX
 
-# What the collated micro-batch carries besides the model inputs (pad values for the pipeline's
-# right padding): see PairCollator.
-PAIR_CARRIES = {"labels": IGNORE_INDEX, "segment": -1, "ref_logps": 0.0, "margin": 0.0, "desirable": 0.0}
-
 
 def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
     """(prompt, chosen completion, rejected completion) of an implicit-prompt pair: the longest

@@ -127,6 +127,19 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16 if enabled else torch.float32, enabled=enabled)
 
 
+def replicated_frozen_copy(build: Callable[[], torch.nn.Module], device: torch.device, precision: str
+                           ) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    """A frozen copy built whole on ``device`` (layouts that hold whole weights on every rank:
+    one process, DDP, ZeRO 0-2) and its forward: ``batch -> logits`` without gradients, under
+    the run's :func:`autocast`."""
+    copy = build().to(device).eval().requires_grad_(False)
+
+    def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad(), autocast(device, precision):
+            return copy(**model_inputs(batch)).logits
+    return forward
+
+
 class Engine(ABC):
     """A parallelism backend. Lifecycle: ``model_init_context()`` → build model → ``setup(model)``
     → per optimizer step: :meth:`accumulate_gradients` (``accumulate``/``forward``/objective/

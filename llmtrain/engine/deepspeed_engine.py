@@ -13,7 +13,7 @@ import torch
 
 import llmtrain.distributed  # noqa: F401  (sets DS_ACCELERATOR=cpu without CUDA before deepspeed loads)
 from llmtrain.engine.base import (Engine, apply_schedule, build_adamw, clip_gradients, first_step_count, lr_lambda,
-                                  model_inputs, param_groups)
+                                  model_inputs, param_groups, replicated_frozen_copy)
 
 
 def communication_sizes(recipe: Any, hidden_size: int) -> dict[str, int]:
@@ -188,15 +188,8 @@ class DeepSpeedEngine(Engine):
         weights on every rank, and so does the copy."""
         import deepspeed
 
-        t = self.cfg.trainer
         if self.cfg.recipe.zero_stage != 3:
-            copy = build().to(self.env.device).eval().requires_grad_(False)
-            autocast_on = t.precision == "bf16"
-
-            def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-                with torch.no_grad(), torch.autocast(self.env.device.type, dtype=torch.bfloat16, enabled=autocast_on):
-                    return copy(**model_inputs(batch)).logits
-            return forward
+            return replicated_frozen_copy(build, self.env.device, self.cfg.trainer.precision)
         config = {key: self.ds_config[key] for key in ("train_micro_batch_size_per_gpu", "bf16", "zero_optimization",
                                                        "steps_per_print", "wall_clock_breakdown")}
         config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import llmtrain.engine.dcp_state as dcp_state
 from llmtrain.engine.base import (Engine, advance_schedule_only, apply_schedule, autocast, build_adamw, build_scheduler,
-                                  clip_gradients, model_inputs, param_groups)
+                                  clip_gradients, model_inputs, param_groups, replicated_frozen_copy)
 
 LEGACY_STATE = "state.pt"  # torch-engine checkpoints before DCP: {"model", "optimizer", "scheduler"}
 
@@ -38,12 +38,7 @@ class TorchEngine(Engine):
         return self._model
 
     def frozen_copy(self, build):
-        copy = build().to(self.env.device).eval().requires_grad_(False)
-
-        def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            with torch.no_grad(), autocast(self.env.device, self.cfg.trainer.precision):
-                return copy(**model_inputs(batch)).logits
-        return forward
+        return replicated_frozen_copy(build, self.env.device, self.cfg.trainer.precision)
 
     def accumulate(self, is_last_micro_batch: bool):
         if isinstance(self.wrapped, DistributedDataParallel) and not is_last_micro_batch:

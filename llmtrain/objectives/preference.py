@@ -211,7 +211,8 @@ class KTO(PairObjective):
     completion; :meth:`llmtrain.data.preference.PairCollator._kto_rows`), clamped at 0 and
     detached. z₀ is a micro-batch statistic (TRL's too, averaged over its ranks), so unlike the
     pairwise objectives KTO's loss depends on the micro-batch size; the mean over examples is
-    over the global batch. Segments: example ``j`` is ``2j``, its KL sequence ``2j + 1``.
+    over the global batch. Segments: example ``j`` is ``2j``, its KL sequence ``2j + 1``, so the
+    pair normaliser counts examples.
 
     Metrics as TRL names them: ``rewards/chosen`` and ``logps/chosen`` are means over the
     desirable examples, ``rewards/rejected`` and ``logps/rejected`` over the undesirable ones,
@@ -224,10 +225,6 @@ class KTO(PairObjective):
                     "share/undesirable")
     metric_denominators = {"rewards/chosen": "share/desirable", "logps/chosen": "share/desirable",
                            "rewards/rejected": "share/undesirable", "logps/rejected": "share/undesirable"}
-
-    def normaliser(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Examples of the micro-batch (each with its KL sequence: ``2m`` segments)."""
-        return super().normaliser(batch)
 
     def loss_sums(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossSums:
         logps, _, ref = self.sequence_logps(output, batch)
