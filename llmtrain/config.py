@@ -32,6 +32,10 @@ from llmtrain.paths import RECIPES_DIR
 
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+CP_STYLES = ("ulysses", "ring")
+# Attention implementations the context-parallel attention replaces (it computes softmax
+# attention itself; a kernel with its own masking or state cannot be swapped under it).
+CP_REPLACEABLE_ATTENTION = ("sdpa", "eager")
 # Tensor-parallel styles a ``model.tp_plan`` may name (applied by llmtrain.parallelize).
 TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise")
 # ``tracker.backends`` names (llmtrain.tracking; metrics.jsonl is always written).
@@ -283,6 +287,9 @@ class TrainerConfig:
     grad_clip: float = 1.0
     precision: str = "fp32"
     activation_checkpointing: bool = False
+    # > 0: the output layer and loss run over this many tokens at a time, recomputed in backward,
+    # so the [tokens, vocab] logits never exist whole (llmtrain.chunked_loss); 0 = plain logits.
+    loss_chunk_tokens: int = 0
     # Build the layout on dry_run_world_size ranks (None: the launch's) on the fake process
     # group, print each rank's shards and exit without training (llmtrain.dry_run).
     dry_run: bool = False
@@ -390,6 +397,10 @@ class RecipeConfig:
     # Pipeline steps are right-padded to their longest micro-batch rounded up to this many tokens
     # (at most data.seq_len): fewer padded tokens vs fewer distinct shapes (one schedule each).
     pp_pad_multiple: int = 64
+    # Context parallel: each sequence split over cp ranks (never derived), attention by
+    # cp_style (ulysses | ring; llmtrain.context_parallel).
+    cp: int = 1
+    cp_style: str = "ulysses"
     compile: bool = False
     # +recipe=auto: llmtrain.plan picks the recipe (and micro-batch, activation checkpointing)
     # that fits device_memory ("80GiB"; None = the device's own) less memory_margin.
@@ -1105,7 +1116,62 @@ def validate(cfg: Any, world_size: int) -> Layout:
         validate_peft(cfg.peft, cfg.recipe)
     validate_recipe(cfg.recipe, cfg.get("engine"))
     validate_objective(cfg)
+    validate_context_parallel(cfg)
+    validate_chunked_loss(cfg)
     return layout(cfg, world_size)
+
+
+# Built-in objectives whose loss reads the logits only through next-label log-probs.
+CHUNKABLE_OBJECTIVES = ("causal_lm", "dpo", "simpo", "kto")
+
+
+def validate_chunked_loss(cfg: Any) -> None:
+    """``trainer.loss_chunk_tokens`` against the objective and the recipe.
+
+    Raises:
+        ConfigError: a negative value; with chunks: pipeline stages, or a built-in objective that
+            reads more than next-label log-probs (orpo's whole-sequence NLL, reward's scores).
+    """
+    chunk = cfg.trainer.loss_chunk_tokens
+    _require(isinstance(chunk, int) and chunk >= 0,
+             f"trainer.loss_chunk_tokens={chunk} must be an integer >= 0 (tokens per chunk; 0 = off)")
+    if not chunk:
+        return
+    r = cfg.recipe
+    _require(r.pp == 1, f"trainer.loss_chunk_tokens={chunk} with recipe {r.name} (recipe.pp={r.pp}): the pipeline's "
+             "last stage computes whole logits for its schedule's loss; set trainer.loss_chunk_tokens=0")
+    name = cfg.objective.get("name") or "causal_lm"
+    _require(cfg.objective.get("target") or name in CHUNKABLE_OBJECTIVES,
+             f"trainer.loss_chunk_tokens={chunk} with objective={name}: chunking needs a loss over next-label "
+             f"log-probs only ({', '.join(CHUNKABLE_OBJECTIVES)}); set trainer.loss_chunk_tokens=0")
+
+
+def validate_context_parallel(cfg: Any) -> None:
+    """``recipe.cp`` and ``recipe.cp_style`` against the data, the model and the recipe.
+
+    Raises:
+        ConfigError: an unknown style; with cp > 1: ``data.seq_len`` not a multiple of 2 x cp (the
+            load-balanced split), pipeline stages, an objective other than causal_lm, or an attention
+            implementation the context-parallel attention cannot replace.
+    """
+    r = cfg.recipe
+    _require(r.cp_style in CP_STYLES, f"recipe.cp_style={r.cp_style!r} must be one of {', '.join(CP_STYLES)}")
+    _require(isinstance(r.cp, int) and r.cp >= 1, f"recipe.cp={r.cp} must be an integer >= 1 (1 = off)")
+    if r.cp == 1:
+        return
+    seq = cfg.data.seq_len
+    _require(seq % (2 * r.cp) == 0, f"data.seq_len={seq} with recipe.cp={r.cp}: each row is cut into 2 x cp = "
+             f"{2 * r.cp} chunks (a head and a tail chunk per rank); use a seq_len that is a multiple of {2 * r.cp}")
+    _require(r.pp == 1, f"recipe.cp={r.cp} with recipe {r.name} (recipe.pp={r.pp}): context parallelism does not run "
+             "inside pipeline stages; use a recipe without pp (fsdp, hsdp, fsdp_tp, zero3)")
+    name = cfg.objective.get("name") or "causal_lm"
+    _require(name == "causal_lm" and cfg.objective.get("target") in (None, ""),
+             f"recipe.cp={r.cp} with objective={name}: context parallelism splits rows for next-token losses only "
+             "(objective=causal_lm); preference objectives need whole sequences per rank")
+    attn = cfg.model.attn_implementation
+    _require(attn in CP_REPLACEABLE_ATTENTION,
+             f"recipe.cp={r.cp} with model.attn_implementation={attn}: the context-parallel attention replaces "
+             f"{' or '.join(CP_REPLACEABLE_ATTENTION)} only; set model.attn_implementation=sdpa")
 
 
 PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo", "reward", "kto")

@@ -79,7 +79,8 @@ def dry_run(cfg: Any, world_size: int) -> str:
     dims.check_model_config(hf_config, r.pp_stages_per_rank)
     accumulation = layout.accumulation
     lines = [f"dry run of recipe {r.name} (engine {r.engine}, ZeRO {r.zero_stage}) on {world_size} ranks: "
-             f"pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp}; "
+             f"pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} x tp {dims.tp}"
+             f"{f' ({r.cp_style}: each row split over the cp ranks, which read the same samples)' if dims.cp > 1 else ''}; "
              f"global batch {cfg.trainer.global_batch_size} = micro {cfg.trainer.micro_batch_size} x accumulation "
              f"{accumulation} x dp {dims.dp}"]
     if r.engine == "deepspeed":
@@ -94,12 +95,12 @@ def dry_run(cfg: Any, world_size: int) -> str:
 
 
 def _torch_report(ranks: list[dict]) -> list[str]:
-    lines = ["rank  pp dp_rep dp_shard tp   parameters (local elements)  tensors"]
+    lines = ["rank  pp dp_rep dp_shard cp tp   parameters (local elements)  tensors"]
     groups: dict[tuple, list[int]] = defaultdict(list)
     for entry in ranks:
         c = entry["coords"]
         local = sum(math.prod(s[2]) for s in entry["shards"])
-        lines.append(f"{entry['rank']:>4} {c['pp']:>3} {c['dp_replicate']:>6} {c['dp_shard']:>8} {c['tp']:>2}   "
+        lines.append(f"{entry['rank']:>4} {c['pp']:>3} {c['dp_replicate']:>6} {c['dp_shard']:>8} {c['cp']:>2} {c['tp']:>2}   "
                      f"{local:>27,}  {len(entry['shards'])}")
         groups[tuple(entry["shards"])].append(entry["rank"])
     lines.append(f"{len(groups)} distinct shard layout(s); each with its ranks and parameter shards "

@@ -17,8 +17,9 @@ from llmtrain.errors import ConfigError
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees whose product is ``world_size`` (``dp_replicate`` x ``dp_shard`` x ``tp`` x ``pp``)
-    and ``accumulation``, the micro-batches per rank per optimizer step."""
+    """Degrees whose product is ``world_size`` (``dp_replicate`` x ``dp_shard`` x ``cp`` x ``tp`` x
+    ``pp``) and ``accumulation``, the micro-batches per rank per optimizer step. ``cp`` (context
+    parallel) splits each sequence over that many ranks, which see the same samples."""
 
     world_size: int
     dp_replicate: int
@@ -26,6 +27,7 @@ class Layout:
     tp: int
     pp: int
     accumulation: int
+    cp: int = 1
 
     @property
     def dp(self) -> int:
@@ -34,8 +36,8 @@ class Layout:
 
     @property
     def data_replicas(self) -> int:
-        """Ranks that see the same samples (one data-parallel rank's tp x pp group)."""
-        return self.tp * self.pp
+        """Ranks that see the same samples (one data-parallel rank's tp x pp x cp group)."""
+        return self.tp * self.pp * self.cp
 
 
 def resolve_degrees(dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int) -> tuple[int, int, int, int]:
@@ -69,14 +71,31 @@ def resolve_degrees(dp_replicate: int, dp_shard: int, tp: int, pp: int, world_si
     return degrees["recipe.dp_replicate"], degrees["recipe.dp_shard"], degrees["recipe.tp"], degrees["recipe.pp"]
 
 
+def context_parallel_degree(recipe: Any, world_size: int) -> int:
+    """``recipe.cp``: ranks each sequence is split over (never derived; 1 = off).
+
+    Raises:
+        ConfigError: cp < 1, or a world size that is not a multiple of it.
+    """
+    cp = int(recipe.get("cp", 1) if hasattr(recipe, "get") else getattr(recipe, "cp", 1))
+    if cp < 1:
+        raise ConfigError(f"recipe.cp={cp}: the context-parallel degree must be >= 1 (1 = off; it is never derived)")
+    if world_size % cp:
+        raise ConfigError(f"recipe.cp={cp} does not divide the world size {world_size}; launch a multiple of {cp} "
+                          "processes or change recipe.cp")
+    return cp
+
+
 def recipe_degrees(recipe: Any, world_size: int) -> tuple[int, int, int, int]:
     """``(dp_replicate, dp_shard, tp, pp)`` of ``recipe`` on ``world_size`` ranks. Unset
     data-parallel degrees follow the ZeRO stage: stage 0 replicates, stages 1-3 shard; the
-    DeepSpeed engine shards (or, at stage 0, replicates) over every rank.
+    DeepSpeed engine shards (or, at stage 0, replicates) over every rank. They fill the world
+    size divided by ``recipe.cp`` (:func:`context_parallel_degree`).
 
     Raises:
-        ConfigError: see :func:`resolve_degrees`.
+        ConfigError: see :func:`resolve_degrees` and :func:`context_parallel_degree`.
     """
+    world_size //= context_parallel_degree(recipe, world_size)
     replicate, shard = recipe.dp_replicate, recipe.dp_shard
     if shard is None:
         shard = -1 if recipe.zero_stage > 0 and -1 not in (replicate, recipe.tp, recipe.pp) else 1
@@ -143,4 +162,4 @@ def layout(cfg: Any, world_size: int, micro_batch_size: int | None = None) -> La
     accumulation = gradient_accumulation_steps(t, dp_replicate * dp_shard)
     check_microbatches(pp, dp_replicate * dp_shard, accumulation, r.pp_stages_per_rank)
     return Layout(world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp,
-                  accumulation=accumulation)
+                  accumulation=accumulation, cp=context_parallel_degree(r, world_size))

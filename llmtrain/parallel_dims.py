@@ -5,8 +5,9 @@ degrees before any model is built, in the spirit of torchtitan's ``ParallelDims`
 derived and checked once, by the pure :func:`llmtrain.layout.layout` that
 :func:`llmtrain.config.validate` returns (``ParallelDims.from_layout``). It adds the checks that
 need the model's shape (every failure names the fields, their values and the fix) and builds the
-``DeviceMesh`` (dims ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``, outermost first, so a
-tensor-parallel group is made of neighbouring ranks, i.e. one node where possible).
+``DeviceMesh`` (dims ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, outermost first, so
+a tensor-parallel group, then a context-parallel group, is made of neighbouring ranks, i.e. one
+node where possible; torchtitan's order).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmtrain.errors import ConfigError
-from llmtrain.layout import Layout, check_microbatches, recipe_degrees, resolve_degrees
+from llmtrain.layout import Layout, check_microbatches, context_parallel_degree, recipe_degrees, resolve_degrees
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    cp: int = 1
 
     @classmethod
     def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int) -> "ParallelDims":
@@ -46,7 +48,7 @@ class ParallelDims:
     def from_layout(cls, layout: Layout) -> "ParallelDims":
         """The degrees of a :class:`~llmtrain.layout.Layout` (what :func:`llmtrain.config.validate`
         returns); nothing is checked again."""
-        return cls(layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.world_size)
+        return cls(layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.world_size, layout.cp)
 
     @classmethod
     def from_recipe(cls, recipe: Any, world_size: int) -> "ParallelDims":
@@ -57,7 +59,7 @@ class ParallelDims:
         Raises:
             ConfigError: see :meth:`resolve`.
         """
-        return cls(*recipe_degrees(recipe, world_size), world_size)
+        return cls(*recipe_degrees(recipe, world_size), world_size, context_parallel_degree(recipe, world_size))
 
     @property
     def dp(self) -> int:
@@ -101,12 +103,18 @@ class ParallelDims:
 
     @property
     def data_replicas(self) -> int:
-        """Ranks that see the same samples (one data-parallel rank's tp x pp group)."""
-        return self.tp * self.pp
+        """Ranks that see the same samples (one data-parallel rank's tp x pp x cp group)."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks FSDP2 shards over (data-parallel x context-parallel, as torchtitan: the cp ranks of
+        a sample each hold part of its gradient, so they take part in its reduction)."""
+        return self.dp * self.cp
 
     def build_mesh(self, device_type: str):
         """The ``DeviceMesh`` over all ranks with dims :data:`MESH_DIMS` (sizes may be 1)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
                                 mesh_dim_names=MESH_DIMS)

@@ -182,6 +182,19 @@ def apply_fsdp(module: nn.Module, layers: list[nn.Module], dp_mesh, reshard_afte
                 mp_policy=precision)
 
 
+def fsdp_mesh(mesh, dims):
+    """The mesh FSDP2 shards over: ``dp_shard`` (with ``cp`` folded in: a sequence's cp ranks
+    each hold a part of its gradient, torchtitan's ``dp_shard_cp``), under ``dp_replicate`` as a
+    2-D HSDP mesh when that is > 1."""
+    shard = "dp_shard"
+    if dims.cp > 1:
+        shard = "dp_shard_cp"
+        flat = mesh["dp_shard", "cp"]._flatten(shard)  # a second call (the reference copy) finds the first
+        if dims.dp_replicate == 1:
+            return flat
+    return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
+
+
 def decoder_layers(module: nn.Module) -> list[nn.Module]:
     """The decoder layers inside ``module`` (a causal LM or a pipeline stage)."""
     from llmtrain.pipeline import base_model
@@ -203,7 +216,6 @@ def parallelize(module: nn.Module, cfg: Any, mesh, dims, tp_plan_paths: dict[str
         apply_activation_checkpointing(layers)
     if r.compile:
         apply_compile(layers)
-    if dims.dp > 1:
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-        apply_fsdp(module, layers, dp_mesh, reshard_after_forward=r.zero_stage == 3,
+    if dims.dp_cp > 1:
+        apply_fsdp(module, layers, fsdp_mesh(mesh, dims), reshard_after_forward=r.zero_stage == 3,
                    offload=r.offload_params, param_dtype=torch.bfloat16 if t.precision == "bf16" else None)

@@ -32,6 +32,11 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   its input and one layer is recomputed at a time. A pipeline's first stage holds ``pp``
   micro-batches in flight under 1F1B and all of them under GPipe (Narayanan et al. SC'21,
   section 2.2).
+- Context parallel (``recipe.cp``): a rank holds seq_len / cp tokens of each row, so its layers
+  are measured at that length and its logits are its tokens'; ring attention adds each block's
+  fp32 scores and probabilities (cp blocks of (T/cp)^2 per head). FSDP2 shards over dp_shard x cp.
+- Chunked loss (``trainer.loss_chunk_tokens``): the output layer is measured as it runs (saving
+  hidden states and a log-sum-exp per token), and the logits temporary is one chunk's.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ from typing import Any
 
 import torch
 
-from llmtrain.config import PREFERENCE_OBJECTIVES, ConfigError, compose, parse_bytes, validate_objective
+from llmtrain.config import (PREFERENCE_OBJECTIVES, ConfigError, compose, parse_bytes, validate_chunked_loss,
+                             validate_context_parallel, validate_objective)
+from llmtrain.context_parallel import check_heads
 
 GIB = 2**30
 DEFAULT_MARGIN = 0.1  # of device memory, for the allocator's fragmentation and the CUDA context
@@ -133,7 +140,7 @@ _ACTIVATION_CACHE: dict[tuple, Activations] = {}
 
 
 def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precision: str, tp: int = 1,
-                        bf16_weights: bool = False) -> Activations:
+                        bf16_weights: bool = False, loss_chunk_tokens: int = 0) -> Activations:
     """Bytes saved for backward, measured by running a one- and a two-layer copy of the model
     under ``FakeTensorMode`` (shapes only, no memory) with ``saved_tensors_hooks`` counting
     unique storages that are not parameters; the difference is one layer. A tensor-parallel
@@ -141,8 +148,11 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
     as a layer with heads / tp and intermediate size / tp at the same head dimension.
     ``precision="bf16"`` runs under autocast over fp32 weights (the torch engine), or with
     ``bf16_weights`` on bf16 weights without autocast (DeepSpeed's bf16 ZeRO).
+    ``loss_chunk_tokens``: the output layer is :mod:`llmtrain.chunked_loss`'s (it saves the
+    hidden states and one log-sum-exp per token, not the logits). A context-parallel rank is
+    measured at its share of the sequence (``seq_len`` / cp).
     """
-    key = (hf_config.to_json_string(), micro_batch, seq_len, precision, tp, bf16_weights)
+    key = (hf_config.to_json_string(), micro_batch, seq_len, precision, tp, bf16_weights, loss_chunk_tokens)
     if key in _ACTIVATION_CACHE:
         return _ACTIVATION_CACHE[key]
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -172,6 +182,10 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
                 return t
 
             ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+            if loss_chunk_tokens:
+                from llmtrain.chunked_loss import install
+
+                install(model, loss_chunk_tokens).targets = ids
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(
                     "cpu", dtype=torch.bfloat16, enabled=precision == "bf16" and not bf16_weights):
                 token_cross_entropy_sum(model(input_ids=ids).logits, ids)
@@ -207,6 +221,7 @@ class RankPlan:
     grads_kept: bool = False  # the gradient storage outlives the step (DDP buckets, ZeRO-3 partitions)
     host: int = 0
     stage: int = 0
+    cp: int = 1
     error: str | None = None
 
     @property
@@ -250,9 +265,13 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     plan = RankPlan(recipe=r.name, world_size=world_size, micro_batch=micro, checkpointing=ckpt)
     try:
         validate_objective(cfg)  # pairs refuse pipeline recipes (and reward models tp)
+        validate_context_parallel(cfg)
+        validate_chunked_loss(cfg)
         lay = layout(cfg, world_size, micro_batch_size=micro)  # degrees, accumulation, pipeline micro-batches
         dims = ParallelDims.from_layout(lay)
         dims.check_model_config(hf_config, r.pp_stages_per_rank)
+        heads = hf_config.num_attention_heads
+        check_heads(r.cp_style, dims.cp, heads // dims.tp, getattr(hf_config, "num_key_value_heads", None) or heads)
     except ConfigError as err:
         plan.error = str(err)
         return plan
@@ -260,21 +279,27 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     if dims.tp > 1 and shape.tp_plan_error:
         plan.error = shape.tp_plan_error
         return plan
-    plan.degrees = f"dp {dims.dp_replicate}x{dims.dp_shard} tp {dims.tp} pp {dims.pp}"
+    plan.cp = dims.cp
+    plan.degrees = f"dp {dims.dp_replicate}x{dims.dp_shard} tp {dims.tp} pp {dims.pp}" + (
+        f" cp {dims.cp}" if dims.cp > 1 else "")
     accumulation = plan.accumulation = lay.accumulation
     bf16 = t.precision == "bf16"
     compute = 2 if bf16 else 4
     # bf16 runs compute on bf16 weights under DeepSpeed's ZeRO and FSDP2 (its param_dtype);
     # DDP, TP and PP without FSDP keep fp32 weights under autocast.
-    fsdp = r.engine == "torch" and dims.dp > 1 and dims.dp_replicate != world_size
+    fsdp = r.engine == "torch" and dims.dp_cp > 1 and dims.dp_replicate != world_size
     # Preference objectives run a micro-batch of pairs as twice as many rows (chosen, rejected).
     objective = cfg.get("objective")
     pairs = objective is not None and not objective.get("target") and objective.name in PREFERENCE_OBJECTIVES
     rows = micro * (2 if pairs else 1)
     frozen_copy = (pairs and objective.name == "dpo" and not objective.precompute_reference
                    and reference_kind(cfg) == "copy")
-    acts = measure_activations(hf_config, rows, cfg.data.seq_len, t.precision, dims.tp,
-                               bf16_weights=bf16 and ((r.engine == "deepspeed" and r.zero_stage >= 1) or fsdp))
+    chunk = t.get("loss_chunk_tokens", 0)
+    local_seq = cfg.data.seq_len // dims.cp  # a context-parallel rank's share of each row
+    acts = measure_activations(hf_config, rows, local_seq, t.precision, dims.tp,
+                               bf16_weights=bf16 and ((r.engine == "deepspeed" and r.zero_stage >= 1) or fsdp),
+                               loss_chunk_tokens=chunk)
+    ring = _ring_attention_bytes(hf_config, rows, cfg.data.seq_len, dims) if r.cp_style == "ring" else 0
     layer_n = shape.tp_sharded // dims.tp + (shape.layer - shape.tp_sharded)
     embedding_n = shape.embedding // (dims.tp if shape.embedding_tp else 1)
     head_n = shape.head // (dims.tp if shape.head_tp else 1)
@@ -290,25 +315,41 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
             n += shape.final_norm + (head_n if shape.head else (embedding_n if not first else 0))
         in_flight = 1 if dims.pp == 1 else (accumulation if r.pp_schedule == "gpipe" else
                                                min(accumulation, (dims.pp - pp_rank) * r.pp_stages_per_rank))
-        per_micro = (layers * (acts.layer_input if ckpt else acts.per_layer)
+        per_micro = (layers * (acts.layer_input if ckpt else acts.per_layer + ring)
                      + (acts.outside if last else (acts.layer_input if not first else 0)))
-        activations = in_flight * per_micro + (acts.per_layer if ckpt else 0)  # one layer recomputed
+        activations = in_flight * per_micro + (acts.per_layer + ring if ckpt else 0)  # one layer recomputed
         candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={})
         _model_states(candidate, r, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
                       communication_sizes(r, shape.hidden))
         if frozen_copy:  # DPO's reference: the initial weights, frozen, laid out like the policy's
             candidate.buffers["frozen reference model"] = _reference_bytes(r, n, dims, compute, shape)
         # The logits and their gradient, fp32, live on the last stage while the loss backpropagates.
-        tokens = rows * cfg.data.seq_len
+        tokens = rows * local_seq
         # A reward model's head gives one score per token, not vocabulary logits.
         outputs = 1 if pairs and objective.name == "reward" else shape.vocab
-        if last:
+        if last and chunk:  # one chunk's logits (recomputed in backward, gradient formed in place)
+            vocab_local = shape.vocab // (dims.tp if shape.head_tp else 1)
+            candidate.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] = (
+                min(chunk, tokens) * vocab_local * 4)
+        elif last:
             candidate.temporaries["logits and their gradient"] = 2 * tokens * outputs * 4
         if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps
             candidate.buffers["pipeline receive buffers (one per micro-batch)"] = accumulation * tokens * shape.hidden * 4
         if best is None or candidate.total > best.total:
             best = candidate
     return best
+
+
+def _ring_attention_bytes(hf_config: Any, rows: int, seq_len: int, dims: Any) -> int:
+    """Bytes ring attention (:mod:`llmtrain.context_parallel`) saves per decoder layer beyond
+    what the measured layer (``sdpa`` at the rank's share of the row) saves: each of the cp
+    blocks keeps its fp32 scores and probabilities, ``2 x heads/tp x (T/cp) x (T/cp) x 4`` bytes,
+    and its fp32 partial output and log-sum-exp."""
+    heads = hf_config.num_attention_heads // dims.tp
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    local = seq_len // dims.cp
+    per_block = rows * heads * local * (2 * local * 4 + (head_dim + 1) * 4)
+    return dims.cp * per_block
 
 
 def _reference_bytes(r: Any, n: int, dims: Any, compute: int, shape: ModelShape) -> int:
@@ -319,7 +360,7 @@ def _reference_bytes(r: Any, n: int, dims: Any, compute: int, shape: ModelShape)
         if r.zero_stage == 3:
             return compute * n // dims.world_size + compute * shape.small_params * shape.layers
         return 4 * n
-    return 4 * n // dims.dp_shard
+    return 4 * n // (dims.dp_shard * dims.cp)
 
 
 def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16: bool, shape: ModelShape,
@@ -352,7 +393,7 @@ def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16:
             plan.host += plan.params
             plan.params = 0
         return
-    d = dims.dp_shard
+    d = dims.dp_shard * dims.cp  # FSDP2 shards over dp_shard x cp (llmtrain.parallelize.fsdp_mesh)
     plan.params, plan.grads, plan.optimizer = 4 * n // d, 4 * n // d, 8 * n // d
     plan.grads_kept = d == 1 and dims.dp_replicate > 1 and dims.tp == dims.pp == 1  # DDP: buckets are the grads
     if plan.grads_kept and plan.accumulation > 1:
@@ -401,17 +442,22 @@ def recipe_names() -> list[str]:
     return sorted(p.stem for p in Path(RECIPES_DIR).glob("*.yaml") if p.stem != "auto")
 
 
-def with_recipe(cfg: Any, name: str, **trainer: Any) -> Any:
-    """A copy of ``cfg`` with ``recipes/<name>.yaml`` as its recipe (on the recipe's own engine)
-    and ``trainer`` fields replaced."""
+def with_recipe(cfg: Any, name: str, cp: int = 1, **trainer: Any) -> Any:
+    """A copy of ``cfg`` with ``recipes/<name>.yaml`` as its recipe (on the recipe's own engine),
+    ``recipe.cp`` = ``cp`` (Ulysses where the heads divide, else ring) and ``trainer`` fields
+    replaced."""
     from omegaconf import OmegaConf
 
     from llmtrain.config import load_recipe
+    from llmtrain.models import model_config
 
     new = copy.deepcopy(cfg)
     OmegaConf.set_readonly(new, False)
     new.engine = None
     new.recipe = load_recipe(name)
+    if cp > 1:
+        new.recipe.cp = cp
+        new.recipe.cp_style = "ulysses" if model_config(cfg.model).num_attention_heads % cp == 0 else "ring"
     for key, value in trainer.items():
         new.trainer[key] = value
     return new
@@ -434,9 +480,11 @@ class Choice:
 def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAULT_MARGIN,
            host_memory: int | None = None, shared_host: bool = False) -> Choice:
     """The first layout whose binding rank fits ``device_memory`` × (1 - ``margin``) bytes, in
-    this order: without activation checkpointing before with it (it recomputes the forward,
-    ~1/3 more compute); then recipes in :data:`PREFERENCE` order; then, per recipe, the largest
-    micro-batch (a divisor of the global batch, from ``trainer.micro_batch_size`` down).
+    this order: context parallelism off before on (:func:`cp_degrees`: cp 2, 4, 8 only when
+    nothing fits whole rows; it adds two all-to-alls per layer); without activation checkpointing
+    before with it (it recomputes the forward, ~1/3 more compute); then recipes in
+    :data:`PREFERENCE` order; then, per recipe, the largest micro-batch (a divisor of the global
+    batch, from ``trainer.micro_batch_size`` down).
     Offloaded bytes must fit ``host_memory`` per rank (less the margin) when it is given; with
     ``shared_host`` (CPU training) device and host are one memory and their sum must fit.
 
@@ -460,31 +508,39 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
     micros = [m for m in range(cfg.trainer.micro_batch_size, 0, -1) if cfg.trainer.global_batch_size % m == 0]
     tried: dict[str, list[str]] = {name: [] for name in names}
     invalid: dict[str, str] = {}
-    for ckpt in ([False, True] if not cfg.trainer.activation_checkpointing else [True]):
+    for cp, ckpt in [(cp, ckpt) for cp in cp_degrees(cfg, world_size)
+                     for ckpt in ([False, True] if not cfg.trainer.activation_checkpointing else [True])]:
+        skip = set(invalid) if cp > 1 else set()  # a recipe invalid with whole rows stays so
         for name in names:
             for micro in micros:
-                if name in invalid:
+                if name in invalid if cp == 1 else name in skip:
                     break
-                plan = plan_recipe(with_recipe(cfg, name), world_size, micro_batch=micro, checkpointing=ckpt)
+                plan = plan_recipe(with_recipe(cfg, name, cp), world_size, micro_batch=micro, checkpointing=ckpt)
                 if plan.error:
                     if micro == micros[0]:  # a layout error, not one of this micro-batch
-                        invalid[name] = plan.error.split("; ")[0]
+                        if cp == 1:
+                            invalid[name] = plan.error.split("; ")[0]
+                        skip.add(name)
                     continue
                 if smallest is None or plan.total < smallest.total:
                     smallest = plan
                 if fits(plan):
-                    if problem := _config_problem(cfg, name, world_size, micro, ckpt):
-                        invalid[name] = problem  # fits, but another setting of the run rules it out
+                    if problem := _config_problem(cfg, name, world_size, micro, ckpt, cp):
+                        if cp == 1:
+                            invalid[name] = problem  # fits, but another setting of the run rules it out
+                        skip.add(name)
                         break
                     reasons += [f"{n}: not valid on {world_size} ranks ({e})" for n, e in invalid.items()]
                     reasons += [f"{n}: does not fit ({t[0]}{' ... ' + t[-1] if len(t) > 1 else ''})"
                                 for n, t in tried.items() if t]
                     host = f" and {fmt_bytes(plan.host)} of host memory" if plan.host else ""
                     reasons.append(f"{name}: {fmt_bytes(plan.total)} per rank{host} at micro-batch {micro}"
-                                   f"{' with activation checkpointing' if ckpt else ''}: fits; chosen")
+                                   f"{' with activation checkpointing' if ckpt else ''}"
+                                   f"{f' and context parallel cp={cp}' if cp > 1 else ''}: fits; chosen")
                     return Choice(plan, reasons)
                 host = f" + host {fmt_bytes(plan.host)}" if plan.host else ""
-                tried[name].append(f"micro-batch {micro}{' + checkpointing' if ckpt else ''}: "
+                tried[name].append(f"micro-batch {micro}{' + checkpointing' if ckpt else ''}"
+                                   f"{f' + cp {cp}' if cp > 1 else ''}: "
                                    f"{fmt_bytes(plan.total)}{host}")
     reasons += [f"{n}: not valid on {world_size} ranks ({e})" for n, e in invalid.items()]
     if smallest is None:
@@ -503,12 +559,22 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
                 "shorten data.seq_len, or use devices with more memory"))
 
 
-def _config_problem(cfg: Any, recipe: str, world_size: int, micro: int, ckpt: bool) -> str | None:
+def cp_degrees(cfg: Any, world_size: int) -> list[int]:
+    """Context-parallel degrees ``+recipe=auto`` may try: 1, then 2, 4, 8 where they divide the
+    world size and ``data.seq_len`` is a multiple of 2 x cp (its load-balanced split) and the
+    objective is next-token (``objective=causal_lm``)."""
+    name = cfg.objective.get("name") or "causal_lm"
+    if name != "causal_lm" or cfg.objective.get("target"):
+        return [1]
+    return [1] + [cp for cp in (2, 4, 8) if world_size % cp == 0 and cfg.data.seq_len % (2 * cp) == 0]
+
+
+def _config_problem(cfg: Any, recipe: str, world_size: int, micro: int, ckpt: bool, cp: int = 1) -> str | None:
     """Why the run's config rejects this layout (``llmtrain.config.validate``, pure: no package,
     server or file is looked at; e.g. ``trainer.async_checkpoint`` on DeepSpeed), or None."""
     from llmtrain.config import validate
 
-    candidate = with_recipe(cfg, recipe, micro_batch_size=micro, activation_checkpointing=ckpt)
+    candidate = with_recipe(cfg, recipe, cp, micro_batch_size=micro, activation_checkpointing=ckpt)
     try:
         validate(candidate, world_size)
     except ConfigError as err:
@@ -581,7 +647,7 @@ def resolve_auto(cfg: Any, world_size: int, device: torch.device) -> tuple[Any, 
 
 
 def _chosen_config(cfg: Any, choice: Choice) -> Any:
-    chosen = with_recipe(cfg, choice.plan.recipe, micro_batch_size=choice.plan.micro_batch,
+    chosen = with_recipe(cfg, choice.plan.recipe, choice.plan.cp, micro_batch_size=choice.plan.micro_batch,
                          activation_checkpointing=choice.plan.checkpointing)
     chosen.recipe.device_memory, chosen.recipe.memory_margin = cfg.recipe.device_memory, cfg.recipe.memory_margin
     # Marks the layout as chosen (the trainer checks that every rank chose alike) and keeps the
@@ -606,7 +672,7 @@ def describe(plan: RankPlan) -> str:
     """A per-rank breakdown of one plan, one line per kind of bytes."""
     if plan.error:
         return f"{plan.recipe} on {plan.world_size} ranks: not valid ({plan.error})"
-    stage = "" if plan.degrees.endswith("pp 1") else f"; binding rank: pipeline stage {plan.stage}"
+    stage = "" if " pp 1 " in f"{plan.degrees} " else f"; binding rank: pipeline stage {plan.stage}"
     lines = [f"{plan.recipe} on {plan.world_size} ranks ({plan.degrees}; micro-batch {plan.micro_batch} x "
              f"accumulation {plan.accumulation}{'; activation checkpointing' if plan.checkpointing else ''}{stage})"]
     rows = [("parameters", plan.params), ("gradients", plan.grads), ("optimizer state (AdamW)", plan.optimizer),

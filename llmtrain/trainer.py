@@ -651,13 +651,13 @@ class Trainer:
         num_parameters = self.engine.num_parameters()  # collective on some engines
         if env.is_main:
             log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; objective %s; recipe %s "
-                     "(engine %s, ZeRO %d) on %d rank(s) = dp %d (replicate %d x shard %d) x tp %d x pp %d%s; "
+                     "(engine %s, ZeRO %d) on %d rank(s) = dp %d (replicate %d x shard %d) x tp %d x pp %d%s%s; "
                      "global batch %d = micro %d x accumulation %d x dp %d",
                      cfg.model.name, num_parameters / 1e6, cfg.data.name, len(self.splits.train),
                      len(self.splits.val), self.objective.name, cfg.recipe.name, cfg.recipe.engine,
                      cfg.recipe.zero_stage, env.world_size, dims.dp, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp,
                      f" ({cfg.recipe.pp_schedule}, {cfg.recipe.pp_stages_per_rank} stage(s) per rank)" if dims.pp > 1
-                     else "", t.global_batch_size, t.micro_batch_size, self.accumulation, dims.dp)
+                     else "", f" x cp {dims.cp} ({cfg.recipe.cp_style})" if dims.cp > 1 else "", t.global_batch_size, t.micro_batch_size, self.accumulation, dims.dp)
             log.info("%s", data.describe(self.splits))
         if self.partial:
             _log_trainable(self.engine, cfg, dims, env.is_main)

@@ -6,9 +6,9 @@ the normaliser of the whole global batch (target tokens for next-token training:
 micro-batches, all data-parallel ranks). Each micro-batch's summed loss, computed by the run's
 :class:`~llmtrain.objectives.Objective`, is divided by that number, so the accumulated gradient
 is that of the global batch's mean loss; the engine undoes whatever averaging over data-parallel
-ranks or accumulation steps its backend applies. Ranks of one data-parallel group (its tensor-
-and pipeline-parallel peers, ``dims.data_replicas`` of them) see the same samples and report
-the same loss. Engines never import a loss: the objective is handed to them.
+ranks or accumulation steps its backend applies. Ranks of one data-parallel group (its tensor-,
+pipeline- and context-parallel peers, ``dims.data_replicas`` of them) see the same samples and
+report the same loss. Engines never import a loss: the objective is handed to them.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from llmtrain.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from llmtrain.objectives import Objective
+    from llmtrain.objectives.base import LossSums
 
 
 def lr_lambda(trainer_cfg: Any) -> Callable[[int], float]:
@@ -155,6 +156,16 @@ class Engine(ABC):
         self.dims = dims or ParallelDims(env.world_size, 1, 1, 1, env.world_size)
         self.objective = objective
         objective.check_supported(type(self).__name__)
+        # Set by an engine's setup when recipe.cp > 1 (llmtrain.context_parallel.ContextParallel).
+        self.context = None
+        # Set by an engine's setup when trainer.loss_chunk_tokens > 0 (llmtrain.chunked_loss.ChunkedHead).
+        self.chunked_head = None
+        if cfg.trainer.get("loss_chunk_tokens", 0) and not objective.label_logps_only:
+            from llmtrain.errors import ConfigError
+
+            raise ConfigError(f"trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens} with objective "
+                              f"{objective.name!r}: its loss reads more of the output than each next label's "
+                              "log-probability (label_logps_only=False); set trainer.loss_chunk_tokens=0")
 
     @property
     def dp_rank(self) -> int:
@@ -182,16 +193,68 @@ class Engine(ABC):
         sums = torch.zeros(1 + len(self.objective.metric_names), dtype=torch.float64, device=self.env.device)
         for k, batch in enumerate(batches):
             with self.accumulate(is_last_micro_batch=k == len(batches) - 1):
-                out = self.objective.loss_sums(self.forward(batch), batch)
+                out = self._loss_sums(batch)
                 self.backward(out.loss / normaliser)
             sums += self.objective.stacked(out)
-        return sums
+        return self._whole_rows(sums)
 
     @torch.no_grad()
     def eval_sums(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed loss and metrics (float64 ``[1 + len(objective.metric_names)]``) of one batch,
         without gradients."""
-        return self.objective.stacked(self.objective.loss_sums(self.forward(batch), batch))
+        return self._whole_rows(self.objective.stacked(self._loss_sums(batch)))
+
+    def _loss_sums(self, batch: dict[str, torch.Tensor]) -> "LossSums":
+        """The objective's sums of ``batch``; under context parallelism, of this rank's part of
+        each row (:meth:`llmtrain.context_parallel.ContextParallel.split`). With a chunked head
+        (``trainer.loss_chunk_tokens``) the model returns each position's next-label log-prob
+        ``[B, T]`` instead of logits."""
+        local = batch if self.context is None else self.context.split(batch, self.objective.carries)
+        if self.chunked_head is not None:
+            labels = local["labels"]
+            # Split rows already carry the next token's label one column on (see split).
+            self.chunked_head.targets = (labels[:, 1:] if self.context is not None
+                                         else torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100))
+        try:
+            output = self.forward(local)
+        finally:
+            if self.chunked_head is not None:
+                self.chunked_head.targets = None
+        if self.context is not None:
+            output = self.context.pad_output(output)
+        return self.objective.loss_sums(output, local)
+
+    def _install_chunked_head(self, model: torch.nn.Module) -> None:
+        """``trainer.loss_chunk_tokens`` > 0: the output layer computes label log-probs chunk by
+        chunk (:mod:`llmtrain.chunked_loss`)."""
+        chunk = self.cfg.trainer.get("loss_chunk_tokens", 0)
+        if chunk:
+            from llmtrain.chunked_loss import install
+
+            self.chunked_head = install(model, chunk)
+
+    def _install_context_parallel(self, model: torch.nn.Module, group) -> None:
+        """Split rows over ``group`` (this rank's cp peers) with ``recipe.cp_style`` attention.
+
+        Raises:
+            ConfigError: Ulysses with heads (per tensor-parallel rank) not divisible by cp.
+        """
+        from llmtrain.context_parallel import ContextParallel, check_heads, install
+
+        heads = model.config.num_attention_heads
+        kv = getattr(model.config, "num_key_value_heads", None) or heads
+        check_heads(self.cfg.recipe.cp_style, self.dims.cp, heads // self.dims.tp, kv)
+        self.context = ContextParallel(group, self.cfg.recipe.cp_style)
+        install(model, self.context)
+
+    def _whole_rows(self, sums: torch.Tensor) -> torch.Tensor:
+        """Sums over whole rows: a context-parallel group's parts added up, so its ranks report
+        the same loss as their tensor- and pipeline-parallel peers do (the loss contract)."""
+        if self.context is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(sums, group=self.context.group)
+        return sums
 
     def frozen_copy(self, build: Callable[[], torch.nn.Module]) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | None:
         """A frozen copy of the model (``build()`` makes it with its initial weights), laid out

@@ -125,7 +125,9 @@ def _link_torch_libs_without_spaces() -> None:
 class DeepSpeedEngine(Engine):
     """Wraps ``deepspeed.initialize``. DeepSpeed averages gradients over data-parallel ranks and
     (by default) divides by the accumulation steps; backward passes ``scale_wrt_gas=False`` and
-    scales by the world size so the accumulated gradient is that of the global-batch sum."""
+    scales by the world size so the accumulated gradient is that of the global-batch sum. With
+    ``recipe.cp`` > 1, ZeRO still partitions over every rank (its average then spans the cp
+    peers, whose losses cover parts of the same rows, as DeepSpeed's ALST does)."""
 
     def __init__(self, cfg: Any, env, accumulation_steps: int, dims=None, *, objective):
         super().__init__(cfg, env, accumulation_steps, dims, objective=objective)
@@ -143,6 +145,10 @@ class DeepSpeedEngine(Engine):
 
             # Adopt the existing torch process group; zero.Init reads the world size from it.
             deepspeed.init_distributed(dist_backend=env.backend)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.env.rank // self.dims.cp  # a row's cp peers read the same samples
 
     def model_init_context(self):
         import contextlib
@@ -164,6 +170,14 @@ class DeepSpeedEngine(Engine):
         optimizer = None
         if "optimizer" not in self.ds_config:
             optimizer = build_adamw(groups, t)
+        if self.dims.cp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            # ZeRO partitions over every rank; the cp peers of a row are neighbouring ranks.
+            mesh = init_device_mesh(self.env.device.type, (self.env.world_size // self.dims.cp, self.dims.cp),
+                                    mesh_dim_names=("dp", "cp"))
+            self._install_context_parallel(model, mesh["cp"].get_group())
+        self._install_chunked_head(model)
         schedule = lr_lambda(t)
         fp32_initial = self._fp32_initial_values(model)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(

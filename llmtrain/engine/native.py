@@ -83,6 +83,9 @@ class NativeEngine(Engine):
             self.stage_ids, self.parts = list(self.stage_ids), list(self.parts)
         else:
             self.stage_ids, self.parts = [0], [model]
+        if self.dims.cp > 1:
+            self._install_context_parallel(model, self.mesh["cp"].get_group())
+        self._install_chunked_head(model)
         buffers = [{n: b.detach().clone() for n, b in part.named_buffers()} for part in self.parts]
         for part in self.parts:
             parallelize(part, cfg, self.mesh, self.dims, plan)
@@ -127,11 +130,12 @@ class NativeEngine(Engine):
         parallel projection feeding an unsharded one) fails here as a ConfigError, not later."""
         from llmtrain.errors import ConfigError
 
-        ids = torch.zeros(1, 4, dtype=torch.long, device=self.env.device)
+        ids = torch.zeros(1, 4 * self.dims.cp, dtype=torch.long, device=self.env.device)
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         try:
             self.train(False)
             with torch.no_grad():
-                self._logits({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+                self._logits(self.context.split(batch, {}) if self.context is not None else batch)
         except RuntimeError as err:
             raise ConfigError(f"the tensor-parallel plan does not run on this model (check model.tp_plan): {err}") from err
         finally:
@@ -228,7 +232,7 @@ class NativeEngine(Engine):
             return self.parts[0](**model_inputs(batch)).logits
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss * self.dims.dp).backward()  # FSDP2 averages gradients over the dp ranks
+        (loss * self.dims.dp_cp).backward()  # FSDP2 averages gradients over the dp x cp ranks
 
     def accumulate(self, is_last_micro_batch: bool):
         model = self.parts[0]
@@ -308,9 +312,10 @@ class NativeEngine(Engine):
 
     @torch.no_grad()
     def eval_sums(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = self._logits(batch)
         if self.dims.pp == 1:
-            return self.objective.stacked(self.objective.loss_sums(logits, batch))
+            with self._autocast():
+                return super().eval_sums(batch)
+        logits = self._logits(batch)
         sums = torch.zeros(1 + len(self.objective.metric_names), dtype=torch.float64, device=self.env.device)
         if logits is not None:
             sums += self.objective.stacked(self.objective.loss_sums(logits, batch))

@@ -46,6 +46,11 @@ class Objective(ABC):
         metric_denominators: ``{metric: other metric}``: the logged value is the metric's world sum
             over the other's (a mean over a subset, e.g. KTO's desirable examples) rather than over
             the normaliser.
+        label_logps_only: the loss reads the logits only through each position's log-probability
+            of the next label (``labels[:, t + 1]``), so with ``trainer.loss_chunk_tokens`` engines
+            hand :meth:`loss_sums` fp32 ``[B, T]`` label log-probs (0 where the label is -100, and
+            at the last position) instead of ``[B, T, V]`` logits (:mod:`llmtrain.chunked_loss`);
+            tell them apart by ``output.dim()``.
     """
 
     def average(self, sums: dict[str, float], normaliser: float) -> dict[str, float]:
@@ -72,6 +77,8 @@ class Objective(ABC):
     counted_unit: ClassVar[str | None] = None
     # Metrics averaged over another metric's sum instead of the normaliser (name -> denominator).
     metric_denominators: ClassVar[Mapping[str, str]] = {}
+    # Whether loss_sums also accepts [B, T] next-label log-probs (the chunked output layer).
+    label_logps_only: ClassVar[bool] = False
 
     def __init__(self, cfg: Any = None):
         self.cfg = cfg

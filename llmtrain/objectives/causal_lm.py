@@ -13,7 +13,10 @@ from llmtrain.labels import IGNORE_INDEX
 
 def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy (fp32 scalar) of ``logits`` ``[B, T, V]`` against
-    ``labels`` ``[B, T]`` shifted by one; labels of -100 are ignored."""
+    ``labels`` ``[B, T]`` shifted by one; labels of -100 are ignored. ``logits`` may instead be
+    the chunked head's ``[B, T]`` next-label log-probs (:mod:`llmtrain.chunked_loss`)."""
+    if logits.dim() == 2:
+        return -logits[:, :-1].sum()
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
@@ -34,6 +37,7 @@ class CausalLM(Objective):
     ``sum(CE)``, the normaliser counts target tokens (``labels != -100`` after the shift)."""
 
     carries = {"labels": IGNORE_INDEX}
+    label_logps_only = True
 
     def normaliser(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return target_tokens(batch["labels"])

@@ -33,7 +33,10 @@ PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
 
 def completion_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """fp32 ``[rows, seq]``: at position ``t``, log π(label_t | tokens before t) for completion
-    tokens (labels != -100), 0 elsewhere and at ``t = 0``. ``logits`` ``[rows, seq, vocab]``."""
+    tokens (labels != -100), 0 elsewhere and at ``t = 0``. ``logits`` ``[rows, seq, vocab]``, or
+    the chunked head's ``[rows, seq]`` next-label log-probs (:mod:`llmtrain.chunked_loss`)."""
+    if logits.dim() == 2:
+        return F.pad(logits[:, :-1], (1, 0))
     targets = labels[:, 1:]
     nll = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), targets.reshape(-1),
                           ignore_index=IGNORE_INDEX, reduction="none").view_as(targets)
@@ -114,6 +117,7 @@ class DPO(PairObjective):
     frozen reference policy whose log-probs arrive in ``ref_logps``."""
 
     needs_reference = True
+    label_logps_only = True
 
     def loss_sums(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossSums:
         logps, tokens, ref = self.sequence_logps(output, batch)
@@ -127,6 +131,8 @@ class SimPO(PairObjective):
     """SimPO (Meng et al. 2024): reference-free, length-normalised, with margin ``objective.gamma``
     (:func:`~llmtrain.objectives.preference_losses.simpo_losses`). ``logps/*`` are per-token
     means, as TRL logs them for SimPO and ORPO."""
+
+    label_logps_only = True
 
     def loss_sums(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossSums:
         logps, tokens, _ = self.sequence_logps(output, batch)
@@ -220,6 +226,7 @@ class KTO(PairObjective):
     ``share/undesirable`` the share of each kind."""
 
     needs_reference = True
+    label_logps_only = True
     counted_unit = "examples"
     metric_names = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "kl", "share/desirable",
                     "share/undesirable")
