@@ -401,6 +401,9 @@ class RecipeConfig:
     # cp_style (ulysses | ring; llmtrain.context_parallel).
     cp: int = 1
     cp_style: str = "ulysses"
+    # Megatron-LM sequence parallelism inside tensor parallelism (torchtitan's default with TP):
+    # norms and the residual stream sharded along the sequence between the TP blocks.
+    tp_sequence_parallel: bool = False
     compile: bool = False
     # +recipe=auto: llmtrain.plan picks the recipe (and micro-batch, activation checkpointing)
     # that fits device_memory ("80GiB"; None = the device's own) less memory_margin.
@@ -1117,6 +1120,7 @@ def validate(cfg: Any, world_size: int) -> Layout:
     validate_recipe(cfg.recipe, cfg.get("engine"))
     validate_objective(cfg)
     validate_context_parallel(cfg)
+    validate_sequence_parallel(cfg.recipe)
     validate_chunked_loss(cfg)
     return layout(cfg, world_size)
 
@@ -1144,6 +1148,21 @@ def validate_chunked_loss(cfg: Any) -> None:
     _require(cfg.objective.get("target") or name in CHUNKABLE_OBJECTIVES,
              f"trainer.loss_chunk_tokens={chunk} with objective={name}: chunking needs a loss over next-label "
              f"log-probs only ({', '.join(CHUNKABLE_OBJECTIVES)}); set trainer.loss_chunk_tokens=0")
+
+
+def validate_sequence_parallel(r: Any) -> None:
+    """``recipe.tp_sequence_parallel`` needs tensor parallelism and no pipeline stages.
+
+    Raises:
+        ConfigError: naming the recipe's tp and pp.
+    """
+    if not r.tp_sequence_parallel:
+        return
+    _require(r.tp != 1 and r.engine == "torch", f"recipe.tp_sequence_parallel=true with recipe {r.name} (recipe.tp="
+             f"{r.tp}, engine {r.engine}): sequence parallelism shards inside tensor-parallel groups; use a recipe "
+             "with tp (tp, fsdp_tp) or turn it off")
+    _require(r.pp == 1, f"recipe.tp_sequence_parallel=true with recipe.pp={r.pp}: not with pipeline stages; "
+             "turn it off or use fsdp_tp")
 
 
 def validate_context_parallel(cfg: Any) -> None:

@@ -17,7 +17,11 @@ Two ways to compute attention over the split sequence (``recipe.cp_style``), bot
 * ``ring`` (Liu et al., "Ring Attention with Blockwise Transformers", 2023; the online-softmax
   merge of Milakov & Gimelshein 2018 / FlashAttention): each rank keeps its queries and passes
   its K/V block around the ring; each block's partial output and log-sum-exp are merged, so the
-  result equals softmax attention over the whole row. No divisibility needed.
+  result equals softmax attention over the whole row. No divisibility needed. On CPU the blocks
+  run torch's flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, which returns the
+  log-sum-exp) with its own backward against the merged statistics, so memory stays linear in
+  the row; elsewhere plain tensor ops under autograd (correct, but (T/cp)^2 scores per block are
+  kept: prefer Ulysses on GPUs).
 
 Packed rows keep each document's attention to itself: the mask is rebuilt from the global
 positions (a document starts where the position restarts at 0), per block for ring and over the
@@ -76,14 +80,16 @@ class ContextParallel:
     Args:
         group: the process group of this rank's cp peers (ranks holding parts of the same rows).
         style: ``ulysses`` or ``ring``.
+        ring_kernel: ``auto`` (the CPU flash kernel on CPU, plain tensor ops elsewhere),
+            ``flash`` or ``eager``.
     """
 
-    def __init__(self, group, style: str):
+    def __init__(self, group, style: str, ring_kernel: str = "auto"):
         import torch.distributed as dist
 
         if style not in CP_STYLES:
             raise ConfigError(f"recipe.cp_style={style!r}: choose one of {', '.join(CP_STYLES)}")
-        self.group, self.style = group, style
+        self.group, self.style, self.ring_kernel = group, style, ring_kernel
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self._index: torch.Tensor | None = None  # [T/cp] global indices this rank holds
         self._documents: torch.Tensor | None = None  # [B, T] document id per token (packed rows)
@@ -182,14 +188,13 @@ class ContextParallel:
             return x.permute(1, 2, 0, 3, 4).reshape(b, h, cp * local, d)[:, :, to_natural]
 
         q, k, v = gather_sequence(q), gather_sequence(k), gather_sequence(v)
-        if k.shape[1] != q.shape[1]:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        gqa = k.shape[1] != q.shape[1]  # SDPA shares each KV head over its query heads (nothing repeated)
         if self._documents is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             whole = torch.arange(self._length, device=q.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._allowed(whole, whole), scale=scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._allowed(whole, whole), scale=scale,
+                                                 enable_gqa=gqa)
         h = out.shape[1]
         out = out[:, :, to_ranks].reshape(b, h, cp, local, d).permute(2, 0, 1, 3, 4)  # [cp dest, B, h/cp, T/cp, D]
         out = self._all_to_all(out)  # [cp source = head group, B, h/cp, T/cp, D]
@@ -203,6 +208,46 @@ class ContextParallel:
         return self._all_to_all(x.reshape(-1), receive, send).view_as(x)
 
     def _ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.ring_kernel == "flash" or (self.ring_kernel == "auto" and q.device.type == "cpu"):
+            return _RingFlash.apply(q, k, v, self, scale)
+        return self._ring_eager(q, k, v, scale)
+
+    def _shift_plain(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`_shift` outside autograd (inside :class:`_RingFlash`, which owns its backward)."""
+        import torch.distributed as dist
+
+        n = x.numel()
+        send, receive = [0] * self.cp, [0] * self.cp
+        send[(self.rank + 1) % self.cp], receive[(self.rank - 1) % self.cp] = n, n
+        out = torch.empty(n, dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(out, x.reshape(-1).contiguous(), output_split_sizes=receive,
+                               input_split_sizes=send, group=self.group)
+        return out.view_as(x)
+
+    def _pieces(self, source: int, device: torch.device):
+        """The (query chunk, key chunk) pairs of this rank's queries against ``source``'s keys that
+        see anything: ``(a, b, causal, additive mask or None)``, chunks 0/1 = head/tail of each
+        side. A key chunk after the query chunk is skipped, the same chunk is causal, an earlier
+        one fully visible (with packed rows, a document mask restricts both)."""
+        chunk = self._length // (2 * self.cp)
+        q_chunks, k_chunks = (self.rank, 2 * self.cp - 1 - self.rank), (source, 2 * self.cp - 1 - source)
+        pieces = []
+        for a, cq in enumerate(q_chunks):
+            for b, ck in enumerate(k_chunks):
+                if ck > cq:
+                    continue
+                mask = None
+                if self._documents is not None:
+                    qi = torch.arange(cq * chunk, (cq + 1) * chunk, device=device)
+                    ki = torch.arange(ck * chunk, (ck + 1) * chunk, device=device)
+                    allowed = self._allowed(qi, ki)  # [B, 1, chunk, chunk]
+                    mask = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
+                pieces.append((a, b, ck == cq and mask is None, mask))
+        return pieces
+
+    def _ring_eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Ring attention by plain tensor ops under autograd (devices without the CPU flash
+        kernel): each block's fp32 scores are kept for backward, ``(T/cp)^2`` per head."""
         groups = q.shape[1] // k.shape[1]
         length = self._length
         q_index = self._index
@@ -224,6 +269,90 @@ class ContextParallel:
         total = torch.logsumexp(torch.stack(lses), dim=0)
         out = sum(torch.exp(lse - total) * o for lse, o in zip(lses, outputs))
         return out.to(q.dtype)
+
+
+def _flash_forward(q, k, v, scale, causal, mask):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=None if mask is None else mask.to(q.dtype), scale=scale)
+    lse = lse.float()
+    if mask is not None:  # the kernel gives a row with no visible key lse 0; it has weight 0
+        lse = lse.masked_fill(torch.isinf(mask).all(-1).expand_as(lse), float("-inf"))
+    return out, lse
+
+
+def _merge(acc: tuple | None, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax merge of two partial attentions over disjoint keys (FlashAttention's rescale):
+    ``[B, H, T, D]`` fp32 outputs normalised by their own ``lse`` ``[B, H, T]``."""
+    out = out.float()
+    if acc is None:
+        return out, lse
+    acc_out, acc_lse = acc
+    total = torch.logaddexp(acc_lse, lse)
+    finite = torch.isfinite(total)
+    w_acc = torch.where(finite, torch.exp(acc_lse - total), 0.0)[..., None]
+    w_new = torch.where(finite, torch.exp(lse - total), 0.0)[..., None]
+    return acc_out * w_acc + out * w_new, total
+
+
+class _RingFlash(torch.autograd.Function):
+    """Ring attention over CPU flash-attention blocks (``aten._scaled_dot_product_flash_attention_for_cpu``,
+    which returns each block's log-sum-exp): forward merges the blocks online and saves only the
+    local q, k, v, output and log-sum-exp; backward passes K/V around the ring again with their
+    gradient buffers and runs the kernel's backward per block against the merged output and
+    log-sum-exp (the gradient of softmax over all keys, as in FlashAttention-2's backward and
+    torch's own ring attention), so no ``(T/cp)^2`` scores are kept."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, context: ContextParallel, scale: float):
+        groups = q.shape[1] // k.shape[1]
+        chunk = q.shape[2] // 2
+        q_parts = (q[:, :, :chunk], q[:, :, chunk:])
+        acc: list[tuple | None] = [None, None]
+        kv = torch.stack([k, v])
+        for step in range(context.cp):
+            source = (context.rank - step) % context.cp
+            kb, vb = kv[0].repeat_interleave(groups, dim=1), kv[1].repeat_interleave(groups, dim=1)
+            for a, b, causal, mask in context._pieces(source, q.device):
+                keys = slice(b * chunk, (b + 1) * chunk)
+                out, lse = _flash_forward(q_parts[a], kb[:, :, keys], vb[:, :, keys], scale, causal, mask)
+                acc[a] = _merge(acc[a], out, lse)
+            if step + 1 < context.cp:
+                kv = context._shift_plain(kv)
+        out = torch.cat([acc[0][0], acc[1][0]], dim=2).to(q.dtype)
+        lse = torch.cat([acc[0][1], acc[1][1]], dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.context, ctx.scale = context, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        context, scale = ctx.context, ctx.scale
+        groups = q.shape[1] // k.shape[1]
+        chunk = q.shape[2] // 2
+        grad_out = grad_out.contiguous().to(q.dtype)
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its K/V
+        rows = lambda x, a: x[:, :, a * chunk:(a + 1) * chunk]  # noqa: E731
+        for step in range(context.cp):
+            source = (context.rank - step) % context.cp
+            kb, vb = kv[0].repeat_interleave(groups, dim=1), kv[1].repeat_interleave(groups, dim=1)
+            for a, b, causal, mask in context._pieces(source, q.device):
+                keys = slice(b * chunk, (b + 1) * chunk)
+                dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    rows(grad_out, a).contiguous(), rows(q, a).contiguous(), kb[:, :, keys].contiguous(),
+                    vb[:, :, keys].contiguous(), rows(out, a).contiguous(),
+                    rows(lse, a).to(torch.float32).contiguous(), 0.0, causal,
+                    attn_mask=None if mask is None else mask.to(q.dtype), scale=scale)
+                grad_q[:, :, a * chunk:(a + 1) * chunk] += dq.float()
+                shape = (dk.shape[0], k.shape[1], groups, chunk, dk.shape[-1])
+                dkv[0][:, :, keys] += dk.float().view(shape).sum(2)  # repeated KV heads add up
+                dkv[1][:, :, keys] += dv.float().view(shape).sum(2)
+            if step + 1 < context.cp:
+                kv = context._shift_plain(kv)
+            dkv = context._shift_plain(dkv)  # after the last step this brings each buffer home
+        return grad_q.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 def install(model: torch.nn.Module, context: ContextParallel) -> None:

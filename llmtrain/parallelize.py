@@ -84,21 +84,84 @@ def _style(name: str):
     return ColwiseParallel(output_layouts=Replicate())  # colwise_gather_output / colwise_rep
 
 
-def apply_tp(module: nn.Module, plan: dict[str, str], tp_mesh) -> None:
+def apply_tp(module: nn.Module, plan: dict[str, str], tp_mesh, sequence_parallel: bool = False) -> None:
     """Shard ``module``'s Linear layers named by ``plan`` over ``tp_mesh`` (Megatron-LM split:
     column-parallel Q/K/V and gate/up, row-parallel output and down projections, so each block
     needs one all-reduce in forward and one in backward; Shoeybi et al. 2019, section 3).
 
     Attention modules reshape with ``-1`` heads, so they run on their local heads unchanged.
     Paths absent from ``module`` (other pipeline stages' layers) are skipped.
+
+    ``sequence_parallel`` (``recipe.tp_sequence_parallel``; Korthikanti et al., "Reducing
+    Activation Recomputation in Large Transformer Models", 2022, section 4.2.2): between the
+    tensor-parallel blocks the residual stream and the norms are sharded along the sequence, each
+    row-parallel projection reduce-scatters (instead of all-reducing) into that shard, and each
+    block all-gathers its input: the same bytes on the wire, 1/tp of the norm and residual
+    activations per rank. See :func:`sequence_parallel_plan` for where the layout changes.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
     present = {name for name, _ in module.named_modules()}
-    local_plan = {path: _style(style) for path, style in plan.items()
+    styles = {path: _style(style) for path, style in plan.items()}
+    if sequence_parallel:
+        styles = sequence_parallel_plan(module, plan, styles)
+    local_plan = {path: style for path, style in styles.items()
                   if any(fnmatch.fnmatchcase(name, path) for name in present)}
     if local_plan:
         parallelize_module(module, tp_mesh, local_plan)
+
+
+def sequence_parallel_plan(model: nn.Module, plan: dict[str, str], styles: dict[str, Any]) -> dict[str, Any]:
+    """``styles`` (path -> ParallelStyle of the TP plan) with Megatron-style sequence parallelism
+    added for a Hugging Face decoder (torchtitan's Llama plan, adapted to where ``transformers``
+    builds masks and rotary embeddings):
+
+    - the first decoder layer takes its input replicated and keeps its sequence shard (the model
+      has built the attention mask and position embeddings from the whole row before that);
+    - every norm directly inside a decoder layer, and the final norm, runs on the shard
+      (``SequenceParallel``);
+    - the attention and MLP blocks all-gather their input (``PrepareModuleInput``), their
+      row-parallel output projections reduce-scatter it back (``output_layouts=Shard(1)``);
+    - the output head all-gathers its input (column-parallel head: ``input_layouts=Shard(1)``).
+
+    Raises:
+        ConfigError: a decoder layer without ``self_attn`` and ``mlp`` blocks.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    from llmtrain.pipeline import base_model
+
+    base = base_model(model)
+    prefix = model.base_model_prefix
+    layer = f"{prefix}.layers"
+    first = decoder_layers(model)[0]
+    if not (hasattr(first, "self_attn") and hasattr(first, "mlp")):
+        raise ConfigError(f"recipe.tp_sequence_parallel: {type(first).__name__} has no self_attn and mlp blocks; "
+                          "turn recipe.tp_sequence_parallel off for this model")
+    out = dict(styles)
+    for path, style in plan.items():
+        if style == "rowwise" and path.startswith(f"{layer}."):
+            out[path] = RowwiseParallel(output_layouts=Shard(1))
+    out[f"{layer}.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                           use_local_output=True)
+    norms = [name for name, child in first.named_children() if "norm" in type(child).__name__.lower()]
+    for name in norms:
+        out[f"{layer}.*.{name}"] = SequenceParallel(use_local_output=True)
+    out[f"{layer}.*.self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                     desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                                     use_local_output=True)
+    out[f"{layer}.*.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                               use_local_output=True)
+    if getattr(base, "norm", None) is not None:
+        out[f"{prefix}.norm"] = SequenceParallel(use_local_output=True)
+    if "lm_head" in plan:
+        out["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    else:  # a replicated (tied) head takes the whole row
+        out["lm_head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                            use_local_output=True)
+    return out
 
 
 def attention_modules(layers: list[nn.Module]) -> list[nn.Module]:
@@ -210,7 +273,7 @@ def parallelize(module: nn.Module, cfg: Any, mesh, dims, tp_plan_paths: dict[str
     r, t = cfg.recipe, cfg.trainer
     layers = decoder_layers(module)
     if dims.tp > 1:
-        apply_tp(module, tp_plan_paths, mesh["tp"])
+        apply_tp(module, tp_plan_paths, mesh["tp"], sequence_parallel=r.get("tp_sequence_parallel", False))
         apply_tp_rng(attention_modules(layers), mesh["tp"].get_local_rank())
     if t.activation_checkpointing:
         apply_activation_checkpointing(layers)

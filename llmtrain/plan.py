@@ -33,8 +33,14 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   micro-batches in flight under 1F1B and all of them under GPipe (Narayanan et al. SC'21,
   section 2.2).
 - Context parallel (``recipe.cp``): a rank holds seq_len / cp tokens of each row, so its layers
-  are measured at that length and its logits are its tokens'; ring attention adds each block's
-  fp32 scores and probabilities (cp blocks of (T/cp)^2 per head). FSDP2 shards over dp_shard x cp.
+  are measured at that length and its logits are its tokens'. Both attention styles save what
+  ``sdpa`` saves at that length (Ulysses: whole rows of heads / cp; ring on CPU: the flash
+  kernel's output and log-sum-exp per block; on other devices ring falls back to plain tensor
+  ops that keep (T/cp)^2 scores per head and block, which the plan does not count: use Ulysses
+  there). FSDP2 shards over dp_shard x cp.
+- Tensor-parallel sequence parallelism (``recipe.tp_sequence_parallel``): what a layer's norms
+  save (measured apart) and each layer's checkpointed input are 1/tp; the blocks' all-gathered
+  inputs are saved whole, as torch's ``SequenceParallel`` styles keep them.
 - Chunked loss (``trainer.loss_chunk_tokens``): the output layer is measured as it runs (saving
   hidden states and a log-sum-exp per token), and the logits temporary is one chunk's.
 """
@@ -134,6 +140,7 @@ class Activations:
     per_layer: int
     outside: int
     layer_input: int
+    norms_per_layer: int = 0  # of per_layer: saved inside the layer's norms (sequence-sharded under SP)
 
 
 _ACTIVATION_CACHE: dict[tuple, Activations] = {}
@@ -174,10 +181,18 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
             model.train()
             params = {p.untyped_storage()._cdata for p in model.parameters()}
             seen: dict[int, int] = {}
+            in_norm, norm_seen = [0], set()
+            for layer in model.base_model.layers:
+                for child in layer.children():
+                    if "norm" in type(child).__name__.lower():
+                        child.register_forward_pre_hook(lambda *_: in_norm.__setitem__(0, in_norm[0] + 1))
+                        child.register_forward_hook(lambda *_: in_norm.__setitem__(0, in_norm[0] - 1))
 
             def pack(t: torch.Tensor) -> torch.Tensor:
                 storage = t.untyped_storage()
                 if storage._cdata not in params:
+                    if storage._cdata not in seen and in_norm[0]:
+                        norm_seen.add(storage._cdata)
                     seen.setdefault(storage._cdata, storage.nbytes())
                 return t
 
@@ -189,12 +204,13 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(
                     "cpu", dtype=torch.bfloat16, enabled=precision == "bf16" and not bf16_weights):
                 token_cross_entropy_sum(model(input_ids=ids).logits, ids)
-        return sum(seen.values())
+        return sum(seen.values()), sum(seen[k] for k in norm_seen)
 
-    one, two = saved_bytes(1), saved_bytes(2)
+    (one, norms_one), (two, norms_two) = saved_bytes(1), saved_bytes(2)
     act_bytes = 2 if precision == "bf16" else 4
     result = Activations(per_layer=two - one, outside=max(0, 2 * one - two),
-                         layer_input=micro_batch * seq_len * hf_config.hidden_size * act_bytes)
+                         layer_input=micro_batch * seq_len * hf_config.hidden_size * act_bytes,
+                         norms_per_layer=norms_two - norms_one)
     _ACTIVATION_CACHE[key] = result
     return result
 
@@ -299,7 +315,9 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     acts = measure_activations(hf_config, rows, local_seq, t.precision, dims.tp,
                                bf16_weights=bf16 and ((r.engine == "deepspeed" and r.zero_stage >= 1) or fsdp),
                                loss_chunk_tokens=chunk)
-    ring = _ring_attention_bytes(hf_config, rows, cfg.data.seq_len, dims) if r.cp_style == "ring" else 0
+    if r.get("tp_sequence_parallel") and dims.tp > 1:  # norms run on 1/tp of the sequence
+        acts = replace(acts, per_layer=acts.per_layer - acts.norms_per_layer + acts.norms_per_layer // dims.tp,
+                       layer_input=acts.layer_input // dims.tp)
     layer_n = shape.tp_sharded // dims.tp + (shape.layer - shape.tp_sharded)
     embedding_n = shape.embedding // (dims.tp if shape.embedding_tp else 1)
     head_n = shape.head // (dims.tp if shape.head_tp else 1)
@@ -315,9 +333,9 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
             n += shape.final_norm + (head_n if shape.head else (embedding_n if not first else 0))
         in_flight = 1 if dims.pp == 1 else (accumulation if r.pp_schedule == "gpipe" else
                                                min(accumulation, (dims.pp - pp_rank) * r.pp_stages_per_rank))
-        per_micro = (layers * (acts.layer_input if ckpt else acts.per_layer + ring)
+        per_micro = (layers * (acts.layer_input if ckpt else acts.per_layer)
                      + (acts.outside if last else (acts.layer_input if not first else 0)))
-        activations = in_flight * per_micro + (acts.per_layer + ring if ckpt else 0)  # one layer recomputed
+        activations = in_flight * per_micro + (acts.per_layer if ckpt else 0)  # one layer recomputed
         candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={})
         _model_states(candidate, r, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
                       communication_sizes(r, shape.hidden))
@@ -338,18 +356,6 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         if best is None or candidate.total > best.total:
             best = candidate
     return best
-
-
-def _ring_attention_bytes(hf_config: Any, rows: int, seq_len: int, dims: Any) -> int:
-    """Bytes ring attention (:mod:`llmtrain.context_parallel`) saves per decoder layer beyond
-    what the measured layer (``sdpa`` at the rank's share of the row) saves: each of the cp
-    blocks keeps its fp32 scores and probabilities, ``2 x heads/tp x (T/cp) x (T/cp) x 4`` bytes,
-    and its fp32 partial output and log-sum-exp."""
-    heads = hf_config.num_attention_heads // dims.tp
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    local = seq_len // dims.cp
-    per_block = rows * heads * local * (2 * local * 4 + (head_dim + 1) * 4)
-    return dims.cp * per_block
 
 
 def _reference_bytes(r: Any, n: int, dims: Any, compute: int, shape: ModelShape) -> int:
@@ -480,8 +486,9 @@ class Choice:
 def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAULT_MARGIN,
            host_memory: int | None = None, shared_host: bool = False) -> Choice:
     """The first layout whose binding rank fits ``device_memory`` × (1 - ``margin``) bytes, in
-    this order: context parallelism off before on (:func:`cp_degrees`: cp 2, 4, 8 only when
-    nothing fits whole rows; it adds two all-to-alls per layer); without activation checkpointing
+    this order: recipes that keep everything on the device before offloading ones (host-link
+    bound); context parallelism off before on (:func:`cp_degrees`: cp 2, 4, 8 only when nothing
+    fits whole rows; it adds two all-to-alls per layer); without activation checkpointing
     before with it (it recomputes the forward, ~1/3 more compute); then recipes in
     :data:`PREFERENCE` order; then, per recipe, the largest micro-batch (a divisor of the global
     batch, from ``trainer.micro_batch_size`` down).
@@ -508,10 +515,13 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
     micros = [m for m in range(cfg.trainer.micro_batch_size, 0, -1) if cfg.trainer.global_batch_size % m == 0]
     tried: dict[str, list[str]] = {name: [] for name in names}
     invalid: dict[str, str] = {}
-    for cp, ckpt in [(cp, ckpt) for cp in cp_degrees(cfg, world_size)
-                     for ckpt in ([False, True] if not cfg.trainer.activation_checkpointing else [True])]:
+    offloading = [n for n in names if n.endswith("_offload")]
+    on_device = [n for n in names if n not in offloading]
+    for group, cp, ckpt in [(group, cp, ckpt) for group in (on_device, offloading)
+                            for cp in cp_degrees(cfg, world_size)
+                            for ckpt in ([False, True] if not cfg.trainer.activation_checkpointing else [True])]:
         skip = set(invalid) if cp > 1 else set()  # a recipe invalid with whole rows stays so
-        for name in names:
+        for name in group:
             for micro in micros:
                 if name in invalid if cp == 1 else name in skip:
                     break

@@ -1,6 +1,9 @@
 """Check the memory planner (llmtrain.plan) against what each rank really holds.
 
-    python scripts/validate_plan.py [recipe ...] [-- extra overrides]
+    python scripts/validate_plan.py [recipe[@override...] ...] [-- extra overrides]
+
+A recipe may carry its own overrides after ``@`` (``fsdp@recipe.cp=2``,
+``tp@recipe.tp_sequence_parallel=true``), so layouts of one recipe are measured side by side.
 
 For each recipe (default: ddp zero1 zero2 zero3 zero3_offload fsdp tp pp) it trains 2 ranks
 for 2 steps of a small Llama and measures, on every rank, during step 2:
@@ -113,6 +116,12 @@ class _Held:
         self.owner.release(self.ptr)
 
 
+def recipe_overrides(spec: str) -> list[str]:
+    """``NAME@override@...`` -> ``["+recipe=NAME", override, ...]``."""
+    name, *extra = spec.split("@")
+    return [f"+recipe={name}", *extra]
+
+
 def worker(out_prefix: str, recipes: list[str], overrides: list[str]) -> None:
     """Runs inside each rank: train every recipe in turn (one process group, as
     tests/scenarios.py does) with the trainer's hooks patched; write this rank's figures."""
@@ -162,7 +171,7 @@ def worker(out_prefix: str, recipes: list[str], overrides: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     for recipe in recipes:
         run.update(figures={}, step=0)
-        trainer.train(compose(overrides + [f"+recipe={recipe}", f"run_dir={out_prefix}-run-{recipe}"]))
+        trainer.train(compose(overrides + recipe_overrides(recipe) + [f"run_dir={out_prefix}-run-{recipes.index(recipe)}"]))
         Path(f"{out_prefix}.{recipe}.{rank}").write_text(json.dumps(run["figures"]))
         gc.collect()
     shutdown()
@@ -190,7 +199,7 @@ def compare(recipes: list[str], overrides: list[str], scratch: Path) -> list[tup
     measured = measure(recipes, overrides, scratch)
     rows = []
     for recipe in recipes:
-        plan = plan_recipe(compose(overrides + [f"+recipe={recipe}"]), 2)
+        plan = plan_recipe(compose(overrides + recipe_overrides(recipe)), 2)
         cuda = [r["cuda_peak_bytes"] for r in measured[recipe] if "cuda_peak_bytes" in r]
         rows.append((recipe, plan.resident + plan.host, max(r["resident_bytes"] for r in measured[recipe]),
                      plan.activations, max(r["activation_peak_bytes"] for r in measured[recipe]), plan.total,

@@ -2,13 +2,15 @@
 all-to-all or ring), equal to whole rows on one process.
 
 * The attention itself against ``torch.nn.functional.scaled_dot_product_attention`` on whole
-  rows (forward and gradients; GQA, packed documents, both styles, cp 2 and 4), in spawned gloo
-  processes.
+  rows (forward and gradients; GQA, packed documents, both styles and ring's two kernels, cp 2
+  and 4), in spawned gloo processes.
 * Training runs (one launch per world size, ``tests/scenarios.py``): tiny Llama, fp32, 2048 byte
   tokens of Tiny Shakespeare a row, 5 steps; per-step loss and pre-clip gradient norm within
   1e-5 of the 1-process run for cp=2 Ulysses and ring on FSDP2 and on DeepSpeed ZeRO-3 (2
-  processes), dp_shard 2 x cp 2 and tp 2 x cp 2 (4 processes), packed Alpaca rows with document
-  masking; SIGKILL under cp=2 and resume on one process (cp=1) continues exactly.
+  processes), dp_shard 2 x cp 2 and tp 2 x cp 2 with sequence parallelism (4 processes), packed
+  Alpaca rows with document masking, the chunked loss (with cp, on ZeRO-3, on a vocab-parallel
+  tensor-parallel head), tensor-parallel sequence parallelism on padded unpacked rows; SIGKILL
+  under cp=2 and resume on one process (cp=1) continues exactly.
 """
 
 from __future__ import annotations
@@ -96,6 +98,22 @@ def test_world_size_not_a_multiple_of_cp_and_ulysses_heads_are_refused():
     check_heads("ring", 3, 4, 2)
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["+recipe=fsdp", "recipe.tp_sequence_parallel=true"], "recipe.tp=1"),
+    (["+recipe=3d", "recipe.tp_sequence_parallel=true"], "recipe.pp=2"),
+    (["+recipe=pp", "trainer.loss_chunk_tokens=256"], "the pipeline's last stage"),
+    (["+recipe=fsdp", "trainer.loss_chunk_tokens=256", "objective=orpo", "data=preference", "data.path=x.jsonl",
+      "data.max_prompt_tokens=32"], "objective=orpo"),
+    (["+recipe=fsdp", "trainer.loss_chunk_tokens=-1"], "trainer.loss_chunk_tokens=-1"),
+])
+def test_bad_sequence_parallel_and_chunked_loss_settings_are_refused(overrides, message):
+    from llmtrain.config import validate
+
+    with pytest.raises(ConfigError, match=message):
+        validate(make_cfg(["data.seq_len=64", "trainer.global_batch_size=8", "trainer.micro_batch_size=1"]
+                          + overrides), 8)
+
+
 @pytest.mark.parametrize("recipe,world,cp,degrees", [
     ("fsdp", 4, 2, (1, 2, 1, 1)), ("fsdp", 2, 2, (1, 1, 1, 1)), ("hsdp", 8, 2, (2, 2, 1, 1)),
     ("fsdp_tp", 8, 2, (1, 2, 2, 1)), ("zero3", 4, 2, (1, 2, 1, 1)), ("ddp", 4, 2, (2, 1, 1, 1)),
@@ -112,49 +130,60 @@ def test_data_parallel_degrees_fill_the_world_size_over_cp(recipe, world, cp, de
 
 
 # ---- the attention against whole-row SDPA (spawned gloo ranks) ------------------------------
-def _attention_worker(rank: int, world: int, port: int, style: str, packed: bool, out: dict) -> None:
+CASES = [(style, packed) for style in ("ulysses", "ring", "ring-eager") for packed in (False, True)]
+
+
+def _attention_worker(rank: int, world: int, port: int, out: dict) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for case in CASES:
+            out[(rank, *case)] = _attention_errors(rank, world, *case)
+    finally:
+        dist.destroy_process_group()
+
+
+def _attention_errors(rank: int, world: int, style: str, packed: bool) -> dict[str, float]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
     from llmtrain.context_parallel import ContextParallel
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        b, heads, kv_heads, length, d = 2, 4, 2, 16 * world, 8
-        q, k, v = torch.randn(b, heads, length, d), torch.randn(b, kv_heads, length, d), torch.randn(b, kv_heads, length, d)
-        positions = torch.arange(length).expand(b, -1).clone()
-        if packed:  # documents of 5, 9, ... tokens in row 0; row 1 one document
-            positions[0] = torch.cat([torch.arange(n) for n in (5, 9, length - 14)])
-        # reference: whole rows, causal within each document, GQA by repeating KV heads
-        docs = (positions == 0).cumsum(1)
-        allowed = torch.ones(length, length).tril().bool()[None] & (docs[:, :, None] == docs[:, None, :])
-        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-        ref = F.scaled_dot_product_attention(qr, kr.repeat_interleave(2, 1), vr.repeat_interleave(2, 1),
-                                             attn_mask=allowed[:, None]).transpose(1, 2)
-        weight = torch.randn_like(ref)
-        (ref * weight).sum().backward()
+    style, _, kernel = style.partition("-")
+    torch.manual_seed(0)
+    b, heads, kv_heads, length, d = 2, 4, 2, 16 * world, 8
+    q, k, v = torch.randn(b, heads, length, d), torch.randn(b, kv_heads, length, d), torch.randn(b, kv_heads, length, d)
+    positions = torch.arange(length).expand(b, -1).clone()
+    if packed:  # documents of 5, 9 and the rest of the tokens in row 0; row 1 one document
+        positions[0] = torch.cat([torch.arange(n) for n in (5, 9, length - 14)])
+    # reference: whole rows, causal within each document, GQA by repeating KV heads
+    docs = (positions == 0).cumsum(1)
+    allowed = torch.ones(length, length).tril().bool()[None] & (docs[:, :, None] == docs[:, None, :])
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qr, kr.repeat_interleave(2, 1), vr.repeat_interleave(2, 1),
+                                         attn_mask=allowed[:, None]).transpose(1, 2)
+    weight = torch.randn_like(ref)
+    (ref * weight).sum().backward()
 
-        context = ContextParallel(dist.group.WORLD, style)
-        context.split({"input_ids": torch.zeros(b, length, dtype=torch.long), "position_ids": positions}, {})
-        idx = local_index(length, world, rank)
-        ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-        module = torch.nn.Module()
-        got, _ = context.attention(module, ql, kl, vl, None, scaling=d ** -0.5)
-        (got * weight[:, idx]).sum().backward()
-        # K/V gradients come back from every rank's queries to the rank holding those keys
-        out[rank] = {"out": float((got.detach() - ref[:, idx]).abs().max()),
-                     "dq": float((ql.grad - qr.grad[:, :, idx]).abs().max()),
-                     "dk": float((kl.grad - kr.grad[:, :, idx]).abs().max()),
-                     "dv": float((vl.grad - vr.grad[:, :, idx]).abs().max())}
-    finally:
-        dist.destroy_process_group()
+    context = ContextParallel(dist.group.WORLD, style, ring_kernel=kernel or "auto")
+    context.split({"input_ids": torch.zeros(b, length, dtype=torch.long), "position_ids": positions}, {})
+    idx = local_index(length, world, rank)
+    ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+    got, _ = context.attention(torch.nn.Module(), ql, kl, vl, None, scaling=d ** -0.5)
+    (got * weight[:, idx]).sum().backward()
+    # K/V gradients come back from every rank's queries to the rank holding those keys
+    return {"out": float((got.detach() - ref[:, idx]).abs().max()),
+            "dq": float((ql.grad - qr.grad[:, :, idx]).abs().max()),
+            "dk": float((kl.grad - kr.grad[:, :, idx]).abs().max()),
+            "dv": float((vl.grad - vr.grad[:, :, idx]).abs().max())}
 
 
-@pytest.mark.parametrize("style", ["ulysses", "ring"])
-@pytest.mark.parametrize("world,packed", [(2, False), (2, True), (4, True)])
-def test_attention_over_split_rows_equals_whole_row_sdpa(style, world, packed):
+@pytest.mark.parametrize("world", [2, 4])
+def test_attention_over_split_rows_equals_whole_row_sdpa(world):
+    """Every style (Ulysses; ring on the CPU flash kernel and on plain ops), unpacked and packed
+    rows; 4 ranks: 2 KV heads do not divide cp, so Ulysses replicates them."""
     import socket
 
     import torch.multiprocessing as mp
@@ -162,12 +191,12 @@ def test_attention_over_split_rows_equals_whole_row_sdpa(style, world, packed):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    manager = mp.Manager()
-    out = manager.dict()
-    mp.start_processes(_attention_worker, args=(world, port, style, packed, out), nprocs=world, start_method="spawn")
+    out = mp.Manager().dict()
+    mp.start_processes(_attention_worker, args=(world, port, out), nprocs=world, start_method="spawn")
     for rank in range(world):
-        for key, err in out[rank].items():
-            assert err < 1e-5, f"rank {rank} {key}: {err}"
+        for case in CASES:
+            for key, err in out[(rank, *case)].items():
+                assert err < 1e-5, f"rank {rank} {case} {key}: {err}"
 
 
 # ---- training runs --------------------------------------------------------------------------
@@ -189,25 +218,31 @@ def packed(alpaca: Path) -> list[str]:
 
 CP2 = ["recipe.cp=2"]
 CHUNKED = ["trainer.loss_chunk_tokens=384"]  # not dividing a rank's 1024 tokens: a short last chunk
+SP = ["recipe.tp_sequence_parallel=true"]
 QWEN = ["model=tiny_qwen2"]  # untied: its tensor-parallel head is sharded along the vocabulary
 TWO = {"ulysses-fsdp": ("text", ["+recipe=fsdp", *CP2]),
        "ulysses-fsdp-chunked": ("text", ["+recipe=fsdp", *CP2, *CHUNKED]),
        "zero3-chunked": ("text", ["+recipe=zero3", *CHUNKED]),
        "tp-vocab_parallel-chunked": ("qwen", ["+recipe=tp", *CHUNKED]),
+       "tp_sp-vocab_parallel-chunked": ("qwen", ["+recipe=tp", *SP, *CHUNKED]),
+       # unpacked rows of varying length: padded to a multiple of tp for the sequence shards
+       "tp_sp-unpacked": ("unpacked", ["+recipe=tp", *SP]),
        "ring-fsdp": ("text", ["+recipe=fsdp", *CP2, "recipe.cp_style=ring"]),
        "ulysses-zero3": ("text", ["+recipe=zero3", *CP2]),
        "packed-ulysses": ("packed", ["+recipe=fsdp", *CP2]),
        "packed-ring": ("packed", ["+recipe=fsdp", *CP2, "recipe.cp_style=ring"])}
 FOUR = {"ring-fsdp_x_cp": ("text", ["+recipe=fsdp", *CP2, "recipe.cp_style=ring"]),
-        "ulysses-tp_x_cp": ("text", ["+recipe=tp", "recipe.tp=2", *CP2])}
+        "ulysses-tp_sp_x_cp": ("text", ["+recipe=tp", "recipe.tp=2", *CP2, *SP])}
 
 
 @pytest.fixture(scope="module")
 def runs(shared_data, tmp_path_factory) -> dict[str, Path]:
     data = {"text": common(shared_data / "tinyshakespeare.txt"), "packed": packed(shared_data / "alpaca_5000.json")}
     data["qwen"] = data["text"] + QWEN
+    data["unpacked"] = [o for o in data["packed"] if o not in ("data.packing=true", "data.seq_len=2048")] + [
+        "data.seq_len=512"]
     groups = {1: {"text": data["text"] + ["+recipe=ddp"], "packed": data["packed"] + ["+recipe=ddp"],
-                  "qwen": data["qwen"] + ["+recipe=ddp"]},
+                  "qwen": data["qwen"] + ["+recipe=ddp"], "unpacked": data["unpacked"] + ["+recipe=ddp"]},
               2: {name: data[kind] + extra for name, (kind, extra) in TWO.items()},
               4: {name: data[kind] + extra for name, (kind, extra) in FOUR.items()}}
     out = {}

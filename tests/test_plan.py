@@ -32,12 +32,22 @@ def test_meta_model_counts_llama3_8b_and_70b_parameters():
 
 def test_plan_is_within_bounds_of_what_two_ranks_hold(tmp_path):
     """Bytes held after the optimizer step within 10%, peak bytes saved for backward within
-    30%, for a DeepSpeed, an FSDP2 and a pipeline recipe (the other five: the closing note)."""
+    30%, for a DeepSpeed, an FSDP2 and a pipeline recipe (the other five: the closing note),
+    FSDP2 with each row split over cp=2 ranks (Ulysses and ring) and tensor parallel with
+    sequence parallelism. Measured, a rank at cp=2 saves at most 0.55 x what it saves at cp=1
+    for the same rows."""
     from validate_plan import OVERRIDES, compare
 
-    for recipe, planned, held, planned_acts, acts, _, _ in compare(["zero3", "fsdp", "pp"], OVERRIDES, tmp_path):
+    specs = ["zero3", "fsdp", "pp", "fsdp@recipe.cp=2", "fsdp@recipe.cp=2@recipe.cp_style=ring", "tp",
+             "tp@recipe.tp_sequence_parallel=true"]
+    measured = {}
+    for recipe, planned, held, planned_acts, acts, _, _ in compare(specs, OVERRIDES, tmp_path):
         assert abs(planned / held - 1) < 0.10, (recipe, planned, held)
         assert abs(planned_acts / acts - 1) < 0.30, (recipe, planned_acts, acts)
+        measured[recipe] = acts
+    assert measured["fsdp@recipe.cp=2"] <= 0.55 * measured["fsdp"], measured
+    assert measured["fsdp@recipe.cp=2@recipe.cp_style=ring"] <= 0.55 * measured["fsdp"], measured
+    assert measured["tp@recipe.tp_sequence_parallel=true"] < measured["tp"], measured
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -189,6 +199,49 @@ def test_dry_run_lays_out_64_ranks_of_3d_and_every_shard_adds_up():
     assert all(total == math.prod(full) for full, total in held.values()), held
     names = {name for _, name in held}
     assert "model.embed_tokens.weight" in names and "model.norm.weight" in names
+
+
+def test_dry_run_shows_the_cp_coordinates_of_64_ranks():
+    """fsdp_tp with cp=2 on 64 ranks: dp_shard 16 x cp 2 x tp 2, a row's cp peers neighbours
+    after tp (torchtitan's mesh order); FSDP2 shards over dp_shard x cp = 32 ranks."""
+    from llmtrain.dry_run import _torch_layout
+    from llmtrain.models import model_config
+    from llmtrain.parallel_dims import ParallelDims
+
+    cfg = make_cfg(PLAN + ["+recipe=fsdp_tp", "recipe.cp=2", "trainer.global_batch_size=256"])
+    dims = ParallelDims.from_recipe(cfg.recipe, 64)
+    assert (dims.dp_shard, dims.cp, dims.tp) == (16, 2, 2)
+    ranks = _torch_layout(cfg, 64, dims, model_config(cfg.model))
+    coords = [r["coords"] for r in ranks]
+    assert len({tuple(c.values()) for c in coords}) == 64
+    assert [c["cp"] for c in coords[:8]] == [0, 0, 1, 1, 0, 0, 1, 1] and coords[4]["dp_shard"] == 1
+    for name, full, local, placements in ranks[0]["shards"]:
+        if name == "model.layers.0.mlp.down_proj.weight":  # row-parallel: tp splits dim 1, FSDP2 dim 0 over 32
+            assert local == (full[0] // 32, full[1] // 2), (full, local, placements)
+
+
+def test_context_parallel_plans_a_rank_share_of_each_row():
+    """cp halves what a rank saves for backward and its logits; chunked loss keeps one chunk of
+    logits; +recipe=auto turns cp on only when whole rows fit nowhere."""
+    from llmtrain.plan import choose, plan_recipe
+
+    base = ["model=llama3_8b", "data.seq_len=32768", "trainer.micro_batch_size=1", "trainer.global_batch_size=8",
+            "trainer.precision=bf16", "+recipe=fsdp"]
+    one = plan_recipe(make_cfg(base), 8)
+    two = plan_recipe(make_cfg(base + ["recipe.cp=2"]), 8)
+    assert two.degrees.endswith("cp 2") and two.activations <= 0.55 * one.activations
+    logits = "logits and their gradient"
+    assert two.temporaries[logits] * 2 == one.temporaries[logits] == 2 * 32768 * 128_256 * 4
+    chunked = plan_recipe(make_cfg(base + ["trainer.loss_chunk_tokens=2048"]), 8)
+    assert logits not in chunked.temporaries
+    assert chunked.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] == 2048 * 128_256 * 4
+    # the saved logits are gone (it keeps a log-sum-exp per token instead)
+    assert one.activations - chunked.activations >= 0.99 * 32768 * 128_256 * 4
+    long = make_cfg(["model=llama3_8b", "data.seq_len=131072", "trainer.micro_batch_size=1",
+                     "trainer.global_batch_size=8", "trainer.precision=bf16", "trainer.loss_chunk_tokens=4096"])
+    choice = choose(long, 8, 48 * 2**30)
+    assert choice.plan.cp > 1 and "context parallel" in choice.reasons[-1]
+    assert choose(long, 8, 80 * 2**30).plan.cp == 1  # whole rows fit (tp 8, checkpointing)
 
 
 def test_deepspeed_dry_run_gives_each_rank_its_zero3_partition(capsys):

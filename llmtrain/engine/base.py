@@ -209,6 +209,7 @@ class Engine(ABC):
         each row (:meth:`llmtrain.context_parallel.ContextParallel.split`). With a chunked head
         (``trainer.loss_chunk_tokens``) the model returns each position's next-label log-prob
         ``[B, T]`` instead of logits."""
+        batch = self._padded_rows(batch)
         local = batch if self.context is None else self.context.split(batch, self.objective.carries)
         if self.chunked_head is not None:
             labels = local["labels"]
@@ -223,6 +224,23 @@ class Engine(ABC):
         if self.context is not None:
             output = self.context.pad_output(output)
         return self.objective.loss_sums(output, local)
+
+    def _padded_rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``batch`` right-padded to a multiple of tp (``recipe.tp_sequence_parallel`` shards each
+        rank's tokens evenly) times 2 cp (context parallelism's head and tail chunks): padding
+        carries no loss and, coming after every real token, is not seen by causal attention."""
+        multiple = (2 * self.dims.cp if self.dims.cp > 1 else 1) * (
+            self.dims.tp if self.cfg.recipe.get("tp_sequence_parallel", False) else 1)
+        extra = -batch["input_ids"].shape[1] % multiple
+        if not extra:
+            return batch
+        pads = {"input_ids": 0, "attention_mask": 0, **self.objective.carries}
+        out = {key: torch.nn.functional.pad(value, (0, extra), value=pads[key]) if key in pads else value
+               for key, value in batch.items()}
+        if "position_ids" in batch:
+            last = batch["position_ids"][:, -1:]
+            out["position_ids"] = torch.cat([batch["position_ids"], last + 1 + torch.arange(extra, device=last.device)], 1)
+        return out
 
     def _install_chunked_head(self, model: torch.nn.Module) -> None:
         """``trainer.loss_chunk_tokens`` > 0: the output layer computes label log-probs chunk by

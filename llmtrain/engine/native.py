@@ -130,7 +130,7 @@ class NativeEngine(Engine):
         parallel projection feeding an unsharded one) fails here as a ConfigError, not later."""
         from llmtrain.errors import ConfigError
 
-        ids = torch.zeros(1, 4 * self.dims.cp, dtype=torch.long, device=self.env.device)
+        ids = torch.zeros(1, 4 * self.dims.cp * self.dims.tp, dtype=torch.long, device=self.env.device)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         try:
             self.train(False)
@@ -357,6 +357,13 @@ class NativeEngine(Engine):
                 if p.grad is None or p is skip:
                     continue
                 g = p.grad
+                if _is_dtensor(g) and any(pl.is_partial() for pl in g.placements):
+                    # Sequence-parallel norms leave their weight gradients as per-rank partial
+                    # sums: reduce them once here, so the norm and the update see the total.
+                    from torch.distributed.tensor import Replicate
+
+                    g = p.grad = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl
+                                                                for pl in g.placements])
                 if _is_dtensor(g):
                     # Shard and FSDP2's _StridedShard (2D) both split the tensor: sum over them.
                     groups = tuple(g.device_mesh.get_group(i) for i, pl in enumerate(g.placements)
