@@ -1185,8 +1185,9 @@ def validate_context_parallel(cfg: Any) -> None:
              "inside pipeline stages; use a recipe without pp (fsdp, hsdp, fsdp_tp, zero3)")
     name = cfg.objective.get("name") or "causal_lm"
     _require(name == "causal_lm" and cfg.objective.get("target") in (None, ""),
-             f"recipe.cp={r.cp} with objective={name}: context parallelism splits rows for next-token losses only "
-             "(objective=causal_lm); preference objectives need whole sequences per rank")
+             f"recipe.cp={r.cp} with objective={cfg.objective.get('target') or name}: context parallelism splits "
+             "rows for the built-in next-token loss only (objective=causal_lm); preference and custom objectives "
+             "read whole sequences per rank")
     attn = cfg.model.attn_implementation
     _require(attn in CP_REPLACEABLE_ATTENTION,
              f"recipe.cp={r.cp} with model.attn_implementation={attn}: the context-parallel attention replaces "

@@ -73,6 +73,28 @@ def check_heads(style: str, cp: int, num_attention_heads: int, num_key_value_hea
                           f"heads are not divisible by {cp}; use recipe.cp_style=ring or a cp that divides the heads")
 
 
+def check_model(style: str, cp: int, tp: int, hf_config: Any) -> None:
+    """What context parallelism needs of the model (``transformers`` config), checked before
+    anything is built: Ulysses' heads per tensor-parallel rank divisible by cp
+    (:func:`check_heads`), no attention dropout (the split attention applies none), no
+    sliding-window layers.
+
+    Raises:
+        ConfigError: naming the model field and the fix.
+    """
+    if cp == 1:
+        return
+    heads = hf_config.num_attention_heads
+    check_heads(style, cp, heads // tp, getattr(hf_config, "num_key_value_heads", None) or heads)
+    if float(getattr(hf_config, "attention_dropout", 0.0) or 0.0) > 0:
+        raise ConfigError(f"recipe.cp={cp} with model.architecture.attention_dropout={hf_config.attention_dropout}: "
+                          "the context-parallel attention applies no dropout; set it to 0")
+    if getattr(hf_config, "use_sliding_window", False) and getattr(hf_config, "sliding_window", None):
+        raise ConfigError(f"recipe.cp={cp}: the model uses sliding-window attention "
+                          f"(sliding_window={hf_config.sliding_window}), which the context-parallel attention does "
+                          "not mask; set model.architecture.use_sliding_window=false or recipe.cp=1")
+
+
 class ContextParallel:
     """One rank's view of a context-parallel group: splits batches, and runs attention over the
     split sequences (the attention function reads the row layout the last :meth:`split` set).

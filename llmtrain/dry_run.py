@@ -77,12 +77,20 @@ def dry_run(cfg: Any, world_size: int) -> str:
     dims = ParallelDims.from_layout(layout)
     hf_config = model_config(cfg.model)
     dims.check_model_config(hf_config, r.pp_stages_per_rank)
+    from llmtrain.context_parallel import check_model
+
+    check_model(r.cp_style, dims.cp, dims.tp, hf_config)
     accumulation = layout.accumulation
     lines = [f"dry run of recipe {r.name} (engine {r.engine}, ZeRO {r.zero_stage}) on {world_size} ranks: "
              f"pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} x tp {dims.tp}"
-             f"{f' ({r.cp_style}: each row split over the cp ranks, which read the same samples)' if dims.cp > 1 else ''}; "
+             f"{f' ({r.cp_style})' if dims.cp > 1 else ''}; "
              f"global batch {cfg.trainer.global_batch_size} = micro {cfg.trainer.micro_batch_size} x accumulation "
              f"{accumulation} x dp {dims.dp}"]
+    if dims.cp > 1:
+        lines.append(f"each row is split over the {dims.cp} ranks of a cp group (neighbouring ranks, same samples); "
+                     + (f"FSDP2 shards over dp_shard x cp = {dims.dp_shard * dims.cp} ranks, so even a replicating "
+                        "recipe (zero_stage 0) shards over its cp ranks" if r.engine == "torch" else
+                        "DeepSpeed counts every rank as data parallel (its train_batch_size includes the cp ranks)"))
     if r.engine == "deepspeed":
         lines += _deepspeed_report(cfg, world_size, accumulation, hf_config)
         lines.append(f"computed in {time.perf_counter() - started:.1f} s from DeepSpeed's partitioning rules "

@@ -255,6 +255,11 @@ def fsdp_mesh(mesh, dims):
         flat = mesh["dp_shard", "cp"]._flatten(shard)  # a second call (the reference copy) finds the first
         if dims.dp_replicate == 1:
             return flat
+        import warnings
+
+        with warnings.catch_warnings():  # torch 2.13 has no other way to pair a flattened dim with another
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+            return mesh["dp_replicate", shard]
     return mesh["dp_replicate", shard] if dims.dp_replicate > 1 else mesh[shard]
 
 

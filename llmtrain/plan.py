@@ -58,7 +58,7 @@ import torch
 
 from llmtrain.config import (PREFERENCE_OBJECTIVES, ConfigError, compose, parse_bytes, validate_chunked_loss,
                              validate_context_parallel, validate_objective)
-from llmtrain.context_parallel import check_heads
+from llmtrain.context_parallel import check_model
 
 GIB = 2**30
 DEFAULT_MARGIN = 0.1  # of device memory, for the allocator's fragmentation and the CUDA context
@@ -286,8 +286,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         lay = layout(cfg, world_size, micro_batch_size=micro)  # degrees, accumulation, pipeline micro-batches
         dims = ParallelDims.from_layout(lay)
         dims.check_model_config(hf_config, r.pp_stages_per_rank)
-        heads = hf_config.num_attention_heads
-        check_heads(r.cp_style, dims.cp, heads // dims.tp, getattr(hf_config, "num_key_value_heads", None) or heads)
+        check_model(r.cp_style, dims.cp, dims.tp, hf_config)
     except ConfigError as err:
         plan.error = str(err)
         return plan
@@ -448,10 +447,10 @@ def recipe_names() -> list[str]:
     return sorted(p.stem for p in Path(RECIPES_DIR).glob("*.yaml") if p.stem != "auto")
 
 
-def with_recipe(cfg: Any, name: str, cp: int = 1, **trainer: Any) -> Any:
+def with_recipe(cfg: Any, name: str, cp: int = 1, cp_style: str | None = None, **trainer: Any) -> Any:
     """A copy of ``cfg`` with ``recipes/<name>.yaml`` as its recipe (on the recipe's own engine),
-    ``recipe.cp`` = ``cp`` (Ulysses where the heads divide, else ring) and ``trainer`` fields
-    replaced."""
+    ``recipe.cp`` = ``cp`` with ``cp_style`` (None: Ulysses where the heads divide, else ring) and
+    ``trainer`` fields replaced."""
     from omegaconf import OmegaConf
 
     from llmtrain.config import load_recipe
@@ -463,7 +462,8 @@ def with_recipe(cfg: Any, name: str, cp: int = 1, **trainer: Any) -> Any:
     new.recipe = load_recipe(name)
     if cp > 1:
         new.recipe.cp = cp
-        new.recipe.cp_style = "ulysses" if model_config(cfg.model).num_attention_heads % cp == 0 else "ring"
+        new.recipe.cp_style = cp_style or ("ulysses" if model_config(cfg.model).num_attention_heads % cp == 0
+                                           else "ring")
     for key, value in trainer.items():
         new.trainer[key] = value
     return new
@@ -471,8 +471,11 @@ def with_recipe(cfg: Any, name: str, cp: int = 1, **trainer: Any) -> Any:
 
 def plan_all(cfg: Any, world_size: int, checkpointing: bool | None = None) -> list[RankPlan]:
     """One :class:`RankPlan` per shipped recipe on ``world_size`` ranks for ``cfg``'s model,
-    data and trainer settings (``checkpointing``: override ``trainer.activation_checkpointing``)."""
-    return [plan_recipe(with_recipe(cfg, name), world_size, checkpointing=checkpointing) for name in recipe_names()]
+    data and trainer settings, at the run's ``recipe.cp`` and ``recipe.cp_style``
+    (``checkpointing``: override ``trainer.activation_checkpointing``)."""
+    cp, style = cfg.recipe.get("cp", 1), cfg.recipe.get("cp_style", "ulysses")
+    return [plan_recipe(with_recipe(cfg, name, cp, style), world_size, checkpointing=checkpointing)
+            for name in recipe_names()]
 
 
 @dataclass
@@ -520,7 +523,7 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
     for group, cp, ckpt in [(group, cp, ckpt) for group in (on_device, offloading)
                             for cp in cp_degrees(cfg, world_size)
                             for ckpt in ([False, True] if not cfg.trainer.activation_checkpointing else [True])]:
-        skip = set(invalid) if cp > 1 else set()  # a recipe invalid with whole rows stays so
+        skip: set[str] = set()  # recipes invalid at this cp (a batch that does not divide dp may at another)
         for name in group:
             for micro in micros:
                 if name in invalid if cp == 1 else name in skip:
@@ -560,13 +563,17 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
     raise ConfigError(
         f"recipe.device_memory={fmt_bytes(device_memory)} fits no recipe on {world_size} ranks: the smallest per-rank "
         f"need is {fmt_bytes(smallest.total)} ({smallest.recipe}, micro-batch {smallest.micro_batch}"
-        f"{', activation checkpointing' if smallest.checkpointing else ''}) against a budget of {fmt_bytes(budget)}"
+        f"{', activation checkpointing' if smallest.checkpointing else ''}"
+        f"{f', context parallel cp={smallest.cp}' if smallest.cp > 1 else ''}) against a budget of {fmt_bytes(budget)}"
         + (f", with {fmt_bytes(smallest.host)} of host memory per rank against {fmt_bytes(host_budget)}"
            if smallest.host and host_budget is not None else "")
-        + (f"; {smallest.recipe} would fit on {fits_at} ranks: add ranks or use devices with more memory" if fits_at
-           else f"; more ranks do not help (activations {fmt_bytes(smallest.activations)} and temporaries "
-                f"{fmt_bytes(sum(smallest.temporaries.values()))} per rank do not shrink with data parallelism): "
-                "shorten data.seq_len, or use devices with more memory"))
+        + (f"; {smallest.recipe} would fit on {fits_at[0]} ranks"
+           f"{f' with recipe.cp={fits_at[1]}' if fits_at[1] > 1 else ''}: add ranks or use devices with more memory"
+           if fits_at else
+           f"; more ranks do not help (activations {fmt_bytes(smallest.activations)} and temporaries "
+           f"{fmt_bytes(sum(smallest.temporaries.values()))} per rank do not shrink with data parallelism"
+           f"{', nor with context parallelism up to cp=8' if cp_degrees(cfg, world_size * 64)[-1] > 1 else ''}): "
+           "shorten data.seq_len, or use devices with more memory"))
 
 
 def cp_degrees(cfg: Any, world_size: int) -> list[int]:
@@ -613,13 +620,16 @@ def check_auto_overrides(cfg: Any) -> None:
                           f"{'them' if len(given) > 1 else 'it'}")
 
 
-def _ranks_to_fit(cfg: Any, recipe: str, world_size: int, fits: Any) -> int | None:
-    """The smallest doubling of ``world_size`` (up to 64x) at which ``recipe`` ``fits``, or None."""
+def _ranks_to_fit(cfg: Any, recipe: str, world_size: int, fits: Any) -> tuple[int, int] | None:
+    """``(ranks, cp)``: the smallest doubling of ``world_size`` (up to 64x) at which ``recipe``
+    ``fits`` (micro-batch 1, activation checkpointing), with the smallest context-parallel degree
+    that does (:func:`cp_degrees`), or None."""
     n = world_size * 2
     while n <= world_size * 64:
-        plan = plan_recipe(with_recipe(cfg, recipe), n, micro_batch=1, checkpointing=True)
-        if not plan.error and fits(plan):
-            return n
+        for cp in cp_degrees(cfg, n):
+            plan = plan_recipe(with_recipe(cfg, recipe, cp), n, micro_batch=1, checkpointing=True)
+            if not plan.error and fits(plan):
+                return n, cp
         n *= 2
     return None
 

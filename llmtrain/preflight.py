@@ -2,7 +2,8 @@
 
 :func:`llmtrain.config.validate` checks the config itself and is pure; what depends on this
 machine lives here: the packages a tracker backend needs, an MLflow server's reachability, a
-configured wandb API key, a Jinja ``data.template`` file, and ``run_dir`` not being a file. A run
+configured wandb API key, a Jinja ``data.template`` file, ``run_dir`` not being a file, and, with
+context parallelism, the model's heads and attention dropout. A run
 calls :func:`preflight` right after ``validate``, before anything is built or written; the planner
 does not (it lays out runs for other machines).
 """
@@ -63,6 +64,23 @@ def preflight_tracker(tr: Any) -> None:
                  "WANDB_API_KEY (or run `wandb login`), or use tracker.wandb_mode=offline")
 
 
+def preflight_context_parallel(cfg: Any) -> None:
+    """With ``recipe.cp`` > 1, what the split attention needs of the model's config (read here:
+    a local folder's ``config.json`` or the architecture fields), before anything is written
+    (:func:`llmtrain.context_parallel.check_model`).
+
+    Raises:
+        ConfigError: Ulysses heads not divisible, attention dropout, sliding-window layers.
+    """
+    r = cfg.recipe
+    if r.get("cp", 1) == 1:
+        return
+    from llmtrain.context_parallel import check_model
+    from llmtrain.models import model_config
+
+    check_model(r.cp_style, r.cp, max(1, r.tp), model_config(cfg.model))
+
+
 def preflight(cfg: Any) -> None:
     """Every machine check of ``cfg`` (a config :func:`llmtrain.config.validate` accepted):
     :func:`preflight_data`, :func:`preflight_tracker`, and ``run_dir`` a folder that exists or
@@ -73,6 +91,7 @@ def preflight(cfg: Any) -> None:
     """
     preflight_data(cfg.data)
     preflight_tracker(cfg.tracker)
+    preflight_context_parallel(cfg)
     run_dir = Path(str(cfg.run_dir)).expanduser().absolute()
     _require(not run_dir.is_file(), f"run_dir={cfg.run_dir} is a file; point run_dir at a folder")
     existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())  # the root always exists

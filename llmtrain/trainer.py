@@ -525,6 +525,10 @@ class Trainer:
         """The engine with the model built inside its init context (ZeRO-3 partitions as it is
         built), LoRA/frozen parameters applied, and a resume's checkpoint prepared."""
         self.dims.check_model_config(self.hf_config, self.cfg.recipe.pp_stages_per_rank)
+        if self.dims.cp > 1:
+            from llmtrain.context_parallel import check_model
+
+            check_model(self.cfg.recipe.cp_style, self.dims.cp, self.dims.tp, self.hf_config)
         self.phases.begin("engine", _engine_detail(self.cfg))  # DeepSpeed imports and loads (or builds) its ops here
         engine = build_engine(self.cfg, self.env, self.accumulation, self.dims, self.objective)
         self.phases.begin("model", _model_detail(self.cfg.model))
@@ -657,7 +661,7 @@ class Trainer:
                      len(self.splits.val), self.objective.name, cfg.recipe.name, cfg.recipe.engine,
                      cfg.recipe.zero_stage, env.world_size, dims.dp, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp,
                      f" ({cfg.recipe.pp_schedule}, {cfg.recipe.pp_stages_per_rank} stage(s) per rank)" if dims.pp > 1
-                     else "", f" x cp {dims.cp} ({cfg.recipe.cp_style})" if dims.cp > 1 else "", t.global_batch_size, t.micro_batch_size, self.accumulation, dims.dp)
+                     else "", _long_context_detail(cfg, dims), t.global_batch_size, t.micro_batch_size, self.accumulation, dims.dp)
             log.info("%s", data.describe(self.splits))
         if self.partial:
             _log_trainable(self.engine, cfg, dims, env.is_main)
@@ -824,6 +828,20 @@ def _loss_spike(loss: float, state: checkpoint.TrainState, factor: float) -> str
     if factor and state.loss_ema_steps >= SPIKE_AFTER_STEPS and loss > factor * state.loss_ema:
         return f"is above trainer.spike_factor={factor} x the running mean loss {state.loss_ema:.4f}"
     return None
+
+
+def _long_context_detail(cfg: Any, dims: ParallelDims) -> str:
+    """The start-up line's context-parallel, sequence-parallel and chunked-loss settings."""
+    parts = []
+    if dims.cp > 1:
+        parts.append(f" x cp {dims.cp} ({cfg.recipe.cp_style}; FSDP2 shards over dp_shard x cp = {dims.dp_shard * dims.cp}"
+                     if cfg.recipe.engine == "torch" else f" x cp {dims.cp} ({cfg.recipe.cp_style}; ZeRO over every rank")
+        parts[-1] += ")"
+    if cfg.recipe.get("tp_sequence_parallel"):
+        parts.append(" with sequence parallelism inside tp")
+    if cfg.trainer.get("loss_chunk_tokens"):
+        parts.append(f"; loss in chunks of {cfg.trainer.loss_chunk_tokens} tokens")
+    return "".join(parts)
 
 
 def _check_same_layout(cfg: Any, device: torch.device) -> None:

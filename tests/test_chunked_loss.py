@@ -162,3 +162,35 @@ def test_installed_head_gives_the_plain_loss_and_gradients():
         assert err <= 1e-6 * float(expected[name].abs().max()), (name, err)
     head.targets = None
     assert model(input_ids=ids).logits.shape == (2, 40, 300)  # no targets: the plain output layer
+
+
+@pytest.mark.parametrize("name", ["causal_lm", "dpo", "simpo"])
+def test_objectives_give_the_same_sums_from_label_logps_as_from_logits(name):
+    """The seam the chunked head feeds: each objective that declares ``label_logps_only`` gives
+    the same loss and metrics from next-label log-probs ``[B, T]`` as from the logits."""
+    from omegaconf import OmegaConf
+
+    from llmtrain.data.preference import PairCollator
+    from llmtrain.objectives import build_objective
+
+    torch.manual_seed(0)
+    objective = build_objective(OmegaConf.create({"name": name, "beta": 0.1, "loss_type": "sigmoid",
+                                                  "label_smoothing": 0.0, "gamma": 0.5}))
+    assert objective.label_logps_only
+    if name == "causal_lm":
+        ids = torch.randint(0, 50, (3, 12))
+        batch = {"input_ids": ids, "labels": ids.masked_fill(torch.rand(3, 12) < 0.3, -100)}
+    else:
+        items = [{"chosen_ids": torch.randint(0, 50, (n,)).tolist(), "rejected_ids": torch.randint(0, 50, (n + 2,)).tolist(),
+                  "prompt_len": 3} for n in (6, 9)]
+        batch = PairCollator(0)(items)
+        batch["ref_logps"] = torch.zeros(batch["input_ids"].shape)
+        batch["ref_logps"][batch["labels"] != -100] = -1.5
+    logits = torch.randn(*batch["input_ids"].shape, 50)
+    shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    label_logps = torch.where(shifted != -100, torch.log_softmax(logits, -1).gather(
+        -1, shifted.clamp(min=0)[..., None])[..., 0], torch.zeros(()))
+    whole, chunked = objective.loss_sums(logits, batch), objective.loss_sums(label_logps, batch)
+    torch.testing.assert_close(chunked.loss, whole.loss, rtol=1e-6, atol=1e-6)
+    for key, value in whole.metrics.items():
+        torch.testing.assert_close(chunked.metrics[key], value, rtol=1e-6, atol=1e-6, msg=key)
