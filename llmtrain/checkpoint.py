@@ -588,7 +588,10 @@ class CheckpointManager:
 RESUMABLE_CHANGES = ("name", "run_dir", "tracker", "trainer.max_steps", "trainer.eval_every", "trainer.eval_samples",
                      "trainer.log_every", "trainer.save_every", "trainer.save_every_minutes", "trainer.keep_checkpoints",
                      "trainer.checkpoint_hash", "trainer.async_checkpoint", "trainer.resume", "trainer.preempt_signal", "trainer.export_hf", "trainer.progress_bar",
-                     "trainer.peak_tflops", "trainer.hang_timeout_s")
+                     "trainer.peak_tflops", "trainer.hang_timeout_s",
+                     # Memory knobs that do not change what is computed (recomputation, the loss in
+                     # chunks, where each row's tokens live): what a run that ran out of memory changes.
+                     "trainer.activation_checkpointing", "trainer.loss_chunk_tokens", "recipe.cp", "recipe.cp_style")
 
 
 # With the torch engine on both sides, the checkpoint is a Distributed Checkpoint keyed by

@@ -49,13 +49,16 @@ class ChunkedLabelLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, group, vocab_start):
+    def forward(ctx, hidden, weight, bias, targets, chunk, group, vocab_start, shape=None):
         import torch.distributed as dist
 
         device = hidden.device.type
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), device)
         n, v_local = hidden.shape[0], weight.shape[0]
-        out = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        # Allocated in the caller's shape (``shape``, e.g. [B, T]): a view of it returned from an
+        # FSDP2 root would make FSDP2 warn about in-place use of views.
+        whole = torch.zeros(shape or (n,), dtype=torch.float32, device=hidden.device)
+        out = whole.view(-1)
         lses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             stop = min(n, start + chunk)
@@ -74,7 +77,7 @@ class ChunkedLabelLogps(torch.autograd.Function):
             lses[start:stop] = lse
         ctx.save_for_backward(hidden, weight, bias, targets, lses)
         ctx.chunk, ctx.group, ctx.vocab_start = chunk, group, vocab_start
-        return out
+        return whole
 
     @staticmethod
     def _logits(hidden, weight, bias):
@@ -88,6 +91,7 @@ class ChunkedLabelLogps(torch.autograd.Function):
         import torch.distributed as dist
 
         hidden, weight, bias, targets, lses = ctx.saved_tensors
+        grad = grad.reshape(-1)
         enabled, dtype, device = ctx.autocast
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -111,7 +115,7 @@ class ChunkedLabelLogps(torch.autograd.Function):
                     grad_bias += d_logits.sum(0)
         _reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)  # each rank's vocabulary rows add to dh
         return (grad_hidden, grad_weight.to(weight.dtype),
-                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None)
+                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None, None)
 
 
 class ChunkedHead:
@@ -154,11 +158,26 @@ class ChunkedHead:
             hidden = hidden.to_local()
         rows, length = hidden.shape[:2]
         logps = ChunkedLabelLogps.apply(hidden.reshape(rows * length, -1), weight, bias,
-                                        targets.reshape(-1).to(hidden.device), self.chunk, group, start)
-        logps = logps.view(rows, length)
+                                        targets.reshape(-1).to(hidden.device), self.chunk, group, start, (rows, length))
         if mesh is not None:  # ColwiseParallel's output hook expects a DTensor; the values are whole
             logps = DTensor.from_local(logps, mesh, [Replicate()], run_check=False)
         return logps
+
+
+def check_model(hf_config) -> None:
+    """A model whose forward transforms the head's output (Gemma-2's ``final_logit_softcapping``)
+    would transform the log-probs the chunked head returns instead of the logits.
+
+    Raises:
+        ConfigError: naming the model field.
+    """
+    from llmtrain.errors import ConfigError
+
+    cap = getattr(hf_config, "final_logit_softcapping", None)
+    if cap:
+        raise ConfigError(f"trainer.loss_chunk_tokens with a model whose logits are soft-capped after the output layer "
+                          f"(final_logit_softcapping={cap}): the chunked head returns log-probs, not logits; set "
+                          "trainer.loss_chunk_tokens=0")
 
 
 def install(model: torch.nn.Module, chunk_tokens: int) -> ChunkedHead:
@@ -166,7 +185,9 @@ def install(model: torch.nn.Module, chunk_tokens: int) -> ChunkedHead:
 
     Raises:
         ValueError: the model has no output embedding (a classification head).
+        ConfigError: see :func:`check_model`.
     """
+    check_model(model.config)
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embedding for trainer.loss_chunk_tokens")

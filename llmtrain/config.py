@@ -1163,6 +1163,8 @@ def validate_sequence_parallel(r: Any) -> None:
              "with tp (tp, fsdp_tp) or turn it off")
     _require(r.pp == 1, f"recipe.tp_sequence_parallel=true with recipe.pp={r.pp}: not with pipeline stages; "
              "turn it off or use fsdp_tp")
+    _require(not r.compile, "recipe.tp_sequence_parallel=true with recipe.compile=true: torch.compile fails on the "
+             "sequence-sharded norms in torch 2.13 (Dynamo: unhashable SymInt); turn one of them off")
 
 
 def validate_context_parallel(cfg: Any) -> None:

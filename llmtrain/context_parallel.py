@@ -77,7 +77,7 @@ def check_model(style: str, cp: int, tp: int, hf_config: Any) -> None:
     """What context parallelism needs of the model (``transformers`` config), checked before
     anything is built: Ulysses' heads per tensor-parallel rank divisible by cp
     (:func:`check_heads`), no attention dropout (the split attention applies none), no
-    sliding-window layers.
+    attention soft-capping, no sliding-window layers.
 
     Raises:
         ConfigError: naming the model field and the fix.
@@ -89,6 +89,10 @@ def check_model(style: str, cp: int, tp: int, hf_config: Any) -> None:
     if float(getattr(hf_config, "attention_dropout", 0.0) or 0.0) > 0:
         raise ConfigError(f"recipe.cp={cp} with model.architecture.attention_dropout={hf_config.attention_dropout}: "
                           "the context-parallel attention applies no dropout; set it to 0")
+    for field in ("attn_logit_softcapping",):
+        if getattr(hf_config, field, None):
+            raise ConfigError(f"recipe.cp={cp} with model.architecture.{field}={getattr(hf_config, field)}: the "
+                              "context-parallel attention computes plain softmax attention; set recipe.cp=1")
     if getattr(hf_config, "use_sliding_window", False) and getattr(hf_config, "sliding_window", None):
         raise ConfigError(f"recipe.cp={cp}: the model uses sliding-window attention "
                           f"(sliding_window={hf_config.sliding_window}), which the context-parallel attention does "
@@ -175,6 +179,9 @@ class ContextParallel:
             raise ConfigError("recipe.cp > 1 does not apply attention dropout; set model.architecture.attention_dropout=0")
         if kwargs.get("sliding_window"):
             raise ConfigError("recipe.cp > 1 does not support sliding-window attention layers")
+        if kwargs.get("softcap") or kwargs.get("s_aux") is not None:
+            raise ConfigError("recipe.cp > 1 computes plain softmax attention: this model's attention has a soft cap "
+                              "or sink logits (softcap / s_aux); set recipe.cp=1")
         if self._index is None:
             raise RuntimeError("context-parallel attention called before ContextParallel.split set the row layout")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -82,8 +82,8 @@ def dry_run(cfg: Any, world_size: int) -> str:
     check_model(r.cp_style, dims.cp, dims.tp, hf_config)
     accumulation = layout.accumulation
     lines = [f"dry run of recipe {r.name} (engine {r.engine}, ZeRO {r.zero_stage}) on {world_size} ranks: "
-             f"pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp {dims.cp} x tp {dims.tp}"
-             f"{f' ({r.cp_style})' if dims.cp > 1 else ''}; "
+             f"pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
+             f"{f' x cp {dims.cp} ({r.cp_style})' if dims.cp > 1 else ''} x tp {dims.tp}; "
              f"global batch {cfg.trainer.global_batch_size} = micro {cfg.trainer.micro_batch_size} x accumulation "
              f"{accumulation} x dp {dims.dp}"]
     if dims.cp > 1:

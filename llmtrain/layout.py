@@ -95,7 +95,17 @@ def recipe_degrees(recipe: Any, world_size: int) -> tuple[int, int, int, int]:
     Raises:
         ConfigError: see :func:`resolve_degrees` and :func:`context_parallel_degree`.
     """
-    world_size //= context_parallel_degree(recipe, world_size)
+    cp = context_parallel_degree(recipe, world_size)
+    if cp > 1:
+        try:
+            return _recipe_degrees(recipe, world_size // cp)
+        except ConfigError as err:
+            raise ConfigError(f"{err} (recipe.cp={cp} takes its own factor: the other degrees multiply to world size "
+                              f"{world_size} / cp {cp} = {world_size // cp})") from None
+    return _recipe_degrees(recipe, world_size)
+
+
+def _recipe_degrees(recipe: Any, world_size: int) -> tuple[int, int, int, int]:
     replicate, shard = recipe.dp_replicate, recipe.dp_shard
     if shard is None:
         shard = -1 if recipe.zero_stage > 0 and -1 not in (replicate, recipe.tp, recipe.pp) else 1

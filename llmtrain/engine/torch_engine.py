@@ -22,6 +22,7 @@ class TorchEngine(Engine):
     def setup(self, model: torch.nn.Module) -> None:
         t = self.cfg.trainer
         self._model = model.to(self.env.device)
+        self._install_chunked_head(self._model)
         if t.activation_checkpointing:
             self._model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.wrapped = self._model
