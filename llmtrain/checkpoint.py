@@ -716,8 +716,9 @@ def check_resumable(resume_from: Path, cfg: Any, checkpoints: CheckpointManager,
                     "ignoring them", resume_from, ", ".join(ignored))
     layout = layout_changes(resume_from, current)
     if layout:
-        log.warning("resuming %s with another parallel layout (%s): the Distributed Checkpoint is resharded",
-                    resume_from, "; ".join(layout))
+        log.warning("resuming %s with another parallel layout (%s): %s", resume_from, "; ".join(layout),
+                    "the Distributed Checkpoint is resharded" if cfg.recipe.engine == "torch" else
+                    "each row's tokens are split anew; the ZeRO partitions follow the world size")
     if saved.step >= cfg.trainer.max_steps:
         log.warning("checkpoint %s is at step %d >= trainer.max_steps=%d: nothing to train (raise "
                     "trainer.max_steps to continue); exporting only", resume_from, saved.step,
