@@ -57,6 +57,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def train_rows(run_dir: Path, steps: int) -> list[dict]:
+    """The ``train/loss`` rows of ``run_dir/metrics.jsonl``, checked to be steps 1..``steps`` once each."""
+    rows = [r for r in read_metrics(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    return rows
+
+
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-4000:]}\nSTDERR:\n{proc.stderr[-8000:]}"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, assert_ok, make_cfg, read_metrics, run_cli, run_scenarios
+from conftest import FAST, assert_ok, make_cfg, run_cli, run_scenarios, train_rows
 from test_resume import launch, wait_for_step
 
 from llmtrain.context_parallel import chunk_order, local_index
@@ -251,9 +251,7 @@ def runs(shared_data, tmp_path_factory) -> dict[str, Path]:
 
 
 def per_step(run_dir: Path) -> list[dict]:
-    rows = [r for r in read_metrics(run_dir) if "train/loss" in r]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    return rows
+    return train_rows(run_dir, STEPS)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, assert_ok, read_metrics, run_cli, run_scenarios
+from conftest import FAST, assert_ok, read_metrics, run_cli, run_scenarios, train_rows
 from test_resume import launch, wait_for_step
 
 STEPS = 8
@@ -88,9 +88,7 @@ def runs(pairs, short_pairs, tmp_path_factory) -> dict[tuple[str, int, str], Pat
 
 
 def per_step(run_dir: Path) -> list[dict]:
-    rows = [r for r in read_metrics(run_dir) if "train/loss" in r]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    return rows
+    return train_rows(run_dir, STEPS)
 
 
 @pytest.mark.slow
