@@ -69,6 +69,10 @@ def test_split_keeps_every_next_token_target_and_global_positions():
     expected = {(int(ids[b, i]), int(labels[b, i + 1])) for b in range(rows) for i in range(length - 1)
                 if labels[b, i + 1] != -100}
     assert pairs == expected
+    # the output gets one trailing column, which the objective's shift drops: output i stays at i
+    out = torch.randn(rows, length // cp, 3)
+    padded = ContextParallel.pad_output(out)
+    assert torch.equal(padded[:, :-1], out) and not padded[:, -1].any()
 
 
 @pytest.mark.parametrize("overrides,message", [
