@@ -120,35 +120,44 @@ class ContextParallel:
         self._index: torch.Tensor | None = None  # [T/cp] global indices this rank holds
         self._documents: torch.Tensor | None = None  # [B, T] document id per token (packed rows)
         self._length = 0
+        self._layout_cache: dict = {}
 
     # ---- batches ---------------------------------------------------------------------------
     def split(self, batch: dict[str, torch.Tensor], carries: Mapping[str, float]) -> dict[str, torch.Tensor]:
         """This rank's part of ``batch`` (every key ``[B, T]``): ``input_ids`` and global
-        ``position_ids`` ``[B, T/cp]`` (rows right-padded to a multiple of ``2 cp``), and each
-        :attr:`~llmtrain.objectives.Objective.carries` key shifted by one before the split and
-        given one leading pad column, ``[B, T/cp + 1]``: an objective's own shift (output ``i``
-        against carried ``i + 1``) then pairs each local output with its global next token once
-        the output gets a trailing column (:meth:`pad_output`)."""
+        ``position_ids`` ``[B, T/cp]``, and each :attr:`~llmtrain.objectives.Objective.carries` key
+        shifted by one before the split and given one leading pad column, ``[B, T/cp + 1]``: an
+        objective's own shift (output ``i`` against carried ``i + 1``) then pairs each local output
+        with its global next token once the output gets a trailing column (:meth:`pad_output`).
+
+        Raises:
+            ValueError: ``T`` is not a multiple of ``2 cp`` (engines right-pad batches to one first).
+        """
         ids = batch["input_ids"]
         rows, length = ids.shape
-        extra = -length % (2 * self.cp)
+        if length % (2 * self.cp):
+            raise ValueError(f"rows of {length} tokens cannot be split into 2 x cp = {2 * self.cp} chunks; "
+                             "pad them to a multiple first (Engine._padded_rows)")
         positions = batch.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=ids.device).expand(rows, -1)
-        if extra:  # pad tokens continue the last document; causal attention keeps them out of it
-            ids = F.pad(ids, (0, extra))
-            positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(extra, device=ids.device)], dim=1)
-        total = length + extra
-        index = local_index(total, self.cp, self.rank, ids.device)
+        index = local_index(length, self.cp, self.rank, ids.device)
         starts = positions == 0
         self._documents = starts.cumsum(1) if bool((starts.sum(1) > 1).any()) else None
-        self._index, self._length = index, total
+        self._index, self._length = index, length
+        self._layout_cache = {}  # masks and orders of this row layout, shared by every layer
         local = {"input_ids": ids[:, index], "position_ids": positions[:, index]}
         for key, pad in carries.items():
-            value = batch[key]
-            shifted = F.pad(value[:, 1:], (0, 1 + extra), value=pad)
+            shifted = F.pad(batch[key][:, 1:], (0, 1), value=pad)
             local[key] = F.pad(shifted[:, index], (1, 0), value=pad)
         return local
+
+    def _cached(self, key: Any, build):
+        """``build()`` once per row layout (:meth:`split`): every decoder layer, forward and
+        backward, uses the same masks and orders."""
+        if key not in self._layout_cache:
+            self._layout_cache[key] = build()
+        return self._layout_cache[key]
 
     @staticmethod
     def pad_output(output: torch.Tensor) -> torch.Tensor:
@@ -204,12 +213,7 @@ class ContextParallel:
         if k.shape[1] % cp:  # too few KV heads to split: replicate them up to the query heads
             k = k.repeat_interleave(heads // k.shape[1], dim=1)
             v = v.repeat_interleave(heads // v.shape[1], dim=1)
-        order = torch.tensor(chunk_order(cp), device=q.device)
-        chunk = local // 2
-        # natural chunk c sits at place order.index(c) of the gathered (rank-ordered) row
-        to_natural = torch.cat([torch.arange(p * chunk, (p + 1) * chunk, device=q.device)
-                                for p in torch.argsort(order).tolist()])
-        to_ranks = torch.argsort(to_natural)
+        to_natural, to_ranks = self._cached("ulysses order", lambda: self._ulysses_order(local // 2, q.device))
 
         def gather_sequence(x: torch.Tensor) -> torch.Tensor:  # [B, h, T/cp, D] -> [B, h/cp, T, D]
             h = x.shape[1] // cp
@@ -222,15 +226,24 @@ class ContextParallel:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             whole = torch.arange(self._length, device=q.device)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self._allowed(whole, whole), scale=scale,
-                                                 enable_gqa=gqa)
+            mask = self._cached("ulysses mask", lambda: self._allowed(whole, whole))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
         h = out.shape[1]
         out = out[:, :, to_ranks].reshape(b, h, cp, local, d).permute(2, 0, 1, 3, 4)  # [cp dest, B, h/cp, T/cp, D]
         out = self._all_to_all(out)  # [cp source = head group, B, h/cp, T/cp, D]
         return out.transpose(0, 1).reshape(b, heads, local, d)
 
+    def _ulysses_order(self, chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices from the gathered (rank-ordered) row to the natural one and back."""
+        order = torch.tensor(chunk_order(self.cp), device=device)
+        # natural chunk c sits at place order.index(c) of the gathered (rank-ordered) row
+        to_natural = torch.cat([torch.arange(p * chunk, (p + 1) * chunk, device=device)
+                                for p in torch.argsort(order).tolist()])
+        return to_natural, torch.argsort(to_natural)
+
     def _shift(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` from the previous cp rank (this rank's goes to the next), differentiably."""
+        """``x`` from the previous cp rank (this rank's goes to the next); differentiable under
+        autograd, plain inside :class:`_RingFlash`, which owns its backward."""
         n = x.numel()
         send, receive = [0] * self.cp, [0] * self.cp
         send[(self.rank + 1) % self.cp], receive[(self.rank - 1) % self.cp] = n, n
@@ -241,19 +254,10 @@ class ContextParallel:
             return _RingFlash.apply(q, k, v, self, scale)
         return self._ring_eager(q, k, v, scale)
 
-    def _shift_plain(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`_shift` outside autograd (inside :class:`_RingFlash`, which owns its backward)."""
-        import torch.distributed as dist
-
-        n = x.numel()
-        send, receive = [0] * self.cp, [0] * self.cp
-        send[(self.rank + 1) % self.cp], receive[(self.rank - 1) % self.cp] = n, n
-        out = torch.empty(n, dtype=x.dtype, device=x.device)
-        dist.all_to_all_single(out, x.reshape(-1).contiguous(), output_split_sizes=receive,
-                               input_split_sizes=send, group=self.group)
-        return out.view_as(x)
-
     def _pieces(self, source: int, device: torch.device):
+        return self._cached(("ring pieces", source), lambda: self._build_pieces(source, device))
+
+    def _build_pieces(self, source: int, device: torch.device):
         """The (query chunk, key chunk) pairs of this rank's queries against ``source``'s keys that
         see anything: ``(a, b, causal, additive mask or None)``, chunks 0/1 = head/tail of each
         side. A key chunk after the query chunk is skipped, the same chunk is causal, an earlier
@@ -346,7 +350,7 @@ class _RingFlash(torch.autograd.Function):
                 out, lse = _flash_forward(q_parts[a], kb[:, :, keys], vb[:, :, keys], scale, causal, mask)
                 acc[a] = _merge(acc[a], out, lse)
             if step + 1 < context.cp:
-                kv = context._shift_plain(kv)
+                kv = context._shift(kv)
         out = torch.cat([acc[0][0], acc[1][0]], dim=2).to(q.dtype)
         lse = torch.cat([acc[0][1], acc[1][1]], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -379,8 +383,8 @@ class _RingFlash(torch.autograd.Function):
                 dkv[0][:, :, keys] += dk.float().view(shape).sum(2)  # repeated KV heads add up
                 dkv[1][:, :, keys] += dv.float().view(shape).sum(2)
             if step + 1 < context.cp:
-                kv = context._shift_plain(kv)
-            dkv = context._shift_plain(dkv)  # after the last step this brings each buffer home
+                kv = context._shift(kv)
+            dkv = context._shift(dkv)  # after the last step this brings each buffer home
         return grad_q.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 

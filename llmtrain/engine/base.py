@@ -252,16 +252,11 @@ class Engine(ABC):
             self.chunked_head = install(model, chunk)
 
     def _install_context_parallel(self, model: torch.nn.Module, group) -> None:
-        """Split rows over ``group`` (this rank's cp peers) with ``recipe.cp_style`` attention.
+        """Split rows over ``group`` (this rank's cp peers) with ``recipe.cp_style`` attention
+        (the model was checked for it before the engine was built:
+        :func:`llmtrain.context_parallel.check_model`)."""
+        from llmtrain.context_parallel import ContextParallel, install
 
-        Raises:
-            ConfigError: Ulysses with heads (per tensor-parallel rank) not divisible by cp.
-        """
-        from llmtrain.context_parallel import ContextParallel, check_heads, install
-
-        heads = model.config.num_attention_heads
-        kv = getattr(model.config, "num_key_value_heads", None) or heads
-        check_heads(self.cfg.recipe.cp_style, self.dims.cp, heads // self.dims.tp, kv)
         self.context = ContextParallel(group, self.cfg.recipe.cp_style)
         install(model, self.context)
 
