@@ -238,6 +238,7 @@ class RankPlan:
     host: int = 0
     stage: int = 0
     cp: int = 1
+    cp_style: str = "ulysses"
     error: str | None = None
 
     @property
@@ -294,7 +295,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     if dims.tp > 1 and shape.tp_plan_error:
         plan.error = shape.tp_plan_error
         return plan
-    plan.cp = dims.cp
+    plan.cp, plan.cp_style = dims.cp, r.cp_style
     plan.degrees = f"dp {dims.dp_replicate}x{dims.dp_shard} tp {dims.tp} pp {dims.pp}" + (
         f" cp {dims.cp}" if dims.cp > 1 else "")
     accumulation = plan.accumulation = lay.accumulation
@@ -447,23 +448,19 @@ def recipe_names() -> list[str]:
     return sorted(p.stem for p in Path(RECIPES_DIR).glob("*.yaml") if p.stem != "auto")
 
 
-def with_recipe(cfg: Any, name: str, cp: int = 1, cp_style: str | None = None, **trainer: Any) -> Any:
+def with_recipe(cfg: Any, name: str, cp: int = 1, cp_style: str = "ulysses", **trainer: Any) -> Any:
     """A copy of ``cfg`` with ``recipes/<name>.yaml`` as its recipe (on the recipe's own engine),
-    ``recipe.cp`` = ``cp`` with ``cp_style`` (None: Ulysses where the heads divide, else ring) and
-    ``trainer`` fields replaced."""
+    ``recipe.cp`` = ``cp`` with ``cp_style``, and ``trainer`` fields replaced."""
     from omegaconf import OmegaConf
 
     from llmtrain.config import load_recipe
-    from llmtrain.models import model_config
 
     new = copy.deepcopy(cfg)
     OmegaConf.set_readonly(new, False)
     new.engine = None
     new.recipe = load_recipe(name)
     if cp > 1:
-        new.recipe.cp = cp
-        new.recipe.cp_style = cp_style or ("ulysses" if model_config(cfg.model).num_attention_heads % cp == 0
-                                           else "ring")
+        new.recipe.cp, new.recipe.cp_style = cp, cp_style
     for key, value in trainer.items():
         new.trainer[key] = value
     return new
@@ -513,6 +510,9 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
     reasons = [f"budget per rank: {fmt_bytes(budget)} = device memory {fmt_bytes(device_memory)} x (1 - margin "
                f"{margin:g}); preference (communication per step, then pipeline bubble, then offload): "
                f"{', '.join(PREFERENCE)}"]
+    from llmtrain.models import model_config
+
+    hf_config = model_config(cfg.model)  # read once for every candidate
     smallest: RankPlan | None = None
     names = [n for n in PREFERENCE if n in recipe_names()]
     micros = [m for m in range(cfg.trainer.micro_batch_size, 0, -1) if cfg.trainer.global_batch_size % m == 0]
@@ -528,7 +528,8 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
             for micro in micros:
                 if name in invalid if cp == 1 else name in skip:
                     break
-                plan = plan_recipe(with_recipe(cfg, name, cp), world_size, micro_batch=micro, checkpointing=ckpt)
+                plan = plan_recipe(with_recipe(cfg, name, cp, auto_cp_style(hf_config, cp)), world_size, hf_config,
+                                   micro_batch=micro, checkpointing=ckpt)
                 if plan.error:
                     if micro == micros[0]:  # a layout error, not one of this micro-batch
                         if cp == 1:
@@ -538,7 +539,7 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
                 if smallest is None or plan.total < smallest.total:
                     smallest = plan
                 if fits(plan):
-                    if problem := _config_problem(cfg, name, world_size, micro, ckpt, cp):
+                    if problem := _config_problem(cfg, name, world_size, micro, ckpt, cp, plan.cp_style):
                         if cp == 1:
                             invalid[name] = problem  # fits, but another setting of the run rules it out
                         skip.add(name)
@@ -559,7 +560,7 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
     if smallest is None:
         raise ConfigError(f"+recipe=auto: no shipped recipe is valid on world size {world_size} for this model and "
                           f"batch: {'; '.join(reasons[1:])}")
-    fits_at = _ranks_to_fit(cfg, smallest.recipe, world_size, fits)
+    fits_at = _ranks_to_fit(cfg, smallest.recipe, world_size, fits, hf_config)
     raise ConfigError(
         f"recipe.device_memory={fmt_bytes(device_memory)} fits no recipe on {world_size} ranks: the smallest per-rank "
         f"need is {fmt_bytes(smallest.total)} ({smallest.recipe}, micro-batch {smallest.micro_batch}"
@@ -586,12 +587,19 @@ def cp_degrees(cfg: Any, world_size: int) -> list[int]:
     return [1] + [cp for cp in (2, 4, 8) if world_size % cp == 0 and cfg.data.seq_len % (2 * cp) == 0]
 
 
-def _config_problem(cfg: Any, recipe: str, world_size: int, micro: int, ckpt: bool, cp: int = 1) -> str | None:
+def auto_cp_style(hf_config: Any, cp: int) -> str:
+    """``+recipe=auto``'s context-parallel style: Ulysses where the attention heads divide by cp
+    (fewer collectives per layer), else ring."""
+    return "ulysses" if hf_config.num_attention_heads % cp == 0 else "ring"
+
+
+def _config_problem(cfg: Any, recipe: str, world_size: int, micro: int, ckpt: bool, cp: int = 1,
+                    cp_style: str = "ulysses") -> str | None:
     """Why the run's config rejects this layout (``llmtrain.config.validate``, pure: no package,
     server or file is looked at; e.g. ``trainer.async_checkpoint`` on DeepSpeed), or None."""
     from llmtrain.config import validate
 
-    candidate = with_recipe(cfg, recipe, cp, micro_batch_size=micro, activation_checkpointing=ckpt)
+    candidate = with_recipe(cfg, recipe, cp, cp_style, micro_batch_size=micro, activation_checkpointing=ckpt)
     try:
         validate(candidate, world_size)
     except ConfigError as err:
@@ -620,14 +628,15 @@ def check_auto_overrides(cfg: Any) -> None:
                           f"{'them' if len(given) > 1 else 'it'}")
 
 
-def _ranks_to_fit(cfg: Any, recipe: str, world_size: int, fits: Any) -> tuple[int, int] | None:
+def _ranks_to_fit(cfg: Any, recipe: str, world_size: int, fits: Any, hf_config: Any) -> tuple[int, int] | None:
     """``(ranks, cp)``: the smallest doubling of ``world_size`` (up to 64x) at which ``recipe``
     ``fits`` (micro-batch 1, activation checkpointing), with the smallest context-parallel degree
     that does (:func:`cp_degrees`), or None."""
     n = world_size * 2
     while n <= world_size * 64:
         for cp in cp_degrees(cfg, n):
-            plan = plan_recipe(with_recipe(cfg, recipe, cp), n, micro_batch=1, checkpointing=True)
+            plan = plan_recipe(with_recipe(cfg, recipe, cp, auto_cp_style(hf_config, cp)), n, hf_config, micro_batch=1,
+                               checkpointing=True)
             if not plan.error and fits(plan):
                 return n, cp
         n *= 2
@@ -667,7 +676,8 @@ def resolve_auto(cfg: Any, world_size: int, device: torch.device) -> tuple[Any, 
 
 
 def _chosen_config(cfg: Any, choice: Choice) -> Any:
-    chosen = with_recipe(cfg, choice.plan.recipe, choice.plan.cp, micro_batch_size=choice.plan.micro_batch,
+    chosen = with_recipe(cfg, choice.plan.recipe, choice.plan.cp, choice.plan.cp_style,
+                         micro_batch_size=choice.plan.micro_batch,
                          activation_checkpointing=choice.plan.checkpointing)
     chosen.recipe.device_memory, chosen.recipe.memory_margin = cfg.recipe.device_memory, cfg.recipe.memory_margin
     # Marks the layout as chosen (the trainer checks that every rank chose alike) and keeps the
