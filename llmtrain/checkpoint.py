@@ -109,6 +109,9 @@ class TrainState:
     # Partial training (LoRA, model.freeze): the base weights the checkpoint's trainable
     # parameters belong to (llmtrain.adapters.base_fingerprint); None in full training.
     base_fingerprint: str | None = None
+    # Mixture-of-experts models: tokens routed to each expert [layer][expert] over all steps
+    # so far (the report's heatmap, exact across resumes); None for dense models.
+    expert_load: list[list[float]] | None = None
 
 
 def read_state(checkpoint_dir: Path) -> TrainState:
@@ -591,7 +594,9 @@ RESUMABLE_CHANGES = ("name", "run_dir", "tracker", "trainer.max_steps", "trainer
                      "trainer.peak_tflops", "trainer.hang_timeout_s",
                      # Memory knobs that do not change what is computed (recomputation, the loss in
                      # chunks, where each row's tokens live): what a run that ran out of memory changes.
-                     "trainer.activation_checkpointing", "trainer.loss_chunk_tokens", "recipe.cp", "recipe.cp_style")
+                     "trainer.activation_checkpointing", "trainer.loss_chunk_tokens", "recipe.cp", "recipe.cp_style",
+                     # The same experts' math by another kernel, and experts spread over other ranks.
+                     "model.experts_implementation", "recipe.ep")
 
 
 # With the torch engine on both sides, the checkpoint is a Distributed Checkpoint keyed by

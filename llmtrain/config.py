@@ -62,6 +62,15 @@ class ModelConfig:
     ``freeze``: parameter-name patterns (``fnmatch``, e.g. ``model.embed_tokens.*``) kept frozen
     in full fine-tuning: they get no gradient and no optimizer state, and checkpoints store only
     the trainable parameters (the frozen ones come from the source again on resume).
+
+    Mixture-of-experts models (:mod:`llmtrain.moe`): ``experts_implementation`` is
+    ``transformers``' switch for the routed experts (``grouped_mm``: one grouped matmul over all
+    experts; ``batched_mm``: gathered per-token weights; ``eager``: a loop over the experts that
+    got tokens; unset: transformers' default, ``grouped_mm`` where it can run).
+    ``router_aux_loss_coef``: weight of the load-balancing loss (Switch Transformer, Fedus et al.
+    2021, eqs. 4-6) added per micro-batch; unset: the model config's ``router_aux_loss_coef``.
+    ``moe_capacity_factor``: 0 = dropless; > 0 = each expert takes at most ``ceil(factor x
+    tokens x k / E)`` assignments of a forward's tokens, the rest are dropped and counted.
     """
 
     name: str = MISSING
@@ -74,6 +83,12 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     tp_plan: Optional[Any] = None  # Any: a dict override must replace, not merge into, the field
     freeze: List[str] = field(default_factory=list)
+    experts_implementation: Optional[str] = None
+    router_aux_loss_coef: Optional[float] = None
+    moe_capacity_factor: float = 0.0
+
+
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
 
 
 @dataclass
@@ -401,6 +416,10 @@ class RecipeConfig:
     # cp_style (ulysses | ring; llmtrain.context_parallel).
     cp: int = 1
     cp_style: str = "ulysses"
+    # Expert parallel (mixture-of-experts models, torch engine): each MoE layer's experts split
+    # over ep ranks of dp_shard, tokens dispatched and combined by all-to-all
+    # (llmtrain.expert_parallel); the other dp_shard / ep ranks FSDP-shard each expert.
+    ep: int = 1
     # Megatron-LM sequence parallelism inside tensor parallelism (torchtitan's default with TP):
     # norms and the residual stream sharded along the sequence between the TP blocks.
     tp_sequence_parallel: bool = False
@@ -981,6 +1000,21 @@ def validate_model(m: Any) -> None:
                      f"model.architecture.num_attention_heads={heads}")
             _require(heads % kv_heads == 0, f"model.architecture.num_attention_heads={heads} must be divisible by "
                      f"model.architecture.num_key_value_heads={kv_heads}")
+    _require(m.experts_implementation in (None, *EXPERTS_IMPLEMENTATIONS),
+             f"model.experts_implementation={m.experts_implementation!r} must be one of "
+             f"{', '.join(EXPERTS_IMPLEMENTATIONS)} (or unset: transformers' default)")
+    _require(m.router_aux_loss_coef is None or (math.isfinite(m.router_aux_loss_coef) and m.router_aux_loss_coef >= 0),
+             f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be a finite number >= 0 (0 = no "
+             "load-balancing loss; unset = the model config's)")
+    _require(math.isfinite(m.moe_capacity_factor) and m.moe_capacity_factor >= 0,
+             f"model.moe_capacity_factor={m.moe_capacity_factor} must be >= 0 (0 = dropless; e.g. 1.25)")
+    if m.source == "config":
+        experts = next((m.architecture[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                        if isinstance(m.architecture.get(k), int) and m.architecture.get(k) > 0), 0)
+        top_k = m.architecture.get("num_experts_per_tok")
+        _require(not experts or top_k is None or 1 <= top_k <= experts,
+                 f"model.architecture.num_experts_per_tok={top_k} must be between 1 and the number of experts "
+                 f"({experts})")
     _require(all(isinstance(p, str) and p for p in m.freeze),
              f"model.freeze={list(m.freeze)} must be a list of parameter-name patterns (e.g. [model.embed_tokens.*])")
 
@@ -1122,7 +1156,26 @@ def validate(cfg: Any, world_size: int) -> Layout:
     validate_context_parallel(cfg)
     validate_sequence_parallel(cfg.recipe)
     validate_chunked_loss(cfg)
+    validate_expert_parallel(cfg.recipe)
     return layout(cfg, world_size)
+
+
+def validate_expert_parallel(r: Any) -> None:
+    """``recipe.ep`` against the recipe (what it needs of the model is checked with the model's
+    config, :func:`llmtrain.moe.check_model`; that it divides dp_shard, by the layout).
+
+    Raises:
+        ConfigError: ep < 1; ep > 1 on the DeepSpeed engine, with context parallelism, or with
+            sequence parallelism.
+    """
+    _require(isinstance(r.ep, int) and r.ep >= 1, f"recipe.ep={r.ep} must be an integer >= 1 (1 = off)")
+    if r.ep == 1:
+        return
+    _require(r.engine == "torch", f"recipe.ep={r.ep} with recipe {r.name} (engine {r.engine}): expert parallelism runs "
+             "on the torch engine (FSDP2 recipes: fsdp, hsdp, fsdp_tp); DeepSpeed's own MoE needs its MoE layer "
+             "classes, not transformers' experts")
+    _require(r.cp == 1, f"recipe.ep={r.ep} with recipe.cp={r.cp}: expert and context parallelism do not compose yet; "
+             "use one of them")
 
 
 # Built-in objectives whose loss reads the logits only through next-label log-probs.

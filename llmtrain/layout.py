@@ -19,7 +19,9 @@ from llmtrain.errors import ConfigError
 class Layout:
     """Degrees whose product is ``world_size`` (``dp_replicate`` x ``dp_shard`` x ``cp`` x ``tp`` x
     ``pp``) and ``accumulation``, the micro-batches per rank per optimizer step. ``cp`` (context
-    parallel) splits each sequence over that many ranks, which see the same samples."""
+    parallel) splits each sequence over that many ranks, which see the same samples. ``ep``
+    (expert parallel) is not a factor of its own: it spreads each MoE layer's experts over
+    ``ep`` ranks of ``dp_shard``, which still see different samples."""
 
     world_size: int
     dp_replicate: int
@@ -28,6 +30,7 @@ class Layout:
     pp: int
     accumulation: int
     cp: int = 1
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -169,7 +172,12 @@ def layout(cfg: Any, world_size: int, micro_batch_size: int | None = None) -> La
         from types import SimpleNamespace
 
         t = SimpleNamespace(micro_batch_size=micro_batch_size, global_batch_size=t.global_batch_size)
+    ep = int(r.get("ep", 1) if hasattr(r, "get") else getattr(r, "ep", 1))
+    if ep > 1 and dp_shard % ep:
+        raise ConfigError(f"recipe.ep={ep} does not divide recipe.dp_shard={dp_shard} on {world_size} ranks (expert "
+                          "parallelism spreads each layer's experts over ranks of dp_shard); use an FSDP recipe "
+                          f"(zero_stage >= 1) with dp_shard a multiple of {ep}, or change recipe.ep")
     accumulation = gradient_accumulation_steps(t, dp_replicate * dp_shard)
     check_microbatches(pp, dp_replicate * dp_shard, accumulation, r.pp_stages_per_rank)
     return Layout(world_size=world_size, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp,
-                  accumulation=accumulation, cp=context_parallel_degree(r, world_size))
+                  accumulation=accumulation, cp=context_parallel_degree(r, world_size), ep=ep)

@@ -167,6 +167,8 @@ def build_model(model_cfg: Any, seed: int, head: str = "logits", pad_token_id: i
         ModelSourceError: weights are missing (see :func:`resolve_gguf`).
     """
     kwargs = dict(attn_implementation=model_cfg.attn_implementation, dtype=torch.float32)
+    if model_cfg.get("experts_implementation"):
+        kwargs["experts_implementation"] = model_cfg.experts_implementation
     auto, head_config = AutoModelForCausalLM, {}
     if head == "scores":
         from transformers import AutoModelForSequenceClassification

@@ -32,6 +32,7 @@ class ParallelDims:
     pp: int
     world_size: int
     cp: int = 1
+    ep: int = 1
 
     @classmethod
     def resolve(cls, dp_replicate: int, dp_shard: int, tp: int, pp: int, world_size: int) -> "ParallelDims":
@@ -48,7 +49,7 @@ class ParallelDims:
     def from_layout(cls, layout: Layout) -> "ParallelDims":
         """The degrees of a :class:`~llmtrain.layout.Layout` (what :func:`llmtrain.config.validate`
         returns); nothing is checked again."""
-        return cls(layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.world_size, layout.cp)
+        return cls(layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.world_size, layout.cp, layout.ep)
 
     @classmethod
     def from_recipe(cls, recipe: Any, world_size: int) -> "ParallelDims":

@@ -1,10 +1,14 @@
 """Parallelize a Hugging Face decoder (or one pipeline stage of it), always in this order:
 
-1. tensor parallel (DTensor; the model's own Hugging Face TP plan), with a per-TP-rank random
-   stream inside attention (dropout on head-sharded probabilities),
-2. activation checkpointing (per decoder layer),
-3. ``torch.compile`` (per decoder layer, optional),
-4. FSDP2 (``fully_shard`` per decoder layer, then the root).
+1. tensor parallel (DTensor; the model's own Hugging Face TP plan, without its expert entries:
+   routed experts stay whole per TP rank), with a per-TP-rank random stream inside attention
+   (dropout on head-sharded probabilities),
+2. expert parallel (``recipe.ep``: each MoE layer's experts sharded over the ep mesh, tokens
+   dispatched by all-to-all; :mod:`llmtrain.expert_parallel`),
+3. activation checkpointing (per decoder layer),
+4. ``torch.compile`` (per decoder layer, optional),
+5. FSDP2 (``fully_shard`` per experts module on the expert FSDP mesh, then per decoder layer,
+   then the root).
 
 TP comes first because it turns the Linear weights into DTensors that FSDP2 then shards again
 along the data-parallel mesh dims (2D); checkpointing wraps what TP produced so the recompute
@@ -53,8 +57,11 @@ def tp_plan(model: nn.Module, override: dict[str, str] | None = None) -> dict[st
                               "give one as model.tp_plan={'layers.*.self_attn.q_proj': colwise, ...} (paths relative to "
                               "the causal LM) or add it to llmtrain.parallelize.TP_PLAN_OVERRIDES")
         prefix = model.base_model_prefix
+        # Routed experts are 3-D tensors transformers shards with styles of its own; they stay
+        # whole per TP rank (expert parallelism, recipe.ep, is how experts are split).
         plan = {f"{prefix}.{path}": style for path, style in base.items()}
         plan.update(getattr(model, "_tp_plan", None) or {})
+        plan = {path: style for path, style in plan.items() if ".experts" not in path}
         if getattr(model.config, "tie_word_embeddings", False):
             plan = {path: style for path, style in plan.items()
                     if path not in ("lm_head", f"{prefix}.embed_tokens")}
@@ -223,7 +230,8 @@ def apply_compile(layers: list[nn.Module]) -> None:
 
 
 def apply_fsdp(module: nn.Module, layers: list[nn.Module], dp_mesh, reshard_after_forward: bool,
-               offload: bool, param_dtype: torch.dtype | None = None) -> None:
+               offload: bool, param_dtype: torch.dtype | None = None,
+               experts: tuple[list[nn.Module], Any, int] | None = None) -> None:
     """FSDP2 (``fully_shard``) each decoder layer, then ``module`` as the root.
 
     ``dp_mesh`` is 1-D (shard) or 2-D (replicate x shard = HSDP). ``reshard_after_forward``
@@ -238,6 +246,15 @@ def apply_fsdp(module: nn.Module, layers: list[nn.Module], dp_mesh, reshard_afte
     # Pinned host memory needs an accelerator; on a CPU-only machine offload is plain CPU memory.
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if experts is not None:
+        # Expert-parallel experts shard over the ranks outside their ep group. Their gradients
+        # already sum over the ep group's tokens (the all-to-all's backward), so they are
+        # divided by every data-parallel rank, as dense gradients are, not by this smaller mesh.
+        modules, expert_mesh, divide = experts
+        for expert_module in modules:
+            fully_shard(expert_module, mesh=expert_mesh, reshard_after_forward=reshard_after_forward,
+                        offload_policy=policy, mp_policy=precision)
+            expert_module.set_gradient_divide_factor(float(divide))
     for layer in layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy,
                     mp_policy=precision)
@@ -280,10 +297,17 @@ def parallelize(module: nn.Module, cfg: Any, mesh, dims, tp_plan_paths: dict[str
     if dims.tp > 1:
         apply_tp(module, tp_plan_paths, mesh["tp"], sequence_parallel=r.get("tp_sequence_parallel", False))
         apply_tp_rng(attention_modules(layers), mesh["tp"].get_local_rank())
+    experts = None
+    if dims.ep > 1:
+        from llmtrain.expert_parallel import apply_expert_parallel, expert_meshes
+
+        ep_mesh, expert_fsdp_mesh = expert_meshes(mesh, dims)
+        experts = (apply_expert_parallel(module, ep_mesh), expert_fsdp_mesh, dims.dp_cp)
     if t.activation_checkpointing:
         apply_activation_checkpointing(layers)
     if r.compile:
         apply_compile(layers)
     if dims.dp_cp > 1:
         apply_fsdp(module, layers, fsdp_mesh(mesh, dims), reshard_after_forward=r.zero_stage == 3,
-                   offload=r.offload_params, param_dtype=torch.bfloat16 if t.precision == "bf16" else None)
+                   offload=r.offload_params, param_dtype=torch.bfloat16 if t.precision == "bf16" else None,
+                   experts=experts)

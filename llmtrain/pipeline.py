@@ -87,11 +87,28 @@ class DecoderStage(nn.Module):
         the gradient norm), or None."""
         return base_model(self).embed_tokens.weight if self.holds_tied_weight and not self.is_first else None
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``x``: token ids ``[B, T]`` (first stage) or hidden states ``[B, T, hidden]``.
         ``position_ids`` ``[B, T]``: packed rows' positions, restarting at each sample, so that
         attention stays inside it (every stage gets them: the schedule splits keyword arguments
-        into micro-batches for all stages); None: ``0..T-1``."""
+        into micro-batches for all stages); None: ``0..T-1``.
+
+        Mixture-of-experts models (the engine sets ``self.router``, a
+        :class:`llmtrain.moe.RouterMonitor`): ``token_mask`` ``[B, T]`` marks real tokens, and
+        every stage returns ``(output, router sums)``, the load-balancing loss's sums over the
+        MoE layers of this stage and all earlier ones (``carried``: the previous stage's), so
+        the last stage's loss sees the whole model's, with gradients back through the stages."""
+        router = getattr(self, "router", None)
+        if router is not None:
+            router.begin(token_mask, torch.is_grad_enabled())
+        out = self._layers(x, position_ids)
+        if router is None:
+            return out
+        sums = router.end(x.device)
+        return out, (sums + carried[0] if carried else sums)
+
+    def _layers(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         body = base_model(self)
@@ -175,6 +192,8 @@ def forward_only(stages: dict[int, nn.Module], num_stages: int, pp_group, x: tor
             h = torch.empty(x.shape[0], x.shape[1], hidden_size, dtype=torch.float32, device=x.device)
             dist.recv(h, src=ranks[(s - 1) % pp], group=pp_group)
         out = stages[s](x if s == 0 else h, position_ids=position_ids)
+        if isinstance(out, tuple):  # (output, router sums): no load-balancing loss without gradients
+            out = out[0]
         if s == num_stages - 1:
             return out
         dist.send(out.float().contiguous(), dst=ranks[(s + 1) % pp], group=pp_group)

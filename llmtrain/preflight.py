@@ -87,6 +87,28 @@ def preflight_context_parallel(cfg: Any) -> None:
         chunked_loss.check_model(hf_config)
 
 
+def preflight_moe(cfg: Any) -> None:
+    """With ``recipe.ep`` > 1, a capacity factor, or sequence parallelism: what they need of the
+    model's experts (:func:`llmtrain.moe.check_model`), read from the model's config.
+
+    Raises:
+        ConfigError: ep or a capacity factor with a dense model; ep not dividing the experts;
+            sequence parallelism with an MoE model.
+    """
+    r, m = cfg.recipe, cfg.model
+    ep, factor = r.get("ep", 1), m.get("moe_capacity_factor", 0.0)
+    if ep == 1 and not factor and not r.get("tp_sequence_parallel", False):
+        return
+    from llmtrain import moe
+    from llmtrain.models import model_config
+
+    hf_config = model_config(m)
+    shape = moe.check_model(hf_config, ep, factor, r.engine)
+    _require(shape is None or not r.get("tp_sequence_parallel", False),
+             f"recipe.tp_sequence_parallel=true with the mixture-of-experts model {m.name}: the routed experts run on "
+             "whole rows; turn recipe.tp_sequence_parallel off (tp still runs)")
+
+
 def preflight(cfg: Any) -> None:
     """Every machine check of ``cfg`` (a config :func:`llmtrain.config.validate` accepted):
     :func:`preflight_data`, :func:`preflight_tracker`, and ``run_dir`` a folder that exists or
@@ -98,6 +120,7 @@ def preflight(cfg: Any) -> None:
     preflight_data(cfg.data)
     preflight_tracker(cfg.tracker)
     preflight_context_parallel(cfg)
+    preflight_moe(cfg)
     run_dir = Path(str(cfg.run_dir)).expanduser().absolute()
     _require(not run_dir.is_file(), f"run_dir={cfg.run_dir} is a file; point run_dir at a folder")
     existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())  # the root always exists

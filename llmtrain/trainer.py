@@ -16,6 +16,7 @@ loss_sums`` → ``Engine.backward``, then one all-reduce of the loss sums and :c
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from llmtrain import adapters, checkpoint, console, data, distributed, export, flops, goodput, reference
+from llmtrain import adapters, checkpoint, console, data, distributed, export, flops, goodput, moe, reference
 from llmtrain.config import ConfigError, validate
 from llmtrain.engine import build_engine
 from llmtrain.errors import TrainingStopped
@@ -90,6 +91,9 @@ class StepSums:
     tokens: int
     metrics: dict[str, float]
     scalars: StepScalars
+    # Mixture-of-experts models: the step's world-summed router counters, float64
+    # [L (E + 3) + 1] (Engine.router_counters, already divided by the tensor-parallel degree).
+    router: torch.Tensor | None = None
 
 
 def forward_backward(engine, batches: list[dict[str, torch.Tensor]],
@@ -115,14 +119,16 @@ def forward_backward(engine, batches: list[dict[str, torch.Tensor]],
     normaliser, tokens = (distributed.all_reduce_sum(counts) / replicas).tolist()
     sums = engine.accumulate_gradients(batches, normaliser)
     scalars = local_scalars() if local_scalars is not None else StepScalars()
+    router = engine.router_counters()
+    router = router if router is not None else torch.zeros(0, dtype=torch.float64, device=device)
     reduced = distributed.all_reduce_sum(torch.cat([sums.to(torch.float64),
                                                     torch.tensor(scalars.values(), dtype=torch.float64,
-                                                                 device=device)]))
-    values = reduced.tolist()  # the step's one host sync after backward
+                                                                 device=device), router]))
+    values = reduced[:len(reduced) - len(router)].tolist()  # the step's one host sync after backward
     loss, *metric_sums = [v / replicas for v in values[:len(sums)]]
     metrics = objective.average(dict(zip(objective.metric_names, metric_sums)), normaliser)
-    return StepSums(loss / normaliser, int(tokens), metrics,
-                    StepScalars.from_values(values[len(sums):]))
+    return StepSums(loss / normaliser, int(tokens), metrics, StepScalars.from_values(values[len(sums):]),
+                    reduced[len(reduced) - len(router):].cpu() / engine.dims.tp if len(router) else None)
 
 
 @dataclass
@@ -141,6 +147,7 @@ class StepResult:
     stop: bool
     save_by_time: bool
     spike: str | None
+    router: torch.Tensor | None = None  # StepSums.router
 
     @property
     def healthy(self) -> bool:
@@ -444,6 +451,7 @@ class Trainer:
                 metrics.update(self._log_eval(result.step, self.evaluator.run(self.state), result.loss))
             if self.tracker.should_log(result.step) or "val/loss" in metrics or not result.healthy:
                 self.tracker.log(metrics, step=result.step)
+                self._write_expert_load()
             if not result.healthy:
                 self._on_unhealthy(result)
             _check_optimizer_steps(self.engine, self.state)
@@ -481,7 +489,7 @@ class Trainer:
         self.watchdog.set("optimizer")
         grad_norm = self.engine.step(keep_update=keep if self.t.nonfinite == "skip" else None)
         result = StepResult(step + 1, sums.loss, lr, grad_norm, sums.tokens, time.perf_counter() - started,
-                            sums.metrics, sums.scalars, stop, save_by_time, spike)
+                            sums.metrics, sums.scalars, stop, save_by_time, spike, sums.router)
         self._advance_state(result)
         return result
 
@@ -686,6 +694,11 @@ class Trainer:
         state.productive_s += result.seconds
         self.summary["losses"].append(result.loss)
         self.summary["lrs"].append(result.lr)
+        if result.router is not None:
+            shape, layers = self.engine.moe_shape, self.engine.hf_layers
+            counts = result.router[:layers * shape.num_experts].view(layers, shape.num_experts)
+            saved = torch.tensor(state.expert_load, dtype=torch.float64) if state.expert_load else torch.zeros_like(counts)
+            state.expert_load = (saved + counts).tolist()
 
     def _step_metrics(self, result: StepResult) -> dict[str, float]:
         """The step's record for the trackers (and the progress bar's line)."""
@@ -706,7 +719,25 @@ class Trainer:
         metrics.update(goodput.time_metrics(state))
         if not result.healthy:
             metrics["train/skipped_update"] = int(self.t.nonfinite == "skip")
+        if result.router is not None:
+            shape = self.engine.moe_shape
+            aux = float(result.router[-1]) / (self.accumulation * self.dims.dp) if self.engine.router_coef else None
+            metrics.update(moe.step_metrics(result.router[:-1], self.engine.hf_layers, shape.num_experts,
+                                            shape.moe_layers, aux)[0])
         return metrics
+
+    def _write_expert_load(self) -> None:
+        """``run_dir/expert_load.json`` (rank 0): tokens per expert per layer summed over every
+        step so far (the checkpointed count, so a resumed run continues it exactly), for the
+        report's heatmap."""
+        if not self.env.is_main or not self.state.expert_load:
+            return
+        shape = self.engine.moe_shape
+        path = self.run_dir / "expert_load.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"step": self.state.step, "num_experts": shape.num_experts, "top_k": shape.top_k,
+                                   "moe_layers": list(shape.moe_layers), "tokens_per_expert": self.state.expert_load}))
+        os.replace(tmp, path)
 
     def _log_eval(self, step: int, metrics: dict[str, float], train_loss: float | None = None) -> dict[str, float]:
         if self.env.is_main:

@@ -160,6 +160,13 @@ class Engine(ABC):
         self.context = None
         # Set by an engine's setup when trainer.loss_chunk_tokens > 0 (llmtrain.chunked_loss.ChunkedHead).
         self.chunked_head = None
+        # Set by an engine's setup for a mixture-of-experts model (_install_router_monitors):
+        # one llmtrain.moe.RouterMonitor per local model part, the MoeShape, the aux coefficient.
+        self.routers: list = []
+        self.moe_shape = None
+        self.router_coef = 0.0
+        self._router_sums: torch.Tensor | None = None
+        self._aux_sum = 0.0
         if cfg.trainer.get("loss_chunk_tokens", 0) and not objective.label_logps_only:
             from llmtrain.errors import ConfigError
 
@@ -193,10 +200,59 @@ class Engine(ABC):
         sums = torch.zeros(1 + len(self.objective.metric_names), dtype=torch.float64, device=self.env.device)
         for k, batch in enumerate(batches):
             with self.accumulate(is_last_micro_batch=k == len(batches) - 1):
-                out = self._loss_sums(batch)
+                out = self._loss_sums(batch, training=True)
+                if self._router_sums is not None:
+                    out.loss = out.loss + self._router_loss(self._router_sums, normaliser)
+                    self._aux_sum += self._last_aux
                 self.backward(out.loss / normaliser)
             sums += self.objective.stacked(out)
         return self._whole_rows(sums)
+
+    def _router_loss(self, router_sums: torch.Tensor, normaliser: float) -> torch.Tensor:
+        """The load-balancing term of one micro-batch, on the loss's scale: ``coef * aux`` per
+        micro-batch, averaged over the global batch's ``accumulation x dp`` micro-batches (which
+        hold the same samples on any number of ranks, so the term does not depend on the
+        layout), times ``normaliser`` because the caller divides the summed loss by it. Under
+        context parallelism the micro-batch's sums are first added up over its cp ranks (with
+        autograd), and each cp rank adds 1/cp of the term (the loss sums are summed over them)."""
+        from llmtrain.moe import load_balancing_loss
+
+        share = 1.0
+        if self.context is not None:
+            import torch.distributed.nn.functional as dist_nn
+
+            router_sums = dist_nn.all_reduce(router_sums, group=self.context.group)
+            share = 1.0 / self.dims.cp
+        E = self.moe_shape.num_experts
+        aux = load_balancing_loss(router_sums[:E], router_sums[E:2 * E], router_sums[2 * E], E)
+        self._last_aux = float(aux.detach()) * share
+        return self.router_coef * aux * (normaliser * share / (self.accumulation_steps * self.dims.dp))
+
+    def router_counters(self) -> torch.Tensor | None:
+        """This rank's router counters of the step (float64 ``[L (E + 3) + 1]``: tokens per
+        expert, entropy sums, real tokens, dropped assignments per layer, then the summed aux
+        loss), to be summed over the world and read by :func:`llmtrain.moe.step_metrics` (tensor
+        parallel peers count alike: divide by tp); None for a dense model. Resets them."""
+        if not self.routers:
+            return None
+        flat = sum(router.take_step() for router in self.routers)
+        aux, self._aux_sum = self._aux_sum, 0.0
+        return torch.cat([flat, torch.tensor([aux], dtype=torch.float64)]).to(self.env.device)
+
+    def _install_router_monitors(self, parts: list[torch.nn.Module], model: torch.nn.Module) -> None:
+        """For a mixture-of-experts model: watch each part's routers (:class:`llmtrain.moe.RouterMonitor`,
+        with ``model.moe_capacity_factor``'s limit) and fold the load-balancing loss into training
+        (``model.router_aux_loss_coef``, default the model config's)."""
+        from llmtrain.moe import RouterMonitor, moe_shape, router_aux_coef
+
+        hf_config = model.config
+        shape = moe_shape(hf_config, model)
+        if shape is None:
+            return
+        self.moe_shape, self.router_coef = shape, router_aux_coef(self.cfg.model, hf_config)
+        self.hf_layers = int(hf_config.num_hidden_layers)
+        factor = float(self.cfg.model.get("moe_capacity_factor", 0.0) or 0.0)
+        self.routers = [RouterMonitor(part, hf_config.num_hidden_layers, shape.num_experts, factor) for part in parts]
 
     @torch.no_grad()
     def eval_sums(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -204,13 +260,18 @@ class Engine(ABC):
         without gradients."""
         return self._whole_rows(self.objective.stacked(self._loss_sums(batch)))
 
-    def _loss_sums(self, batch: dict[str, torch.Tensor]) -> "LossSums":
+    def _loss_sums(self, batch: dict[str, torch.Tensor], training: bool = False) -> "LossSums":
         """The objective's sums of ``batch``; under context parallelism, of this rank's part of
         each row (:meth:`llmtrain.context_parallel.ContextParallel.split`). With a chunked head
         (``trainer.loss_chunk_tokens``) the model returns each position's next-label log-prob
-        ``[B, T]`` instead of logits."""
+        ``[B, T]`` instead of logits. A mixture-of-experts model's routing sums of the forward
+        are left in ``self._router_sums`` (``training``: counted in the step's router metrics)."""
         batch = self._padded_rows(batch)
         local = batch if self.context is None else self.context.split(batch, self.objective.carries)
+        if self.routers:
+            valid = batch["attention_mask"] if self.context is None else batch["attention_mask"][:, self.context._index]
+            for router in self.routers:
+                router.begin(valid, training)
         if self.chunked_head is not None:
             labels = local["labels"]
             # Split rows already carry the next token's label one column on (see split).
@@ -221,6 +282,8 @@ class Engine(ABC):
         finally:
             if self.chunked_head is not None:
                 self.chunked_head.targets = None
+            if self.routers:
+                self._router_sums = self.routers[0].end()
         if self.context is not None:
             output = self.context.pad_output(output)
         return self.objective.loss_sums(output, local)

@@ -178,6 +178,9 @@ class DeepSpeedEngine(Engine):
                                     mesh_dim_names=("dp", "cp"))
             self._install_context_parallel(model, mesh["cp"].get_group())
         self._install_chunked_head(model)
+        self._install_router_monitors([model], model)
+        if self.routers and self.cfg.recipe.zero_stage == 3:
+            self._mark_sparse_blocks_leaf(model)
         schedule = lr_lambda(t)
         fp32_initial = self._fp32_initial_values(model)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -195,6 +198,18 @@ class DeepSpeedEngine(Engine):
                 if param.requires_grad:  # frozen parameters have no master copy
                     safe_set_full_fp32_param(param, fp32_initial(name, param).to(self.env.device))
         self._report_duplicate_master_copy()
+
+    @staticmethod
+    def _mark_sparse_blocks_leaf(model: torch.nn.Module) -> None:
+        """ZeRO-3 leaf modules (``deepspeed.utils.set_z3_leaf_modules``, as DeepSpeed documents
+        for Mixtral and Qwen MoE): a sparse block's parameters are gathered together once per
+        forward, not by per-module hooks that a token-dependent expert loop may call on some
+        ranks only (which would hang the all-gathers)."""
+        from deepspeed.utils import set_z3_leaf_modules
+
+        from llmtrain.moe import sparse_blocks
+
+        set_z3_leaf_modules(model, sorted({type(block) for _, block in sparse_blocks(model)}, key=lambda c: c.__name__))
 
     def frozen_copy(self, build):
         """ZeRO-3: the copy is built partitioned and wrapped by a DeepSpeed engine without an

@@ -91,6 +91,10 @@ class NativeEngine(Engine):
             parallelize(part, cfg, self.mesh, self.dims, plan)
         for part, saved in zip(self.parts, buffers):
             self._materialize(part, saved)
+        self._install_router_monitors(self.parts, model)
+        if self.dims.pp > 1:
+            for part, router in zip(self.parts, self.routers):
+                part.router = router  # DecoderStage carries the router sums between stages
         self.optimizers, self.schedulers = [], []
         foreach = False if self.dims.tp > 1 else None  # TP mixes DTensor and plain params
         for part in self.parts:
@@ -204,15 +208,22 @@ class NativeEngine(Engine):
                                                      self._pipeline_loss)
         return self._schedules[length]
 
-    def _pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _pipeline_loss(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], target: torch.Tensor
+                       ) -> torch.Tensor:
         """The schedule's loss of one micro-batch on the last stage: the objective's summed loss
-        over the global normaliser, times ``dp`` as in :meth:`backward`; its sums are kept for the
-        step's result."""
+        (plus a mixture-of-experts model's load-balancing term, from the router sums every stage
+        added to) over the global normaliser, times ``dp`` as in :meth:`backward`; its sums are
+        kept for the step's result."""
         from llmtrain.pipeline import unpack_targets
 
+        logits, router_sums = output if isinstance(output, tuple) else (output, None)
         out = self.objective.loss_sums(logits, unpack_targets(target, self._target_layout))
+        aux = 0.0
+        if router_sums is not None:
+            out.loss = out.loss + self._router_loss(router_sums, self._normaliser)
+            aux = self._last_aux
         loss = out.loss / self._normaliser * self.dims.dp
-        self._pipeline_sums.append((loss, self.objective.stacked(out)))
+        self._pipeline_sums.append((loss, self.objective.stacked(out), aux))
         return loss
 
     @property
@@ -249,12 +260,16 @@ class NativeEngine(Engine):
         input_ids, carried, positions = self._pipeline_batch(batches)
         target, self._target_layout = pack_targets(carried)
         self._normaliser = normaliser
-        self._pipeline_sums: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pipeline_sums: list[tuple[torch.Tensor, torch.Tensor, float]] = []
         losses: list[torch.Tensor] = []
         with self._autocast():
             kwargs = {"target": target, "losses": losses} if self.has_last else {}
             if positions is not None:  # split into micro-batches for every stage by the schedule
                 kwargs["position_ids"] = positions
+            if self.routers:
+                length = input_ids.shape[1]
+                kwargs["token_mask"] = torch.cat([torch.nn.functional.pad(b["attention_mask"], (0, length - b["attention_mask"].shape[1]))
+                                                  for b in batches])
             # return_outputs=False: the loss function sees each micro-batch's logits; keeping
             # them all for a merged output would hold accumulation x micro x seq x vocab floats
             # on the last stage (1 TB for Llama-3-8B at 512 micro-batches of 4096 tokens).
@@ -264,9 +279,10 @@ class NativeEngine(Engine):
         # The schedule's own losses are its micro-batches; a schedule's first step also calls the
         # loss function once to infer gradient shapes, which must not count.
         counted = {id(loss) for loss in losses}
-        for loss, stacked in self._pipeline_sums:
+        for loss, stacked, aux in self._pipeline_sums:
             if id(loss) in counted:
                 sums += stacked
+                self._aux_sum += aux
         self._pipeline_sums = []
         dist.broadcast(sums, src=self._last_stage_rank, group=self.pp_group)
         return sums

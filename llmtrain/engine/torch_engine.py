@@ -23,6 +23,7 @@ class TorchEngine(Engine):
         t = self.cfg.trainer
         self._model = model.to(self.env.device)
         self._install_chunked_head(self._model)
+        self._install_router_monitors([self._model], self._model)
         if t.activation_checkpointing:
             self._model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.wrapped = self._model
