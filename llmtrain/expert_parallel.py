@@ -50,6 +50,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 class ExpertParallelExperts:
     """Shards one ``experts`` module over ``ep_mesh`` and replaces its forward by dispatch /
     local experts / combine (see the module docstring). The module keeps its class, its
@@ -81,7 +94,12 @@ class ExpertParallelExperts:
         ``transformers`` implementation to run as if the model had ``E / ep`` experts."""
         shadow = object.__new__(type(module))
         shadow.__dict__.update(module.__dict__)
-        shadow._parameters = {name: _local(p) for name, p in module._parameters.items()}
+        # A local expert's gradient sums over the tokens of all ep ranks (the all-to-all's
+        # backward), while FSDP2 then averages over the dp_shard / ep ranks holding the same
+        # experts: 1/ep makes that the mean over every data-parallel rank, as for dense weights
+        # (torchtitan sets FSDP's divide factor instead, which needs PREMUL_SUM, absent in gloo).
+        shadow._parameters = {name: _ScaleGradient.apply(_local(p), 1.0 / self.ep)
+                              for name, p in module._parameters.items()}
         shadow.num_experts = self.local_experts
         return shadow
 

@@ -231,7 +231,7 @@ def apply_compile(layers: list[nn.Module]) -> None:
 
 def apply_fsdp(module: nn.Module, layers: list[nn.Module], dp_mesh, reshard_after_forward: bool,
                offload: bool, param_dtype: torch.dtype | None = None,
-               experts: tuple[list[nn.Module], Any, int] | None = None) -> None:
+               experts: tuple[list[nn.Module], Any] | None = None) -> None:
     """FSDP2 (``fully_shard``) each decoder layer, then ``module`` as the root.
 
     ``dp_mesh`` is 1-D (shard) or 2-D (replicate x shard = HSDP). ``reshard_after_forward``
@@ -247,14 +247,13 @@ def apply_fsdp(module: nn.Module, layers: list[nn.Module], dp_mesh, reshard_afte
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     precision = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     if experts is not None:
-        # Expert-parallel experts shard over the ranks outside their ep group. Their gradients
-        # already sum over the ep group's tokens (the all-to-all's backward), so they are
-        # divided by every data-parallel rank, as dense gradients are, not by this smaller mesh.
-        modules, expert_mesh, divide = experts
+        # Expert-parallel experts shard over the ranks outside their ep group (their gradients
+        # are pre-divided by ep in the experts' forward, llmtrain.expert_parallel, so averaging
+        # over this smaller mesh divides by every data-parallel rank, as for dense weights).
+        modules, expert_mesh = experts
         for expert_module in modules:
             fully_shard(expert_module, mesh=expert_mesh, reshard_after_forward=reshard_after_forward,
                         offload_policy=policy, mp_policy=precision)
-            expert_module.set_gradient_divide_factor(float(divide))
     for layer in layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy,
                     mp_policy=precision)
@@ -302,7 +301,7 @@ def parallelize(module: nn.Module, cfg: Any, mesh, dims, tp_plan_paths: dict[str
         from llmtrain.expert_parallel import apply_expert_parallel, expert_meshes
 
         ep_mesh, expert_fsdp_mesh = expert_meshes(mesh, dims)
-        experts = (apply_expert_parallel(module, ep_mesh), expert_fsdp_mesh, dims.dp_cp)
+        experts = (apply_expert_parallel(module, ep_mesh), expert_fsdp_mesh)
     if t.activation_checkpointing:
         apply_activation_checkpointing(layers)
     if r.compile:
