@@ -37,7 +37,8 @@ CP_STYLES = ("ulysses", "ring")
 # attention itself; a kernel with its own masking or state cannot be swapped under it).
 CP_REPLACEABLE_ATTENTION = ("sdpa", "eager")
 # Tensor-parallel styles a ``model.tp_plan`` may name (applied by llmtrain.parallelize).
-TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise")
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise",
+             "replicated_with_grad_allreduce")
 # ``tracker.backends`` names (llmtrain.tracking; metrics.jsonl is always written).
 TRACKER_BACKENDS = ("wandb", "tensorboard", "mlflow")
 

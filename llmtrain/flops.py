@@ -2,7 +2,10 @@
 
 MFU follows Chowdhery et al., "PaLM" (2022), appendix B: the FLOPs the model needs per token,
 whatever the implementation recomputes (activation checkpointing does not count), times the
-tokens per second, over the accelerators' peak.
+tokens per second, over the accelerators' peak. For a mixture of experts the parameters are
+those a token passes through (its *active* parameters: Fedus et al., "Switch Transformers",
+2021, section 2; DeepSeek-V3's and Qwen3's "activated parameters"): every dense weight, the
+router, shared experts, and k of the E routed experts per MoE layer.
 """
 
 from __future__ import annotations
@@ -60,6 +63,19 @@ def parameter_counts(hf_config: Any) -> tuple[int, int]:
     return total, embedding
 
 
+def active_parameters(hf_config: Any) -> tuple[int, int]:
+    """(parameters, parameters one token passes through) of the model ``hf_config`` describes:
+    equal for a dense model; for a mixture of experts the second counts k / E of the routed
+    experts (:class:`llmtrain.moe.MoeShape`), e.g. Qwen3-30B-A3B's 30.5 B and 3.3 B."""
+    from llmtrain.moe import moe_shape
+
+    total, _ = parameter_counts(hf_config)
+    shape = moe_shape(hf_config)
+    if shape is None:
+        return total, total
+    return total, total - shape.routed_params + shape.active_routed_params
+
+
 def flops_per_token(hf_config: Any, seq_len: int, frozen: int = 0, adapter: int = 0) -> float:
     """Training FLOPs per token of a decoder-only transformer (PaLM, appendix B):
     ``6 N + 12 L H Q T``, with N the parameters that take part in matmuls (all but the input
@@ -67,17 +83,22 @@ def flops_per_token(hf_config: Any, seq_len: int, frozen: int = 0, adapter: int 
     counts), L layers, H attention heads of size Q, T = ``seq_len`` (the attention score and
     value products, forward and backward).
 
+    Mixture of experts: N counts the active parameters (:func:`active_parameters`): k of the E
+    routed experts of each MoE layer, the router and shared experts in full.
+
     Partial training (LoRA, ``model.freeze``): a frozen weight still costs its forward (2 FLOPs
     per parameter per token) and the gradient with respect to its input (2), only not its own
     weight gradient (2): ``frozen`` of the N count 4 instead of 6. ``adapter``: parameters added
-    to the base model (LoRA's A and B), trained, 6 each.
+    to the base model (LoRA's A and B), trained, 6 each. Both as a token sees them (active
+    parameters, :func:`partial_training_counts`).
 
     Returns:
         FLOPs per token (a multiply-add is 2 FLOPs).
     """
     total, embedding = parameter_counts(hf_config)
+    _, active = active_parameters(hf_config)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    matmul = total - embedding + (embedding if tied else 0)  # a tied lm_head is still a matmul
+    matmul = active - embedding + (embedding if tied else 0)  # a tied lm_head is still a matmul
     layers = int(hf_config.num_hidden_layers)
     heads = int(hf_config.num_attention_heads)
     head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
@@ -88,12 +109,19 @@ def flops_per_token(hf_config: Any, seq_len: int, frozen: int = 0, adapter: int 
 def partial_training_counts(model: torch.nn.Module) -> tuple[int, int]:
     """(frozen matmul parameters, adapter parameters) of a LoRA / ``model.freeze`` model, for
     :func:`flops_per_token`. Counts global sizes under ZeRO-3 and FSDP2; the input embedding
-    table is left out unless it is tied to the output projection."""
+    table is left out unless it is tied to the output projection. Routed experts' weights (and
+    adapters on them) count k / E, as a token sees them."""
+    from llmtrain.moe import num_experts_of
+
     embedding = model.get_input_embeddings().weight
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    experts = num_experts_of(model.config)
+    routed_share = (getattr(model.config, "num_experts_per_tok", experts) / experts) if experts else 1.0
     frozen = adapter = 0
     for name, param in model.named_parameters():
         numel = parameter_numel(param)
+        if experts and ".experts." in name:
+            numel = int(numel * routed_share)
         if "lora_" in name:
             adapter += numel
         elif not param.requires_grad and (param is not embedding or tied):

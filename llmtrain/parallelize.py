@@ -32,7 +32,12 @@ from llmtrain.errors import ConfigError
 # give ``model.tp_plan`` in its config, which wins over both.
 TP_PLAN_OVERRIDES: dict[str, dict[str, str]] = {}
 
-SUPPORTED_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise")
+# replicated_with_grad_allreduce (transformers' style for Qwen3's per-head q/k norms): the weight
+# stays whole on every TP rank, each rank's gradient covers its own heads, so the gradients are
+# summed over the TP group before the update (tp_replicated_params, NativeEngine.step).
+SUPPORTED_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise",
+                    "replicated_with_grad_allreduce")
+REPLICATED_GRAD_SUM = "replicated_with_grad_allreduce"
 
 
 def tp_plan(model: nn.Module, override: dict[str, str] | None = None) -> dict[str, str]:
@@ -71,6 +76,10 @@ def tp_plan(model: nn.Module, override: dict[str, str] | None = None) -> dict[st
                           f"{', '.join(SUPPORTED_STYLES)}. Give a plan with those as model.tp_plan")
     names = [name for name, _ in model.named_modules()]
     unmatched = [p for p in plan if not any(fnmatch.fnmatchcase(name, p) for name in names)]
+    if not override:
+        # The model's own plan may name modules this configuration lacks (Qwen3-MoE's dense-MLP
+        # entries for mlp_only_layers a model without any).
+        plan, unmatched = {p: s for p, s in plan.items() if p not in unmatched}, []
     if unmatched or not plan:
         example = next((n for n in names if ".layers.0." in n), names[-1])
         raise ConfigError(f"tensor-parallel plan paths {unmatched or '(none)'} match no module of the {model_type!r} "
@@ -109,13 +118,21 @@ def apply_tp(module: nn.Module, plan: dict[str, str], tp_mesh, sequence_parallel
     from torch.distributed.tensor.parallel import parallelize_module
 
     present = {name for name, _ in module.named_modules()}
-    styles = {path: _style(style) for path, style in plan.items()}
+    styles = {path: _style(style) for path, style in plan.items() if style != REPLICATED_GRAD_SUM}
     if sequence_parallel:
         styles = sequence_parallel_plan(module, plan, styles)
     local_plan = {path: style for path, style in styles.items()
                   if any(fnmatch.fnmatchcase(name, path) for name in present)}
     if local_plan:
         parallelize_module(module, tp_mesh, local_plan)
+
+
+def tp_replicated_params(module: nn.Module, plan: dict[str, str]) -> list[nn.Parameter]:
+    """The parameters of ``module`` in modules the plan keeps whole with summed gradients
+    (``replicated_with_grad_allreduce``)."""
+    paths = [path for path, style in plan.items() if style == REPLICATED_GRAD_SUM]
+    return [p for name, p in module.named_parameters()
+            if any(fnmatch.fnmatchcase(name.rsplit(".", 1)[0], path) for path in paths)]
 
 
 def sequence_parallel_plan(model: nn.Module, plan: dict[str, str], styles: dict[str, Any]) -> dict[str, Any]:

@@ -196,6 +196,7 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
                     seen.setdefault(storage._cdata, storage.nbytes())
                 return t
 
+            _dense_stand_in_for_experts(model)
             ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
             if loss_chunk_tokens:
                 from llmtrain.chunked_loss import install
@@ -213,6 +214,28 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
                          norms_per_layer=norms_two - norms_one)
     _ACTIVATION_CACHE[key] = result
     return result
+
+
+def _dense_stand_in_for_experts(model: torch.nn.Module) -> None:
+    """Under ``FakeTensorMode`` neither ``grouped_mm`` (its meta kernel takes bf16 only) nor the
+    eager expert loop (data-dependent ``nonzero``) runs, so each experts module's forward is
+    replaced by dense matmuls over the same ``[N k, ...]`` assignment rows that save what the
+    grouped matmul saves: the gathered inputs ``[N k, H]``, the gate/up output ``[N k, 2I]``,
+    the activation ``[N k, I]``, the expert outputs ``[N k, H]`` and the top-k weights."""
+    import types
+
+    from llmtrain.moe import sparse_blocks
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        n, k = top_k_index.shape
+        rows = hidden_states.repeat_interleave(k, dim=0)
+        gate, up = torch.nn.functional.linear(rows, self.gate_up_proj[0]).chunk(2, dim=-1)
+        out = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[0])
+        return (out * top_k_weights.reshape(-1, 1)).view(n, k, -1).sum(1)
+
+    for _, block in sparse_blocks(model):
+        if hasattr(block.experts, "gate_up_proj"):
+            block.experts.forward = types.MethodType(forward, block.experts)
 
 
 @dataclass

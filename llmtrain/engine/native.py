@@ -89,6 +89,9 @@ class NativeEngine(Engine):
         buffers = [{n: b.detach().clone() for n, b in part.named_buffers()} for part in self.parts]
         for part in self.parts:
             parallelize(part, cfg, self.mesh, self.dims, plan)
+        from llmtrain.parallelize import tp_replicated_params
+
+        self._tp_grad_sum = [p for part in self.parts for p in tp_replicated_params(part, plan)] if plan else []
         for part, saved in zip(self.parts, buffers):
             self._materialize(part, saved)
         self._install_router_monitors(self.parts, model)
@@ -341,6 +344,9 @@ class NativeEngine(Engine):
     def step(self, keep_update=None) -> float:
         if self.tied_sync is not None:
             self.tied_sync.sync()
+        for p in self._tp_grad_sum:  # each TP rank's gradient of a per-head norm covers its own heads
+            if p.grad is not None:
+                dist.all_reduce(getattr(p.grad, "_local_tensor", p.grad), group=self.mesh["tp"].get_group())
         norm = self._grad_norm()
         if keep_update is not None and not keep_update(norm):
             for opt, sched in zip(self.optimizers, self.schedulers):
