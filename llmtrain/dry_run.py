@@ -34,6 +34,10 @@ def _torch_layout(cfg: Any, world_size: int, dims: Any, hf_config: Any) -> list[
         try:
             mesh = dims.build_mesh("cpu")
             coords = {name: mesh.get_local_rank(name) for name in mesh.mesh_dim_names}
+            if dims.ep > 1:
+                from llmtrain.expert_parallel import expert_meshes
+
+                coords["ep"] = expert_meshes(mesh, dims)[0].get_local_rank()
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
             if getattr(hf_config, "tie_word_embeddings", False):
@@ -78,12 +82,14 @@ def dry_run(cfg: Any, world_size: int) -> str:
     hf_config = model_config(cfg.model)
     dims.check_model_config(hf_config, r.pp_stages_per_rank)
     from llmtrain.context_parallel import check_model
+    from llmtrain.moe import num_experts_of
 
     check_model(r.cp_style, dims.cp, dims.tp, hf_config)
     accumulation = layout.accumulation
     lines = [f"dry run of recipe {r.name} (engine {r.engine}, ZeRO {r.zero_stage}) on {world_size} ranks: "
              f"pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard}"
-             f"{f' x cp {dims.cp} ({r.cp_style})' if dims.cp > 1 else ''} x tp {dims.tp}; "
+             f"{f' x cp {dims.cp} ({r.cp_style})' if dims.cp > 1 else ''} x tp {dims.tp}"
+             f"{f' (ep {dims.ep} within dp_shard)' if dims.ep > 1 else ''}; "
              f"global batch {cfg.trainer.global_batch_size} = micro {cfg.trainer.micro_batch_size} x accumulation "
              f"{accumulation} x dp {dims.dp}"]
     if dims.cp > 1:
@@ -91,25 +97,38 @@ def dry_run(cfg: Any, world_size: int) -> str:
                      + (f"FSDP2 shards over dp_shard x cp = {dims.dp_shard * dims.cp} ranks, so even a replicating "
                         "recipe (zero_stage 0) shards over its cp ranks" if r.engine == "torch" else
                         "DeepSpeed counts every rank as data parallel (its train_batch_size includes the cp ranks)"))
+    if dims.ep > 1:
+        experts = num_experts_of(hf_config)
+        lines.append(f"experts: each MoE layer's {experts} experts split over the {dims.ep} ranks of an ep group "
+                     f"(neighbouring dp_shard ranks; ep rank e holds experts [e x {experts // dims.ep}, (e + 1) x "
+                     f"{experts // dims.ep})), tokens dispatched and combined by all-to-all; each expert is FSDP-sharded "
+                     f"over the {dims.dp_replicate} x {dims.dp_shard // dims.ep} ranks holding the same experts "
+                     "(dp_replicate x dp_shard / ep); dense layers shard over dp_shard as without ep")
     if r.engine == "deepspeed":
         lines += _deepspeed_report(cfg, world_size, accumulation, hf_config)
         lines.append(f"computed in {time.perf_counter() - started:.1f} s from DeepSpeed's partitioning rules "
                      "(parameters on the meta device; DeepSpeed itself is not started)")
     else:
-        lines += _torch_report(_torch_layout(cfg, world_size, dims, hf_config))
+        lines += _torch_report(_torch_layout(cfg, world_size, dims, hf_config), num_experts_of(hf_config), dims.ep)
         lines.append(f"built in {time.perf_counter() - started:.1f} s on the fake process group (no communication, "
                      "parameters on the meta device)")
     return "\n".join(lines)
 
 
-def _torch_report(ranks: list[dict]) -> list[str]:
-    lines = ["rank  pp dp_rep dp_shard cp tp   parameters (local elements)  tensors"]
+def _torch_report(ranks: list[dict], experts: int = 0, ep: int = 1) -> list[str]:
+    expert_head = "  ep  experts" if ep > 1 else ""
+    lines = [f"rank  pp dp_rep dp_shard cp tp{expert_head}   parameters (local elements)  tensors"]
     groups: dict[tuple, list[int]] = defaultdict(list)
     for entry in ranks:
         c = entry["coords"]
         local = sum(math.prod(s[2]) for s in entry["shards"])
-        lines.append(f"{entry['rank']:>4} {c['pp']:>3} {c['dp_replicate']:>6} {c['dp_shard']:>8} {c['cp']:>2} {c['tp']:>2}   "
-                     f"{local:>27,}  {len(entry['shards'])}")
+        held = ""
+        if ep > 1:
+            per = experts // ep
+            first = c["ep"] * per
+            held = f" {c['ep']:>3}  {f'{first}-{first + per - 1}':>7}"
+        lines.append(f"{entry['rank']:>4} {c['pp']:>3} {c['dp_replicate']:>6} {c['dp_shard']:>8} {c['cp']:>2} {c['tp']:>2}"
+                     f"{held}   {local:>27,}  {len(entry['shards'])}")
         groups[tuple(entry["shards"])].append(entry["rank"])
     lines.append(f"{len(groups)} distinct shard layout(s); each with its ranks and parameter shards "
                  "(name: global shape -> local shape [placements]):")

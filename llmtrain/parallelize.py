@@ -267,10 +267,17 @@ def apply_fsdp(module: nn.Module, layers: list[nn.Module], dp_mesh, reshard_afte
         # Expert-parallel experts shard over the ranks outside their ep group (their gradients
         # are pre-divided by ep in the experts' forward, llmtrain.expert_parallel, so averaging
         # over this smaller mesh divides by every data-parallel rank, as for dense weights).
+        from torch.distributed.tensor import Shard
+
         modules, expert_mesh = experts
+        shards = expert_mesh.size(expert_mesh.ndim - 1)
         for expert_module in modules:
+            # Fewer local experts than FSDP ranks: shard each expert's rows instead (dim 1), so
+            # every rank holds a share (torchtitan's rule).
+            local = next(expert_module.parameters()).to_local().shape[0]
+            placement = (lambda param: Shard(1)) if local % shards else None
             fully_shard(expert_module, mesh=expert_mesh, reshard_after_forward=reshard_after_forward,
-                        offload_policy=policy, mp_policy=precision)
+                        offload_policy=policy, mp_policy=precision, shard_placement_fn=placement)
     for layer in layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy,
                     mp_policy=precision)

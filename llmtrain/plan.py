@@ -94,6 +94,8 @@ class ModelShape:
     hidden: int
     vocab: int
     tp_plan_error: str | None
+    experts_layer: int = 0  # routed-expert elements per decoder layer (mean over layers; 0 = dense)
+    top_k: int = 0
 
 
 def model_shape(hf_config: Any, tp_override: dict | None = None) -> ModelShape:
@@ -118,17 +120,22 @@ def model_shape(hf_config: Any, tp_override: dict | None = None) -> ModelShape:
 
     prefix = model.base_model_prefix
     layer_params = dict(model.base_model.layers[0].named_parameters())
+    from llmtrain.moe import moe_shape
+
+    moe = moe_shape(hf_config, model)
     embedding = model.base_model.embed_tokens.weight
     head = model.lm_head.weight
     tied = head is embedding
     return ModelShape(
         total=sum(p.numel() for p in model.parameters()), embedding=embedding.numel(),
         head=0 if tied else head.numel(), final_norm=sum(p.numel() for p in model.base_model.norm.parameters()),
-        layer=sum(p.numel() for p in layers[0].parameters()), layers=len(layers),
+        # Mean over layers: MoE models may mix sparse and dense layers.
+        layer=sum(p.numel() for layer in layers for p in layer.parameters()) // len(layers), layers=len(layers),
         tp_sharded=sum(p.numel() for n, p in layer_params.items() if sharded(f"{prefix}.layers.0.{n}")),
         embedding_tp=sharded(f"{prefix}.embed_tokens.weight"), head_tp=sharded("lm_head.weight"),
         small_params=sum(p.numel() for p in layer_params.values() if p.numel() <= 10 * hidden),
-        hidden=hidden, vocab=hf_config.vocab_size, tp_plan_error=plan_error)
+        hidden=hidden, vocab=hf_config.vocab_size, tp_plan_error=plan_error,
+        experts_layer=moe.routed_params // len(layers) if moe else 0, top_k=moe.top_k if moe else 0)
 
 
 @dataclass(frozen=True)
@@ -262,6 +269,7 @@ class RankPlan:
     stage: int = 0
     cp: int = 1
     cp_style: str = "ulysses"
+    ep: int = 1
     error: str | None = None
 
     @property
@@ -311,6 +319,11 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         dims = ParallelDims.from_layout(lay)
         dims.check_model_config(hf_config, r.pp_stages_per_rank)
         check_model(r.cp_style, dims.cp, dims.tp, hf_config)
+        from llmtrain.config import validate_expert_parallel
+        from llmtrain.moe import check_model as check_experts
+
+        validate_expert_parallel(r)
+        check_experts(hf_config, dims.ep, 0.0, r.engine)
     except ConfigError as err:
         plan.error = str(err)
         return plan
@@ -319,8 +332,9 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         plan.error = shape.tp_plan_error
         return plan
     plan.cp, plan.cp_style = dims.cp, r.cp_style
+    plan.ep = dims.ep
     plan.degrees = f"dp {dims.dp_replicate}x{dims.dp_shard} tp {dims.tp} pp {dims.pp}" + (
-        f" cp {dims.cp}" if dims.cp > 1 else "")
+        f" cp {dims.cp}" if dims.cp > 1 else "") + (f" ep {dims.ep}" if dims.ep > 1 else "")
     accumulation = plan.accumulation = lay.accumulation
     bf16 = t.precision == "bf16"
     compute = 2 if bf16 else 4
@@ -361,7 +375,12 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         activations = in_flight * per_micro + (acts.per_layer if ckpt else 0)  # one layer recomputed
         candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={})
         _model_states(candidate, r, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
-                      communication_sizes(r, shape.hidden))
+                      communication_sizes(r, shape.hidden), experts_n=layers * shape.experts_layer)
+        if dims.ep > 1:
+            # Dispatch and combine of one MoE layer: this rank's N k assignment rows sent and as
+            # many received (uniform routing), in the compute dtype.
+            candidate.temporaries["all-to-all buffers (one MoE layer's dispatch + combine)"] = (
+                2 * rows * local_seq * shape.top_k * shape.hidden * compute)
         if frozen_copy:  # DPO's reference: the initial weights, frozen, laid out like the policy's
             candidate.buffers["frozen reference model"] = _reference_bytes(r, n, dims, compute, shape)
         # The logits and their gradient, fp32, live on the last stage while the loss backpropagates.
@@ -393,7 +412,11 @@ def _reference_bytes(r: Any, n: int, dims: Any, compute: int, shape: ModelShape)
 
 
 def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16: bool, shape: ModelShape,
-                  layer_n: int, embedding_n: int, head_n: int, sizes: dict[str, int]) -> None:
+                  layer_n: int, embedding_n: int, head_n: int, sizes: dict[str, int], experts_n: int = 0) -> None:
+    """Model-state bytes of a rank holding ``n`` parameters (``experts_n`` of them routed
+    experts). Expert parallelism (torch engine) stores the same 1/(dp_shard x cp) share of every
+    expert (1/ep of the experts, each over dp_shard/ep ranks), but gathers only its ep share of a
+    layer's experts: the FSDP units are a layer's dense part and its local experts."""
     if r.engine == "deepspeed":
         d = dims.world_size
         working = 2 if bf16 else 4
@@ -432,16 +455,20 @@ def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16:
         plan.temporaries["gradients beside DDP's buckets (no_sync micro-batches)"] = 4 * n
     if d > 1:
         unit = max(layer_n, embedding_n + shape.final_norm + head_n)  # a decoder layer, or the root's
+        gathered = n  # elements a rank ever holds unsharded
+        if dims.ep > 1:
+            unit = max(layer_n - shape.experts_layer, shape.experts_layer // dims.ep, embedding_n + shape.final_norm + head_n)
+            gathered = n - experts_n + experts_n // dims.ep
         if r.zero_stage == 3:
             plan.temporaries["FSDP all-gather (largest unit, current + prefetch)"] = 2 * compute * unit
         else:
-            plan.temporaries["FSDP unsharded parameters (kept forward to backward)"] = compute * n
+            plan.temporaries["FSDP unsharded parameters (kept forward to backward)"] = compute * gathered
         plan.temporaries["FSDP reduce-scatter input (largest unit, fp32)"] = 4 * unit
         if plan.accumulation > 1:
             # Gradient sync is off for every micro-batch but the last: FSDP2 accumulates each
             # parameter's unsharded gradient (in reduce_dtype, fp32) until the last backward
             # reduce-scatters it into the sharded gradient (counted above, 4n / d).
-            plan.temporaries["FSDP unsharded gradients between micro-batches (fp32)"] = 4 * n - 4 * n // d
+            plan.temporaries["FSDP unsharded gradients between micro-batches (fp32)"] = 4 * gathered - 4 * n // d
     if r.offload_params:
         plan.host += plan.params + plan.grads + plan.optimizer
         plan.params = plan.grads = plan.optimizer = 0
@@ -471,9 +498,13 @@ def recipe_names() -> list[str]:
     return sorted(p.stem for p in Path(RECIPES_DIR).glob("*.yaml") if p.stem != "auto")
 
 
-def with_recipe(cfg: Any, name: str, cp: int = 1, cp_style: str = "ulysses", **trainer: Any) -> Any:
+def with_recipe(cfg: Any, name: str, cp: int = 1, cp_style: str = "ulysses", ep: int = 1, **trainer: Any) -> Any:
     """A copy of ``cfg`` with ``recipes/<name>.yaml`` as its recipe (on the recipe's own engine),
-    ``recipe.cp`` = ``cp`` with ``cp_style``, and ``trainer`` fields replaced."""
+    ``recipe.cp`` = ``cp`` with ``cp_style``, ``recipe.ep`` = ``ep``, and ``trainer`` fields
+    replaced. ``name`` may carry the ep degree as ``fsdp@ep4`` (+recipe=auto's candidates)."""
+    if "@ep" in name:
+        name, degree = name.split("@ep")
+        ep = int(degree)
     from omegaconf import OmegaConf
 
     from llmtrain.config import load_recipe
@@ -484,6 +515,8 @@ def with_recipe(cfg: Any, name: str, cp: int = 1, cp_style: str = "ulysses", **t
     new.recipe = load_recipe(name)
     if cp > 1:
         new.recipe.cp, new.recipe.cp_style = cp, cp_style
+    if ep > 1:
+        new.recipe.ep = ep
     for key, value in trainer.items():
         new.trainer[key] = value
     return new
@@ -537,7 +570,7 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
 
     hf_config = model_config(cfg.model)  # read once for every candidate
     smallest: RankPlan | None = None
-    names = [n for n in PREFERENCE if n in recipe_names()]
+    names = expert_parallel_candidates([n for n in PREFERENCE if n in recipe_names()], hf_config)
     micros = [m for m in range(cfg.trainer.micro_batch_size, 0, -1) if cfg.trainer.global_batch_size % m == 0]
     tried: dict[str, list[str]] = {name: [] for name in names}
     invalid: dict[str, str] = {}
@@ -571,7 +604,7 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
                     reasons += [f"{n}: does not fit ({t[0]}{' ... ' + t[-1] if len(t) > 1 else ''})"
                                 for n, t in tried.items() if t]
                     host = f" and {fmt_bytes(plan.host)} of host memory" if plan.host else ""
-                    reasons.append(f"{name}: {fmt_bytes(plan.total)} per rank{host} at micro-batch {micro}"
+                    reasons.append(f"{name.replace('@', ' ')}: {fmt_bytes(plan.total)} per rank{host} at micro-batch {micro}"
                                    f"{' with activation checkpointing' if ckpt else ''}"
                                    f"{f' and context parallel cp={cp}' if cp > 1 else ''}: fits; chosen")
                     return Choice(plan, reasons)
@@ -598,6 +631,26 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
            f"{fmt_bytes(sum(smallest.temporaries.values()))} per rank do not shrink with data parallelism"
            f"{', nor with context parallelism up to cp=8' if cp_degrees(cfg, world_size * 64)[-1] > 1 else ''}): "
            "shorten data.seq_len, or use devices with more memory"))
+
+
+def expert_parallel_candidates(names: list[str], hf_config: Any) -> list[str]:
+    """``names`` with, for a mixture-of-experts model, each FSDP2 recipe followed by its
+    expert-parallel variants ``NAME@ep2``, ``@ep4``, ``@ep8`` (those dividing the experts): ep
+    gathers 1/ep of a layer's experts (less memory) for two all-to-alls per MoE layer, so each
+    comes after its recipe without ep."""
+    from llmtrain.config import load_recipe
+    from llmtrain.moe import num_experts_of
+
+    experts = num_experts_of(hf_config)
+    if not experts:
+        return names
+    out = []
+    for name in names:
+        out.append(name)
+        recipe = load_recipe(name)
+        if recipe.engine == "torch" and recipe.zero_stage >= 1 and recipe.pp == 1 and not recipe.offload_params:
+            out += [f"{name}@ep{ep}" for ep in (2, 4, 8) if experts % ep == 0]
+    return out
 
 
 def cp_degrees(cfg: Any, world_size: int) -> list[int]:
@@ -699,7 +752,7 @@ def resolve_auto(cfg: Any, world_size: int, device: torch.device) -> tuple[Any, 
 
 
 def _chosen_config(cfg: Any, choice: Choice) -> Any:
-    chosen = with_recipe(cfg, choice.plan.recipe, choice.plan.cp, choice.plan.cp_style,
+    chosen = with_recipe(cfg, choice.plan.recipe, choice.plan.cp, choice.plan.cp_style, choice.plan.ep,
                          micro_batch_size=choice.plan.micro_batch,
                          activation_checkpointing=choice.plan.checkpointing)
     chosen.recipe.device_memory, chosen.recipe.memory_margin = cfg.recipe.device_memory, cfg.recipe.memory_margin
