@@ -174,15 +174,23 @@ def _throughput(ax, records: list[dict], resumes: list[int]) -> None:
     ax.legend(handles, [h.get_label() for h in handles], loc="lower right")
 
 
-def build_figure(records: list[dict], resumes: list[int], title: str) -> Figure:
+def build_figure(records: list[dict], resumes: list[int], title: str, expert_load: dict | None = None) -> Figure:
     """The report's 3 x 2 panels (figsize 12 x 10 inches): loss against steps and against tokens
     seen (train curve, validation points), learning rate, gradient norm, throughput (tokens/s,
     with MFU or TFLOP/s per device as a second scale) and peak memory (GiB) against steps, with
     a dashed line at each resume step. Step axes have integer ticks. ``records`` are the cleaned
-    ``metrics.jsonl`` records sorted by step; a panel without data says so."""
-    fig = Figure(figsize=(12, 10), dpi=100)
+    ``metrics.jsonl`` records sorted by step; a panel without data says so.
+
+    ``expert_load`` (a mixture-of-experts run's ``expert_load.json``): a fourth row (figsize 12 x
+    14) with the heatmap of tokens per expert over the run (MoE layers x experts, each cell the
+    expert's share of its layer's assignments over the uniform share 1/E: 1 = balanced) and each
+    layer's busiest expert over the mean against steps (``moe/layer*/load_max_over_mean``)."""
+    rows = 4 if expert_load else 3
+    fig = Figure(figsize=(12, 14 if expert_load else 10), dpi=100)
     FigureCanvasAgg(fig)  # attaches itself to fig: no pyplot, no global backend state
-    axes = fig.subplots(3, 2).ravel()
+    axes = fig.subplots(rows, 2).ravel()
+    if expert_load:
+        _expert_panels(fig, axes[6], axes[7], records, expert_load, resumes)
     fig.suptitle(title)
     train, val = series(records, "train/loss"), series(records, "val/loss")
     resume_tokens = _tokens_at(records, resumes)
@@ -226,6 +234,37 @@ def build_figure(records: list[dict], resumes: list[int], title: str) -> Figure:
     _throughput(axes[4], records, resumes)
     fig.tight_layout()
     return fig
+
+
+def _expert_panels(fig: Figure, heat_ax, load_ax, records: list[dict], load: dict, resumes: list[int]) -> None:
+    layers = [int(i) for i in load.get("moe_layers", [])]
+    counts = load.get("tokens_per_expert") or []
+    grid = []
+    for layer in layers:
+        row = counts[layer] if layer < len(counts) else []
+        total = sum(row)
+        grid.append([c * len(row) / total if total else 0.0 for c in row])
+    if not grid or not grid[0]:
+        _no_data(heat_ax)
+    else:
+        image = heat_ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+        heat_ax.set(xlabel="expert", ylabel="MoE layer", yticks=range(len(layers)), yticklabels=layers,
+                    title=f"expert load over steps 1-{load.get('step')} (share x E; 1 = balanced)")
+        fig.colorbar(image, ax=heat_ax)
+    plotted = False
+    for layer in layers:
+        steps, values = series(records, f"moe/layer{layer}/load_max_over_mean")
+        if steps:
+            load_ax.plot(steps, values, label=f"layer {layer}")
+            plotted = True
+    if not plotted:
+        _no_data(load_ax)
+        return
+    _resume_lines(load_ax, resumes)
+    load_ax.set(xlabel="step", ylabel="busiest expert / mean", title="router balance per layer")
+    _step_ticks(load_ax)
+    if len(layers) <= 12:
+        load_ax.legend(fontsize="small")
 
 
 def loss_unit(records: list[dict]) -> str:
@@ -382,7 +421,13 @@ def write_report(run_dir: Path) -> tuple[Path, Path]:
     # Both are rendered before either replaces the previous report: they never disagree.
     text = _markdown(run_dir, records, cfg, procs, title)
     png_tmp, md_tmp = png.with_name(png.name + ".tmp"), md.with_name(md.name + ".tmp")
-    build_figure(records, resumes, title).savefig(png_tmp, format="png")
+    expert_load = None
+    if (run_dir / "expert_load.json").is_file():
+        try:
+            expert_load = json.loads((run_dir / "expert_load.json").read_text())
+        except ValueError:  # a torn file must not cost the other panels
+            expert_load = None
+    build_figure(records, resumes, title, expert_load).savefig(png_tmp, format="png")
     md_tmp.write_text(text, encoding="utf-8")
     os.replace(png_tmp, png)
     os.replace(md_tmp, md)

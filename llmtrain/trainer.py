@@ -793,6 +793,7 @@ class Trainer:
         if self.env.is_main:
             goodput.timeline_event(self.run_dir, "end", step=self.state.step,
                                    reason="preempted" if "preempted_at" in summary else "finished")
+            self._write_expert_load()
             if self.cfg.tracker.report and (png := _write_report(self.run_dir)):
                 summary["report"] = png
                 closing.append(f"run report: {png} and {Path(png).with_suffix('.md')}")
