@@ -43,10 +43,27 @@ def lora_config(p: Any, model: Any = None) -> Any:
     from omegaconf import OmegaConf
 
     targets = p.target_modules if isinstance(p.target_modules, str) else list(OmegaConf.to_container(p.target_modules))
-    exclude = ["score"] if model is not None and hasattr(model, "score") else None
+    exclude = ["score"] if model is not None and hasattr(model, "score") else []
+    if model is not None:
+        from llmtrain.moe import sparse_blocks
+
+        # Routers decide which experts a token reaches; an adapter on them would move tokens
+        # between experts the adapters of which never saw them. They stay as trained.
+        names = {id(module): name for name, module in model.named_modules()}
+        exclude += [names[id(block.gate)] for _, block in sparse_blocks(model)]
+        if targets == "all-linear" and sparse_blocks(model):
+            # peft 0.21 turns all-linear on transformers' fused-expert models into adapters on
+            # the routers and the expert tensors too (its MoE conversion, which ignores
+            # exclude_modules); spelled out, all-linear means the decoder's Linear layers
+            # (attention, shared experts), and expert tensors are asked for by target_parameters.
+            head = model.get_output_embeddings()
+            targets = sorted(name for name, module in model.named_modules()
+                             if isinstance(module, nn.Linear) and module is not head and not name.startswith("score"))
+            exclude = []
+    parameters = list(p.get("target_parameters") or [])
     return peft.LoraConfig(r=int(p.r), lora_alpha=float(p.alpha), lora_dropout=float(p.dropout), target_modules=targets,
                            bias=p.bias, use_rslora=bool(p.use_rslora), use_dora=bool(p.use_dora),
-                           exclude_modules=exclude)
+                           exclude_modules=exclude or None, target_parameters=parameters or None)
 
 
 def is_partial(cfg: Any) -> bool:

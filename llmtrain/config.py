@@ -105,7 +105,10 @@ class PeftConfig:
 
     ``target_modules``: module-name suffixes (``[q_proj, v_proj]``) or ``all-linear`` (default:
     every Linear of the decoder layers, i.e. the attention and MLP projections, not the output
-    head). ``modules_to_save``: modules trained in full besides the adapters (``[lm_head]`` after
+    head; a mixture of experts' routers are left out, its shared experts are Linear layers).
+    ``target_parameters``: parameter names (suffixes) of non-Linear weights to adapt, peft's
+    ``target_parameters``: a mixture of experts' 3-D expert tensors
+    (``[mlp.experts.gate_up_proj, mlp.experts.down_proj]``), one low-rank update per expert. ``modules_to_save``: modules trained in full besides the adapters (``[lm_head]`` after
     adding tokens). ``bias``: ``none``, ``all`` or ``lora_only`` biases trained.
 
     Selecting ``+peft=lora`` also sets ``trainer.lr`` to 2e-4, LoRA's usual rate (``conf/peft/lora.yaml``
@@ -117,6 +120,7 @@ class PeftConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: Any = "all-linear"  # a list of names or the string all-linear
+    target_parameters: List[str] = field(default_factory=list)
     modules_to_save: List[str] = field(default_factory=list)
     bias: str = "none"
     use_rslora: bool = False
@@ -1158,6 +1162,11 @@ def validate(cfg: Any, world_size: int) -> Layout:
     validate_sequence_parallel(cfg.recipe)
     validate_chunked_loss(cfg)
     validate_expert_parallel(cfg.recipe)
+    p = cfg.get("peft")
+    _require(p is None or not p.get("target_parameters") or cfg.recipe.ep == 1,
+             f"peft.target_parameters={list(p.target_parameters) if p is not None else []} with recipe.ep={cfg.recipe.ep}: "
+             "adapters on expert tensors are not sharded over an ep group; use recipe.ep=1 (fsdp shards them), "
+             "or adapt attention only (peft.target_parameters=[])")
     return layout(cfg, world_size)
 
 

@@ -124,7 +124,12 @@ class ExpertParallelExperts:
         local_ids = torch.repeat_interleave(torch.arange(self.local_experts, device=flat.device).repeat(self.ep),
                                             arrived.flatten())
         ones = torch.ones(len(local_ids), 1, dtype=hidden_states.dtype, device=hidden_states.device)
-        outputs = self.original_forward(self._shadow(module), received, local_ids[:, None], ones)
+        shadow = self._shadow(module)
+        outputs = self.original_forward(shadow, received, local_ids[:, None], ones)
+        # Keep the local experts in the graph even when no token reached them (the eager loop
+        # then touches no weight): every rank must run both all-to-alls' backward, and FSDP2
+        # must reduce the same gradients on every rank, or the collectives hang.
+        outputs = outputs + 0.0 * (received.sum() + sum(p.sum() for p in shadow._parameters.values()))
         returned = all_to_all_single_autograd(outputs.contiguous(), send, receive, self.group)
         weighted = returned * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(returned.dtype)
         combined = torch.zeros(n, hidden_states.shape[-1], dtype=weighted.dtype, device=weighted.device)

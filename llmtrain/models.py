@@ -26,8 +26,12 @@ CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 def canonical_name(name: str) -> str:
     """A parameter's name in the plain model: peft moves a wrapped Linear's weight to
-    ``<module>.base_layer.weight``; initialisation and exports use ``<module>.weight``."""
-    return name.replace(".base_layer.", ".")
+    ``<module>.base_layer.weight``; initialisation and exports use ``<module>.weight``. Adapters
+    on several parameters of one module (``peft.target_parameters`` on a mixture's experts) nest
+    the wrappers: ``experts.base_layer.base_layer.gate_up_proj``."""
+    while ".base_layer." in name:
+        name = name.replace(".base_layer.", ".")
+    return name
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -75,6 +75,8 @@ def sparse_blocks(model: nn.Module) -> list[tuple[int, nn.Module]]:
     blocks = []
     for name, module in model.named_modules():
         experts, gate = getattr(module, "experts", None), getattr(module, "gate", None)
+        while experts is not None and hasattr(experts, "base_layer"):  # peft's wrappers (target_parameters)
+            experts = experts.base_layer
         if experts is None or gate is None or not hasattr(experts, "gate_up_proj") and not hasattr(experts, "up_proj"):
             continue
         if not hasattr(gate, "top_k"):
