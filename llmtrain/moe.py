@@ -171,10 +171,9 @@ class RouterMonitor:
     def __init__(self, model: nn.Module, num_layers: int, num_experts: int, capacity_factor: float = 0.0):
         self.num_experts = num_experts
         self.blocks = sparse_blocks(model)
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
-        self.entropy = torch.zeros(num_layers, dtype=torch.float64)
-        self.tokens = torch.zeros(num_layers, dtype=torch.float64)
-        self.dropped = torch.zeros(num_layers, dtype=torch.float64)
+        self.num_layers = num_layers
+        self._zero_counters()
+        self._forwards: list[torch.Tensor] = []  # the step's training forwards, flattened counters each
         self._armed = False
         self._training = False
         self._valid: torch.Tensor | None = None
@@ -196,6 +195,9 @@ class RouterMonitor:
         assignment counts, and real tokens x layers, summed over this part's MoE layers; when no
         router ran, None, or zeros on ``device`` when it is given."""
         self._armed = False
+        if self._training:
+            self._forwards.append(self._flat_counters())
+            self._zero_counters()
         if not self._sums:
             return None if device is None else torch.zeros(2 * self.num_experts + 1, device=device)
         total = torch.stack(self._sums).sum(0) if len(self._sums) > 1 else self._sums[0]
@@ -228,12 +230,24 @@ class RouterMonitor:
                     self.tokens[layer] += float(real)
         return record
 
-    def take_step(self) -> torch.Tensor:
+    def _zero_counters(self) -> None:
+        L, E = self.num_layers, self.num_experts
+        self.counts = torch.zeros(L, E, dtype=torch.float64)
+        self.entropy = torch.zeros(L, dtype=torch.float64)
+        self.tokens = torch.zeros(L, dtype=torch.float64)
+        self.dropped = torch.zeros(L, dtype=torch.float64)
+
+    def _flat_counters(self) -> torch.Tensor:
+        return torch.cat([self.counts.flatten(), self.entropy, self.tokens, self.dropped])
+
+    def take_step(self, last: int | None = None) -> torch.Tensor:
         """This rank's step counters flattened (float64 ``[L (E + 3)]``: counts, entropy sums,
-        tokens, dropped), reset for the next step."""
-        flat = torch.cat([self.counts.flatten(), self.entropy, self.tokens, self.dropped])
-        for t in (self.counts, self.entropy, self.tokens, self.dropped):
-            t.zero_()
+        tokens, dropped), summed over the step's training forwards (``last``: only the last so
+        many: a pipeline schedule's first step runs one extra forward to infer shapes), then
+        reset for the next step."""
+        forwards = self._forwards[-last:] if last else self._forwards
+        flat = sum(forwards, torch.zeros(self.num_layers * (self.num_experts + 3), dtype=torch.float64))
+        self._forwards = []
         return flat
 
 

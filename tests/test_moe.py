@@ -6,8 +6,9 @@
 * Training runs (one launch per world size, ``tests/scenarios.py``): tiny Qwen3-MoE and tiny
   Mixtral, fp32, 5 steps; per-step loss (aux loss included) and pre-clip gradient norm within
   1e-5 of the 1-process run on ddp, zero2, zero3, fsdp, ep=2 (2 processes) and fsdp x ep
-  (4 processes), with tokens per expert per layer equal; tp, pp and the shared-expert Qwen2-MoE
-  too; LoRA on the expert tensors (peft's ``target_parameters``) on fsdp and LoRA on attention
+  (4 processes), with tokens per expert per layer equal; pp and the shared-expert Qwen2-MoE
+  too, and tp (exact at step 1; its other summation order later moves a few near-tie tokens to
+  another expert); LoRA on the expert tensors (peft's ``target_parameters``) on fsdp and LoRA on attention
   under ep=2. SIGKILL under ep=2 and resume (on 2 processes, and on 1) continues exactly; a 1-process
   checkpoint resumes under ep=2; an ep=2 export loads with ``from_pretrained``.
 """
@@ -211,7 +212,7 @@ TWO |= {"qwen-ep2-export": ("qwen", [*EP2, "trainer.export_hf=true"]), "qwen-tp"
         "lora_attention-ep2": ("lora_attention", EP2)}
 FOUR = {"qwen-fsdp_x_ep": ("qwen", EP2), "mixtral-fsdp_x_ep": ("mixtral", EP2),
         "mixtral-ep4": ("mixtral", ["+recipe=fsdp", "recipe.ep=4"])}
-LOOSE = {"qwen-tp"}  # tensor-parallel reductions in another order: 1e-4
+LOOSE = {"qwen-tp"}  # see test_moe_layouts_train_like_one_process
 
 
 @pytest.fixture(scope="module")
@@ -240,16 +241,22 @@ def _expert_load(run_dir: Path) -> list[list[float]]:
 def test_moe_layouts_train_like_one_process(name, runs):
     kind = (TWO | FOUR)[name][0]
     one, other = train_rows(runs[kind], STEPS), train_rows(runs[name], STEPS)
-    tol = 1e-4 if name in LOOSE else TOL
     for a, b in zip(one, other):
+        # Tensor parallelism sums the router's input in another order, and a token whose top-k
+        # is a near tie can then go to another expert (a discrete change): exact for the first
+        # step, then within 0.5%, with a handful of assignments moved.
+        tol = 5e-3 if name in LOOSE and a["step"] > 1 else TOL
         assert b["train/loss"] == pytest.approx(a["train/loss"], abs=tol), f"step {a['step']}"
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], abs=tol, rel=tol), f"step {a['step']}"
         assert b["moe/aux_loss"] == pytest.approx(a["moe/aux_loss"], abs=tol), f"step {a['step']}"
         assert b["data/sample_digest"] == a["data/sample_digest"]
     assert one[-1]["train/loss"] < one[0]["train/loss"] - 0.05  # it trained
     assert one[0]["moe/aux_loss"] > 1.0  # the loss holds a real aux term (1 = perfectly balanced)
-    if name not in LOOSE:  # the same tokens went to the same experts, every layer
-        assert _expert_load(runs[name]) == _expert_load(runs[kind])
+    mine, reference = torch.tensor(_expert_load(runs[name])), torch.tensor(_expert_load(runs[kind]))
+    if name in LOOSE:
+        assert (mine - reference).abs().sum() <= 0.005 * reference.sum()
+    else:  # the same tokens went to the same experts, every layer
+        assert torch.equal(mine, reference)
 
 
 @pytest.mark.slow

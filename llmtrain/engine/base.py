@@ -235,7 +235,8 @@ class Engine(ABC):
         parallel peers count alike: divide by tp); None for a dense model. Resets them."""
         if not self.routers:
             return None
-        flat = sum(router.take_step() for router in self.routers)
+        last = self.accumulation_steps if self.dims.pp > 1 else None  # one forward per micro-batch and stage
+        flat = sum(router.take_step(last) for router in self.routers)
         aux, self._aux_sum = self._aux_sum, 0.0
         return torch.cat([flat, torch.tensor([aux], dtype=torch.float64)]).to(self.env.device)
 
