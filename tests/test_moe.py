@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAST, assert_ok, make_cfg, run_cli, run_scenarios, subprocess_env, train_rows
+from conftest import FAST, make_cfg, run_cli, run_scenarios, subprocess_env, train_rows
 from test_resume import launch, wait_for_step
 
 from llmtrain.errors import ConfigError
@@ -215,20 +216,43 @@ FOUR = {"qwen-fsdp_x_ep": ("qwen", EP2), "mixtral-fsdp_x_ep": ("mixtral", EP2),
 LOOSE = {"qwen-tp"}  # see test_moe_layouts_train_like_one_process
 
 
+def _kill_after(overrides: list[str], nproc: int, run_dir: Path, step: int) -> None:
+    env = subprocess_env()
+    env["LLMTRAIN_FAULT"] = f"stall:0:{step + 1}"  # rank 0 waits before step+1: a sealed step-2 checkpoint
+    proc = launch(overrides + [f"run_dir={run_dir}", "trainer.hang_timeout_s=0"], nproc=nproc, env=env)
+    wait_for_step(proc, run_dir, step, timeout=600)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 @pytest.fixture(scope="module")
 def runs(shared_data, tmp_path_factory) -> dict[str, Path]:
+    """Every run of the module in one launch per world size. Resumes run inside those launches
+    too: a run killed under ep=2 (the one extra launch) is copied into the 1- and the 2-process
+    group, and a 1-process run of 2 steps into the 2-process group, where the same command (of
+    5 steps) finds each checkpoint and continues."""
     base = common(shared_data / "tinyshakespeare.txt")
     models = {"qwen": base + QWEN, "mixtral": base + MIXTRAL, "shared": base + ["model=tiny_qwen2_moe"],
               "lora": base + QWEN + EXPERT_LORA, "lora_attention": base + QWEN + ["+peft=lora"]}
     groups = {1: {"qwen": models["qwen"] + ["+recipe=ddp", "trainer.export_hf=true"],
                   "mixtral": models["mixtral"] + ["+recipe=ddp"], "shared": models["shared"] + ["+recipe=ddp"],
                   "lora": models["lora"] + ["+recipe=ddp", "trainer.export_hf=true", "trainer.export_merged=true"],
-                  "lora_attention": models["lora_attention"] + ["+recipe=ddp"]},
+                  "lora_attention": models["lora_attention"] + ["+recipe=ddp"],
+                  "two_steps": models["qwen"] + ["+recipe=ddp", "trainer.max_steps=2"],
+                  "killed-resumed_on_1": models["qwen"] + ["+recipe=ddp"]},
               2: {name: models[kind] + extra for name, (kind, extra) in TWO.items()},
               4: {name: models[kind] + extra for name, (kind, extra) in FOUR.items()}}
+    groups[2] |= {"killed-resumed_on_2": models["qwen"] + EP2, "two_steps-resumed_under_ep2": models["qwen"] + EP2}
+    roots = {n: tmp_path_factory.mktemp(f"moe-{n}") for n in groups}
+    killed = tmp_path_factory.mktemp("moe-killed") / "run"
+    _kill_after(models["qwen"] + EP2, 2, killed, 3)
+    shutil.copytree(killed, roots[1] / "killed-resumed_on_1")
+    shutil.copytree(killed, roots[2] / "killed-resumed_on_2")
     out = {}
     for nproc, group in groups.items():
-        out.update(run_scenarios(group, nproc, tmp_path_factory.mktemp(f"moe-{nproc}"), timeout=1800))
+        out.update(run_scenarios(group, nproc, roots[nproc], timeout=1800))
+        if nproc == 1:
+            shutil.copytree(out["two_steps"], roots[2] / "two_steps-resumed_under_ep2")
     return out
 
 
@@ -301,41 +325,32 @@ def test_lora_on_expert_tensors_exports_an_adapter_peft_loads_equal_to_the_merge
     assert (adapted - plain).abs().max() > 1e-3
 
 
-def _kill_after(overrides: list[str], nproc: int, run_dir: Path, step: int) -> None:
-    env = subprocess_env()
-    env["LLMTRAIN_FAULT"] = f"stall:0:{step + 1}"  # rank 0 waits before step+1: a sealed step-2 checkpoint
-    proc = launch(overrides + [f"run_dir={run_dir}", "trainer.hang_timeout_s=0"], nproc=nproc, env=env)
-    wait_for_step(proc, run_dir, step, timeout=600)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+def _resumed_from(run_dir: Path) -> list:
+    events = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    return [e["resumed_from"] for e in events if e["event"] == "start"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("resume_nproc", [2, 1])
-def test_sigkill_under_ep2_then_resume_continues_exactly(shared_data, runs, tmp_path, resume_nproc):
-    overrides = common(shared_data / "tinyshakespeare.txt") + QWEN
-    _kill_after(overrides + EP2, 2, tmp_path, 3)
-    resumed = run_cli(overrides + (EP2 if resume_nproc == 2 else ["+recipe=ddp"]) + [f"run_dir={tmp_path}"],
-                      nproc=resume_nproc)
-    assert_ok(resumed)
-    assert "resuming from" in resumed.stdout + resumed.stderr
-    got = train_rows(tmp_path, STEPS)
+def test_sigkill_under_ep2_then_resume_continues_exactly(runs, resume_nproc):
+    run = runs[f"killed-resumed_on_{resume_nproc}"]
+    assert _resumed_from(run)[0] is None and _resumed_from(run)[-1].endswith("step_2")
+    got = train_rows(run, STEPS)
     reference = train_rows(runs["qwen-ep2" if resume_nproc == 2 else "qwen"], STEPS)
     for a, b in zip(reference, got):
         if resume_nproc == 2:  # the same layout: bit-identical
             assert (b["train/loss"], b["train/grad_norm"]) == (a["train/loss"], a["train/grad_norm"]), f"step {a['step']}"
         else:
             assert b["train/loss"] == pytest.approx(a["train/loss"], abs=TOL), f"step {a['step']}"
-    assert _expert_load(tmp_path) == _expert_load(runs["qwen"])  # counts of steps 1-5, none twice
+            assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], abs=TOL, rel=TOL), f"step {a['step']}"
+    assert _expert_load(run) == _expert_load(runs["qwen"])  # counts of steps 1-5, none twice
 
 
 @pytest.mark.slow
-def test_one_process_checkpoint_resumes_under_ep2(shared_data, runs, tmp_path):
-    overrides = common(shared_data / "tinyshakespeare.txt") + QWEN + [f"run_dir={tmp_path}"]
-    assert_ok(run_cli(overrides + ["+recipe=ddp", "trainer.max_steps=2"], nproc=1))
-    resumed = run_cli(overrides + EP2, nproc=2)
-    assert_ok(resumed)
-    got, reference = train_rows(tmp_path, STEPS), train_rows(runs["qwen"], STEPS)
+def test_one_process_checkpoint_resumes_under_ep2(runs):
+    run = runs["two_steps-resumed_under_ep2"]
+    assert _resumed_from(run)[-1].endswith("step_2")
+    got, reference = train_rows(run, STEPS), train_rows(runs["qwen"], STEPS)
     for a, b in zip(reference, got):
         assert b["train/loss"] == pytest.approx(a["train/loss"], abs=TOL), f"step {a['step']}"
         assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], abs=TOL, rel=TOL), f"step {a['step']}"

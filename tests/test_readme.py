@@ -95,6 +95,9 @@ def llmtrain_args(tokens: list[str]) -> tuple[list[str], int] | None:
     for flag in ("--nproc_per_node", "--num_processes", "--nnodes"):
         if flag in launcher:
             world *= int(launcher[launcher.index(flag) + 1])
+    for token in tokens[at + 2:]:  # a dry run lays out its own world size
+        if token.startswith("trainer.dry_run_world_size="):
+            world = int(token.split("=", 1)[1])
     return tokens[at + 2:], world
 
 
