@@ -64,7 +64,7 @@ def experts_bench(rounds: int) -> None:
                 if r:  # round 0 warms up
                     wall[impl] += time.perf_counter() - w
                     cpu[impl] += time.process_time() - c
-                losses[impl] = float(loss)
+                losses[impl] = float(loss.detach())
         tokens = ids.numel() * rounds
         base = tokens / wall["eager"]
         print(f"{experts} experts, top-2, {ids.numel()} tokens per forward+backward, {rounds} rounds:")
@@ -99,7 +99,7 @@ def ep_bench(rounds: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for name in (list(layouts) if r % 2 == 0 else list(reversed(layouts))):
-                tps, seconds, loss[name] = _launch(layouts[name], Path(tmp) / f"{r}-{name.replace(' ', '')}")
+                tps, seconds, loss[name] = _launch(layouts[name], Path(tmp) / f"{r}-{name.replace(' ', '').replace('=', '')}")
                 rate[name] += tps / rounds
                 cpu[name] += seconds / rounds
     print(f"tiny Qwen3-MoE (32 experts, top-2, hidden 256), 2 processes, 8 x 512 tokens a step, {rounds} rounds:")
