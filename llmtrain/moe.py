@@ -223,19 +223,22 @@ class RouterMonitor:
             real = valid.sum()
             self._sums.append(torch.cat([prob_sum, counts, real[None]]))
             if self._training and not logits.is_meta:
-                with torch.no_grad():
+                with torch.no_grad():  # counted on the device: no host sync per layer
+                    if self.counts.device != logits.device:
+                        self._zero_counters(logits.device)
                     entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
-                    self.counts[layer] += counts.double().cpu()
-                    self.entropy[layer] += float((entropy * valid).sum())
-                    self.tokens[layer] += float(real)
+                    self.counts[layer] += counts.double()
+                    self.entropy[layer] += (entropy * valid).sum().double()
+                    self.tokens[layer] += real.double()
         return record
 
-    def _zero_counters(self) -> None:
+    def _zero_counters(self, device: torch.device | None = None) -> None:
         L, E = self.num_layers, self.num_experts
-        self.counts = torch.zeros(L, E, dtype=torch.float64)
-        self.entropy = torch.zeros(L, dtype=torch.float64)
-        self.tokens = torch.zeros(L, dtype=torch.float64)
-        self.dropped = torch.zeros(L, dtype=torch.float64)
+        device = device or getattr(self, "counts", torch.zeros(0)).device
+        self.counts = torch.zeros(L, E, dtype=torch.float64, device=device)
+        self.entropy = torch.zeros(L, dtype=torch.float64, device=device)
+        self.tokens = torch.zeros(L, dtype=torch.float64, device=device)
+        self.dropped = torch.zeros(L, dtype=torch.float64, device=device)
 
     def _flat_counters(self) -> torch.Tensor:
         return torch.cat([self.counts.flatten(), self.entropy, self.tokens, self.dropped])
@@ -246,7 +249,8 @@ class RouterMonitor:
         many: a pipeline schedule's first step runs one extra forward to infer shapes), then
         reset for the next step."""
         forwards = self._forwards[-last:] if last else self._forwards
-        flat = sum(forwards, torch.zeros(self.num_layers * (self.num_experts + 3), dtype=torch.float64))
+        flat = sum(forwards, torch.zeros(self.num_layers * (self.num_experts + 3), dtype=torch.float64,
+                                         device=self.counts.device))
         self._forwards = []
         return flat
 
@@ -322,7 +326,8 @@ class CapacityLimit:
         position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # arrival index within its expert
         keep = (position < cap).view(n, k)
         if self.monitor._armed and self.monitor._training:
-            self.monitor.dropped[self.layer] += float((~keep).sum())
+            dropped = self.monitor.dropped
+            dropped[self.layer] += (~keep).sum().to(dropped.device, torch.float64)
         return weights * keep.to(weights.dtype)
 
 

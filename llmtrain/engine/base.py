@@ -225,7 +225,7 @@ class Engine(ABC):
             share = 1.0 / self.dims.cp
         E = self.moe_shape.num_experts
         aux = load_balancing_loss(router_sums[:E], router_sums[E:2 * E], router_sums[2 * E], E)
-        self._last_aux = float(aux.detach()) * share
+        self._last_aux = aux.detach().double() * share  # summed on the device: no host sync per micro-batch
         return self.router_coef * aux * (normaliser * share / (self.accumulation_steps * self.dims.dp))
 
     def router_counters(self) -> torch.Tensor | None:
@@ -238,7 +238,8 @@ class Engine(ABC):
         last = self.accumulation_steps if self.dims.pp > 1 else None  # one forward per micro-batch and stage
         flat = sum(router.take_step(last) for router in self.routers)
         aux, self._aux_sum = self._aux_sum, 0.0
-        return torch.cat([flat, torch.tensor([aux], dtype=torch.float64)]).to(self.env.device)
+        aux = torch.as_tensor(aux, dtype=torch.float64, device=self.env.device).reshape(1)
+        return torch.cat([flat.to(self.env.device), aux])
 
     def _install_router_monitors(self, parts: list[torch.nn.Module], model: torch.nn.Module) -> None:
         """For a mixture-of-experts model: watch each part's routers (:class:`llmtrain.moe.RouterMonitor`,
