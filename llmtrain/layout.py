@@ -174,7 +174,7 @@ def layout(cfg: Any, world_size: int, micro_batch_size: int | None = None) -> La
         t = SimpleNamespace(micro_batch_size=micro_batch_size, global_batch_size=t.global_batch_size)
     ep = int(r.get("ep", 1) if hasattr(r, "get") else getattr(r, "ep", 1))
     if ep > 1 and dp_shard % ep:
-        raise ConfigError(f"recipe.ep={ep} does not divide recipe.dp_shard={dp_shard} on {world_size} ranks (expert "
+        raise ConfigError(f"recipe.ep={ep} does not divide recipe.dp_shard={dp_shard} on {world_size} rank(s) (expert "
                           "parallelism spreads each layer's experts over ranks of dp_shard); use an FSDP recipe "
                           f"(zero_stage >= 1) with dp_shard a multiple of {ep}, or change recipe.ep")
     accumulation = gradient_accumulation_steps(t, dp_replicate * dp_shard)

@@ -262,8 +262,10 @@ def step_metrics(flat: torch.Tensor, num_layers: int, num_experts: int, moe_laye
     Per MoE layer ``l``: ``moe/layer{l}/load_max_over_mean`` (tokens of the busiest expert over
     the mean, 1.0 = balanced, E / k = all tokens on the same k experts), ``moe/layer{l}/entropy``
     (mean router entropy in nats; ln E = uniform), ``moe/layer{l}/dropped_fraction`` (with a
-    capacity factor); their means over layers under ``moe/``; ``moe/aux_loss``. Also returns
-    the ``[L, E]`` counts (rows of dense layers are zero) for the report's heatmap.
+    capacity factor: the share of the router's assignments dropped); their means over layers
+    under ``moe/``; ``moe/aux_loss`` (the unweighted loss, mean over micro-batches). Counts are
+    the router's assignments, before a capacity limit drops any. Also returns the ``[L, E]``
+    counts (rows of dense layers are zero) for the report's heatmap.
     """
     L, E = num_layers, num_experts
     counts = flat[:L * E].view(L, E)
@@ -275,7 +277,7 @@ def step_metrics(flat: torch.Tensor, num_layers: int, num_experts: int, moe_laye
         mean = float(row.mean())
         load = float(row.max()) / mean if mean > 0 else 0.0
         ent = float(entropy[layer] / tokens[layer]) if tokens[layer] > 0 else 0.0
-        assigned = float(row.sum()) + float(dropped[layer])
+        assigned = float(row.sum())  # the router's assignments, dropped ones included
         drop = float(dropped[layer]) / assigned if assigned > 0 else 0.0
         metrics[f"moe/layer{layer}/load_max_over_mean"] = load
         metrics[f"moe/layer{layer}/entropy"] = ent
@@ -331,7 +333,7 @@ class CapacityLimit:
         return weights * keep.to(weights.dtype)
 
 
-def check_model(hf_config: Any, ep: int, capacity_factor: float, engine: str) -> MoeShape | None:
+def check_model(hf_config: Any, ep: int, capacity_factor: float = 0.0) -> MoeShape | None:
     """What ``recipe.ep`` and ``model.moe_capacity_factor`` need of the model.
 
     Raises:

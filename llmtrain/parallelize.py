@@ -121,8 +121,14 @@ def apply_tp(module: nn.Module, plan: dict[str, str], tp_mesh, sequence_parallel
     styles = {path: _style(style) for path, style in plan.items() if style != REPLICATED_GRAD_SUM}
     if sequence_parallel:
         styles = sequence_parallel_plan(module, plan, styles)
-    local_plan = {path: style for path, style in styles.items()
-                  if any(fnmatch.fnmatchcase(name, path) for name in present)}
+    # Paths as concrete module names: a model mixing dense and sparse layers (Qwen2-MoE's
+    # mlp_only_layers) has `layers.*.mlp.gate_proj` in some layers only, and torch warns about
+    # every layer a wildcard finds nothing in.
+    local_plan = {}
+    for path, style in styles.items():
+        for name in sorted(present, key=lambda n: [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in n.split(".")]):
+            if fnmatch.fnmatchcase(name, path) and (name == path or name not in styles):
+                local_plan[name] = style
     if local_plan:
         parallelize_module(module, tp_mesh, local_plan)
 

@@ -310,7 +310,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     hf_config = hf_config or model_config(cfg.model)
     micro = micro_batch or t.micro_batch_size
     ckpt = t.activation_checkpointing if checkpointing is None else checkpointing
-    plan = RankPlan(recipe=r.name, world_size=world_size, micro_batch=micro, checkpointing=ckpt)
+    plan = RankPlan(recipe=r.name, world_size=world_size, micro_batch=micro, checkpointing=ckpt, ep=r.get("ep", 1))
     try:
         validate_objective(cfg)  # pairs refuse pipeline recipes (and reward models tp)
         validate_context_parallel(cfg)
@@ -323,7 +323,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         from llmtrain.moe import check_model as check_experts
 
         validate_expert_parallel(r)
-        check_experts(hf_config, dims.ep, 0.0, r.engine)
+        check_experts(hf_config, dims.ep)
     except ConfigError as err:
         plan.error = str(err)
         return plan
@@ -332,7 +332,6 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         plan.error = shape.tp_plan_error
         return plan
     plan.cp, plan.cp_style = dims.cp, r.cp_style
-    plan.ep = dims.ep
     plan.degrees = f"dp {dims.dp_replicate}x{dims.dp_shard} tp {dims.tp} pp {dims.pp}" + (
         f" cp {dims.cp}" if dims.cp > 1 else "") + (f" ep {dims.ep}" if dims.ep > 1 else "")
     accumulation = plan.accumulation = lay.accumulation
@@ -525,10 +524,15 @@ def with_recipe(cfg: Any, name: str, cp: int = 1, cp_style: str = "ulysses", ep:
 def plan_all(cfg: Any, world_size: int, checkpointing: bool | None = None) -> list[RankPlan]:
     """One :class:`RankPlan` per shipped recipe on ``world_size`` ranks for ``cfg``'s model,
     data and trainer settings, at the run's ``recipe.cp`` and ``recipe.cp_style``
-    (``checkpointing``: override ``trainer.activation_checkpointing``)."""
+    (``checkpointing``: override ``trainer.activation_checkpointing``); for a mixture of experts
+    also each FSDP2 recipe at ep 2, 4 and 8 where that layout is valid."""
+    from llmtrain.models import model_config
+
     cp, style = cfg.recipe.get("cp", 1), cfg.recipe.get("cp_style", "ulysses")
-    return [plan_recipe(with_recipe(cfg, name, cp, style), world_size, checkpointing=checkpointing)
-            for name in recipe_names()]
+    hf_config = model_config(cfg.model)
+    plans = [plan_recipe(with_recipe(cfg, name, cp, style), world_size, hf_config, checkpointing=checkpointing)
+             for name in expert_parallel_candidates(recipe_names(), hf_config)]
+    return [p for p in plans if p.ep == 1 or not p.error]  # an MoE model's ep rows where they are valid
 
 
 @dataclass
@@ -600,11 +604,11 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
                             invalid[name] = problem  # fits, but another setting of the run rules it out
                         skip.add(name)
                         break
-                    reasons += [f"{n}: not valid on {world_size} ranks ({e})" for n, e in invalid.items()]
-                    reasons += [f"{n}: does not fit ({t[0]}{' ... ' + t[-1] if len(t) > 1 else ''})"
+                    reasons += [f"{label(n)}: not valid on {world_size} ranks ({e})" for n, e in invalid.items()]
+                    reasons += [f"{label(n)}: does not fit ({t[0]}{' ... ' + t[-1] if len(t) > 1 else ''})"
                                 for n, t in tried.items() if t]
                     host = f" and {fmt_bytes(plan.host)} of host memory" if plan.host else ""
-                    reasons.append(f"{name.replace('@', ' ')}: {fmt_bytes(plan.total)} per rank{host} at micro-batch {micro}"
+                    reasons.append(f"{label(name)}: {fmt_bytes(plan.total)} per rank{host} at micro-batch {micro}"
                                    f"{' with activation checkpointing' if ckpt else ''}"
                                    f"{f' and context parallel cp={cp}' if cp > 1 else ''}: fits; chosen")
                     return Choice(plan, reasons)
@@ -612,7 +616,7 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
                 tried[name].append(f"micro-batch {micro}{' + checkpointing' if ckpt else ''}"
                                    f"{f' + cp {cp}' if cp > 1 else ''}: "
                                    f"{fmt_bytes(plan.total)}{host}")
-    reasons += [f"{n}: not valid on {world_size} ranks ({e})" for n, e in invalid.items()]
+    reasons += [f"{label(n)}: not valid on {world_size} ranks ({e})" for n, e in invalid.items()]
     if smallest is None:
         raise ConfigError(f"+recipe=auto: no shipped recipe is valid on world size {world_size} for this model and "
                           f"batch: {'; '.join(reasons[1:])}")
@@ -631,6 +635,11 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
            f"{fmt_bytes(sum(smallest.temporaries.values()))} per rank do not shrink with data parallelism"
            f"{', nor with context parallelism up to cp=8' if cp_degrees(cfg, world_size * 64)[-1] > 1 else ''}): "
            "shorten data.seq_len, or use devices with more memory"))
+
+
+def label(name: str) -> str:
+    """A candidate's name as printed: ``fsdp@ep4`` -> ``fsdp recipe.ep=4``."""
+    return name.replace("@ep", " recipe.ep=")
 
 
 def expert_parallel_candidates(names: list[str], hf_config: Any) -> list[str]:
@@ -801,17 +810,18 @@ def table(plans: list[RankPlan], budget: int | None = None, checkpointed: list[R
             f"{'buf+temp':>9} {'total':>9} {'host':>9}" + ("  fits" if budget else "") + f"   ({unit})")
     lines = [head, "-" * len(head)]
     for p in plans:
+        name = p.recipe + (f" ep {p.ep}" if p.ep > 1 else "")
         if p.error:
-            lines.append(f"{p.recipe:<14} not valid: {p.error.split('; ')[0]}")
+            lines.append(f"{name:<14} not valid: {p.error.split('; ')[0]}")
             continue
         cells = [p.params, p.grads, p.optimizer, p.master, p.activations,
                  sum(p.temporaries.values()) + sum(p.buffers.values()), p.total, p.host]
         fits = ""
         if budget:
-            with_ckpt = {c.recipe: c for c in checkpointed or []}.get(p.recipe)
+            with_ckpt = {(c.recipe, c.ep): c for c in checkpointed or []}.get((p.recipe, p.ep))
             fits = "  " + ("yes" if p.total <= budget else
                            "ckpt" if with_ckpt is not None and with_ckpt.total <= budget else "no")
-        lines.append(f"{p.recipe:<14} {p.degrees:<22} " + " ".join(f"{c / size:>9.2f}" for c in cells) + fits)
+        lines.append(f"{name:<14} {p.degrees:<22} " + " ".join(f"{c / size:>9.2f}" for c in cells) + fits)
     return "\n".join(lines)
 
 

@@ -88,22 +88,27 @@ def preflight_context_parallel(cfg: Any) -> None:
 
 
 def preflight_moe(cfg: Any) -> None:
-    """With ``recipe.ep`` > 1, a capacity factor, or sequence parallelism: what they need of the
-    model's experts (:func:`llmtrain.moe.check_model`), read from the model's config.
+    """With ``recipe.ep`` > 1, any of the MoE model fields, or sequence parallelism: what they
+    need of the model's experts (:func:`llmtrain.moe.check_model`), read from the model's config.
 
     Raises:
-        ConfigError: ep or a capacity factor with a dense model; ep not dividing the experts;
-            sequence parallelism with an MoE model.
+        ConfigError: ep, a capacity factor, an aux-loss coefficient or an experts
+            implementation with a dense model; ep not dividing the experts; sequence parallelism
+            with an MoE model.
     """
     r, m = cfg.recipe, cfg.model
     ep, factor = r.get("ep", 1), m.get("moe_capacity_factor", 0.0)
-    if ep == 1 and not factor and not r.get("tp_sequence_parallel", False):
+    moe_fields = {k: m.get(k) for k in ("router_aux_loss_coef", "experts_implementation") if m.get(k) is not None}
+    if ep == 1 and not factor and not moe_fields and not r.get("tp_sequence_parallel", False):
         return
     from llmtrain import moe
     from llmtrain.models import model_config
 
     hf_config = model_config(m)
-    shape = moe.check_model(hf_config, ep, factor, r.engine)
+    shape = moe.check_model(hf_config, ep, factor)
+    _require(shape is not None or not moe_fields,
+             f"{', '.join(f'model.{k}={v}' for k, v in moe_fields.items())} but model {m.name} has no experts (a dense "
+             "model); leave them unset")
     _require(shape is None or not r.get("tp_sequence_parallel", False),
              f"recipe.tp_sequence_parallel=true with the mixture-of-experts model {m.name}: the routed experts run on "
              "whole rows; turn recipe.tp_sequence_parallel off (tp still runs)")

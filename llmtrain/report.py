@@ -248,6 +248,8 @@ def _expert_panels(fig: Figure, heat_ax, load_ax, records: list[dict], load: dic
         _no_data(heat_ax)
     else:
         image = heat_ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+        if len(grid[0]) <= 32:
+            heat_ax.set_xticks(range(len(grid[0])))
         heat_ax.set(xlabel="expert", ylabel="MoE layer", yticks=range(len(layers)), yticklabels=layers,
                     title=f"expert load over steps 1-{load.get('step')} (share x E; 1 = balanced)")
         fig.colorbar(image, ax=heat_ax)

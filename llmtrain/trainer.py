@@ -863,7 +863,7 @@ def _loss_spike(loss: float, state: checkpoint.TrainState, factor: float) -> str
 
 
 def _long_context_detail(cfg: Any, dims: ParallelDims) -> str:
-    """The start-up line's context-parallel, sequence-parallel and chunked-loss settings."""
+    """The start-up line's context-parallel, sequence-parallel, chunked-loss and expert-parallel settings."""
     parts = []
     if dims.cp > 1:
         parts.append(f" x cp {dims.cp} ({cfg.recipe.cp_style}; FSDP2 shards over dp_shard x cp = {dims.dp_shard * dims.cp}"
@@ -873,6 +873,9 @@ def _long_context_detail(cfg: Any, dims: ParallelDims) -> str:
         parts.append(" with sequence parallelism inside tp")
     if cfg.trainer.get("loss_chunk_tokens"):
         parts.append(f"; loss in chunks of {cfg.trainer.loss_chunk_tokens} tokens")
+    if dims.ep > 1:
+        parts.append(f"; experts split over ep {dims.ep} ranks of dp_shard (all-to-all), each FSDP-sharded over the "
+                     f"other {dims.dp_replicate * dims.dp_shard // dims.ep}")
     return "".join(parts)
 
 

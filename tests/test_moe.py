@@ -109,7 +109,7 @@ def test_step_metrics_read_world_summed_counters():
 
     L, E = 2, 4
     counts = torch.tensor([[4.0, 4, 4, 4], [16, 0, 0, 0]])
-    entropy, tokens, dropped = torch.tensor([10.0, 0]), torch.tensor([8.0, 8]), torch.tensor([0.0, 16])
+    entropy, tokens, dropped = torch.tensor([10.0, 0]), torch.tensor([8.0, 8]), torch.tensor([0.0, 8])  # 8 of 16 dropped
     metrics, grid = step_metrics(torch.cat([counts.flatten(), entropy, tokens, dropped]).double(), L, E, (0, 1), 0.5)
     assert metrics["moe/layer0/load_max_over_mean"] == 1.0 and metrics["moe/layer1/load_max_over_mean"] == 4.0
     assert metrics["moe/layer0/entropy"] == 10 / 8 and metrics["moe/layer1/dropped_fraction"] == 0.5

@@ -439,10 +439,20 @@ class NativeEngine(Engine):
         # every rank takes part in gathering them (a collective), only contributors copy to host.
         contribute = self._dp_rank == 0 and self.tp_rank == 0
         mine: dict[str, torch.Tensor] = {}
-        for part in self.parts:
-            full = get_model_state_dict(part, options=options)
-            if contribute:
-                mine.update({k: v.detach().cpu() for k, v in full.items()})
+        import logging
+
+        # Gathering an expert-parallel tensor (FSDP2 and ep both on dim 0) takes two all-gathers,
+        # which torch logs as a warning per tensor and rank; it is the expected cost of an export.
+        redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+        level = redistribute_log.level
+        redistribute_log.setLevel(logging.ERROR)
+        try:
+            for part in self.parts:
+                full = get_model_state_dict(part, options=options)
+                if contribute:
+                    mine.update({k: v.detach().cpu() for k, v in full.items()})
+        finally:
+            redistribute_log.setLevel(level)
         gathered = [None] * self.env.world_size if self.env.is_main else None
         dist.gather_object(mine if contribute else None, gathered, dst=0)
         if not self.env.is_main:
