@@ -136,6 +136,11 @@ def _check_targets(model: nn.Module, p: Any) -> None:
                 suffixes = sorted({name.rsplit(".", 1)[-1] for name in linear})
                 raise ConfigError(f"peft.target_modules: {target!r} matches no Linear module of this model; its "
                                   f"Linear modules end in {', '.join(suffixes[:8])}")
+    parameter_names = [name for name, _ in model.named_parameters()]
+    for target in p.get("target_parameters") or []:
+        if not any(name == target or name.endswith(f".{target}") for name in parameter_names):
+            raise ConfigError(f"peft.target_parameters: {target!r} matches no parameter of this model; expert tensors "
+                              "of an MoE model are named like mlp.experts.gate_up_proj, mlp.experts.down_proj")
     names = dict(model.named_modules())
     for name in p.modules_to_save:
         if name not in names:

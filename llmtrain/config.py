@@ -1162,6 +1162,11 @@ def validate(cfg: Any, world_size: int) -> Layout:
     validate_sequence_parallel(cfg.recipe)
     validate_chunked_loss(cfg)
     validate_expert_parallel(cfg.recipe)
+    objective = cfg.objective.get("target") or cfg.objective.get("name") or "causal_lm"
+    _require(not cfg.model.moe_capacity_factor or objective not in PREFERENCE_OBJECTIVES,
+             f"model.moe_capacity_factor={cfg.model.moe_capacity_factor} with objective={objective}: a pair's chosen row "
+             "comes first and would take expert capacity before its rejected row, and the reference runs dropless; "
+             "set model.moe_capacity_factor=0 for preference tuning")
     p = cfg.get("peft")
     _require(p is None or not p.get("target_parameters") or cfg.recipe.ep == 1,
              f"peft.target_parameters={list(p.target_parameters) if p is not None else []} with recipe.ep={cfg.recipe.ep}: "

@@ -109,6 +109,11 @@ def moe_shape(hf_config: Any, model: nn.Module | None = None) -> MoeShape | None
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config)
     blocks = sparse_blocks(model)
+    biased = [type(block.gate).__name__ for _, block in blocks if hasattr(block.gate, "e_score_correction_bias")]
+    if biased:
+        raise ConfigError(f"model type {hf_config.model_type!r}: its router {biased[0]} balances experts with a learned "
+                          "score-correction bias (DeepSeek-V3's auxiliary-loss-free balancing), not the Switch loss "
+                          "llmtrain adds; llmtrain does not drive it yet (supported: qwen3_moe, qwen2_moe, mixtral, olmoe)")
     if not blocks:
         raise ConfigError(f"model type {hf_config.model_type!r} declares {experts} experts but llmtrain finds no "
                           "sparse block with a top-k router `gate` and 3-D `experts` (supported: qwen3_moe, "
@@ -212,8 +217,8 @@ class RouterMonitor:
 
     def _hook(self, layer: int) -> Callable:
         def record(module, args, output):
-            if not self._armed:
-                return
+            # The same ops armed or not: a checkpointed layer's recompute in backward (unarmed)
+            # must save as many tensors as its forward did, or torch.utils.checkpoint refuses.
             logits, _, ids = output[0], output[1], output[2]
             valid = self.valid_rows(logits.shape[0], logits.device)
             probs = torch.softmax(logits.float(), dim=-1)
@@ -221,6 +226,8 @@ class RouterMonitor:
             counts = torch.zeros(self.num_experts, dtype=torch.float32, device=logits.device).scatter_add_(
                 0, ids.reshape(-1), valid.repeat_interleave(ids.shape[-1]))
             real = valid.sum()
+            if not self._armed:
+                return
             self._sums.append(torch.cat([prob_sum, counts, real[None]]))
             if self._training and not logits.is_meta:
                 with torch.no_grad():  # counted on the device: no host sync per layer
@@ -300,7 +307,8 @@ class CapacityLimit:
     weight set to 0: the token passes that expert by through the residual) and counted.
 
     Installed as a wrapper of the experts module's forward, so it applies before dispatch under
-    expert parallelism too (a rank's own tokens decide, whatever the layout).
+    expert parallelism too (a rank's own tokens decide). Training forwards only: evaluation is
+    dropless, so validation loss does not depend on how the held-out rows are spread over ranks.
     """
 
     def __init__(self, experts: nn.Module, num_experts: int, factor: float, monitor: RouterMonitor, layer: int):
@@ -311,22 +319,27 @@ class CapacityLimit:
         inner = self.experts.forward
 
         def forward(module, hidden_states, top_k_index, top_k_weights):
-            top_k_weights = self.limit(top_k_index, top_k_weights)
+            if module.training:  # evaluation runs dropless: its loss does not depend on the layout
+                top_k_weights = self.limit(top_k_index, top_k_weights)
             return inner(hidden_states, top_k_index, top_k_weights)
         self.experts.forward = types.MethodType(forward, self.experts)
 
     def capacity(self, tokens: int, top_k: int) -> int:
-        """Assignments one expert may take out of ``tokens`` tokens' ``top_k`` each."""
-        return max(1, math.ceil(self.factor * tokens * top_k / self.num_experts))
+        """Assignments one expert may take out of ``tokens`` real tokens' ``top_k`` each (at
+        most all of them)."""
+        return max(1, min(tokens * top_k, math.ceil(self.factor * tokens * top_k / self.num_experts)))
 
     def limit(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """``weights`` ``[N, k]`` with the assignments past capacity set to 0."""
+        """``weights`` ``[N, k]`` with the real tokens' assignments past capacity set to 0;
+        padding (the monitor's mask) takes no capacity and is not counted."""
         n, k = ids.shape
-        cap = self.capacity(n, k)
+        valid = self.monitor.valid_rows(n, ids.device) > 0
+        real = valid.repeat_interleave(k)
+        cap = self.capacity(int(valid.sum()), k)
         flat = ids.reshape(-1)  # token-major: earlier tokens first
-        one_hot = torch.nn.functional.one_hot(flat, self.num_experts)
+        one_hot = torch.nn.functional.one_hot(flat, self.num_experts) * real[:, None]
         position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # arrival index within its expert
-        keep = (position < cap).view(n, k)
+        keep = ((position < cap) | ~real).view(n, k)
         if self.monitor._armed and self.monitor._training:
             dropped = self.monitor.dropped
             dropped[self.layer] += (~keep).sum().to(dropped.device, torch.float64)

@@ -92,6 +92,10 @@ def test_capacity_limit_drops_assignments_past_capacity_in_token_order():
     class Monitor:
         _armed = _training = True
         dropped = torch.zeros(1, dtype=torch.float64)
+        valid = None
+
+        def valid_rows(self, rows, device):
+            return torch.ones(rows) if self.valid is None else self.valid
 
     limit = CapacityLimit(torch.nn.Module(), num_experts=2, factor=1.0, monitor=Monitor(), layer=0)
     ids = torch.tensor([[0, 1], [0, 1], [0, 1], [1, 0]])  # 4 tokens, top-2: 8 assignments, capacity 4 each
@@ -102,6 +106,13 @@ def test_capacity_limit_drops_assignments_past_capacity_in_token_order():
     kept = limit.limit(ids, torch.ones(4, 2))
     assert kept.tolist() == [[1, 1], [1, 1], [0, 0], [0, 0]]
     assert Monitor.dropped[0] == 4
+    # Padding (token 0 here) takes no capacity and is not counted: capacity 2 of 3 real tokens.
+    limit.monitor.valid = torch.tensor([0.0, 1, 1, 1])
+    kept = limit.limit(ids, torch.ones(4, 2))
+    assert kept.tolist() == [[1, 1], [1, 1], [1, 1], [0, 0]]
+    assert Monitor.dropped[0] == 4 + 2
+    limit.factor = 1e30  # at most every assignment, whatever the factor
+    assert limit.capacity(3, 2) == 6 and limit.limit(ids, torch.ones(4, 2)).tolist() == [[1, 1]] * 4
 
 
 def test_step_metrics_read_world_summed_counters():
@@ -129,6 +140,10 @@ def test_step_metrics_read_world_summed_counters():
     (["model=tiny_qwen3_moe", "model.experts_implementation=fast"], 1, "model.experts_implementation='fast'"),
     (["model=tiny_qwen3_moe", "model.router_aux_loss_coef=-1"], 1, "model.router_aux_loss_coef=-1"),
     (["model=tiny_qwen3_moe", "+recipe=tp", "recipe.tp_sequence_parallel=true"], 2, "mixture-of-experts model"),
+    (["model=tiny_qwen3_moe", "objective=dpo", "data=preference", "data.path=x.jsonl", "model.moe_capacity_factor=1.0"],
+     1, "set model.moe_capacity_factor=0 for preference tuning"),
+    (["model=tiny_qwen3_moe", "model.architecture.model_type=deepseek_v3", "+model.architecture.n_routed_experts=8",
+      "+model.architecture.n_group=1", "+model.architecture.topk_group=1"], 1, "score-correction bias"),
 ])
 def test_bad_moe_settings_are_refused_naming_the_field(overrides, world, message):
     from llmtrain.preflight import validate_and_preflight
@@ -136,6 +151,15 @@ def test_bad_moe_settings_are_refused_naming_the_field(overrides, world, message
     batch = [f"trainer.global_batch_size={12 * world}", "trainer.micro_batch_size=1"]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_and_preflight(make_cfg(overrides + batch), world)
+
+
+def test_a_target_parameter_matching_nothing_is_refused():
+    from llmtrain import adapters
+    from llmtrain.models import build_model
+
+    cfg = make_cfg(["model=tiny_qwen3_moe", "+peft=lora", "peft.target_parameters=[mlp.experts.up_proj]"])
+    with pytest.raises(ConfigError, match="'mlp.experts.up_proj' matches no parameter"):
+        adapters.apply(build_model(cfg.model, 0), cfg)
 
 
 def test_bad_ep_exits_nonzero_in_one_line_writing_nothing(tmp_path):
@@ -211,6 +235,9 @@ TWO |= {"qwen-ep2-export": ("qwen", [*EP2, "trainer.export_hf=true"]), "qwen-tp"
         "mixtral-pp": ("mixtral", ["+recipe=pp"]), "mixtral-eager-ep2": ("mixtral", [*EP2, "model.experts_implementation=eager"]),
         "shared-ep2": ("shared", EP2), "lora-fsdp": ("lora", ["+recipe=fsdp"]),
         "lora_attention-ep2": ("lora_attention", EP2)}
+CKPT = ["trainer.activation_checkpointing=true"]  # the layer's recompute must route alike
+TWO |= {"qwen-ep2-checkpointing": ("qwen", [*EP2, *CKPT]), "mixtral-pp-checkpointing": ("mixtral", ["+recipe=pp", *CKPT]),
+        "mixtral-zero3-checkpointing": ("mixtral", ["+recipe=zero3", *CKPT])}
 FOUR = {"qwen-fsdp_x_ep": ("qwen", EP2), "mixtral-fsdp_x_ep": ("mixtral", EP2),
         "mixtral-ep4": ("mixtral", ["+recipe=fsdp", "recipe.ep=4"])}
 LOOSE = {"qwen-tp"}  # see test_moe_layouts_train_like_one_process
