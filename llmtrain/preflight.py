@@ -101,10 +101,11 @@ def preflight_moe(cfg: Any) -> None:
     moe_fields = {k: m.get(k) for k in ("router_aux_loss_coef", "experts_implementation") if m.get(k) is not None}
     from llmtrain.moe import EXPERT_COUNT_FIELDS
 
-    # A model that declares experts is checked whatever the settings (a router llmtrain cannot
-    # drive is refused here, not once the engine is built); a pretrained folder's config is cheap.
-    declares = m.source == "pretrained" or (m.source == "config" and any(
-        isinstance(m.architecture.get(k), int) and m.architecture.get(k) > 0 for k in EXPERT_COUNT_FIELDS))
+    # A config model that declares experts is checked whatever the settings (a router llmtrain
+    # cannot drive is refused here, not once the engine is built); pretrained weights' configs are
+    # read when an MoE setting asks for it.
+    declares = m.source == "config" and any(
+        isinstance(m.architecture.get(k), int) and m.architecture.get(k) > 0 for k in EXPERT_COUNT_FIELDS)
     if ep == 1 and not factor and not moe_fields and not declares and not r.get("tp_sequence_parallel", False):
         return
     from llmtrain import moe
