@@ -63,13 +63,15 @@ def parameter_counts(hf_config: Any) -> tuple[int, int]:
     return total, embedding
 
 
-def active_parameters(hf_config: Any) -> tuple[int, int]:
+def active_parameters(hf_config: Any, total: int | None = None) -> tuple[int, int]:
     """(parameters, parameters one token passes through) of the model ``hf_config`` describes:
     equal for a dense model; for a mixture of experts the second counts k / E of the routed
-    experts (:class:`llmtrain.moe.MoeShape`), e.g. Qwen3-30B-A3B's 30.5 B and 3.3 B."""
+    experts (:class:`llmtrain.moe.MoeShape`), e.g. Qwen3-30B-A3B's 30.5 B and 3.3 B.
+    ``total``: :func:`parameter_counts`' first figure when the caller has it (one meta build fewer)."""
     from llmtrain.moe import moe_shape
 
-    total, _ = parameter_counts(hf_config)
+    if total is None:
+        total, _ = parameter_counts(hf_config)
     shape = moe_shape(hf_config)
     if shape is None:
         return total, total
@@ -96,7 +98,7 @@ def flops_per_token(hf_config: Any, seq_len: int, frozen: int = 0, adapter: int 
         FLOPs per token (a multiply-add is 2 FLOPs).
     """
     total, embedding = parameter_counts(hf_config)
-    _, active = active_parameters(hf_config)
+    _, active = active_parameters(hf_config, total)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     matmul = active - embedding + (embedding if tied else 0)  # a tied lm_head is still a matmul
     layers = int(hf_config.num_hidden_layers)

@@ -202,19 +202,25 @@ class Engine(ABC):
             with self.accumulate(is_last_micro_batch=k == len(batches) - 1):
                 out = self._loss_sums(batch, training=True)
                 if self._router_sums is not None:
-                    out.loss = out.loss + self._router_loss(self._router_sums, normaliser)
-                    self._aux_sum += self._last_aux
+                    term, aux = self._router_loss(self._router_sums, normaliser)
+                    out.loss = out.loss + term
+                    self._aux_sum += aux
                 self.backward(out.loss / normaliser)
             sums += self.objective.stacked(out)
         return self._whole_rows(sums)
 
-    def _router_loss(self, router_sums: torch.Tensor, normaliser: float) -> torch.Tensor:
+    def _router_loss(self, router_sums: torch.Tensor, normaliser: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The load-balancing term of one micro-batch, on the loss's scale: ``coef * aux`` per
         micro-batch, averaged over the global batch's ``accumulation x dp`` micro-batches (which
         hold the same samples on any number of ranks, so the term does not depend on the
         layout), times ``normaliser`` because the caller divides the summed loss by it. Under
         context parallelism the micro-batch's sums are first added up over its cp ranks (with
-        autograd), and each cp rank adds 1/cp of the term (the loss sums are summed over them)."""
+        autograd), and each cp rank adds 1/cp of the term (the loss sums are summed over them).
+
+        Returns:
+            (the term, with grad; this rank's share of the unweighted aux value, float64 without
+            grad, for ``moe/aux_loss``).
+        """
         from llmtrain.moe import load_balancing_loss
 
         share = 1.0
@@ -225,8 +231,8 @@ class Engine(ABC):
             share = 1.0 / self.dims.cp
         E = self.moe_shape.num_experts
         aux = load_balancing_loss(router_sums[:E], router_sums[E:2 * E], router_sums[2 * E], E)
-        self._last_aux = aux.detach().double() * share  # summed on the device: no host sync per micro-batch
-        return self.router_coef * aux * (normaliser * share / (self.accumulation_steps * self.dims.dp))
+        term = self.router_coef * aux * (normaliser * share / (self.accumulation_steps * self.dims.dp))
+        return term, aux.detach().double() * share  # kept on the device: no host sync per micro-batch
 
     def router_counters(self) -> torch.Tensor | None:
         """This rank's router counters of the step (float64 ``[L (E + 3) + 1]``: tokens per

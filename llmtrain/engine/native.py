@@ -223,8 +223,8 @@ class NativeEngine(Engine):
         out = self.objective.loss_sums(logits, unpack_targets(target, self._target_layout))
         aux = 0.0
         if router_sums is not None:
-            out.loss = out.loss + self._router_loss(router_sums, self._normaliser)
-            aux = self._last_aux
+            term, aux = self._router_loss(router_sums, self._normaliser)
+            out.loss = out.loss + term
         loss = out.loss / self._normaliser * self.dims.dp
         self._pipeline_sums.append((loss, self.objective.stacked(out), aux))
         return loss
