@@ -71,8 +71,25 @@ def check_recipe_selection(args: list[str]) -> None:
                           f"+{chosen[0]}")
 
 
+def _register_launchers() -> None:
+    """Make llmtrain's launchers (``hydra/launcher=slurm``, ``slurm_local``) known to Hydra's
+    plugin registry. Hydra finds plugins by walking the ``hydra_plugins`` namespace's folders,
+    which an editable install (setuptools' import finder) does not list; installed from a wheel
+    they are found by the walk as well. Without the ``slurm`` extra there is nothing to add."""
+    try:
+        from hydra.core.plugins import Plugins
+
+        from hydra_plugins.llmtrain_launcher import launchers
+    except ImportError:
+        return
+    known = Plugins.instance().class_name_to_class
+    for launcher in (launchers.SlurmLauncher, launchers.LocalLauncher):
+        known.setdefault(f"{launcher.__module__}.{launcher.__name__}", launcher)
+
+
 try:
     register_configs()  # before @hydra.main composes: the recipes are options of the group
+    _register_launchers()
     check_recipe_selection(sys.argv[1:])
     check_overrides(sys.argv[1:])  # a misspelt field or option: our one line, before Hydra's advice
     # Hydra reads sys.argv when main() runs: string fields keep what was typed (name=1_1_1).
@@ -83,9 +100,12 @@ except LlmtrainError as err:
 
 def _world_size(cfg: DictConfig) -> int:
     """The ranks to lay out: ``trainer.dry_run_world_size`` in a dry run that sets it, else the
-    launch's (WORLD_SIZE, 1 without a launcher)."""
+    launch's (WORLD_SIZE; a submitit job's tasks; 1 without a launcher)."""
     if cfg.trainer.dry_run and cfg.trainer.dry_run_world_size:
         return cfg.trainer.dry_run_world_size
+    from llmtrain.distributed import adopt_submitit_environment
+
+    adopt_submitit_environment()
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -155,7 +175,13 @@ def _main(cfg: DictConfig) -> None:
             if int(os.environ.get("RANK", "0")) == 0:
                 print(dry_run(cfg, _world_size(cfg)))
             return
-        train(cfg)
+        summary = train(cfg)
+        if "preempted_at" in summary and os.environ.get("SUBMITIT_EXECUTOR"):
+            from llmtrain.preemption import hand_over_to_submitit
+
+            shutdown()  # the group goes before submitit's requeue exits the first task
+            hand_over_to_submitit()
+            return
         if _in_sweep():
             # Every job of a sweep (-m) trains on this launch's one process group: DeepSpeed
             # keeps module-level handles to the groups it first saw (deepspeed.comm,

@@ -343,6 +343,9 @@ class CheckpointManager:
         self.env, self.keep = env, keep
         self._verified: set[Path] = set()  # checkpoints this process wrote or hashed and found whole
         self._background: tuple | None = None  # (future, tmp folder, final folder, hash, step) in flight
+        # Steps whose checkpoints pruning keeps beyond ``keep`` (rank 0): a task evaluation still
+        # reading them (llmtrain.task_eval).
+        self.pinned: set[int] = set()
 
     def step_dirs(self) -> list[tuple[int, Path]]:
         """Folders named ``step_<N>``, newest first (complete or not)."""
@@ -578,6 +581,8 @@ class CheckpointManager:
                 self._verified.add(path)
                 complete.append(path)
         for path in complete[self.keep:]:
+            if step_of(path) in self.pinned:
+                continue
             shutil.rmtree(path, ignore_errors=True)
             self._verified.discard(path)
         # Universal-format conversions (world-size changes) of checkpoints that are gone.
@@ -592,6 +597,10 @@ RESUMABLE_CHANGES = ("name", "run_dir", "tracker", "trainer.max_steps", "trainer
                      "trainer.log_every", "trainer.save_every", "trainer.save_every_minutes", "trainer.keep_checkpoints",
                      "trainer.checkpoint_hash", "trainer.async_checkpoint", "trainer.resume", "trainer.preempt_signal", "trainer.export_hf", "trainer.progress_bar",
                      "trainer.peak_tflops", "trainer.hang_timeout_s",
+                     # Scoring the checkpoints reads them and changes nothing of the training.
+                     "trainer.eval_tasks", "trainer.eval_tasks_every", "trainer.eval_tasks_async",
+                     "trainer.eval_tasks_limit", "trainer.eval_tasks_batch_size", "trainer.eval_tasks_device",
+                     "trainer.eval_tasks_include", "trainer.eval_tasks_bootstrap_iters",
                      # Memory knobs that do not change what is computed (recomputation, the loss in
                      # chunks, where each row's tokens live): what a run that ran out of memory changes.
                      "trainer.activation_checkpointing", "trainer.loss_chunk_tokens", "recipe.cp", "recipe.cp_style",

@@ -291,6 +291,13 @@ class TrainerConfig:
     ``peak_tflops``: one device's peak dense TFLOP/s for ``perf/mfu`` (0 = from the table of
     accelerators in :mod:`llmtrain.flops` by device name; CPUs report ``perf/tflops_per_device``
     only).
+
+    ``eval_tasks``: lm-evaluation-harness tasks (``hh_local``, ``alpaca_local`` from ``conf/eval``,
+    the YAML folders in ``eval_tasks_include``, or the harness's own) scored on the checkpoint
+    of every ``eval_tasks_every`` steps (those steps are then checkpoint steps; 0 = the last step
+    only), each in its own process (:mod:`llmtrain.task_eval`); training goes on meanwhile
+    unless ``eval_tasks_async=false``. ``eval_tasks_limit``: documents per task (all when unset);
+    ``eval_tasks_device``: where the evaluation runs (default: rank 0's device).
     """
 
     seed: int = 1234
@@ -334,6 +341,14 @@ class TrainerConfig:
     export_merged: bool = False
     progress_bar: bool = True
     peak_tflops: float = 0.0
+    eval_tasks: List[str] = field(default_factory=list)
+    eval_tasks_every: int = 0
+    eval_tasks_async: bool = True
+    eval_tasks_limit: Optional[float] = None
+    eval_tasks_batch_size: int = 8
+    eval_tasks_device: Optional[str] = None
+    eval_tasks_include: List[str] = field(default_factory=list)
+    eval_tasks_bootstrap_iters: int = 1000
 
 
 @dataclass
@@ -1024,6 +1039,22 @@ def validate_model(m: Any) -> None:
              f"model.freeze={list(m.freeze)} must be a list of parameter-name patterns (e.g. [model.embed_tokens.*])")
 
 
+def _validate_eval_tasks(t: Any) -> None:
+    """The ``trainer.eval_tasks*`` fields (whether the tasks exist is the preflight's check)."""
+    _require(all(isinstance(name, str) and name and "," not in name for name in t.eval_tasks),
+             f"trainer.eval_tasks={list(t.eval_tasks)} must be a list of task names (e.g. [hh_local])")
+    _require(t.eval_tasks_every >= 0, f"trainer.eval_tasks_every={t.eval_tasks_every} must be >= 0 (0 = the last step "
+             "only)")
+    _require(t.eval_tasks_batch_size >= 1, f"trainer.eval_tasks_batch_size={t.eval_tasks_batch_size} must be >= 1")
+    _require(t.eval_tasks_limit is None or t.eval_tasks_limit > 0,
+             f"trainer.eval_tasks_limit={t.eval_tasks_limit} must be > 0 (documents per task; unset = all)")
+    _require(t.eval_tasks_bootstrap_iters >= 0,
+             f"trainer.eval_tasks_bootstrap_iters={t.eval_tasks_bootstrap_iters} must be >= 0")
+    _require(bool(t.eval_tasks) or (not t.eval_tasks_every and not t.eval_tasks_include),
+             f"trainer.eval_tasks_every={t.eval_tasks_every} / eval_tasks_include={list(t.eval_tasks_include)} "
+             "without trainer.eval_tasks: name the tasks, e.g. trainer.eval_tasks=[hh_local]")
+
+
 def validate_trainer(t: Any, r: Any) -> None:
     """The ``trainer`` node, and the trainer features the recipe's engine lacks
     (``nonfinite=skip`` and ``async_checkpoint`` need ``engine=torch``). The batch sizes'
@@ -1037,6 +1068,7 @@ def validate_trainer(t: Any, r: Any) -> None:
     for key in ("warmup_steps", "eval_every", "log_every", "save_every", "eval_samples"):
         _require(t[key] >= 0, f"trainer.{key}={t[key]} must be >= 0")
     _require(t.lr > 0, f"trainer.lr={t.lr} must be > 0")
+    _validate_eval_tasks(t)
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"trainer.beta1={t.beta1}, trainer.beta2={t.beta2} must be in [0, 1)")
     _require(t.eps > 0, f"trainer.eps={t.eps} must be > 0")
     _require(t.weight_decay >= 0, f"trainer.weight_decay={t.weight_decay} must be >= 0")

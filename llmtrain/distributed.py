@@ -85,6 +85,33 @@ def _int_env(name: str) -> int | None:
         raise LaunchError(f"environment variable {name}={value!r} must be an integer") from err
 
 
+def adopt_submitit_environment() -> bool:
+    """Inside a submitit job (``SUBMITIT_EXECUTOR`` set, as hydra-submitit-launcher's tasks are)
+    of several tasks and without a launcher's ``RANK``: export RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR (the job's first host) and MASTER_PORT (drawn from the job id,
+    the same in every task and after a requeue) from submitit's job environment, as
+    ``submitit.helpers.TorchDistributedEnvironment`` does, so the tasks are torch.distributed
+    ranks. Returns whether it did."""
+    if "RANK" in os.environ or not os.environ.get("SUBMITIT_EXECUTOR"):
+        return False
+    from submitit import JobEnvironment
+    from submitit.helpers import TorchDistributedEnvironment
+
+    if JobEnvironment().num_tasks <= 1:
+        return False
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)  # each rank picks cuda:LOCAL_RANK
+    return True
+
+
+def scheduler_signal() -> str | None:
+    """The signal submitit's job environment forwards before a time limit or on preemption
+    (``SUBMITIT_PREEMPT_SIGNAL``, default ``SIGUSR2``) inside a submitit job, else None."""
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return None
+    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+    return name if name.startswith("SIG") else f"SIG{name}"
+
+
 def init_distributed(timeout_s: float = PROCESS_GROUP_TIMEOUT_S, need_group: bool = False) -> DistEnv:
     """Initialise torch.distributed from the launcher's environment (idempotent).
 
@@ -93,9 +120,13 @@ def init_distributed(timeout_s: float = PROCESS_GROUP_TIMEOUT_S, need_group: boo
     (in-memory store, no port) only when ``need_group`` (DeepSpeed needs one).
     Backend: nccl with CUDA, gloo otherwise.
 
+    Inside a submitit job the same variables come from its job environment
+    (:func:`adopt_submitit_environment`).
+
     Raises:
         LaunchError: RANK is set without WORLD_SIZE (or the reverse), or RANK >= WORLD_SIZE.
     """
+    adopt_submitit_environment()
     rank, world_size = _int_env("RANK"), _int_env("WORLD_SIZE")
     if (rank is None) != (world_size is None):
         raise LaunchError("set both RANK and WORLD_SIZE (torchrun does), or neither for one process")

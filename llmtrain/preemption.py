@@ -1,4 +1,8 @@
-"""Save-and-exit on preemption: SIGTERM, SIGINT and a configurable signal (SLURM's warning).
+"""Save-and-exit on preemption: SIGTERM, SIGINT, a configurable signal (SLURM's warning) and,
+inside a submitit job, the signal submitit forwards (:func:`llmtrain.distributed.scheduler_signal`).
+Submitit's own handler for it (which requeues the job) is kept: once the save is done and the
+process group is gone, :func:`hand_over_to_submitit` calls it, so the job is requeued and
+resumes from that checkpoint.
 
 A handler only sets a flag; once per step the loop sums every rank's :meth:`Preemption.local_flags`
 (in the step's scalar all-reduce, :func:`llmtrain.trainer.forward_backward`) and
@@ -20,11 +24,12 @@ log = logging.getLogger("llmtrain")
 class Preemption:
     """Signal flag plus the wall-clock save cadence, agreed across ranks once per step."""
 
-    def __init__(self, extra_signal: str | None, save_every_minutes: float):
+    def __init__(self, extra_signal: str | None, save_every_minutes: float, scheduler_signal: str | None = None):
         self.requested: str | None = None
         self.save_interval_s = save_every_minutes * 60.0
         self.last_save = time.monotonic()
-        names = ["SIGTERM", "SIGINT"] + ([extra_signal] if extra_signal and extra_signal not in ("SIGTERM", "SIGINT") else [])
+        names = ["SIGTERM", "SIGINT"]
+        names += [name for name in (extra_signal, scheduler_signal) if name and name not in names]
         self._previous = {}
         for name in names:
             sig = getattr(signal, name)
@@ -51,3 +56,21 @@ class Preemption:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def hand_over_to_submitit() -> bool:
+    """After a preemption save inside a submitit job: call submitit's handler of its preemption
+    signal (restored by :meth:`Preemption.restore`), which, on the job's first task, pickles the
+    job again through hydra-submitit-launcher's ``checkpoint`` and requeues it (``scontrol
+    requeue`` on SLURM; exit status 144 for the local executor, which starts the tasks again),
+    then exits. Other tasks return from it. Returns False outside submitit."""
+    from llmtrain.distributed import scheduler_signal
+
+    name = scheduler_signal()
+    if name is None:
+        return False
+    handler = signal.getsignal(getattr(signal, name))
+    if callable(handler):
+        log.warning("preempted inside a submitit job: handing over to submitit to requeue it")
+        handler(getattr(signal, name), None)
+    return True

@@ -181,16 +181,23 @@ def build_figure(records: list[dict], resumes: list[int], title: str, expert_loa
     a dashed line at each resume step. Step axes have integer ticks. ``records`` are the cleaned
     ``metrics.jsonl`` records sorted by step; a panel without data says so.
 
+    Task scores (``eval/TASK/METRIC`` records, :mod:`llmtrain.task_eval`): a last row (4 inches
+    more) with each score against the step of the checkpoint it was measured on, scores in [0, 1]
+    (accuracies) on the left and the others (perplexities, bits per byte) on the right.
+
     ``expert_load`` (a mixture-of-experts run's ``expert_load.json``): a fourth row (figsize 12 x
     14) with the heatmap of tokens per expert over the run (MoE layers x experts, each cell the
     expert's share of its layer's assignments over the uniform share 1/E: 1 = balanced) and each
     layer's busiest expert over the mean against steps (``moe/layer*/load_max_over_mean``)."""
-    rows = 4 if expert_load else 3
-    fig = Figure(figsize=(12, 14 if expert_load else 10), dpi=100)
+    scores = eval_keys(records)
+    rows = 3 + bool(expert_load) + bool(scores)
+    fig = Figure(figsize=(12, 10 + 4 * (rows - 3)), dpi=100)
     FigureCanvasAgg(fig)  # attaches itself to fig: no pyplot, no global backend state
     axes = fig.subplots(rows, 2).ravel()
     if expert_load:
         _expert_panels(fig, axes[6], axes[7], records, expert_load, resumes)
+    if scores:
+        _eval_panels(axes[-2], axes[-1], records, scores, resumes)
     fig.suptitle(title)
     train, val = series(records, "train/loss"), series(records, "val/loss")
     resume_tokens = _tokens_at(records, resumes)
@@ -234,6 +241,29 @@ def build_figure(records: list[dict], resumes: list[int], title: str, expert_loa
     _throughput(axes[4], records, resumes)
     fig.tight_layout()
     return fig
+
+
+def eval_keys(records: list[dict]) -> list[str]:
+    """The task-score keys (``eval/TASK/METRIC``) the records hold, sorted."""
+    return sorted({k for r in records for k in r if k.startswith("eval/") and k != "eval/step"})
+
+
+def _eval_panels(bounded_ax, other_ax, records: list[dict], keys: list[str], resumes: list[int]) -> None:
+    series_of = {key: series(records, key) for key in keys}
+    bounded = [k for k, (_, values) in series_of.items() if all(0.0 <= v <= 1.0 for v in values)]
+    for ax, chosen, ylabel, title in ((bounded_ax, bounded, "score", "task scores (accuracy)"),
+                                      (other_ax, [k for k in keys if k not in bounded], "value",
+                                       "task scores (perplexity, bits per byte)")):
+        if not chosen:
+            _no_data(ax)
+            continue
+        for key in chosen:
+            steps, values = series_of[key]
+            ax.plot(steps, values, "o-", label=key[len("eval/"):])
+        _resume_lines(ax, resumes)
+        ax.set(xlabel="step (checkpoint evaluated)", ylabel=ylabel, title=title)
+        _step_ticks(ax)
+        ax.legend(fontsize="small")
 
 
 def _expert_panels(fig: Figure, heat_ax, load_ax, records: list[dict], load: dict, resumes: list[int]) -> None:
@@ -355,6 +385,16 @@ def _markdown(run_dir: Path, records: list[dict], cfg, procs: list[dict] | None,
     if skipped:
         figures.append(["skipped updates (non-finite)", _fmt(int(sum(skipped)), "d")])
     out += ["", "## Final figures", ""] + _table(["metric", "value"], figures)
+
+    keys = eval_keys(records)
+    if keys:
+        by_step: dict[int, dict] = {}
+        for r in records:
+            if any(k in r for k in keys):
+                by_step.setdefault(r["step"], {}).update({k: r[k] for k in keys if k in r})
+        out += ["", "## Task scores (lm-evaluation-harness)", ""] + _table(
+            ["step", *(f"`{k[len('eval/'):]}`" for k in keys)],
+            [[step, *(_fmt(row.get(k), ".4f") for k in keys)] for step, row in sorted(by_step.items())])
 
     out += ["", "## Goodput breakdown", ""]
     last = next((r for r in reversed(records) if isinstance(r.get("time/wall_s"), (int, float))), None)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from llmtrain import adapters, checkpoint, console, data, distributed, export, flops, goodput, moe, reference
+from llmtrain import adapters, checkpoint, console, data, distributed, export, flops, goodput, moe, reference, task_eval
 from llmtrain.config import ConfigError, validate
 from llmtrain.engine import build_engine
 from llmtrain.errors import TrainingStopped
@@ -217,10 +217,13 @@ class Checkpointer:
         self.t, self.config_yaml, self.world_size = cfg.trainer, config_yaml, world_size
         self.latest: str | None = None  # the newest counted checkpoint
         self.stalls_s: list[list[float]] = []  # [step, seconds the loop waited for its save] per save
+        self.on_counted: list[Callable[[int, Path], None]] = []  # called (step, folder) once a checkpoint counts
+        self.also_due: Callable[[int], bool] = lambda step: False  # other components' checkpoint steps
 
     def should_save(self, step: int, result: StepResult) -> bool:
         every = self.t.save_every
-        return result.stop or result.save_by_time or bool(every and step % every == 0) or step == self.t.max_steps
+        return (result.stop or result.save_by_time or bool(every and step % every == 0) or step == self.t.max_steps
+                or self.also_due(step))
 
     def save(self, state: checkpoint.TrainState, background: bool) -> None:
         started = time.perf_counter()
@@ -230,8 +233,7 @@ class Checkpointer:
         self.tracker.flush()  # every step up to this checkpoint is on disk before the checkpoint counts
         written = self.manager.save(self.engine, state, self.config_yaml, self.t.checkpoint_hash, background)
         if written is not None:
-            self.latest = str(written)
-            self.tracker.commit(state.step)
+            self._commit(written)
         state.parent = f"step_{state.step}"  # the next checkpoint continues this one
         self.preemption.saved()
         stall = time.perf_counter() - started
@@ -256,6 +258,8 @@ class Checkpointer:
     def _commit(self, sealed: Path) -> None:
         self.latest = str(sealed)
         self.tracker.commit(checkpoint.step_of(sealed))
+        for counted in self.on_counted:
+            counted(checkpoint.step_of(sealed), sealed)
 
     def stall_of_previous_step(self, step: int) -> dict[str, float]:
         """``checkpoint/stall_s`` for the record of the step after a save."""
@@ -424,9 +428,10 @@ class Trainer:
             checkpoint.restore_rng(rng)
         else:
             seed_streams(self.t.seed, self.engine.dp_rank, self.engine.pp_rank, self.state.step)
-        self.preemption = Preemption(self.t.preempt_signal, self.t.save_every_minutes)
+        self.preemption = Preemption(self.t.preempt_signal, self.t.save_every_minutes, distributed.scheduler_signal())
         self.checkpointer = Checkpointer(self.checkpoints, self.engine, self.tracker, self.preemption, cfg,
                                          self.config_yaml, self.env.world_size)
+        self.task_evals = self._setup_task_evals()
         self.progress = console.Progress(self.t.progress_bar and self.env.is_main, self.t.max_steps, self.state.step,
                                          self.t.log_every)
         self.skipped_in_a_row = 0
@@ -461,6 +466,7 @@ class Trainer:
                 # The last save and a preemption's are synchronous: the process ends after them.
                 background = self.t.async_checkpoint and not result.stop and result.step < self.t.max_steps
                 self.checkpointer.save(self.state, background)
+            self.task_evals.poll()
             if result.stop:
                 self._on_preempted(result.step)
                 break
@@ -495,10 +501,12 @@ class Trainer:
 
     # ---- set-up: one component each ------------------------------------------------------------
     def _setup_layout(self) -> tuple[ParallelDims, int]:
-        """Validate the config (pure rules, then the machine's packages, files and servers) and
-        return the parallel dimensions and the gradient accumulation steps."""
+        """Validate the config (pure rules, then the machine's packages, files, servers and
+        evaluation tasks) and return the parallel dimensions and the gradient accumulation steps."""
         layout = validate(self.cfg, self.env.world_size)
         preflight(self.cfg)
+        if self.t.eval_tasks:
+            task_eval.check(self.t)
         if self.cfg.recipe.auto and self.env.world_size > 1:
             _check_same_layout(self.cfg, self.env.device)
         console.configure_library_output(self.env.is_main, console.interactive())
@@ -618,6 +626,16 @@ class Trainer:
                                    recipe=cfg.recipe.name, host=socket.gethostname(), pid=os.getpid())
         return tracker
 
+    def _setup_task_evals(self) -> task_eval.TaskEvals:
+        """The in-loop task evaluations (``trainer.eval_tasks``): started when a due checkpoint
+        counts, which the checkpointer then writes at those steps."""
+        device = self.t.eval_tasks_device or str(self.env.device)
+        evals = task_eval.TaskEvals(self.t, self.run_dir, self.env.is_main, self.tracker, self.checkpoints,
+                                    self.state.step if self.resume_from is not None else None, device)
+        self.checkpointer.on_counted.append(evals.checkpoint_counted)
+        self.checkpointer.also_due = evals.due
+        return evals
+
     def _setup_data_loader(self):
         """The global sample order (``sampler``) and this rank's micro-batch iterator from the
         current step on."""
@@ -648,7 +666,7 @@ class Trainer:
         heartbeat file in ``run_dir/.watchdog``, checked against the other ranks'; off for one
         process and for ``trainer.hang_timeout_s=0``. Collective where on."""
         return Watchdog.start(self.run_dir, self.env.rank, self.env.world_size, self.t.hang_timeout_s,
-                              self.state.step, self.t.preempt_signal)
+                              self.state.step, (self.t.preempt_signal, distributed.scheduler_signal()))
 
     def _evaluate_before_training(self) -> None:
         """A fresh run's step-0 evaluation (its time is evaluation, not start-up)."""
@@ -771,6 +789,7 @@ class Trainer:
         self.progress.close()
         self.preemption.restore()
         if not complete:
+            self.task_evals.finish(preempted=True)
             self.tracker.finish(complete=False)
 
     def close(self) -> dict[str, Any]:
@@ -781,6 +800,7 @@ class Trainer:
         closing: list[str] = []  # llmtrain's last lines, printed once the trackers have finished
         self.watchdog.stop()  # the loop is over: export and teardown are not watched
         self._close_outputs(complete=True)
+        self.task_evals.finish(preempted="preempted_at" in summary)  # their scores are in the report and trackers
         summary["checkpoint_stalls_s"] = self.checkpointer.stalls_s
         if self.checkpointer.latest:
             summary["checkpoint"] = self.checkpointer.latest
@@ -802,8 +822,9 @@ class Trainer:
         for line in closing:
             log.info("%s", line)
         if self.env.is_main and "preempted_at" in summary:
-            log.warning("preempted (%s): saved step %d; rerun the same command to continue",
-                        self.preemption.requested or "signal on another rank", summary["preempted_at"])
+            log.warning("preempted (%s): saved step %d; %s", self.preemption.requested or "signal on another rank",
+                        summary["preempted_at"], "submitit requeues the job, which continues from it"
+                        if distributed.scheduler_signal() else "rerun the same command to continue")
         self.engine.close()
         distributed.barrier()
         return summary

@@ -18,7 +18,7 @@ one line naming the late ranks, their step and phase, and writes it to ``hang-<t
 
 A rank whose watchdog thread cannot run (the process frozen, or a C call holding the GIL) still
 gets its stacks: every rank registers :mod:`faulthandler` for SIGUSR2 (unless
-``trainer.preempt_signal`` is SIGUSR2), writing to ``run_dir/.watchdog/rank_<N>.stacks``, and the
+``trainer.preempt_signal`` or, inside a submitit job, submitit's preemption signal is SIGUSR2), writing to ``run_dir/.watchdog/rank_<N>.stacks``, and the
 reporting rank signals such a rank when it runs on its own host and copies that file
 (``kill -USR2 PID`` dumps a rank's stacks there by hand, at any time).
 
@@ -124,11 +124,13 @@ class Watchdog:
 
     @classmethod
     def start(cls, run_dir: Path, rank: int, world_size: int, timeout_s: float, step: int,
-              preempt_signal: str | None = None) -> "Watchdog":
+              preempt_signals: tuple[str | None, ...] = ()) -> "Watchdog":
         """The watchdog of this rank, its thread started. Collective where enabled (every rank
-        calls it at the same point): rank 0 clears an earlier launch's heartbeats, then a barrier."""
+        calls it at the same point): rank 0 clears an earlier launch's heartbeats, then a barrier.
+        ``preempt_signals``: signals that ask for a preemption save (the stacks are then dumped on
+        no signal if one of them is SIGUSR2)."""
         dog = cls(run_dir, rank, world_size, timeout_s, step,
-                  DUMP_SIGNAL if preempt_signal != DUMP_SIGNAL else None)
+                  DUMP_SIGNAL if DUMP_SIGNAL not in preempt_signals else None)
         if dog.enabled:
             if rank == 0:
                 shutil.rmtree(dog.dir, ignore_errors=True)

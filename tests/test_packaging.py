@@ -21,6 +21,7 @@ def test_installed_wheel_finds_its_configs_and_recipes(tmp_path):
     # Every sub-package of the source tree is in the wheel (a missing one imports only from a checkout).
     modules = {f"llmtrain/{p.relative_to(REPO / 'llmtrain').as_posix()}" for p in (REPO / "llmtrain").rglob("*.py")}
     assert modules <= names, modules - names
+    assert "hydra_plugins/llmtrain_launcher/launchers.py" in names  # hydra/launcher=slurm: where Hydra looks
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)

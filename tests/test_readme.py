@@ -98,6 +98,11 @@ def llmtrain_args(tokens: list[str]) -> tuple[list[str], int] | None:
     for token in tokens[at + 2:]:  # a dry run lays out its own world size
         if token.startswith("trainer.dry_run_world_size="):
             world = int(token.split("=", 1)[1])
+    launchers = {"hydra/launcher=slurm": (1, 8), "hydra/launcher=slurm_local": (1, 2)}  # the presets' nodes, tasks
+    for preset, (nodes, tasks) in launchers.items():
+        if preset in tokens:  # a submitit job: nodes x tasks_per_node ranks
+            given = dict(t.split("=", 1) for t in tokens if t.startswith("hydra.launcher."))
+            world = int(given.get("hydra.launcher.nodes", nodes)) * int(given.get("hydra.launcher.tasks_per_node", tasks))
     return tokens[at + 2:], world
 
 
@@ -122,6 +127,20 @@ def test_command_line(heading, command, tmp_path):
         from llmtrain.plan import main as plan
 
         assert plan(tokens[3:]) == 0, command
+        return
+    if tokens[1:3] == ["-m", "llmtrain.evaluate"]:  # its arguments parse and its tasks exist (nothing is run)
+        from llmtrain import harness
+        from llmtrain.evaluate import parse_args
+
+        _, args = parse_args(tokens[3:])
+        harness.task_manager(args.tasks, harness.include_paths(args.include))
+        return
+    if tokens[0] == "lm_eval":  # the harness's CLI: the tasks it names are in the folder it includes
+        from llmtrain import harness
+
+        folder = REPO / tokens[tokens.index("--include_path") + 1]
+        assert folder == REPO / "conf" / "eval", command
+        harness.task_manager(tokens[tokens.index("--tasks") + 1].split(","), harness.include_paths())
         return
     parsed = llmtrain_args(tokens)
     if parsed is None:

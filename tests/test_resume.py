@@ -186,7 +186,10 @@ def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path
         uri = request.getfixturevalue("mlflow_server")
         overrides += ["tracker.backends=[wandb,tensorboard,mlflow]", "tracker.wandb_mode=offline",
                       f"tracker.mlflow_uri={uri}", f"tracker.mlflow_experiment={tmp_path.name}",
-                      "trainer.peak_tflops=0.5", "tracker.report=true"]  # a stated peak: MFU is logged
+                      "trainer.peak_tflops=0.5", "tracker.report=true",  # a stated peak: MFU is logged
+                      # Task scores of checkpoints 4 and 8, each in a process of its own: the kill
+                      # after step 5 meets the evaluation of step 4 running (or just logged).
+                      "trainer.eval_tasks=[hh_local]", "trainer.eval_tasks_every=4", "trainer.eval_tasks_limit=8"]
     proc = launch(overrides, nproc=2)
     wait_for_step(proc, tmp_path, 5)          # a checkpoint at step 4 exists, step 5+ is lost
     os.killpg(proc.pid, signal.SIGKILL)
@@ -205,9 +208,25 @@ def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path
             f"since step 4: {redone} redone") in output, output
     got = per_step(tmp_path)
     assert [row[0] for row in got] == list(range(1, STEPS + 1))  # one record per step, none twice
-    assert got == reference(2, recipe)
+    assert got == reference(2, recipe)  # scoring checkpoints in other processes changes nothing of the training
     if recipe == "zero3":
         _check_trackers(tmp_path, uri, got)
+        _check_task_scores(tmp_path, uri)
+
+
+def _check_task_scores(run_dir: Path, uri: str) -> None:
+    """In-loop task scores across the SIGKILL and resume: the scores of checkpoints 4 and 8 are
+    each logged once, at their own step, in metrics.jsonl, TensorBoard, MLflow and wandb (there
+    with ``eval/step``, as the steps had moved on when they arrived), equal to their result files."""
+    key = "eval/hh_local/acc"
+    scores = {step: json.loads((run_dir / "eval" / f"step_{step}.json").read_text())["scores"][key] for step in (4, 8)}
+    expected = sorted(scores.items())
+    assert [(r["step"], r[key]) for r in read_metrics(run_dir) if key in r] == expected
+    assert [(s, pytest.approx(v)) for s, v in tensorboard_scalars(run_dir, key)] == expected
+    assert mlflow_history(uri, run_dir.name, key) == [(s, pytest.approx(v)) for s, v in expected]
+    assert sorted((int(step), value) for step, value in zip(
+        (v for _, v in wandb_history(run_dir, "eval/step")), (v for _, v in wandb_history(run_dir, key)))) == expected
+    assert "## Task scores (lm-evaluation-harness)" in (run_dir / "report.md").read_text()
 
 
 def _check_trackers(run_dir: Path, uri: str, got: list[tuple]) -> None:

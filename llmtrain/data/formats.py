@@ -27,6 +27,14 @@ ALPACA_PROMPT = (
     "appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}"
     "### Response:\n"
 )
+
+
+def alpaca_prompt(instruction: str, context: str = "") -> str:
+    """The Alpaca prompt (``data.template=alpaca``) of an instruction and its optional input."""
+    return ALPACA_PROMPT.format(with_input=", paired with an input that provides further context" if context else "",
+                                instruction=instruction, input_block=f"### Input:\n{context}\n\n" if context else "")
+
+
 # ChatML (as in Qwen and SmolLM2): `data.template=chatml` for tokenizers without a template.
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -337,10 +345,7 @@ def encoder(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, whe
             if chat is not None:
                 content = instruction + (f"\n\n{context}" if context else "")
                 return chat([{"role": "user", "content": content}, {"role": "assistant", "content": output}], at)
-            prompt = ALPACA_PROMPT.format(
-                with_input=", paired with an input that provides further context" if context else "",
-                instruction=instruction, input_block=f"### Input:\n{context}\n\n" if context else "")
-            return prompt_and_response(tokenizer, prompt, output, eos)
+            return prompt_and_response(tokenizer, alpaca_prompt(instruction, context), output, eos)
         return encode_instruction_record
     if fmt == "prompt_completion":
         cols = {f: column(records, src, f, key, "prompt_completion", where) for f in ("prompt", "completion")}

@@ -7,6 +7,7 @@ never stops training, and ``metrics.jsonl`` is never lost.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,12 @@ class Tracker:
         self.run_id, self.mlflow_run_id = run_id, mlflow_run_id
         self._backends: list[Any] = []
         self.redone_records: list[dict] = []
+        self.kept_records: list[dict] = []  # metrics.jsonl's records up to resume_step (rank 0)
         if not is_main:
             return
         jsonl = JsonlBackend(run_dir, resume_step)
         self.redone_records = jsonl.dropped  # logged by a crashed process after its last checkpoint
+        self.kept_records = jsonl.kept
         self._backends.append(jsonl)
         backends = list(tracker_cfg.backends)
         mode = resolve_wandb_mode(tracker_cfg.wandb_mode)
@@ -117,3 +120,37 @@ class Tracker:
                         "keeps every step", type(backend).__name__, method, err)
             if backend in self._backends:
                 self._backends.remove(backend)
+
+
+def log_outside_training(tracker_cfg: Any, run_dir: Path, metrics: dict[str, float], step: int,
+                         mlflow_run_id: str | None) -> list[str]:
+    """Log one record at ``step`` to a run that is not training (``python -m llmtrain.evaluate``
+    on one of its checkpoints): ``metrics.jsonl``, TensorBoard (a new event file in the run's
+    folder) and the run's MLflow run, per ``tracker.backends``. wandb is left out: its history
+    only grows, and the run's offline folders are closed; an in-loop evaluation
+    (``trainer.eval_tasks``) reaches it. Returns the backends written.
+    """
+    from llmtrain.tracking.jsonl import append_record
+
+    append_record(run_dir, metrics, step)
+    written = ["metrics.jsonl"]
+    backends = list(tracker_cfg.get("backends", []))
+    if "tensorboard" in backends:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        for key, value in metrics.items():
+            writer.add_scalar(key, value, global_step=step)
+        writer.close()
+        written.append("tensorboard")
+    if "mlflow" in backends and mlflow_run_id:
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        from llmtrain.tracking.mlflow_backend import default_uri
+
+        client = MlflowClient(tracking_uri=tracker_cfg.get("mlflow_uri") or default_uri(run_dir))
+        now = int(time.time() * 1000)
+        client.log_batch(mlflow_run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+        written.append("mlflow")
+    return written

@@ -35,6 +35,15 @@ class JsonlBackend:
         self._file.close()
 
 
+def append_record(run_dir: Path, metrics: dict[str, float], step: int) -> None:
+    """Append one record to ``run_dir/metrics.jsonl`` outside a training process (a task
+    evaluation of a run that is not training), durable before it returns."""
+    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as file:
+        file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+
+
 def move_aside(path: Path) -> None:
     """Rename an existing ``path`` to ``<name>.<n>.old`` (the first free n): never overwritten."""
     if path.exists():

@@ -133,10 +133,11 @@ class WandbBackend:
         self.run_id = run_id or secrets.token_hex(4)  # os.urandom: leaves the training RNG alone
         self._deferred = mode == "offline"
         self._pending: list[tuple[int, dict]] = []  # offline: steps logged, not yet in a counted checkpoint
-        held: set[int] = set()
+        held: dict[int, set[str]] = {}  # step -> the keys the earlier offline folders hold for it
         if run_id and resume_step is not None and self._deferred:
             for folder in offline_folders(run_dir, run_id):  # before init: it adds this process's folder
-                held |= set(offline_history(folder))
+                for step, row in offline_history(folder).items():
+                    held.setdefault(step, set()).update(row)
             if duplicated := sorted(s for s in held if s > resume_step):
                 log.warning("wandb: the run's offline folders already hold steps %d-%d beyond checkpoint step %d "
                             "(a resume from an older checkpoint); `wandb sync` will upload those steps twice",
@@ -145,12 +146,23 @@ class WandbBackend:
                                resume="allow" if run_id else None, name=tracker_cfg.run_name or run_name,
                                tags=list(tracker_cfg.tags), config=config, dir=str(run_dir),
                                settings=wandb_settings())
+        # Task scores of an earlier checkpoint arrive after later steps: they go in at the current
+        # step with eval/step, the x-axis of every eval/* chart (wandb's history only grows).
+        # The lowest step wandb still takes (its history only grows): the server's next step
+        # online, the step after the earlier offline folders' last one offline.
+        self._floor = max(held, default=-1) + 1 if self._deferred else self._run.step
+        self._eval_row = -1  # the row that holds the last task score
+        self._run.define_metric("eval/step")
+        self._run.define_metric("eval/*", step_metric="eval/step")
         if run_id and resume_step is not None:
             # Online, the server's next step says what it already has; offline, the folders read above.
             first_missing = 0 if self._deferred else self._run.step
-            refill = [r for r in kept_records or [] if r["step"] >= first_missing and r["step"] not in held]
+            # A task score of a held step that the folders lack (it arrived after that step was
+            # written) goes in too, after the held steps (with eval/step).
+            refill = [r for r in kept_records or [] if r["step"] >= first_missing and (
+                r["step"] not in held or not set(r) - {"step", "time"} <= held[r["step"]])]
             for record in refill:
-                self._run.log({k: v for k, v in record.items() if k not in ("step", "time")}, step=record["step"])
+                self._log_now({k: v for k, v in record.items() if k not in ("step", "time")}, record["step"])
             if refill:
                 log.info("wandb: logged %d step(s) up to %d again from metrics.jsonl (the crashed process had not "
                          "written them)", len(refill), refill[-1]["step"])
@@ -164,13 +176,24 @@ class WandbBackend:
         if self._deferred:
             self._pending.append((step, dict(metrics)))
         else:
-            self._run.log(metrics, step=step)
+            self._log_now(metrics, step)
+
+    def _log_now(self, metrics: dict[str, float], step: int) -> None:
+        if any(k.startswith("eval/") for k in metrics):
+            # A task score of an earlier checkpoint: in the newest row, with its own step as
+            # eval/step; one score per row (a second one the same step goes in the next).
+            metrics, step = {**metrics, "eval/step": step}, max(step, self._floor)
+            if step == self._eval_row:
+                step += 1
+            self._eval_row = step
+        self._floor = max(self._floor, step)
+        self._run.log(metrics, step=step)
 
     def commit(self, step: int) -> None:
         """The checkpoint of ``step`` counts: hand wandb every step up to it."""
         while self._pending and self._pending[0][0] <= step:
             logged_step, metrics = self._pending.pop(0)
-            self._run.log(metrics, step=logged_step)
+            self._log_now(metrics, logged_step)
 
     def log_files(self, paths: list[Path]) -> None:
         """Upload copies of ``paths`` (the run report: small, written once at the end) placed in

@@ -1,0 +1,204 @@
+"""``python -m llmtrain.evaluate SOURCE tasks=[NAME,...] [key=value ...]``: lm-evaluation-harness
+scores (:mod:`llmtrain.harness`) of a run directory (its newest complete checkpoint), a
+checkpoint, an export or an adapter.
+
+The result goes to ``RUN/eval/step_N.json`` (``out_dir=`` elsewhere), and, for a source that
+belongs to a run that is not training now, to the run's trackers at the checkpoint's step
+(``metrics.jsonl``, TensorBoard, MLflow; :func:`llmtrain.tracking.log_outside_training`) and its
+report. While the run trains, its trainer logs the file instead when it sees it (no record twice).
+
+Arguments after SOURCE are ``key=value`` (OmegaConf's dotlist, as the other entry points take);
+:class:`EvalArgs` lists them. Exit status 0; 2 for bad input (one line naming the argument).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as python -m llmtrain (see there)
+
+log = logging.getLogger("llmtrain")
+
+_USAGE = ("usage: python -m llmtrain.evaluate RUN_DIR|CHECKPOINT|EXPORT|ADAPTER tasks=[NAME,...] [limit=N] "
+          "[batch_size=8] [device=cpu] [dtype=auto] [num_fewshot=N] [data_dir=DIR] [include=[DIR,...]] "
+          "[out_dir=DIR] [step=N] [log=true]")
+
+
+@dataclass
+class EvalArgs:
+    """The entry point's arguments.
+
+    Attributes:
+        tasks: lm-eval task names: the local ones in ``conf/eval`` (``hh_local``, ``alpaca_local``),
+            those in ``include`` folders, or the harness's own (network or datasets cache).
+        limit: documents per task (all when unset); a fraction below 1 is a share.
+        batch_size: documents per forward (the harness's ``--batch_size``; ``auto`` allowed).
+        device: ``cpu``, ``cuda``, ``cuda:N``.
+        dtype: the weights' dtype for ``HFLM`` (``auto``: the export's, fp32 for llmtrain's).
+        num_fewshot: few-shot examples (the task's default when unset).
+        data_dir: folder of the local tasks' data files (:mod:`llmtrain.eval_tasks`).
+        include: extra folders of task YAMLs.
+        out_dir: where ``step_N.json`` goes (default: the run's ``eval/``, else SOURCE/eval).
+        step: the step to file the result under (default: the checkpoint's).
+        log: log to the run's trackers when the run is not training.
+        bootstrap_iters: the harness's bootstrap resamples for standard errors (0: none).
+    """
+
+    tasks: list[str] = field(default_factory=list)
+    limit: float | None = None
+    batch_size: str = "8"
+    device: str = "cpu"
+    dtype: str = "auto"
+    num_fewshot: int | None = None
+    data_dir: str | None = None
+    include: list[str] = field(default_factory=list)
+    out_dir: str | None = None
+    step: int | None = None
+    log: bool = True
+    bootstrap_iters: int = 100000
+
+
+def parse_args(argv: list[str]) -> tuple[Path, EvalArgs]:
+    """SOURCE and the ``key=value`` arguments after it.
+
+    Raises:
+        ConfigError: no SOURCE, an unknown key or a value of the wrong type (named), no tasks.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from llmtrain.errors import ConfigError
+
+    if not argv or "=" in argv[0] or argv[0].startswith("-"):
+        raise ConfigError(f"give what to evaluate first; {_USAGE}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(EvalArgs), OmegaConf.from_dotlist(argv[1:]))
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or getattr(err, "key", None)
+        raise ConfigError(f"{key or 'argument'}: {str(err).splitlines()[0]}; {_USAGE}") from None
+    args: EvalArgs = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    if not args.tasks:
+        raise ConfigError(f"tasks=[NAME,...] is required (e.g. tasks=[hh_local]); {_USAGE}")
+    if args.limit is not None and args.limit <= 0:
+        raise ConfigError(f"limit={args.limit} must be positive (documents per task, or a share below 1)")
+    return Path(argv[0]), args
+
+
+def _limit(value: float | None) -> int | float | None:
+    return int(value) if value is not None and value >= 1 else value
+
+
+def _trainer_running(run_dir: Path) -> bool:
+    """Whether a training process holds the run's lock (``llmtrain.checkpoint.lock_run_dir``)."""
+    import fcntl
+
+    lock = run_dir / ".lock"
+    if not lock.is_file():
+        return False
+    with open(lock, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return False
+
+
+def _log_to_run(source: Any, scores: dict[str, float]) -> str:
+    """Log ``scores`` to the run's trackers and refresh its report; returns what was done."""
+    from omegaconf import OmegaConf
+
+    from llmtrain import checkpoint
+    from llmtrain.tracking import log_outside_training
+
+    run_dir = source.run_dir
+    if _trainer_running(run_dir):
+        return f"the run is training: its trainer logs {run_dir / 'eval'} results at step {source.step}"
+    if _already_logged(run_dir / "metrics.jsonl", source.step, scores):
+        return f"step {source.step}'s scores are already in {run_dir / 'metrics.jsonl'}: not logged twice"
+    cfg = OmegaConf.load(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else OmegaConf.create({})
+    newest = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / checkpoint.STATE_FILE).is_file()] \
+        if (run_dir / "checkpoints").is_dir() else []
+    mlflow_run_id = checkpoint.read_state(max(newest, key=checkpoint.step_of)).mlflow_run_id if newest else None
+    written = log_outside_training(cfg.get("tracker", {}), run_dir, scores, source.step, mlflow_run_id)
+    if (run_dir / "report.png").is_file():
+        from llmtrain.report import write_report
+
+        write_report(run_dir)
+        written.append("report")
+    return f"logged at step {source.step} to {', '.join(written)}"
+
+
+def _already_logged(metrics_path: Path, step: int, scores: dict[str, float]) -> bool:
+    import json
+
+    if not metrics_path.is_file():
+        return False
+    for line in metrics_path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step") == step and any(k in record for k in scores):
+            return True
+    return False
+
+
+def run(source_path: Path, args: EvalArgs) -> dict[str, Any]:
+    """Evaluate and write the result (see the module); returns ``{"path", "scores", "results"}``.
+
+    Raises:
+        ConfigError, DataError, ResumeError, ModelSourceError: bad input, before anything is written.
+    """
+    from llmtrain import harness
+
+    source = harness.resolve_source(source_path)
+    if args.step is not None:
+        source.step = args.step
+    include = harness.include_paths(args.include)
+    out_dir = Path(args.out_dir) if args.out_dir else (source.run_dir / "eval" if source.run_dir is not None
+                                                       else source.path / "eval")
+    log.info("evaluating %s on %s", source.describe(), ", ".join(args.tasks))
+    batch = int(args.batch_size) if args.batch_size.isdigit() else args.batch_size
+    results = harness.evaluate(source, args.tasks, include, args.data_dir, _limit(args.limit), batch, args.device,
+                               args.num_fewshot, args.dtype, args.bootstrap_iters)
+    path = harness.write_result(out_dir, source, args.tasks, results)
+    scores = harness.scores(results)
+    note = ""
+    if args.log and source.run_dir is not None and source.step is not None and not args.out_dir:
+        note = _log_to_run(source, scores)
+    return {"path": path, "scores": scores, "results": results, "note": note}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from llmtrain.errors import LlmtrainError
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\n" + _USAGE)
+        return 0
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s][llmtrain] %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    try:
+        source_path, args = parse_args(argv)
+        done = run(source_path, args)
+    except LlmtrainError as err:
+        print(f"llmtrain.evaluate: error: {err}", file=sys.stderr)
+        return 2
+    from lm_eval.utils import make_table
+
+    print(make_table(done["results"]))
+    print(f"results: {done['path']}" + (f"; {done['note']}" if done["note"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

