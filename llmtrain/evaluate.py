@@ -26,7 +26,7 @@ log = logging.getLogger("llmtrain")
 
 _USAGE = ("usage: python -m llmtrain.evaluate RUN_DIR|CHECKPOINT|EXPORT|ADAPTER tasks=[NAME,...] [limit=N] "
           "[batch_size=8] [device=cpu] [dtype=auto] [num_fewshot=N] [data_dir=DIR] [include=[DIR,...]] "
-          "[out_dir=DIR] [step=N] [log=true]")
+          "[out_dir=DIR] [step=N] [log=true] [bootstrap_iters=100000]")
 
 
 @dataclass
@@ -74,8 +74,18 @@ def parse_args(argv: list[str]) -> tuple[Path, EvalArgs]:
 
     from llmtrain.errors import ConfigError
 
+    import difflib
+    from dataclasses import fields
+
     if not argv or "=" in argv[0] or argv[0].startswith("-"):
         raise ConfigError(f"give what to evaluate first; {_USAGE}")
+    names = [f.name for f in fields(EvalArgs)]
+    for arg in argv[1:]:
+        key = arg.split("=", 1)[0]
+        if "=" not in arg or key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {close[0]}=?)" if close else ""
+            raise ConfigError(f"{arg}: not a key=value argument of llmtrain.evaluate{hint}; {_USAGE}")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(EvalArgs), OmegaConf.from_dotlist(argv[1:]))
     except OmegaConfBaseException as err:
@@ -86,7 +96,25 @@ def parse_args(argv: list[str]) -> tuple[Path, EvalArgs]:
         raise ConfigError(f"tasks=[NAME,...] is required (e.g. tasks=[hh_local]); {_USAGE}")
     if args.limit is not None and args.limit <= 0:
         raise ConfigError(f"limit={args.limit} must be positive (documents per task, or a share below 1)")
+    if not (args.batch_size.isdigit() and int(args.batch_size) > 0) and not args.batch_size.startswith("auto"):
+        raise ConfigError(f"batch_size={args.batch_size} must be a positive number of documents, or auto")
+    _check_device(args.device)
     return Path(argv[0]), args
+
+
+def _check_device(device: str) -> None:
+    """Raises ConfigError for a device this machine does not have."""
+    import torch
+
+    from llmtrain.errors import ConfigError
+
+    if device.startswith("cuda"):
+        index = int(device.split(":", 1)[1]) if ":" in device and device.split(":", 1)[1].isdigit() else 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ConfigError(f"device={device}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                              "use device=cpu or a device it has")
+    elif device not in ("cpu", "mps"):
+        raise ConfigError(f"device={device} is not a device: cpu, cuda or cuda:N")
 
 
 def _limit(value: float | None) -> int | float | None:
@@ -116,11 +144,19 @@ def _log_to_run(source: Any, scores: dict[str, float]) -> str:
     from llmtrain import checkpoint
     from llmtrain.tracking import log_outside_training
 
+    from llmtrain.harness import logged_keys
+    from llmtrain.report import read_jsonl
+
     run_dir = source.run_dir
     if _trainer_running(run_dir):
         return f"the run is training: its trainer logs {run_dir / 'eval'} results at step {source.step}"
-    if _already_logged(run_dir / "metrics.jsonl", source.step, scores):
-        return f"step {source.step}'s scores are already in {run_dir / 'metrics.jsonl'}: not logged twice"
+    logged = logged_keys(read_jsonl(run_dir / "metrics.jsonl")).get(source.step, set())
+    again = sorted(k for k in scores if k in logged)
+    scores = {k: v for k, v in scores.items() if k not in logged}
+    kept = (f"; {', '.join(again)} at step {source.step} already logged (trackers keep the first value, "
+            "the result file holds this one)") if again else ""
+    if not scores:
+        return kept.lstrip("; ")
     cfg = OmegaConf.load(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else OmegaConf.create({})
     newest = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / checkpoint.STATE_FILE).is_file()] \
         if (run_dir / "checkpoints").is_dir() else []
@@ -131,22 +167,7 @@ def _log_to_run(source: Any, scores: dict[str, float]) -> str:
 
         write_report(run_dir)
         written.append("report")
-    return f"logged at step {source.step} to {', '.join(written)}"
-
-
-def _already_logged(metrics_path: Path, step: int, scores: dict[str, float]) -> bool:
-    import json
-
-    if not metrics_path.is_file():
-        return False
-    for line in metrics_path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("step") == step and any(k in record for k in scores):
-            return True
-    return False
+    return f"logged at step {source.step} to {', '.join(written)}{kept}"
 
 
 def run(source_path: Path, args: EvalArgs) -> dict[str, Any]:
@@ -160,13 +181,15 @@ def run(source_path: Path, args: EvalArgs) -> dict[str, Any]:
     source = harness.resolve_source(source_path)
     if args.step is not None:
         source.step = args.step
+    harness.check_source(source)
     include = harness.include_paths(args.include)
+    manager = harness.check_tasks(args.tasks, include, args.data_dir)  # before anything is loaded
     out_dir = Path(args.out_dir) if args.out_dir else (source.run_dir / "eval" if source.run_dir is not None
                                                        else source.path / "eval")
     log.info("evaluating %s on %s", source.describe(), ", ".join(args.tasks))
     batch = int(args.batch_size) if args.batch_size.isdigit() else args.batch_size
     results = harness.evaluate(source, args.tasks, include, args.data_dir, _limit(args.limit), batch, args.device,
-                               args.num_fewshot, args.dtype, args.bootstrap_iters)
+                               args.num_fewshot, args.dtype, args.bootstrap_iters, manager=manager)
     path = harness.write_result(out_dir, source, args.tasks, results)
     scores = harness.scores(results)
     note = ""

@@ -179,47 +179,79 @@ def _quiet_harness() -> Iterator[None]:
 
 @contextlib.contextmanager
 def model_folder(source: EvalSource) -> Iterator[tuple[str, str | None]]:
-    """``(pretrained, peft)`` for ``HFLM``: an export as it is, an adapter with its base, a
-    checkpoint written as a Hugging Face folder into a temporary folder (removed after).
+    """``(pretrained, peft)`` for ``HFLM``: an export as it is; an adapter (merged onto its
+    base) or a checkpoint written as a Hugging Face folder into a temporary folder under
+    ``~/.cache/llmtrain/eval`` (removed after).
 
     Raises:
-        ConfigError: a reward-model checkpoint (no language-model head to score text with).
-        ResumeError: the checkpoint cannot be exported (llmtrain.export).
+        ConfigError: as :func:`check_source`; ResumeError: the checkpoint cannot be exported.
     """
+    check_source(source)
     if source.kind == "export":
         yield str(source.path), None
         return
-    if source.kind == "adapter":
-        base = json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        if not base:
-            raise ConfigError(f"adapter {source.path} names no base model (base_model_name_or_path)")
-        yield base, str(source.path)
-        return
-    from omegaconf import OmegaConf
-
-    from llmtrain.export import export_checkpoint
-
-    cfg = OmegaConf.load(source.path / "config.yaml")
-    if cfg.get("objective", {}).get("name") == "reward":
-        raise ConfigError(f"checkpoint {source.path} is a reward model (objective=reward): it scores sequences and "
-                          "has no language-model head for lm-eval's tasks")
     (CACHE_DIR / "eval").mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f"{source.path.name}-", dir=CACHE_DIR / "eval"))
     try:
-        written = export_checkpoint(source.path, folder / "hf", merged=True)
-        yield str(written), None
+        yield str(_write_model(source, folder / "hf")), None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _write_model(source: EvalSource, out_dir: Path) -> Path:
+    """An adapter merged onto its base by peft (``merge_and_unload``), or a checkpoint exported
+    (:func:`llmtrain.export.export_checkpoint`, LoRA merged), as a Hugging Face folder. An
+    adapter is merged rather than handed to ``HFLM(peft=...)``, which resizes the embeddings to
+    the tokenizer's length when the model's vocabulary is padded beyond it (320 rows for 260
+    tokens here) and so scores another model than the checkpoint's."""
+    if source.kind == "adapter":
+        from peft import AutoPeftModelForCausalLM
+        from transformers import AutoTokenizer
+
+        base = json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base:
+            raise ConfigError(f"adapter {source.path} names no base model (base_model_name_or_path)")
+        merged = AutoPeftModelForCausalLM.from_pretrained(str(source.path), dtype="float32").merge_and_unload()
+        merged.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer_dir = source.path if (source.path / "tokenizer_config.json").is_file() else base
+        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out_dir)
+        return out_dir
+    from omegaconf import OmegaConf
+
+    from llmtrain.export import export_checkpoint
+
+    return export_checkpoint(source.path, out_dir, merged=True)
+
+
+def check_source(source: EvalSource) -> None:
+    """What can be told of ``source`` before a model is built.
+
+    Raises:
+        ConfigError: a reward-model checkpoint (no language-model head to score text with), an
+            adapter naming no base.
+    """
+    if source.kind == "checkpoint":
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.load(source.path / "config.yaml")
+        if cfg.get("objective", {}).get("name") == "reward":
+            raise ConfigError(f"checkpoint {source.path} is a reward model (objective=reward): it scores sequences "
+                              "and has no language-model head for lm-eval's tasks")
+    if source.kind == "adapter":
+        if not json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path"):
+            raise ConfigError(f"adapter {source.path} names no base model (base_model_name_or_path)")
+
+
 def evaluate(source: EvalSource, tasks: list[str], include: list[str] | None = None, data_dir: str | None = None,
              limit: int | float | None = None, batch_size: int | str = 8, device: str = "cpu",
-             num_fewshot: int | None = None, dtype: str = "auto", bootstrap_iters: int = 100000) -> dict[str, Any]:
+             num_fewshot: int | None = None, dtype: str = "auto", bootstrap_iters: int = 100000,
+             manager: Any = None) -> dict[str, Any]:
     """Run ``tasks`` on ``source`` with ``lm_eval.simple_evaluate`` and ``HFLM``; returns the
     harness's results (``results``, ``n-samples``, ``configs``, ``versions``, ...). ``limit``:
     documents per task (all when None); ``data_dir``: where local tasks read their files
     (:mod:`llmtrain.eval_tasks`); the other arguments are the harness CLI's of the same names,
-    with the same defaults except ``batch_size``.
+    with the same defaults except ``batch_size``; ``manager``: a ``TaskManager`` that
+    :func:`check_tasks` returned (checked again when None).
 
     Raises:
         ConfigError, DataError: as :func:`check_tasks`, :func:`model_folder`.
@@ -228,7 +260,7 @@ def evaluate(source: EvalSource, tasks: list[str], include: list[str] | None = N
     from lm_eval.models.huggingface import HFLM
 
     include = include if include is not None else include_paths()
-    manager = check_tasks(tasks, include, data_dir)
+    manager = manager if manager is not None else check_tasks(tasks, include, data_dir)
     with model_folder(source) as (pretrained, peft), _quiet_harness():
         lm = HFLM(pretrained=pretrained, peft=peft, dtype=dtype, batch_size=batch_size, device=device)
         results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
@@ -257,17 +289,35 @@ def result_path(out_dir: Path, step: int | None) -> Path:
 
 
 def write_result(out_dir: Path, source: EvalSource, tasks: list[str], results: dict[str, Any]) -> Path:
-    """Write ``{"step", "source", "tasks", "scores", "n_samples", "results"}`` to
-    :func:`result_path` atomically (a reader never sees half a file); returns the path."""
+    """Write ``{"step", "tasks", "scores", "sources", "n_samples", "results", "versions"}`` to
+    :func:`result_path` atomically (a reader never sees half a file); returns the path. A file
+    already there (other tasks of the same step) is merged into: each task's entry is its latest
+    evaluation, ``sources`` says what each was evaluated on."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = result_path(out_dir, source.step)
-    record = {"step": source.step, "source": str(source.path), "kind": source.kind, "tasks": list(tasks),
-              "scores": scores(results), "n_samples": results.get("n-samples", {}),
-              "results": results.get("results", {}), "versions": results.get("versions", {})}
+    old = read_result(path) or {}
+    new_scores = scores(results)
+    kept = {k: v for k, v in old.get("scores", {}).items() if k.split("/")[1] not in tasks}
+    record = {"step": source.step, "tasks": sorted(set(old.get("tasks", [])) | set(tasks)),
+              "scores": {**kept, **new_scores},
+              "sources": {**old.get("sources", {}), **{t: {"path": str(source.path), "kind": source.kind} for t in tasks}},
+              "n_samples": {**old.get("n_samples", {}), **results.get("n-samples", {})},
+              "results": {**old.get("results", {}), **results.get("results", {})},
+              "versions": {**old.get("versions", {}), **results.get("versions", {})}}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=1, default=str))
     os.replace(tmp, path)
     return path
+
+
+def logged_keys(records: list[dict]) -> dict[int, set[str]]:
+    """The task-score keys each step's records hold (``metrics.jsonl``'s): what is logged."""
+    found: dict[int, set[str]] = {}
+    for record in records:
+        keys = {k for k in record if k.startswith(SCORE_PREFIX)}
+        if keys and isinstance(record.get("step"), int):
+            found.setdefault(record["step"], set()).update(keys)
+    return found
 
 
 def read_result(path: Path) -> dict[str, Any] | None:

@@ -96,6 +96,10 @@ class CheckedLaunch:
         except SystemExit:
             _remove_untouched_sweep_dir(str(self.config.hydra.sweep.dir))  # type: ignore[attr-defined]
             raise
+        folder = str(self.params["submitit_folder"]).replace("%j", "<job id>")  # type: ignore[attr-defined]
+        print(f"llmtrain: {len(job_overrides)} job(s) of {world_size_of(self.params)} ranks each; their output: "  # type: ignore[attr-defined]
+              f"{folder}/<job id>_<rank>_log.out (and .err); each trains in its own folder of "
+              f"{self.config.hydra.sweep.dir}", flush=True)  # type: ignore[attr-defined]
         return super().launch(job_overrides, initial_job_idx)  # type: ignore[misc]
 
 

@@ -260,6 +260,9 @@ def _eval_panels(bounded_ax, other_ax, records: list[dict], keys: list[str], res
         for key in chosen:
             steps, values = series_of[key]
             ax.plot(steps, values, "o-", label=key[len("eval/"):])
+        values = [v for key in chosen for v in series_of[key][1] if v > 0]
+        if ax is other_ax and values and max(values) > 10 * min(values):
+            ax.set_yscale("log")  # perplexities and bits per byte differ by orders of magnitude
         _resume_lines(ax, resumes)
         ax.set(xlabel="step (checkpoint evaluated)", ylabel=ylabel, title=title)
         _step_ticks(ax)

@@ -70,13 +70,13 @@ class TaskEvals:
         self.folder = run_dir / "eval"
         self.running: dict[int, tuple[subprocess.Popen, Path]] = {}  # step -> (process, checkpoint)
         self.queued: list[tuple[int, Path]] = []  # one evaluation runs at a time: the others wait here
-        self.logged: set[int] = set()
+        self.logged: dict[int, set[str]] = {}  # step -> the task-score keys logged at it
         if not self.tasks or not is_main:
             return
         if resume_step is None:
             _move_aside(self.folder)
         else:
-            self.logged = {r["step"] for r in tracker.kept_records if any(k.startswith(harness.SCORE_PREFIX) for k in r)}
+            self.logged = harness.logged_keys(tracker.kept_records)
             for path in self.folder.glob("step_*.*"):
                 if _step_of(path) is not None and _step_of(path) > resume_step and not path.name.endswith(".old"):
                     _move_aside(path)  # a step the run trains again
@@ -93,7 +93,7 @@ class TaskEvals:
         and wait, every rank). Called on every rank."""
         if not self.due(step):
             return
-        if self.is_main and step not in self.logged and not harness.result_path(self.folder, step).is_file():
+        if self.is_main and not self._has_result(step):
             self._start(step, path)
         if self.wait_for_each:
             self._wait_together(step)
@@ -109,14 +109,15 @@ class TaskEvals:
             self._spawn(*self.queued.pop(0))
         for path in sorted(self.folder.glob("step_*.json"), key=lambda p: _step_of(p) or 0):
             step = _step_of(path)
-            if step is None or step in self.logged or step in self.running or any(q == step for q, _ in self.queued):
+            if step is None or step in self.running or any(q == step for q, _ in self.queued):
                 continue
             record = harness.read_result(path)
-            if record is None or not record["scores"]:
+            new = {k: v for k, v in (record or {}).get("scores", {}).items() if k not in self.logged.get(step, set())}
+            if not new:
                 continue
-            self.tracker.log(record["scores"], step=step)
-            self.logged.add(step)
-            shown = ", ".join(f"{k[len(harness.SCORE_PREFIX):]} {v:.4f}" for k, v in record["scores"].items())
+            self.tracker.log(new, step=step)
+            self.logged.setdefault(step, set()).update(new)
+            shown = ", ".join(f"{k[len(harness.SCORE_PREFIX):]} {v:.4f}" for k, v in new.items())
             log.info("task eval at step %d: %s", step, shown)
 
     def finish(self, preempted: bool) -> None:
@@ -204,9 +205,14 @@ class TaskEvals:
         """Start the evaluations of due checkpoints up to ``resume_step`` that have no result
         (they died with the process that started them)."""
         for step, path in sorted(self.manager.step_dirs()):
-            if step <= resume_step and self.due(step) and step not in self.logged \
-                    and not harness.result_path(self.folder, step).is_file() and checkpoint.verify(path) is None:
+            if step <= resume_step and self.due(step) and not self._has_result(step) and checkpoint.verify(path) is None:
                 self._start(step, path)
+
+    def _has_result(self, step: int) -> bool:
+        """Whether every task of the run has a score of ``step``, logged or in its result file."""
+        record = harness.read_result(harness.result_path(self.folder, step)) or {}
+        return set(self.tasks) <= set(record.get("tasks", [])) | {
+            k.split("/")[1] for k in self.logged.get(step, set())}
 
 
 def check(t: Any) -> None:

@@ -87,7 +87,9 @@ def test_missing_data_and_unknown_tasks_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(ConfigError, match="task folder .* does not exist"):
         harness.include_paths([str(tmp_path / "missing")])
     for args, message in [([], "give what to evaluate first"), ([str(tmp_path)], "tasks=\\[NAME,...\\] is required"),
-                          ([str(tmp_path), "tasks=[hh_local]", "batch=4"], "batch"),
+                          ([str(tmp_path), "tasks=[hh_local]", "batch=4"], "did you mean batch_size=\\?"),
+                          ([str(tmp_path), "tasks=[hh_local]", "device=cuda"], "device=cuda: this machine has 0 CUDA"),
+                          ([str(tmp_path), "tasks=[hh_local]", "batch_size=0"], "batch_size=0 must be a positive"),
                           ([str(tmp_path / "nothing"), "tasks=[hh_local]"], "does not exist"),
                           ([str(tmp_path), "tasks=[hh_local]"], "is not a run directory, checkpoint, export or adapter"),
                           ([str(tmp_path), "tasks=[hh_local]", "limit=0"], "limit=0.0 must be positive")]:
@@ -141,7 +143,8 @@ def test_checkpoint_scores_equal_the_harness_cli_on_its_export_and_go_to_the_run
     assert_ok(proc)
     assert "logged at step 3 to metrics.jsonl, tensorboard, report" in proc.stdout, proc.stdout
     ours = json.loads((run_dir / "eval" / "step_3.json").read_text())
-    assert ours["kind"] == "checkpoint" and ours["step"] == 3 and ours["source"].endswith("checkpoints/step_3")
+    assert ours["step"] == 3 and ours["sources"]["hh_local"]["kind"] == "checkpoint"
+    assert ours["sources"]["hh_local"]["path"].endswith("checkpoints/step_3")
     theirs = _harness_cli(run_dir / "hf", tmp_path / "cli")
     _same_scores(ours, theirs, "hh_local")
     records = [r for r in read_metrics(run_dir) if "eval/hh_local/acc" in r]
@@ -150,9 +153,14 @@ def test_checkpoint_scores_equal_the_harness_cli_on_its_export_and_go_to_the_run
 
     assert tensorboard_scalars(run_dir, "eval/hh_local/acc") == [(3, pytest.approx(records[0]["eval/hh_local/acc"]))]
     assert "## Task scores (lm-evaluation-harness)" in (run_dir / "report.md").read_text()
-    again = _evaluate_cli([str(run_dir), "tasks=[hh_local]", "limit=5"])
+    # Another task of the same step joins the file and is logged; a task logged already is not again.
+    again = _evaluate_cli([str(run_dir / "hf"), "tasks=[hh_local,alpaca_local]", "limit=5"])
     assert_ok(again)
-    assert "already in" in again.stdout and len([r for r in read_metrics(run_dir) if "eval/hh_local/acc" in r]) == 1
+    assert "at step 3 already logged" in again.stdout, again.stdout
+    assert len([r for r in read_metrics(run_dir) if "eval/hh_local/acc" in r]) == 1
+    assert [r["step"] for r in read_metrics(run_dir) if "eval/alpaca_local/acc" in r] == [3]
+    merged = json.loads((run_dir / "eval" / "step_3.json").read_text())
+    assert merged["tasks"] == ["alpaca_local", "hh_local"] and merged["sources"]["alpaca_local"]["kind"] == "export"
 
 
 def test_adapter_scores_equal_its_checkpoints(trained):
@@ -220,7 +228,8 @@ def test_in_loop_results_are_logged_once_across_resumes(tmp_path, monkeypatch):
     folder = tmp_path / "eval"
     folder.mkdir()
     for step in (2, 4, 8):
-        (folder / f"step_{step}.json").write_text(json.dumps({"step": step, "scores": {"eval/hh_local/acc": step / 10}}))
+        (folder / f"step_{step}.json").write_text(json.dumps({"step": step, "tasks": ["hh_local"],
+                                                             "scores": {"eval/hh_local/acc": step / 10}}))
     for step in (2, 4, 6, 8):
         (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
     monkeypatch.setattr(checkpoint, "verify", lambda path: None)
