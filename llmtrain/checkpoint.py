@@ -572,6 +572,10 @@ class CheckpointManager:
         _fsync_dir(self.root)
         self._verified.add(final)
 
+    def prune(self) -> None:
+        """Rank 0: remove complete checkpoints beyond the newest ``keep`` (``pinned`` ones stay)."""
+        self._prune()
+
     def _prune(self) -> None:
         # Count only checkpoints known to verify (hashing each unknown one once), so a damaged
         # folder never takes the place of a good one; damaged folders are left for inspection.

@@ -97,9 +97,17 @@ def adopt_submitit_environment() -> bool:
     from submitit import JobEnvironment
     from submitit.helpers import TorchDistributedEnvironment
 
-    if JobEnvironment().num_tasks <= 1:
+    job = JobEnvironment()
+    if job.num_tasks <= 1:
         return False
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)  # each rank picks cuda:LOCAL_RANK
+    if job.global_rank != 0:
+        # Until the trainer's preemption handler takes the signal over: submitit's handler
+        # requeues from the first task only and returns elsewhere, which would leave this task
+        # waiting for a first task that has gone (the local executor restarts once all exited).
+        import signal
+
+        signal.signal(getattr(signal, scheduler_signal() or "SIGUSR2"), signal.SIG_DFL)
     return True
 
 

@@ -77,8 +77,8 @@ def parse_args(argv: list[str]) -> tuple[Path, EvalArgs]:
     import difflib
     from dataclasses import fields
 
-    if not argv or "=" in argv[0] or argv[0].startswith("-"):
-        raise ConfigError(f"give what to evaluate first; {_USAGE}")
+    if not argv or argv[0].startswith("-") or ("=" in argv[0] and "/" not in argv[0] and not Path(argv[0]).exists()):
+        raise ConfigError(f"give what to evaluate first; {_USAGE}")  # (a sweep job's folder has = in its name)
     names = [f.name for f in fields(EvalArgs)]
     for arg in argv[1:]:
         key = arg.split("=", 1)[0]
@@ -94,27 +94,20 @@ def parse_args(argv: list[str]) -> tuple[Path, EvalArgs]:
     args: EvalArgs = OmegaConf.to_object(merged)  # type: ignore[assignment]
     if not args.tasks:
         raise ConfigError(f"tasks=[NAME,...] is required (e.g. tasks=[hh_local]); {_USAGE}")
-    if args.limit is not None and args.limit <= 0:
-        raise ConfigError(f"limit={args.limit} must be positive (documents per task, or a share below 1)")
+    if args.limit is not None and (args.limit <= 0 or (args.limit > 1 and args.limit != int(args.limit))):
+        raise ConfigError(f"limit={args.limit} must be a whole number of documents per task, or a share in (0, 1]")
     if not (args.batch_size.isdigit() and int(args.batch_size) > 0) and not args.batch_size.startswith("auto"):
         raise ConfigError(f"batch_size={args.batch_size} must be a positive number of documents, or auto")
-    _check_device(args.device)
+    for key in ("num_fewshot", "step", "bootstrap_iters"):
+        value = getattr(args, key)
+        if value is not None and value < 0:
+            raise ConfigError(f"{key}={value} must be >= 0")
+    if args.dtype not in ("auto", "float32", "float16", "bfloat16"):
+        raise ConfigError(f"dtype={args.dtype} must be auto, float32, float16 or bfloat16")
+    from llmtrain.harness import check_device
+
+    check_device(args.device, "device")
     return Path(argv[0]), args
-
-
-def _check_device(device: str) -> None:
-    """Raises ConfigError for a device this machine does not have."""
-    import torch
-
-    from llmtrain.errors import ConfigError
-
-    if device.startswith("cuda"):
-        index = int(device.split(":", 1)[1]) if ":" in device and device.split(":", 1)[1].isdigit() else 0
-        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-            raise ConfigError(f"device={device}: this machine has {torch.cuda.device_count()} CUDA device(s); "
-                              "use device=cpu or a device it has")
-    elif device not in ("cpu", "mps"):
-        raise ConfigError(f"device={device} is not a device: cpu, cuda or cuda:N")
 
 
 def _limit(value: float | None) -> int | float | None:
@@ -198,9 +191,18 @@ def run(source_path: Path, args: EvalArgs) -> dict[str, Any]:
     return {"path": path, "scores": scores, "results": results, "note": note}
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # The trainer stops an evaluation with SIGTERM (its own end or death, a preemption): leave
+    # through the finally blocks, which remove the temporary export.
+    sys.exit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
     from llmtrain.errors import LlmtrainError
 
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\n" + _USAGE)

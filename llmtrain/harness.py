@@ -94,7 +94,7 @@ def resolve_source(path: Path) -> EvalSource:
         if problem is not None:
             raise ConfigError(f"checkpoint {path} is not usable: {problem}")
         run_dir = path.resolve().parent.parent if path.resolve().parent.name == "checkpoints" else None
-        return EvalSource("checkpoint", path, run_dir, checkpoint.step_of(path))
+        return EvalSource("checkpoint", path, run_dir, checkpoint.read_state(path).step)  # any folder name
     if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
         newest = _newest_checkpoint(path)
         if newest is not None:
@@ -106,6 +106,23 @@ def resolve_source(path: Path) -> EvalSource:
     raise ConfigError(f"{path} is not a run directory, checkpoint, export or adapter: a run directory holds "
                       "checkpoints/, a checkpoint trainer_state.json, an export config.json, an adapter "
                       "adapter_config.json")
+
+
+def check_device(device: str, field: str) -> None:
+    """``device`` exists on this machine (``cpu``, ``mps``, ``cuda``, ``cuda:N``).
+
+    Raises:
+        ConfigError: naming ``field`` and the devices there are.
+    """
+    import torch
+
+    if device.startswith("cuda"):
+        index = device.split(":", 1)[1] if ":" in device else "0"
+        if not index.isdigit() or not torch.cuda.is_available() or int(index) >= torch.cuda.device_count():
+            raise ConfigError(f"{field}={device}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                              "use cpu or a device it has")
+    elif device not in ("cpu", "mps"):
+        raise ConfigError(f"{field}={device} is not a device: cpu, cuda or cuda:N")
 
 
 def include_paths(extra: list[str] | tuple[str, ...] = ()) -> list[str]:
@@ -227,8 +244,8 @@ def check_source(source: EvalSource) -> None:
     """What can be told of ``source`` before a model is built.
 
     Raises:
-        ConfigError: a reward-model checkpoint (no language-model head to score text with), an
-            adapter naming no base.
+        ConfigError: a reward model's checkpoint, export or adapter (no language-model head to
+            score text with), an adapter naming no base.
     """
     if source.kind == "checkpoint":
         from omegaconf import OmegaConf
@@ -238,8 +255,18 @@ def check_source(source: EvalSource) -> None:
             raise ConfigError(f"checkpoint {source.path} is a reward model (objective=reward): it scores sequences "
                               "and has no language-model head for lm-eval's tasks")
     if source.kind == "adapter":
-        if not json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path"):
+        adapter = json.loads((source.path / "adapter_config.json").read_text())
+        if not adapter.get("base_model_name_or_path"):
             raise ConfigError(f"adapter {source.path} names no base model (base_model_name_or_path)")
+        if adapter.get("task_type") == "SEQ_CLS":
+            raise ConfigError(f"adapter {source.path} is a reward model's (task_type SEQ_CLS): it scores sequences "
+                              "and has no language-model head for lm-eval's tasks")
+    if source.kind == "export":
+        architectures = json.loads((source.path / "config.json").read_text()).get("architectures") or []
+        if not any(a.endswith("ForCausalLM") for a in architectures):
+            raise ConfigError(f"export {source.path} is a {', '.join(architectures) or 'model without a stated '}"
+                              " architecture, not a causal language model (a reward model scores sequences): "
+                              "lm-eval's tasks need a language-model head")
 
 
 def evaluate(source: EvalSource, tasks: list[str], include: list[str] | None = None, data_dir: str | None = None,

@@ -31,7 +31,7 @@ OWN_KEYS = ("render_only",)
 
 def world_size_of(params: dict[str, Any]) -> int:
     """The ranks a job of these launcher parameters starts: ``nodes x tasks_per_node``."""
-    return int(params.get("nodes") or 1) * int(params.get("tasks_per_node") or 1)
+    return int(params.get("nodes", 1)) * int(params.get("tasks_per_node", 1))
 
 
 def check_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], world_size: int) -> None:
@@ -42,11 +42,21 @@ def check_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], world_size
     from llmtrain.models import model_config
     from llmtrain.parallel_dims import ParallelDims
 
+    params = launcher.params
+    for key in ("nodes", "tasks_per_node"):
+        if not isinstance(params.get(key), int) or params[key] < 1:
+            print(f"llmtrain: error: hydra.launcher.{key}={params.get(key)} must be a whole number >= 1",
+                  file=sys.stderr, flush=True)
+            sys.exit(2)
     for number, overrides in enumerate(job_overrides):
         cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
         with open_dict(cfg):
             cfg.pop("hydra", None)
         try:
+            if cfg.trainer.eval_tasks:
+                from llmtrain.task_eval import check
+
+                check(cfg.trainer)
             layout = validate(cfg, world_size)
             # The degrees against the model's heads and layers (its config only, no weights).
             ParallelDims.from_layout(layout).check_model_config(model_config(cfg.model), cfg.recipe.pp_stages_per_rank)

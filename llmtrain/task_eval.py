@@ -180,10 +180,13 @@ class TaskEvals:
     def _reaped(self, step: int, process: subprocess.Popen) -> None:
         self.running.pop(step, None)
         self.manager.pinned.discard(step)
+        self.manager.prune()  # what trainer.keep_checkpoints held back for this evaluation goes now
         if process.returncode != 0 or harness.read_result(harness.result_path(self.folder, step)) is None:
-            log.warning("task eval of step %d failed (exit status %s): see %s; evaluate again with `python -m "
-                        "llmtrain.evaluate %s tasks=[%s]`", step, process.returncode, self.folder / f"step_{step}.log",
-                        self.manager.root / f"step_{step}", ",".join(self.tasks))
+            import shlex
+
+            log.warning("task eval of step %d failed (exit status %s): see %s; evaluate again with `%s`", step,
+                        process.returncode, self.folder / f"step_{step}.log",
+                        shlex.join(["python", *process.args[1:]]))
 
     def _wait_together(self, step: int) -> None:
         """Synchronous mode: rank 0 waits for the process and logs it; the others wait for its
@@ -191,10 +194,13 @@ class TaskEvals:
         timeout)."""
         done = self.folder / f"step_{step}.done"
         if self.is_main:
-            if step in self.running:
-                process = self.running[step][0]
+            while step in self.running or any(q == step for q, _ in self.queued):  # after any it queued behind
+                if not self.running:
+                    self._spawn(*self.queued.pop(0))
+                    continue
+                running, (process, _) = next(iter(self.running.items()))
                 process.wait()
-                self._reaped(step, process)
+                self._reaped(running, process)
             self.poll()
             done.touch()
             return
@@ -230,6 +236,8 @@ def check(t: Any) -> None:
     if importlib.util.find_spec("lm_eval") is None:
         raise ConfigError("trainer.eval_tasks needs lm-evaluation-harness: pip install 'llmtrain[eval]' (or lm-eval), "
                           "or drop trainer.eval_tasks")
+    if t.eval_tasks_device:
+        harness.check_device(t.eval_tasks_device, "trainer.eval_tasks_device")
     harness.check_tasks(list(t.eval_tasks), harness.include_paths(list(t.eval_tasks_include)))
 
 

@@ -55,6 +55,11 @@ def test_a_layout_the_job_cannot_run_is_refused_before_anything_is_submitted(tmp
                                    "tasks_per_node = 3 ranks: recipe.tp=3 must divide the model's attention heads (4) "
                                    "and KV heads (2)"), proc.stderr
     assert not any(tmp_path.iterdir())
+    proc = _llmtrain(["-m", "hydra/launcher=slurm", "hydra.launcher.render_only=true", "hydra.launcher.nodes=0"],
+                     cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == ("llmtrain: error: hydra.launcher.nodes=0 must be a whole "
+                                                            "number >= 1"), proc.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_submitit_job_preempted_requeued_and_resumed_equals_torchrun(tmp_path):

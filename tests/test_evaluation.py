@@ -92,7 +92,10 @@ def test_missing_data_and_unknown_tasks_are_one_line_errors(tmp_path, capsys):
                           ([str(tmp_path), "tasks=[hh_local]", "batch_size=0"], "batch_size=0 must be a positive"),
                           ([str(tmp_path / "nothing"), "tasks=[hh_local]"], "does not exist"),
                           ([str(tmp_path), "tasks=[hh_local]"], "is not a run directory, checkpoint, export or adapter"),
-                          ([str(tmp_path), "tasks=[hh_local]", "limit=0"], "limit=0.0 must be positive")]:
+                          ([str(tmp_path), "tasks=[hh_local]", "limit=0"], "limit=0.0 must be a whole number"),
+                          ([str(tmp_path), "tasks=[hh_local]", "limit=1.5"], "limit=1.5 must be a whole number"),
+                          ([str(tmp_path), "tasks=[hh_local]", "dtype=bogus"], "dtype=bogus must be auto"),
+                          ([str(tmp_path), "tasks=[hh_local]", "step=-5"], "step=-5 must be >= 0")]:
         assert main(args) == 2, args
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and err.startswith("llmtrain.evaluate: error: "), (args, err)
@@ -110,6 +113,22 @@ def test_missing_data_and_unknown_tasks_are_one_line_errors(tmp_path, capsys):
 
         with pytest.raises(ConfigError, match=message):
             validate(make_cfg([override] + (["trainer.eval_tasks=[hh_local]"] if "without" not in message else [])), 1)
+
+
+def test_sources_are_told_apart_and_reward_models_refused(tmp_path):
+    from llmtrain.evaluate import parse_args
+
+    reward = tmp_path / "multirun" / "0_trainer.lr=0.001" / "hf"  # a sweep job's folder has = in its name
+    reward.mkdir(parents=True)
+    (reward / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"]}))
+    source_path, _ = parse_args([str(reward), "tasks=[hh_local]"])
+    source = harness.resolve_source(source_path)
+    assert (source.kind, source.step) == ("export", None)
+    with pytest.raises(ConfigError, match="LlamaForSequenceClassification architecture, not a causal language model"):
+        harness.check_source(source)
+    (reward / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "base", "task_type": "SEQ_CLS"}))
+    with pytest.raises(ConfigError, match="is a reward model's"):
+        harness.check_source(harness.resolve_source(reward))
 
 
 def test_scores_flatten_the_harness_results():
@@ -147,6 +166,11 @@ def test_checkpoint_scores_equal_the_harness_cli_on_its_export_and_go_to_the_run
     assert ours["sources"]["hh_local"]["path"].endswith("checkpoints/step_3")
     theirs = _harness_cli(run_dir / "hf", tmp_path / "cli")
     _same_scores(ours, theirs, "hh_local")
+    import shutil
+
+    copy = tmp_path / "best"  # a checkpoint copied under another name keeps its step
+    shutil.copytree(run_dir / "checkpoints" / "step_3", copy)
+    assert (harness.resolve_source(copy).kind, harness.resolve_source(copy).step) == ("checkpoint", 3)
     records = [r for r in read_metrics(run_dir) if "eval/hh_local/acc" in r]
     assert [(r["step"], r["eval/hh_local/acc"]) for r in records] == [(3, theirs["results"]["hh_local"]["acc,none"])]
     from test_resume import tensorboard_scalars
@@ -213,6 +237,9 @@ class _Manager:
     def __init__(self, root: Path):
         self.root, self.pinned = root, set()
 
+    def prune(self):
+        self.pruned = getattr(self, "pruned", 0) + 1
+
     def step_dirs(self):
         return sorted(((int(p.name[5:]), p) for p in self.root.glob("step_*")), reverse=True)
 
@@ -245,4 +272,8 @@ def test_in_loop_results_are_logged_once_across_resumes(tmp_path, monkeypatch):
     assert tracker.logged == [(4, {"eval/hh_local/acc": 0.4})]
     evals.poll()
     assert len(tracker.logged) == 1
+    # An evaluation that ends unpins its checkpoint and lets pruning take it (keep_checkpoints).
+    evals.manager.pinned.add(6)
+    evals._reaped(6, type("Done", (), {"returncode": 0, "args": ["python"]})())
+    assert 6 not in evals.manager.pinned and evals.manager.pruned == 1
     assert [s for s in range(1, 10) if evals.due(s)] == [2, 4, 6, 8, 9]
