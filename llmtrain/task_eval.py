@@ -35,7 +35,8 @@ from llmtrain import checkpoint, harness
 
 log = logging.getLogger("llmtrain")
 
-POLL_S = 0.5  # how often ranks waiting for a synchronous evaluation look for its end
+POLL_S = 0.5  # how often ranks waiting for rank 0's evaluations look for their end
+CLOSED = ".closed"  # rank 0 has waited for every evaluation at the end of the run
 
 
 def _die_with_parent() -> None:
@@ -73,6 +74,8 @@ class TaskEvals:
         self.logged: dict[int, set[str]] = {}  # step -> the task-score keys logged at it
         if not self.tasks or not is_main:
             return
+        for stale in [*self.folder.glob("step_*.done"), self.folder / CLOSED]:
+            stale.unlink(missing_ok=True)  # an earlier process's markers (the other ranks wait for new ones)
         if resume_step is None:
             _move_aside(self.folder)
         else:
@@ -122,8 +125,14 @@ class TaskEvals:
 
     def finish(self, preempted: bool) -> None:
         """End of the loop: wait for the evaluations still running (rank 0 logs each) or, for a
-        preempted run, stop them (the resume evaluates those checkpoints again)."""
-        if not self.tasks or not self.is_main:
+        preempted run, stop them (the resume evaluates those checkpoints again). The other ranks
+        wait for rank 0's ``.closed`` file (not a collective: the last evaluation may outlast the
+        process group's timeout)."""
+        if not self.tasks:
+            return
+        if not self.is_main:
+            while not preempted and not (self.folder / CLOSED).exists():
+                time.sleep(POLL_S)
             return
         if preempted:
             self.queued = []
@@ -144,6 +153,7 @@ class TaskEvals:
                 self._spawn(*self.queued.pop(0))
         if not preempted:
             self.poll()
+        (self.folder / CLOSED).touch()
 
     # ---- inside ----------------------------------------------------------------------------
     def _command(self, path: Path) -> list[str]:
