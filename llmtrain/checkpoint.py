@@ -305,6 +305,30 @@ def verify_collective(directory: Path, env: distributed.DistEnv) -> str | None:
 _RUN_LOCKS: list[Any] = []  # open lock files, held until the process exits
 
 
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of the folders named ``step_<N>`` in ``root`` (a run's ``checkpoints``),
+    newest first, complete or not."""
+    if not root.is_dir():
+        return []
+    return sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()),
+                  reverse=True)
+
+
+def run_dir_in_use(run_dir: Path) -> bool:
+    """Whether a live process holds ``run_dir``'s lock (:func:`lock_run_dir`): a run training."""
+    import fcntl
+
+    if not (run_dir / ".lock").is_file():
+        return False
+    with open(run_dir / ".lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return False
+
+
 def lock_run_dir(run_dir: Path) -> None:
     """Hold an exclusive lock on ``run_dir`` for the life of this process (rank 0 calls it), so
     a second run in the same folder (or orphaned workers of a killed one) cannot interleave
@@ -349,10 +373,7 @@ class CheckpointManager:
 
     def step_dirs(self) -> list[tuple[int, Path]]:
         """Folders named ``step_<N>``, newest first (complete or not)."""
-        if not self.root.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-        return sorted(found, reverse=True)
+        return step_dirs(self.root)
 
     # ---------------------------------------------------------------- resume
     def resolve(self, resume: str) -> Path | None:

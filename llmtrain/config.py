@@ -1029,14 +1029,24 @@ def validate_model(m: Any) -> None:
     _require(math.isfinite(m.moe_capacity_factor) and m.moe_capacity_factor >= 0,
              f"model.moe_capacity_factor={m.moe_capacity_factor} must be >= 0 (0 = dropless; e.g. 1.25)")
     if m.source == "config":
-        experts = next((m.architecture[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                        if isinstance(m.architecture.get(k), int) and m.architecture.get(k) > 0), 0)
+        experts = declared_experts(m.architecture)
         top_k = m.architecture.get("num_experts_per_tok")
         _require(not experts or top_k is None or 1 <= top_k <= experts,
                  f"model.architecture.num_experts_per_tok={top_k} must be between 1 and the number of experts "
                  f"({experts})")
     _require(all(isinstance(p, str) and p for p in m.freeze),
              f"model.freeze={list(m.freeze)} must be a list of parameter-name patterns (e.g. [model.embed_tokens.*])")
+
+
+# The config keys that count an MoE model's routed experts (transformers' names by family).
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def declared_experts(architecture: Any) -> int:
+    """Routed experts per layer ``architecture`` (``model.architecture``) declares; 0 for a
+    dense model (:func:`llmtrain.moe.num_experts_of` reads a ``transformers`` config)."""
+    return next((architecture.get(k) for k in EXPERT_COUNT_FIELDS
+                 if isinstance(architecture.get(k), int) and architecture.get(k) > 0), 0)
 
 
 def _validate_eval_tasks(t: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import signal
 import sys
 import warnings
 from dataclasses import dataclass
@@ -105,8 +106,6 @@ def adopt_submitit_environment() -> bool:
         # Until the trainer's preemption handler takes the signal over: submitit's handler
         # requeues from the first task only and returns elsewhere, which would leave this task
         # waiting for a first task that has gone (the local executor restarts once all exited).
-        import signal
-
         signal.signal(getattr(signal, scheduler_signal() or "SIGUSR2"), signal.SIG_DFL)
     return True
 
@@ -140,7 +139,7 @@ def init_distributed(timeout_s: float = PROCESS_GROUP_TIMEOUT_S, need_group: boo
         raise LaunchError("set both RANK and WORLD_SIZE (torchrun does), or neither for one process")
     rank, world_size = rank or 0, world_size or 1
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        _die_with_launcher()
+        die_with_parent(signal.SIGKILL)
     if not 0 <= rank < world_size:
         raise LaunchError(f"RANK={rank} must be in [0, WORLD_SIZE={world_size})")
     local_rank = _int_env("LOCAL_RANK") or 0
@@ -164,20 +163,21 @@ def init_distributed(timeout_s: float = PROCESS_GROUP_TIMEOUT_S, need_group: boo
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 
-def _die_with_launcher() -> None:
-    """torchrun starts workers in their own session, so killing the launcher's process group
-    leaves them running (and racing a restarted run). Ask Linux to SIGKILL this worker when its
-    launcher dies; the checkpoint protocol makes that a clean crash."""
+def die_with_parent(signum: int) -> None:
+    """Ask Linux to send ``signum`` to this process when its parent dies (``PR_SET_PDEATHSIG``;
+    kept across ``exec``), and leave at once if the parent died before the request took effect.
+    torchrun starts workers in their own session, so killing the launcher's process group leaves
+    them running (and racing a restarted run): workers ask for SIGKILL, which the checkpoint
+    protocol makes a clean crash. A task evaluation (``preexec_fn`` of its process) asks for
+    SIGTERM, which lets it remove its temporary export."""
     import ctypes
-    import signal
-    import sys
 
     if not sys.platform.startswith("linux"):
         return
     launcher = os.getppid()
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        libc.prctl(1, int(signum), 0, 0, 0)  # PR_SET_PDEATHSIG
     except OSError:
         return
     if os.getppid() != launcher:  # the launcher died before the request took effect

@@ -114,34 +114,17 @@ def _limit(value: float | None) -> int | float | None:
     return int(value) if value is not None and value >= 1 else value
 
 
-def _trainer_running(run_dir: Path) -> bool:
-    """Whether a training process holds the run's lock (``llmtrain.checkpoint.lock_run_dir``)."""
-    import fcntl
-
-    lock = run_dir / ".lock"
-    if not lock.is_file():
-        return False
-    with open(lock, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(handle, fcntl.LOCK_UN)
-    return False
-
-
 def _log_to_run(source: Any, scores: dict[str, float]) -> str:
     """Log ``scores`` to the run's trackers and refresh its report; returns what was done."""
     from omegaconf import OmegaConf
 
     from llmtrain import checkpoint
-    from llmtrain.tracking import log_outside_training
-
     from llmtrain.harness import logged_keys
     from llmtrain.report import read_jsonl
+    from llmtrain.tracking import log_outside_training
 
     run_dir = source.run_dir
-    if _trainer_running(run_dir):
+    if checkpoint.run_dir_in_use(run_dir):
         return f"the run is training: its trainer logs {run_dir / 'eval'} results at step {source.step}"
     logged = logged_keys(read_jsonl(run_dir / "metrics.jsonl")).get(source.step, set())
     again = sorted(k for k in scores if k in logged)
@@ -151,9 +134,8 @@ def _log_to_run(source: Any, scores: dict[str, float]) -> str:
     if not scores:
         return kept.lstrip("; ")
     cfg = OmegaConf.load(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else OmegaConf.create({})
-    newest = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / checkpoint.STATE_FILE).is_file()] \
-        if (run_dir / "checkpoints").is_dir() else []
-    mlflow_run_id = checkpoint.read_state(max(newest, key=checkpoint.step_of)).mlflow_run_id if newest else None
+    saved = [p for _, p in checkpoint.step_dirs(run_dir / "checkpoints") if (p / checkpoint.STATE_FILE).is_file()]
+    mlflow_run_id = checkpoint.read_state(saved[0]).mlflow_run_id if saved else None  # the newest's
     written = log_outside_training(cfg.get("tracker", {}), run_dir, scores, source.step, mlflow_run_id)
     if (run_dir / "report.png").is_file():
         from llmtrain.report import write_report

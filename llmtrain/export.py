@@ -317,7 +317,7 @@ def consolidated_state_dict(checkpoint_dir: Path, engine: str, zero_stage: int =
     return consolidated_model(engine_dir)
 
 
-def export_checkpoint(checkpoint_dir: Path, out_dir: Path, merged: bool = False) -> Path:
+def export_checkpoint(checkpoint_dir: Path, out_dir: Path, merged: bool = False, verified: bool = False) -> Path:
     """Verify ``checkpoint_dir`` and write its model as a Hugging Face folder to ``out_dir``.
 
     A LoRA checkpoint (``+peft=lora``) becomes a PEFT adapter folder (plus, for a model built from
@@ -326,12 +326,15 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, merged: bool = False)
     frozen base of a partial checkpoint (LoRA, ``model.freeze``) is rebuilt from the model's
     source, which must still hold the weights it was trained on.
 
+    ``verified``: the caller has just checked ``checkpoint_dir`` with :func:`llmtrain.checkpoint.verify`
+    (its checksums are not computed again).
+
     Raises:
         ResumeError: the checkpoint is missing, fails verification, or its base weights changed.
     """
     if not checkpoint_dir.is_dir():
         raise ResumeError(f"checkpoint {checkpoint_dir} does not exist")
-    problem = verify(checkpoint_dir)
+    problem = None if verified else verify(checkpoint_dir)
     if problem is not None:
         raise ResumeError(f"checkpoint {checkpoint_dir} is not usable: {problem}")
     from llmtrain.config import DataConfig

@@ -55,10 +55,7 @@ class EvalSource:
 
 def _newest_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint of ``run_dir`` that verifies (as ``trainer.resume=auto`` picks)."""
-    root = run_dir / "checkpoints"
-    found = sorted(((checkpoint.step_of(p), p) for p in root.glob("step_*") if p.is_dir()), reverse=True) \
-        if root.is_dir() else []
-    for _, path in found:
+    for _, path in checkpoint.step_dirs(run_dir / "checkpoints"):
         problem = checkpoint.verify(path)
         if problem is None:
             return path
@@ -87,8 +84,10 @@ def resolve_source(path: Path) -> EvalSource:
     if (path / "adapter_config.json").is_file() or (path / "config.json").is_file():
         kind = "adapter" if (path / "adapter_config.json").is_file() else "export"
         run_dir = _run_of(path)
-        newest = _newest_checkpoint(run_dir) if run_dir is not None else None
-        return EvalSource(kind, path, run_dir, checkpoint.step_of(newest) if newest is not None else None)
+        # Only the step is needed: the newest sealed checkpoint's (its marker), not a checksum pass.
+        sealed = [s for s, p in checkpoint.step_dirs(run_dir / "checkpoints") if (p / checkpoint.MARKER).is_file()] \
+            if run_dir is not None else []
+        return EvalSource(kind, path, run_dir, sealed[0] if sealed else None)
     if (path / checkpoint.STATE_FILE).is_file():
         problem = checkpoint.verify(path)
         if problem is not None:
@@ -195,8 +194,8 @@ def _quiet_harness() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def model_folder(source: EvalSource) -> Iterator[tuple[str, str | None]]:
-    """``(pretrained, peft)`` for ``HFLM``: an export as it is; an adapter (merged onto its
+def model_folder(source: EvalSource) -> Iterator[str]:
+    """The Hugging Face folder ``HFLM`` loads: an export as it is; an adapter (merged onto its
     base) or a checkpoint written as a Hugging Face folder into a temporary folder under
     ``~/.cache/llmtrain/eval`` (removed after).
 
@@ -205,12 +204,12 @@ def model_folder(source: EvalSource) -> Iterator[tuple[str, str | None]]:
     """
     check_source(source)
     if source.kind == "export":
-        yield str(source.path), None
+        yield str(source.path)
         return
     (CACHE_DIR / "eval").mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f"{source.path.name}-", dir=CACHE_DIR / "eval"))
     try:
-        yield str(_write_model(source, folder / "hf")), None
+        yield str(_write_model(source, folder / "hf"))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -237,7 +236,7 @@ def _write_model(source: EvalSource, out_dir: Path) -> Path:
 
     from llmtrain.export import export_checkpoint
 
-    return export_checkpoint(source.path, out_dir, merged=True)
+    return export_checkpoint(source.path, out_dir, merged=True, verified=True)  # resolve_source verified it
 
 
 def check_source(source: EvalSource) -> None:
@@ -288,8 +287,8 @@ def evaluate(source: EvalSource, tasks: list[str], include: list[str] | None = N
 
     include = include if include is not None else include_paths()
     manager = manager if manager is not None else check_tasks(tasks, include, data_dir)
-    with model_folder(source) as (pretrained, peft), _quiet_harness():
-        lm = HFLM(pretrained=pretrained, peft=peft, dtype=dtype, batch_size=batch_size, device=device)
+    with model_folder(source) as pretrained, _quiet_harness():
+        lm = HFLM(pretrained=pretrained, dtype=dtype, batch_size=batch_size, device=device)
         results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                           num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
                                           log_samples=False)

@@ -29,9 +29,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from llmtrain.config import EXPERT_COUNT_FIELDS
 from llmtrain.errors import ConfigError
-
-EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ class MoeShape:
 def num_experts_of(hf_config: Any) -> int:
     """Routed experts per layer a config declares (0 for a dense model)."""
     for name in EXPERT_COUNT_FIELDS:
-        value = getattr(hf_config, name, None)
+        value = getattr(hf_config, name, None)  # getattr: a config's attribute_map aliases count
         if isinstance(value, int) and value > 0:
             return value
     return 0

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmtrain.config import validate
+from llmtrain.config import declared_experts, validate
 from llmtrain.errors import ConfigError
 from llmtrain.layout import Layout
 
@@ -99,13 +99,10 @@ def preflight_moe(cfg: Any) -> None:
     r, m = cfg.recipe, cfg.model
     ep, factor = r.get("ep", 1), m.get("moe_capacity_factor", 0.0)
     moe_fields = {k: m.get(k) for k in ("router_aux_loss_coef", "experts_implementation") if m.get(k) is not None}
-    from llmtrain.moe import EXPERT_COUNT_FIELDS
-
     # A config model that declares experts is checked whatever the settings (a router llmtrain
     # cannot drive is refused here, not once the engine is built); pretrained weights' configs are
     # read when an MoE setting asks for it.
-    declares = m.source == "config" and any(
-        isinstance(m.architecture.get(k), int) and m.architecture.get(k) > 0 for k in EXPERT_COUNT_FIELDS)
+    declares = m.source == "config" and declared_experts(m.architecture) > 0
     if ep == 1 and not factor and not moe_fields and not declares and not r.get("tp_sequence_parallel", False):
         return
     from llmtrain import moe

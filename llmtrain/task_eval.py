@@ -32,22 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain import checkpoint, harness
+from llmtrain.distributed import die_with_parent
+from llmtrain.tracking.jsonl import move_aside
 
 log = logging.getLogger("llmtrain")
 
 POLL_S = 0.5  # how often ranks waiting for rank 0's evaluations look for their end
 CLOSED = ".closed"  # rank 0 has waited for every evaluation at the end of the run
-
-
-def _die_with_parent() -> None:
-    """In the evaluation process: Linux sends SIGTERM when the trainer that started it dies, so
-    a killed run leaves no evaluation behind (its resume starts it again)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 # What a launcher sets for the training ranks; the evaluation is one plain process.
@@ -77,12 +68,12 @@ class TaskEvals:
         for stale in [*self.folder.glob("step_*.done"), self.folder / CLOSED]:
             stale.unlink(missing_ok=True)  # an earlier process's markers (the other ranks wait for new ones)
         if resume_step is None:
-            _move_aside(self.folder)
+            move_aside(self.folder)
         else:
             self.logged = harness.logged_keys(tracker.kept_records)
             for path in self.folder.glob("step_*.*"):
                 if _step_of(path) is not None and _step_of(path) > resume_step and not path.name.endswith(".old"):
-                    _move_aside(path)  # a step the run trains again
+                    move_aside(path)  # a step the run trains again
         self.folder.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
             self._redo_lost(resume_step)
@@ -181,7 +172,8 @@ class TaskEvals:
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("SUBMITIT_")}
         output = open(self.folder / f"step_{step}.log", "w", encoding="utf-8")
         process = subprocess.Popen(self._command(path), stdout=output, stderr=subprocess.STDOUT, env=env,
-                                   stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                   stdin=subprocess.DEVNULL,
+                                   preexec_fn=lambda: die_with_parent(signal.SIGTERM))  # dies with the trainer
         output.close()
         self.running[step] = (process, path)
         log.info("task eval of step %d started (%s; pid %d, output in %s)", step, ", ".join(self.tasks), process.pid,
@@ -254,10 +246,3 @@ def check(t: Any) -> None:
 def _step_of(path: Path) -> int | None:
     stem = path.name.split(".")[0]
     return int(stem[5:]) if stem.startswith("step_") and stem[5:].isdigit() else None
-
-
-def _move_aside(path: Path) -> None:
-    """Rename ``path`` to ``<name>.<n>.old`` (the first free n), if it exists."""
-    from llmtrain.tracking.jsonl import move_aside
-
-    move_aside(path)

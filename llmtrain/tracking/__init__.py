@@ -7,7 +7,6 @@ never stops training, and ``metrics.jsonl`` is never lost.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -144,13 +143,11 @@ def log_outside_training(tracker_cfg: Any, run_dir: Path, metrics: dict[str, flo
         writer.close()
         written.append("tensorboard")
     if "mlflow" in backends and mlflow_run_id:
-        from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
 
-        from llmtrain.tracking.mlflow_backend import default_uri
+        from llmtrain.tracking.mlflow_backend import default_uri, log_metrics
 
-        client = MlflowClient(tracking_uri=tracker_cfg.get("mlflow_uri") or default_uri(run_dir))
-        now = int(time.time() * 1000)
-        client.log_batch(mlflow_run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+        log_metrics(MlflowClient(tracking_uri=tracker_cfg.get("mlflow_uri") or default_uri(run_dir)), mlflow_run_id,
+                    metrics, step)
         written.append("mlflow")
     return written

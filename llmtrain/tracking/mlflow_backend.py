@@ -29,6 +29,14 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> str | None:
         return f"{err}"
 
 
+def log_metrics(client: Any, run_id: str, metrics: dict[str, float], step: int) -> None:
+    """Log ``metrics`` at ``step`` to MLflow run ``run_id`` in one request (timestamped now)."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+
 def _flatten(config: dict, prefix: str = "") -> dict[str, str]:
     flat: dict[str, str] = {}
     for key, value in config.items():
@@ -112,10 +120,7 @@ class MlflowBackend:
         return new_id
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        self._client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+        log_metrics(self._client, self.run_id, metrics, step)
 
     def log_files(self, paths: list[Path]) -> None:
         for path in paths:

@@ -146,10 +146,10 @@ class WandbBackend:
                                resume="allow" if run_id else None, name=tracker_cfg.run_name or run_name,
                                tags=list(tracker_cfg.tags), config=config, dir=str(run_dir),
                                settings=wandb_settings())
-        # Task scores of an earlier checkpoint arrive after later steps: they go in at the current
-        # step with eval/step, the x-axis of every eval/* chart (wandb's history only grows).
-        # The lowest step wandb still takes (its history only grows): the server's next step
-        # online, the step after the earlier offline folders' last one offline.
+        # wandb's history only grows. The lowest step it still takes: the server's next step
+        # online, the step after the earlier offline folders' last one offline. Task scores of an
+        # earlier checkpoint, which arrive after later steps, go in at or above it with eval/step,
+        # the x-axis of every eval/* chart (_log_now).
         self._floor = max(held, default=-1) + 1 if self._deferred else self._run.step
         self._eval_row = -1  # the row that holds the last task score
         self._run.define_metric("eval/step")
