@@ -18,14 +18,14 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Nothing here imports torch at module level: ``--help`` and ``--cfg job`` answer from the
-# config alone, in about a second. ``main`` imports llmtrain.distributed before anything imports
+# config alone, in about a second. ``main`` imports llmtrain.parallel.distributed before anything imports
 # DeepSpeed (it picks DeepSpeed's accelerator).
 import hydra
 from omegaconf import DictConfig
 
-from llmtrain.config import check_overrides, keep_typed_strings, register_configs
-from llmtrain.errors import ConfigError, LlmtrainError, TrainingStopped
-from llmtrain.paths import CONF_DIR
+from llmtrain.common.errors import ConfigError, LlmtrainError, TrainingStopped
+from llmtrain.common.paths import CONF_DIR
+from llmtrain.config.compose import check_overrides, keep_typed_strings, register_configs
 
 log = logging.getLogger("llmtrain")
 
@@ -103,7 +103,7 @@ def _world_size(cfg: DictConfig) -> int:
     launch's (WORLD_SIZE; a submitit job's tasks; 1 without a launcher)."""
     if cfg.trainer.dry_run and cfg.trainer.dry_run_world_size:
         return cfg.trainer.dry_run_world_size
-    from llmtrain.distributed import adopt_submitit_environment
+    from llmtrain.parallel.distributed import adopt_submitit_environment
 
     adopt_submitit_environment()
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -117,7 +117,8 @@ def _layout(cfg: DictConfig) -> DictConfig:
         return cfg
     import torch
 
-    from llmtrain.plan import describe, resolve_auto
+    from llmtrain.planning.auto import resolve_auto
+    from llmtrain.planning.memory import describe
 
     world_size = _world_size(cfg)
     device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available()
@@ -142,7 +143,7 @@ _shutdown_registered = False
 def _shutdown_at_exit() -> None:
     global _shutdown_registered
     if not _shutdown_registered:
-        from llmtrain.distributed import shutdown
+        from llmtrain.parallel.distributed import shutdown
 
         atexit.register(shutdown)
         _shutdown_registered = True
@@ -158,26 +159,26 @@ def _record(task):
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    import llmtrain.distributed  # noqa: F401  (before anything imports DeepSpeed: picks its accelerator)
+    import llmtrain.parallel.distributed  # noqa: F401  (before anything imports DeepSpeed: picks its accelerator)
 
     _record(_main)(cfg)
 
 
 def _main(cfg: DictConfig) -> None:
-    from llmtrain.distributed import shutdown
+    from llmtrain.parallel.distributed import shutdown
     from llmtrain.trainer import train
 
     try:
         cfg = _layout(cfg)
         if cfg.trainer.dry_run:
-            from llmtrain.dry_run import dry_run
+            from llmtrain.planning.dry_run import dry_run
 
             if int(os.environ.get("RANK", "0")) == 0:
                 print(dry_run(cfg, _world_size(cfg)))
             return
         summary = train(cfg)
         if "preempted_at" in summary and os.environ.get("SUBMITIT_EXECUTOR"):
-            from llmtrain.preemption import hand_over_to_submitit
+            from llmtrain.monitoring.preemption import hand_over_to_submitit
 
             shutdown()  # the group goes before submitit's requeue exits the first task
             hand_over_to_submitit()

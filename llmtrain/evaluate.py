@@ -1,10 +1,10 @@
 """``python -m llmtrain.evaluate SOURCE tasks=[NAME,...] [key=value ...]``: lm-evaluation-harness
-scores (:mod:`llmtrain.harness`) of a run directory (its newest complete checkpoint), a
+scores (:mod:`llmtrain.evaluation.harness`) of a run directory (its newest complete checkpoint), a
 checkpoint, an export or an adapter.
 
 The result goes to ``RUN/eval/step_N.json`` (``out_dir=`` elsewhere), and, for a source that
 belongs to a run that is not training now, to the run's trackers at the checkpoint's step
-(``metrics.jsonl``, TensorBoard, MLflow; :func:`llmtrain.tracking.log_outside_training`) and its
+(``metrics.jsonl``, TensorBoard, MLflow; :func:`llmtrain.monitoring.tracking.log_outside_training`) and its
 report. While the run trains, its trainer logs the file instead when it sees it (no record twice).
 
 Arguments after SOURCE are ``key=value`` (OmegaConf's dotlist, as the other entry points take);
@@ -41,7 +41,7 @@ class EvalArgs:
         device: ``cpu``, ``cuda``, ``cuda:N``.
         dtype: the weights' dtype for ``HFLM`` (``auto``: the export's, fp32 for llmtrain's).
         num_fewshot: few-shot examples (the task's default when unset).
-        data_dir: folder of the local tasks' data files (:mod:`llmtrain.eval_tasks`).
+        data_dir: folder of the local tasks' data files (:mod:`llmtrain.evaluation.local_tasks`).
         include: extra folders of task YAMLs.
         out_dir: where ``step_N.json`` goes (default: the run's ``eval/``, else SOURCE/eval).
         step: the step to file the result under (default: the checkpoint's).
@@ -72,7 +72,7 @@ def parse_args(argv: list[str]) -> tuple[Path, EvalArgs]:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from llmtrain.errors import ConfigError
+    from llmtrain.common.errors import ConfigError
 
     import difflib
     from dataclasses import fields
@@ -104,7 +104,7 @@ def parse_args(argv: list[str]) -> tuple[Path, EvalArgs]:
             raise ConfigError(f"{key}={value} must be >= 0")
     if args.dtype not in ("auto", "float32", "float16", "bfloat16"):
         raise ConfigError(f"dtype={args.dtype} must be auto, float32, float16 or bfloat16")
-    from llmtrain.harness import check_device
+    from llmtrain.evaluation.harness import check_device
 
     check_device(args.device, "device")
     return Path(argv[0]), args
@@ -118,13 +118,14 @@ def _log_to_run(source: Any, scores: dict[str, float]) -> str:
     """Log ``scores`` to the run's trackers and refresh its report; returns what was done."""
     from omegaconf import OmegaConf
 
-    from llmtrain import checkpoint
-    from llmtrain.harness import logged_keys
-    from llmtrain.report import read_jsonl
-    from llmtrain.tracking import log_outside_training
+    from llmtrain.checkpoint.protocol import run_dir_in_use, step_dirs
+    from llmtrain.checkpoint.state import STATE_FILE, read_state
+    from llmtrain.evaluation.harness import logged_keys
+    from llmtrain.monitoring.report import read_jsonl
+    from llmtrain.monitoring.tracking import log_outside_training
 
     run_dir = source.run_dir
-    if checkpoint.run_dir_in_use(run_dir):
+    if run_dir_in_use(run_dir):
         return f"the run is training: its trainer logs {run_dir / 'eval'} results at step {source.step}"
     logged = logged_keys(read_jsonl(run_dir / "metrics.jsonl")).get(source.step, set())
     again = sorted(k for k in scores if k in logged)
@@ -134,11 +135,11 @@ def _log_to_run(source: Any, scores: dict[str, float]) -> str:
     if not scores:
         return kept.lstrip("; ")
     cfg = OmegaConf.load(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else OmegaConf.create({})
-    saved = [p for _, p in checkpoint.step_dirs(run_dir / "checkpoints") if (p / checkpoint.STATE_FILE).is_file()]
-    mlflow_run_id = checkpoint.read_state(saved[0]).mlflow_run_id if saved else None  # the newest's
+    saved = [p for _, p in step_dirs(run_dir / "checkpoints") if (p / STATE_FILE).is_file()]
+    mlflow_run_id = read_state(saved[0]).mlflow_run_id if saved else None  # the newest's
     written = log_outside_training(cfg.get("tracker", {}), run_dir, scores, source.step, mlflow_run_id)
     if (run_dir / "report.png").is_file():
-        from llmtrain.report import write_report
+        from llmtrain.monitoring.report import write_report
 
         write_report(run_dir)
         written.append("report")
@@ -151,7 +152,7 @@ def run(source_path: Path, args: EvalArgs) -> dict[str, Any]:
     Raises:
         ConfigError, DataError, ResumeError, ModelSourceError: bad input, before anything is written.
     """
-    from llmtrain import harness
+    from llmtrain.evaluation import harness
 
     source = harness.resolve_source(source_path)
     if args.step is not None:
@@ -182,7 +183,7 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     import signal
 
-    from llmtrain.errors import LlmtrainError
+    from llmtrain.common.errors import LlmtrainError
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     argv = sys.argv[1:] if argv is None else argv

@@ -17,11 +17,12 @@ USAGE = __doc__
 
 
 def main(argv: list[str] | None = None) -> int:
-    from llmtrain.config import compose, validate_data
+    from llmtrain.config.compose import compose
+    from llmtrain.config.validate import validate_data
     from llmtrain.data import text_documents, write_token_folder
-    from llmtrain.errors import ConfigError, DataError
-    from llmtrain.models import ModelSourceError, build_tokenizer
-    from llmtrain.preflight import preflight_data
+    from llmtrain.common.errors import ConfigError, DataError
+    from llmtrain.models.build import ModelSourceError, build_tokenizer
+    from llmtrain.planning.preflight import preflight_data
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):

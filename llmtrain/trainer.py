@@ -1,6 +1,7 @@
 """The training run: a :class:`Trainer` whose ``_setup_*`` methods each build one component, a
 :meth:`Trainer.train_step` for one optimizer step, and a :meth:`Trainer.train` loop in which each
-component decides its own cadence (checkpointer, evaluator, tracker).
+component decides its own cadence (the checkpointer, :mod:`llmtrain.checkpoint.checkpointer`; the
+evaluator, :mod:`llmtrain.evaluation.validation`; the tracker, :mod:`llmtrain.monitoring.tracking`).
 
 The loss of an optimizer step is the run's objective (:mod:`llmtrain.objectives`) over the whole
 global batch: each micro-batch contributes ``sum(loss) / N`` where ``N`` is the objective's
@@ -20,30 +21,44 @@ import json
 import logging
 import math
 import os
-import random
 import socket
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from llmtrain import adapters, checkpoint, console, data, distributed, export, flops, goodput, moe, reference, task_eval
-from llmtrain.config import ConfigError, validate
+from llmtrain import data
+from llmtrain.checkpoint.checkpointer import Checkpointer, dump_loaded_model
+from llmtrain.checkpoint.export import export_hf
+from llmtrain.checkpoint.protocol import CheckpointManager, lock_run_dir, step_of
+from llmtrain.checkpoint.resume import check_resumable
+from llmtrain.checkpoint.state import TrainState, restore_rng
+from llmtrain.common.errors import ConfigError
+from llmtrain.config.compose import run_dir_of
+from llmtrain.config.validate import validate
+from llmtrain.data.order import sample_digest
 from llmtrain.engine import build_engine
-from llmtrain.errors import TrainingStopped
-from llmtrain.models import build_model, build_tokenizer, check_sequence_length, model_config
-from llmtrain.objectives import Objective, build_objective
-from llmtrain.objectives.causal_lm import count_target_tokens, target_tokens, token_cross_entropy_sum  # noqa: F401
-from llmtrain.parallel_dims import ParallelDims
-from llmtrain.preemption import Preemption
-from llmtrain.preflight import preflight
-from llmtrain.tracking import Tracker
-from llmtrain.watchdog import Watchdog
+from llmtrain.engine.base import check_optimizer_steps
+from llmtrain.evaluation import in_loop
+from llmtrain.evaluation.validation import Evaluator
+from llmtrain.models import adapters, moe
+from llmtrain.models.build import build_model, build_tokenizer, check_sequence_length, model_config
+from llmtrain.monitoring import console, goodput
+from llmtrain.monitoring.health import loss_spike, on_nonfinite, peak_memory_bytes
+from llmtrain.monitoring.preemption import Preemption
+from llmtrain.monitoring.startup import StartupPhases, engine_detail, log_trainable, long_context_detail, model_detail
+from llmtrain.monitoring.tracking import Tracker
+from llmtrain.monitoring.watchdog import Watchdog
+from llmtrain.objectives import Objective, build_objective, reference
+from llmtrain.parallel import distributed
+from llmtrain.parallel.dims import ParallelDims
+from llmtrain.parallel.seeding import seed_everything, seed_streams
+from llmtrain.planning import flops
+from llmtrain.planning.auto import check_same_layout
+from llmtrain.planning.preflight import preflight
 
 log = logging.getLogger("llmtrain")
 
@@ -55,7 +70,7 @@ class StepScalars:
     the all-reduce (:meth:`from_values`) each field holds the sum over all ranks.
 
     Attributes:
-        sample_digest: order-free fingerprint of the step's samples (:func:`_sample_digest`).
+        sample_digest: order-free fingerprint of the step's samples (:func:`sample_digest`).
         preempt_requested: 1.0 where a preemption signal arrived (``Preemption.local_flags``).
         save_due: 1.0 where ``trainer.save_every_minutes`` has elapsed.
         background_written: 1.0 where this rank's background checkpoint write is done.
@@ -134,7 +149,7 @@ def forward_backward(engine, batches: list[dict[str, torch.Tensor]],
 @dataclass
 class StepResult:
     """One optimizer step as :meth:`Trainer.train_step` reports it (global values every rank
-    holds). ``spike``: why the loss counts as a spike (:func:`_loss_spike`), else None."""
+    holds). ``spike``: why the loss counts as a spike (:func:`loss_spike`), else None."""
 
     step: int
     loss: float
@@ -154,224 +169,6 @@ class StepResult:
         return math.isfinite(self.loss) and math.isfinite(self.grad_norm) and not self.spike
 
 
-@torch.no_grad()
-def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, float]:
-    """Validation loss (the objective's mean over all ranks' batches; for next-token training,
-    mean token CE), perplexity = exp(loss), and the objective's metrics as ``val/NAME``.
-
-    Ranks with fewer batches run forwards on a batch without targets, so every rank makes the
-    same number of forward passes (ZeRO-3 gathers parameters collectively in each one).
-    """
-    objective: Objective = engine.objective
-    engine.train(False)
-    replicas = engine.dims.data_replicas
-    most = distributed.all_reduce_max(torch.tensor(len(batches), device=device))
-    no_targets = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 2, dtype=torch.long),
-                  "labels": torch.full((1, 2), data.IGNORE_INDEX, dtype=torch.long)}
-    names = objective.metric_names
-    totals = torch.zeros(2 + len(names), dtype=torch.float64, device=device)
-    for batch in list(batches) + [objective.prepare(no_targets)] * (int(most) - len(batches)):
-        batch = {k: v.to(device) for k, v in batch.items()}
-        totals[:-1] += engine.eval_sums(batch)
-        totals[-1] += objective.normaliser(batch).double()
-    distributed.all_reduce_sum(totals)
-    totals /= replicas
-    engine.train(True)
-    normaliser = totals[-1].clamp(min=1)
-    loss = float(totals[0] / normaliser)
-    perplexity = {"val/perplexity": math.exp(min(loss, 50.0))} if objective.reports_perplexity else {}
-    if objective.counted_unit:
-        perplexity[f"val/{objective.counted_unit}"] = int(totals[-1])
-    averaged = objective.average({name: float(totals[1 + k]) for k, name in enumerate(names)}, float(normaliser))
-    return {"val/loss": loss, **perplexity, **{f"val/{name}": value for name, value in averaged.items()}}
-
-
-class Evaluator:
-    """Held-out evaluation at ``trainer.eval_every`` steps and at the last step; its time is
-    added to ``state.eval_s`` (goodput's accounting)."""
-
-    def __init__(self, engine, val_batches: list[dict], device: torch.device, every: int, max_steps: int):
-        self.engine, self.val_batches, self.device = engine, val_batches, device
-        self.every, self.max_steps = every, max_steps
-
-    def should_run(self, step: int) -> bool:
-        return bool(self.every and step % self.every == 0) or step == self.max_steps
-
-    def run(self, state: checkpoint.TrainState) -> dict[str, float]:
-        started = time.perf_counter()
-        metrics = evaluate(self.engine, self.val_batches, self.device)
-        state.eval_s += time.perf_counter() - started
-        return metrics
-
-
-class Checkpointer:
-    """The run's checkpoint cadence and bookkeeping around :class:`checkpoint.CheckpointManager`:
-    every ``trainer.save_every`` steps, when ``trainer.save_every_minutes`` is due, on
-    preemption, and at the last step; background writes sealed once every rank's is done. Every
-    tracker is flushed before a checkpoint counts and committed after it (steps up to a counted
-    checkpoint are never logged twice across a crash)."""
-
-    def __init__(self, manager: checkpoint.CheckpointManager, engine, tracker: Tracker, preemption: Preemption,
-                 cfg: Any, config_yaml: str, world_size: int):
-        self.manager, self.engine, self.tracker, self.preemption = manager, engine, tracker, preemption
-        self.t, self.config_yaml, self.world_size = cfg.trainer, config_yaml, world_size
-        self.latest: str | None = None  # the newest counted checkpoint
-        self.stalls_s: list[list[float]] = []  # [step, seconds the loop waited for its save] per save
-        self.on_counted: list[Callable[[int, Path], None]] = []  # called (step, folder) once a checkpoint counts
-        self.also_due: Callable[[int], bool] = lambda step: False  # other components' checkpoint steps
-
-    def should_save(self, step: int, result: StepResult) -> bool:
-        every = self.t.save_every
-        return (result.stop or result.save_by_time or bool(every and step % every == 0) or step == self.t.max_steps
-                or self.also_due(step))
-
-    def save(self, state: checkpoint.TrainState, background: bool) -> None:
-        started = time.perf_counter()
-        state.saved_unix = time.time()
-        state.tracker_run_id, state.mlflow_run_id = self.tracker.run_id, self.tracker.mlflow_run_id
-        state.world_size, state.global_batch_size = self.world_size, self.t.global_batch_size
-        self.tracker.flush()  # every step up to this checkpoint is on disk before the checkpoint counts
-        written = self.manager.save(self.engine, state, self.config_yaml, self.t.checkpoint_hash, background)
-        if written is not None:
-            self._commit(written)
-        state.parent = f"step_{state.step}"  # the next checkpoint continues this one
-        self.preemption.saved()
-        stall = time.perf_counter() - started
-        self.stalls_s.append([state.step, stall])
-        state.checkpoint_s += stall
-
-    def seal_if_written(self, scalars: StepScalars, state: checkpoint.TrainState) -> None:
-        """Every rank's background write is done (the step's summed flag): make it count."""
-        if scalars.background_written != self.world_size:
-            return
-        started = time.perf_counter()
-        self._commit(self.manager.finish_background())
-        sealing = time.perf_counter() - started
-        self.stalls_s[-1][1] += sealing
-        state.checkpoint_s += sealing
-
-    def finish(self) -> None:
-        """Seal a background write still open (defensive: the last save is synchronous)."""
-        if sealed := self.manager.finish_background():
-            self._commit(sealed)
-
-    def _commit(self, sealed: Path) -> None:
-        self.latest = str(sealed)
-        self.tracker.commit(checkpoint.step_of(sealed))
-        for counted in self.on_counted:
-            counted(checkpoint.step_of(sealed), sealed)
-
-    def stall_of_previous_step(self, step: int) -> dict[str, float]:
-        """``checkpoint/stall_s`` for the record of the step after a save."""
-        if self.stalls_s and self.stalls_s[-1][0] == step:
-            return {"checkpoint/stall_s": self.stalls_s[-1][1]}
-        return {}
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def seed_streams(seed: int, dp_rank: int, pp_rank: int, start_step: int) -> int:
-    """Seed this rank's random stream (dropout) for the training loop; returns the stream seed.
-
-    Scheme: one stream per (data-parallel rank, pipeline rank), so data-parallel ranks draw
-    different masks for their different samples and each pipeline stage its own (as Megatron-LM
-    and torchtitan seed pipeline stages apart; unlike their default, data-parallel ranks differ
-    too, because llmtrain's initialisation never draws from this stream: parameters come from
-    (seed, parameter name), see :func:`llmtrain.models.init_weights`). Tensor-parallel ranks share
-    this stream, so dropout on replicated activations agrees across the TP group; inside
-    attention, whose activations are sharded over it, each TP rank draws its own
-    (:func:`llmtrain.parallelize.apply_tp_rng`, the role of Megatron-LM's model-parallel RNG
-    tracker).
-    Exact resume restores each rank's saved state instead; a resume on another world size (whose
-    saved states do not map onto the new ranks) reseeds with the resumed step mixed in, so no
-    rank replays the masks of step 0. Rank (0, 0) of a fresh run keeps ``seed`` itself, so a
-    single process draws exactly what it always did.
-    """
-    if (dp_rank, pp_rank, start_step) == (0, 0, 0):
-        stream = seed
-    else:
-        stream = distributed.derived_seed(seed, f"dp{dp_rank}", f"pp{pp_rank}", f"step{start_step}")
-    seed_everything(stream)
-    return stream
-
-
-def _memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process in bytes: CUDA allocator peak, or the process's peak RSS."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
-def _run_dir(cfg: Any) -> Path:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        return Path(HydraConfig.get().runtime.output_dir)  # one folder per sweep job
-    return Path(cfg.run_dir)
-
-
-def _sample_digest(batches: list[dict[str, torch.Tensor]]) -> float:
-    """Order-free fingerprint of the samples in ``batches``: sum of CRC32s of their real tokens."""
-    return float(sum(zlib.crc32(row[mask.bool()].numpy().tobytes())
-                     for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"])))
-
-
-class StartupPhases:
-    """Start-up named as it goes: rank 0 logs each phase as it begins (``start-up: model (GGUF:
-    dequantizing …) …``) and, at :meth:`done`, every phase's wall time in seconds, so minutes of
-    loading, tokenizing or compiling are never silent."""
-
-    def __init__(self, on: bool):
-        self.on, self.seconds = on, {}
-        self._current: str | None = None
-        self._began = time.time()
-
-    def begin(self, name: str, detail: str = "") -> None:
-        self._end()
-        self._current, self._began = name, time.time()
-        if self.on:
-            log.info("start-up: %s%s ...", name, f" ({detail})" if detail else "")
-
-    def _end(self) -> None:
-        if self._current is not None:
-            self.seconds[self._current] = self.seconds.get(self._current, 0.0) + time.time() - self._began
-            self._current = None
-
-    def done(self, total_s: float) -> None:
-        self._end()
-        if self.on:
-            log.info("start-up: ready in %.1f s (%s)", total_s,
-                     ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.seconds.items()))
-
-
-def _model_detail(model_cfg: Any) -> str:
-    """What loading ``model`` does, for its start-up line."""
-    if model_cfg.source == "gguf":
-        return f"model.source=gguf: reading and dequantizing {model_cfg.gguf_file or 'the GGUF file'}"
-    if model_cfg.source == "pretrained":
-        return f"model.source=pretrained: loading {model_cfg.path}"
-    return "model.source=config: initialised from the seed"
-
-
-def _engine_detail(cfg: Any) -> str:
-    """What setting up the engine does, for its start-up line; for DeepSpeed, where its compiled
-    ops are cached (one folder per Python/torch/DeepSpeed version, llmtrain.distributed) and
-    whether this run compiles them."""
-    if cfg.recipe.engine != "deepspeed":
-        return f"{cfg.recipe.name} on the torch engine"
-    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")).expanduser()
-    built = cache.is_dir() and any(cache.glob("*/*.so"))
-    return (f"DeepSpeed ZeRO-{cfg.recipe.zero_stage}; compiled ops cached in {cache}"
-            + ("" if built else "; this first run with these versions compiles them (1-2 min, once)"))
-
-
 class Trainer:
     """One run (or its resumption), built in a fixed order by ``_setup_*`` methods that each return
     one component: validate → process group → tokenizer and data → checkpoints (and the one to
@@ -381,7 +178,7 @@ class Trainer:
 
     Raises (at construction):
         ConfigError, DataError, ModelSourceError, LaunchError, ResumeError (all
-            :class:`llmtrain.errors.LlmtrainError`): bad input, raised before anything is written.
+            :class:`llmtrain.common.errors.LlmtrainError`): bad input, raised before anything is written.
     """
 
     def __init__(self, cfg: Any):
@@ -394,7 +191,7 @@ class Trainer:
         self.env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
         self.dims, self.accumulation = self._setup_layout()
         seed_everything(self.t.seed)
-        self.run_dir = _run_dir(cfg)
+        self.run_dir = run_dir_of(cfg)
         phases.begin("tokenizer", f"model {cfg.model.name}")
         self.tokenizer, self.hf_config = self._setup_tokenizer()
         phases.begin("data", f"data {cfg.data.name}: reading and tokenizing{f' {cfg.data.path}' if cfg.data.path else ''}")
@@ -425,7 +222,7 @@ class Trainer:
         self._evaluate_before_training()
         # After everything that draws random numbers at start-up: the dropout streams of the loop.
         if rng is not None:
-            checkpoint.restore_rng(rng)
+            restore_rng(rng)
         else:
             seed_streams(self.t.seed, self.engine.dp_rank, self.engine.pp_rank, self.state.step)
         self.preemption = Preemption(self.t.preempt_signal, self.t.save_every_minutes, distributed.scheduler_signal())
@@ -459,7 +256,7 @@ class Trainer:
                 self._write_expert_load()
             if not result.healthy:
                 self._on_unhealthy(result)
-            _check_optimizer_steps(self.engine, self.state)
+            check_optimizer_steps(self.engine, self.state)
             self.watchdog.set("checkpoint")
             self.checkpointer.seal_if_written(result.scalars, self.state)
             if self.checkpointer.should_save(result.step, result):
@@ -480,7 +277,7 @@ class Trainer:
         self.watchdog.set("data", step + 1)
         host_batches = [self.objective.prepare(next(self.micro_batches)) for _ in range(self.accumulation)]
         # Fingerprint on the host copies: on an accelerator this avoids a device-to-host sync.
-        digest = _sample_digest(host_batches)
+        digest = sample_digest(host_batches)
         batches = [{k: v.to(self.env.device) for k, v in b.items()} for b in host_batches]
         if self.reference is not None:
             for b in batches:
@@ -490,7 +287,7 @@ class Trainer:
         sums = forward_backward(self.engine, batches, lambda: self._local_scalars(digest))
         stop, save_by_time = self.preemption.decide([sums.scalars.preempt_requested, sums.scalars.save_due])
         # Loss and gradient norm are global values every rank holds: checking them needs no collective.
-        spike = _loss_spike(sums.loss, self.state, self.t.spike_factor)
+        spike = loss_spike(sums.loss, self.state, self.t.spike_factor)
         keep = (lambda norm: math.isfinite(norm) and math.isfinite(sums.loss) and not spike)
         self.watchdog.set("optimizer")
         grad_norm = self.engine.step(keep_update=keep if self.t.nonfinite == "skip" else None)
@@ -506,9 +303,9 @@ class Trainer:
         layout = validate(self.cfg, self.env.world_size)
         preflight(self.cfg)
         if self.t.eval_tasks:
-            task_eval.check(self.t)
+            in_loop.check(self.t)
         if self.cfg.recipe.auto and self.env.world_size > 1:
-            _check_same_layout(self.cfg, self.env.device)
+            check_same_layout(self.cfg, self.env.device)
         console.configure_library_output(self.env.is_main, console.interactive())
         return ParallelDims.from_layout(layout), layout.accumulation
 
@@ -524,15 +321,15 @@ class Trainer:
             log.warning("%s", too_long)
         return tokenizer, hf_config
 
-    def _setup_checkpoints(self) -> tuple[checkpoint.CheckpointManager, Path | None]:
+    def _setup_checkpoints(self) -> tuple[CheckpointManager, Path | None]:
         """The run's checkpoint manager and the checkpoint to resume (checked compatible), if any."""
-        manager = checkpoint.CheckpointManager(self.run_dir, self.env, self.t.keep_checkpoints)
+        manager = CheckpointManager(self.run_dir, self.env, self.t.keep_checkpoints)
         resume_from = manager.resolve(self.t.resume)
         if resume_from is not None:
-            checkpoint.check_resumable(resume_from, self.cfg, manager, self.env.is_main, self.fingerprint)
+            check_resumable(resume_from, self.cfg, manager, self.env.is_main, self.fingerprint)
         if self.env.is_main and self.t.resume == "auto":  # a rerun of the same command: say what a crash cost
             previous = goodput.unfinished_process(self.run_dir)
-            resumed_step = checkpoint.step_of(resume_from) if resume_from is not None else 0
+            resumed_step = step_of(resume_from) if resume_from is not None else 0
             if previous is not None and previous["last_step"] > resumed_step:
                 log.warning("resume=%s: %s", self.t.resume, goodput.describe_unfinished(previous, resumed_step))
         return manager, resume_from
@@ -542,12 +339,12 @@ class Trainer:
         built), LoRA/frozen parameters applied, and a resume's checkpoint prepared."""
         self.dims.check_model_config(self.hf_config, self.cfg.recipe.pp_stages_per_rank)
         if self.dims.cp > 1:
-            from llmtrain.context_parallel import check_model
+            from llmtrain.parallel.context_parallel import check_model
 
             check_model(self.cfg.recipe.cp_style, self.dims.cp, self.dims.tp, self.hf_config)
-        self.phases.begin("engine", _engine_detail(self.cfg))  # DeepSpeed imports and loads (or builds) its ops here
+        self.phases.begin("engine", engine_detail(self.cfg))  # DeepSpeed imports and loads (or builds) its ops here
         engine = build_engine(self.cfg, self.env, self.accumulation, self.dims, self.objective)
-        self.phases.begin("model", _model_detail(self.cfg.model))
+        self.phases.begin("model", model_detail(self.cfg.model))
         with engine.model_init_context():
             model = self._build_model()
             if self.partial:
@@ -596,17 +393,17 @@ class Trainer:
         self.phases.begin("reference", f"objective.reference={reference.reference_kind(self.cfg)}")
         return reference.build_reference(self.cfg, self.engine, self._build_model)
 
-    def _setup_state(self) -> tuple[checkpoint.TrainState, dict | None]:
+    def _setup_state(self) -> tuple[TrainState, dict | None]:
         """A fresh train state, or the resumed checkpoint's (and its RNG states) loaded into the
         engine; the optimizer's update count checked against it."""
-        state, rng = checkpoint.TrainState(world_size=self.env.world_size, global_batch_size=self.t.global_batch_size,
+        state, rng = TrainState(world_size=self.env.world_size, global_batch_size=self.t.global_batch_size,
                                            base_fingerprint=self.fingerprint), None
         if self.resume_from is not None:
             state, rng = self.checkpoints.load(self.engine, self.resume_from)
             state.parent = self.resume_from.name
             self.checkpoints.start_branch(self.resume_from)
-            _dump_loaded_model(self.engine)
-        _check_optimizer_steps(self.engine, state)
+            dump_loaded_model(self.engine)
+        check_optimizer_steps(self.engine, state)
         return state, rng
 
     def _setup_tracker(self) -> Tracker:
@@ -614,7 +411,7 @@ class Trainer:
         goodput accounting of a restart and the timeline's start event."""
         cfg, env, state, resumed = self.cfg, self.env, self.state, self.resume_from
         if env.is_main:
-            checkpoint.lock_run_dir(self.run_dir)
+            lock_run_dir(self.run_dir)
             (self.run_dir / "config.yaml").write_text(self.config_yaml)
         tracker = Tracker(cfg.tracker, self.run_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), env.is_main,
                           resume_step=state.step if resumed else None, run_id=state.tracker_run_id,
@@ -626,11 +423,11 @@ class Trainer:
                                    recipe=cfg.recipe.name, host=socket.gethostname(), pid=os.getpid())
         return tracker
 
-    def _setup_task_evals(self) -> task_eval.TaskEvals:
+    def _setup_task_evals(self) -> in_loop.TaskEvals:
         """The in-loop task evaluations (``trainer.eval_tasks``): started when a due checkpoint
         counts, which the checkpointer then writes at those steps."""
         device = self.t.eval_tasks_device or str(self.env.device)
-        evals = task_eval.TaskEvals(self.t, self.run_dir, self.env.is_main, self.tracker, self.checkpoints,
+        evals = in_loop.TaskEvals(self.t, self.run_dir, self.env.is_main, self.tracker, self.checkpoints,
                                     self.state.step if self.resume_from is not None else None, device)
         self.checkpointer.on_counted.append(evals.checkpoint_counted)
         self.checkpointer.also_due = evals.due
@@ -662,7 +459,7 @@ class Trainer:
         return batches
 
     def _setup_watchdog(self) -> Watchdog:
-        """The hang watchdog (:mod:`llmtrain.watchdog`), started: this rank's step and phase as a
+        """The hang watchdog (:mod:`llmtrain.monitoring.watchdog`), started: this rank's step and phase as a
         heartbeat file in ``run_dir/.watchdog``, checked against the other ranks'; off for one
         process and for ``trainer.hang_timeout_s=0``. Collective where on."""
         return Watchdog.start(self.run_dir, self.env.rank, self.env.world_size, self.t.hang_timeout_s,
@@ -687,16 +484,16 @@ class Trainer:
                      len(self.splits.val), self.objective.name, cfg.recipe.name, cfg.recipe.engine,
                      cfg.recipe.zero_stage, env.world_size, dims.dp, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp,
                      f" ({cfg.recipe.pp_schedule}, {cfg.recipe.pp_stages_per_rank} stage(s) per rank)" if dims.pp > 1
-                     else "", _long_context_detail(cfg, dims), t.global_batch_size, t.micro_batch_size, self.accumulation, dims.dp)
+                     else "", long_context_detail(cfg, dims), t.global_batch_size, t.micro_batch_size, self.accumulation, dims.dp)
             log.info("%s", data.describe(self.splits))
         if self.partial:
-            _log_trainable(self.engine, cfg, dims, env.is_main)
+            log_trainable(self.engine, cfg, dims, env.is_main)
 
     # ---- per step ------------------------------------------------------------------------------
     def _local_scalars(self, digest: float) -> StepScalars:
         """This rank's :class:`StepScalars`, read after backward (so the step's own peak memory is in it)."""
         memory = [0.0] * self.env.world_size
-        memory[self.env.rank] = float(_memory_bytes(self.env.device))
+        memory[self.env.rank] = float(peak_memory_bytes(self.env.device))
         requested, due = self.preemption.local_flags()
         return StepScalars(digest, requested, due, self.checkpoints.background_written(), memory)
 
@@ -775,7 +572,7 @@ class Trainer:
 
     def _on_unhealthy(self, result: StepResult) -> None:
         last_healthy = self.checkpointer.latest or (str(self.resume_from) if self.resume_from else None)
-        _on_nonfinite(self.t, result.step, result.loss, result.grad_norm, result.spike, self.skipped_in_a_row,
+        on_nonfinite(self.t, result.step, result.loss, result.grad_norm, result.spike, self.skipped_in_a_row,
                       last_healthy, lambda: self._close_outputs(complete=False))
 
     def _on_preempted(self, step: int) -> None:
@@ -805,7 +602,7 @@ class Trainer:
         if self.checkpointer.latest:
             summary["checkpoint"] = self.checkpointer.latest
         if self.t.export_hf and "preempted_at" not in summary:
-            written = export.export_hf(self.engine, self.cfg, self.tokenizer, self.run_dir,
+            written = export_hf(self.engine, self.cfg, self.tokenizer, self.run_dir,
                                        data.end_token_ids(self.cfg.data, self.tokenizer))
             summary.update(written)
             if written:
@@ -814,7 +611,9 @@ class Trainer:
             goodput.timeline_event(self.run_dir, "end", step=self.state.step,
                                    reason="preempted" if "preempted_at" in summary else "finished")
             self._write_expert_load()
-            if self.cfg.tracker.report and (png := _write_report(self.run_dir)):
+            from llmtrain.monitoring.report import write_report_or_warn  # matplotlib: imported when a run ends
+
+            if self.cfg.tracker.report and (png := write_report_or_warn(self.run_dir)):
                 summary["report"] = png
                 closing.append(f"run report: {png} and {Path(png).with_suffix('.md')}")
                 self.tracker.log_files([self.run_dir / "report.png", self.run_dir / "report.md"])  # MLflow, wandb
@@ -835,7 +634,7 @@ def train(cfg: Any) -> dict[str, Any]:
     losses, lrs, paths written).
 
     Raises:
-        llmtrain.errors.LlmtrainError: bad input (config, data, model source, launch, checkpoint),
+        llmtrain.common.errors.LlmtrainError: bad input (config, data, model source, launch, checkpoint),
             raised before anything is written; TrainingStopped for a run that stops itself.
     """
     trainer = Trainer(cfg)
@@ -843,122 +642,3 @@ def train(cfg: Any) -> dict[str, Any]:
         return trainer.train()
     finally:
         trainer.watchdog.stop()  # also when the loop raises: a process that lives on is not watched
-
-
-def _log_trainable(engine, cfg: Any, dims: ParallelDims, is_main: bool) -> None:
-    """Start-up line of partial training: trainable parameters and their share (as peft's
-    ``print_trainable_parameters`` puts it) and this rank's model-state bytes."""
-    trainable, total = adapters.summary(engine.model)
-    shards = dims.dp if cfg.recipe.zero_stage in (1, 2) else 1
-    frozen_bytes, trainable_bytes = adapters.model_state_bytes(engine.model, shards)
-    if is_main:
-        log.info("trainable params: %s || all params: %s || trainable%%: %.4f; model state on rank 0: frozen "
-                 "%.1f MiB (parameters only) + trainable %.2f MiB (parameters, gradients, Adam moments)",
-                 f"{trainable:,}", f"{total:,}", 100 * trainable / max(1, total), frozen_bytes / 2**20,
-                 trainable_bytes / 2**20)
-
-
-def _check_optimizer_steps(engine, state: checkpoint.TrainState) -> None:
-    """The optimizer has applied exactly one update per trainer step (less the skipped ones):
-    an extra update at set-up (DeepSpeed's bf16 ZeRO-0 wrapper once took one) would add a weight
-    decay and shift Adam's bias correction unseen.
-
-    Raises:
-        RuntimeError: the counts differ (a bug in an engine, not bad input).
-    """
-    expected, taken = state.step - state.skipped_updates, engine.optimizer_step_count()
-    if taken != expected:
-        raise RuntimeError(f"the optimizer has applied {taken} updates at trainer step {state.step} "
-                           f"({state.skipped_updates} skipped): expected {expected}")
-
-
-SPIKE_AFTER_STEPS = 10  # healthy steps in the running mean before trainer.spike_factor applies
-
-
-def _loss_spike(loss: float, state: checkpoint.TrainState, factor: float) -> str | None:
-    """Why ``loss`` counts as a spike (``trainer.spike_factor`` x the running mean of healthy
-    losses, once ``SPIKE_AFTER_STEPS`` fed it), else None."""
-    if factor and state.loss_ema_steps >= SPIKE_AFTER_STEPS and loss > factor * state.loss_ema:
-        return f"is above trainer.spike_factor={factor} x the running mean loss {state.loss_ema:.4f}"
-    return None
-
-
-def _long_context_detail(cfg: Any, dims: ParallelDims) -> str:
-    """The start-up line's context-parallel, sequence-parallel, chunked-loss and expert-parallel settings."""
-    parts = []
-    if dims.cp > 1:
-        parts.append(f" x cp {dims.cp} ({cfg.recipe.cp_style}; FSDP2 shards over dp_shard x cp = {dims.dp_shard * dims.cp}"
-                     if cfg.recipe.engine == "torch" else f" x cp {dims.cp} ({cfg.recipe.cp_style}; ZeRO over every rank")
-        parts[-1] += ")"
-    if cfg.recipe.get("tp_sequence_parallel"):
-        parts.append(" with sequence parallelism inside tp")
-    if cfg.trainer.get("loss_chunk_tokens"):
-        parts.append(f"; loss in chunks of {cfg.trainer.loss_chunk_tokens} tokens")
-    if dims.ep > 1:
-        parts.append(f"; experts split over ep {dims.ep} ranks of dp_shard (all-to-all), each FSDP-sharded over the "
-                     f"other {dims.dp_replicate * dims.dp_shard // dims.ep}")
-    return "".join(parts)
-
-
-def _check_same_layout(cfg: Any, device: torch.device) -> None:
-    """``+recipe=auto`` decides on every rank from its own device memory: ranks whose memory
-    differs could choose different layouts, which would hang the first collective.
-
-    Raises:
-        ConfigError: the ranks chose differently.
-    """
-    choice = f"{cfg.recipe.name}|{cfg.trainer.micro_batch_size}|{cfg.trainer.activation_checkpointing}"
-    mine = torch.tensor(float(zlib.crc32(choice.encode())), dtype=torch.float64, device=device)
-    if distributed.all_reduce_max(mine.clone()).item() != -distributed.all_reduce_max(-mine).item():
-        raise ConfigError(f"+recipe=auto chose different layouts on different ranks (this one: {choice}): their "
-                          "device memory differs; set recipe.device_memory to the smallest device's")
-
-
-def _write_report(run_dir: Path) -> str | None:
-    """``report.png`` / ``report.md`` (llmtrain.report) of the run so far; a failure to plot is a
-    warning, never a failed run."""
-    from llmtrain import report
-
-    try:
-        png, _ = report.write_report(run_dir)
-    except Exception as err:  # noqa: BLE001  (matplotlib missing or a plotting error)
-        log.warning("could not write the run report (%s); `python -m llmtrain.report %s` retries", err, run_dir)
-        return None
-    return str(png)
-
-
-def _on_nonfinite(t: Any, step: int, loss: float, grad_norm: float, spike: str | None, skipped_in_a_row: int,
-                  last_healthy: str | None, close: Any) -> None:
-    """Apply ``trainer.nonfinite`` to a step whose loss or gradient norm is not finite, or whose
-    loss is a spike (``spike``: why, see :func:`_loss_spike`): with
-    ``skip`` (the update was already dropped) log it until ``max_skipped_steps`` in a row;
-    otherwise close the run's outputs and raise before anything is saved or exported.
-
-    Raises:
-        TrainingStopped: naming the step, the values and the last healthy checkpoint.
-    """
-    values = (f"loss spike: train loss {loss} {spike}, grad norm {grad_norm}" if spike else
-              f"non-finite train loss {loss}, grad norm {grad_norm}")
-    if t.nonfinite == "skip" and skipped_in_a_row < t.max_skipped_steps:
-        log.warning("step %d: %s: update skipped (%d in a row; trainer.max_skipped_steps=%d)",
-                    step, values, skipped_in_a_row, t.max_skipped_steps)
-        return
-    close()
-    why = (f"{skipped_in_a_row} updates in a row were skipped (trainer.max_skipped_steps={t.max_skipped_steps})"
-           if t.nonfinite == "skip" else "trainer.nonfinite=stop")
-    restart = (f"the last healthy checkpoint is {last_healthy}: resume from it (trainer.resume=auto) to retry with "
-               "the same settings (resume refuses a changed trainer.lr or grad_clip: those make a new run, with its "
-               "own run_dir)" if last_healthy else
-               "no checkpoint was written before it: lower trainer.lr or raise trainer.warmup_steps")
-    raise TrainingStopped(f"step {step}: {values} ({why}); nothing was saved or exported from this state; "
-                          f"{restart}")
-
-
-def _dump_loaded_model(engine) -> None:
-    """Debugging aid: LLMTRAIN_DUMP_AFTER_LOAD=FILE writes the just-loaded model's consolidated
-    state dict (``torch.save``), to compare a resume against its checkpoint. Collective call."""
-    path = os.environ.get("LLMTRAIN_DUMP_AFTER_LOAD")
-    if path:
-        state = engine.full_state_dict()
-        if state is not None:
-            torch.save(state, path)

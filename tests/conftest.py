@@ -70,7 +70,7 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 
 def make_cfg(overrides: list[str]):
     """Compose the shipped config in-process, as ``python -m llmtrain OVERRIDES`` would."""
-    from llmtrain.config import compose
+    from llmtrain.config.compose import compose
 
     return compose(overrides)
 

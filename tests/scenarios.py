@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from llmtrain.config import compose
-from llmtrain.distributed import shutdown
+from llmtrain.config.compose import compose
+from llmtrain.parallel.distributed import shutdown
 from llmtrain.trainer import train
 
 

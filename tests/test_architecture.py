@@ -1,8 +1,9 @@
-"""The import layers of ``.importlinter`` hold (``lint-imports``, a kept library), and a new
-import circle or an upward import fails the suite."""
+"""The import contracts of ``.importlinter`` hold (``lint-imports``, a kept library), and an
+upward import, a new import circle or a part importing what it must not know fails the suite."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 from conftest import REPO, subprocess_env
 
 LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"]
+CONTRACTS = len(re.findall(r"^\[importlinter:contract:", (REPO / ".importlinter").read_text(), re.M))
 
 
 def _lint(root: Path) -> subprocess.CompletedProcess:
@@ -20,18 +22,46 @@ def _lint(root: Path) -> subprocess.CompletedProcess:
                           text=True, cwd=root, env=env, timeout=300)
 
 
-def test_import_layers_and_no_cycles_hold():
+def _broken(stdout: str) -> list[str]:
+    """The names of the broken contracts, in the file's order (lint-imports wraps long names over
+    lines, under a line of dashes after the count of files analysed)."""
+    listing = " ".join(stdout.split(" dependencies.")[-1].split("Contracts:")[0].split("\n", 2)[2].split())
+    return [name for name, verdict in re.findall(r"(.+?) (KEPT|BROKEN)(?: |$)", listing) if verdict == "BROKEN"]
+
+
+def _with_line(tmp_path: Path, module: str, line: str) -> Path:
+    shutil.copytree(REPO / "llmtrain", tmp_path / "llmtrain", ignore=shutil.ignore_patterns("__pycache__"))
+    path = tmp_path / "llmtrain" / module
+    path.write_text(path.read_text() + f"\n\ndef _added():\n    {line}  # noqa: F401\n")
+    return tmp_path
+
+
+def test_import_contracts_hold():
     proc = _lint(REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "2 kept, 0 broken" in proc.stdout
+    assert CONTRACTS >= 11 and f"{CONTRACTS} kept, 0 broken" in proc.stdout
 
 
-def test_a_deliberate_circle_breaks_both_contracts(tmp_path):
-    shutil.copytree(REPO / "llmtrain", tmp_path / "llmtrain", ignore=shutil.ignore_patterns("__pycache__"))
-    config = tmp_path / "llmtrain" / "config.py"
-    # config -> trainer closes a circle (trainer imports config) and points upward.
-    config.write_text(config.read_text() + "\n\ndef _circle():\n    from llmtrain import trainer  # noqa: F401\n")
-    proc = _lint(tmp_path)
+def test_a_deliberate_circle_breaks_the_layers_the_cycle_and_the_schema_contracts(tmp_path):
+    # config.schema -> trainer closes a circle (trainer imports config), points upward, and
+    # makes the schema import more than common. Layers contracts follow indirect imports, so the
+    # parts whose modules reach the schema break too.
+    proc = _lint(_with_line(tmp_path, "config/schema.py", "from llmtrain import trainer"))
     assert proc.returncode == 1, proc.stdout[-4000:]
-    assert "0 kept, 2 broken" in proc.stdout
-    assert "llmtrain.config -> llmtrain.trainer" in proc.stdout
+    broken = _broken(proc.stdout)
+    assert f"{CONTRACTS - len(broken)} kept, {len(broken)} broken" in proc.stdout
+    assert broken[0].startswith("Parts: commands -> trainer"), broken
+    assert "No import cycles between sibling modules of any package" in broken
+    assert any(name.startswith("config: the schema at the bottom") for name in broken), broken
+    assert not any(name.startswith(("common:", "data never", "objectives never")) for name in broken), broken
+    assert "llmtrain.config.schema -> llmtrain.trainer" in proc.stdout
+
+
+def test_data_that_imports_an_engine_breaks_its_independence(tmp_path):
+    proc = _lint(_with_line(tmp_path, "data/order.py", "from llmtrain.engine import base"))
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    broken = _broken(proc.stdout)
+    assert f"{CONTRACTS - 2} kept, 2 broken" in proc.stdout, broken
+    assert broken[0].startswith("Parts: commands -> trainer"), broken
+    assert broken[1].startswith("data never imports models, engines"), broken
+    assert "llmtrain.data.order -> llmtrain.engine.base" in proc.stdout

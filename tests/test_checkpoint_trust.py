@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from conftest import FAST, assert_ok, read_metrics, run_cli
-from llmtrain import checkpoint
-from llmtrain.distributed import DistEnv
-from llmtrain.errors import ResumeError
+from llmtrain.checkpoint.protocol import CheckpointManager, _checksum, verify
+from llmtrain.checkpoint.state import RNG_FORMAT, TrainState, capture_rng, read_rng, restore_rng
+from llmtrain.parallel.distributed import DistEnv
+from llmtrain.common.errors import ResumeError
 
 ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
 
@@ -40,7 +41,7 @@ def crafted_rng_file(path: Path, marker: Path) -> None:
 def old_format_rng_file(path: Path) -> None:
     """Rewrite ``path`` (a current RNG file) with the same states as llmtrain wrote them before
     the format had a version: ``random.getstate()`` and ``np.random.get_state()`` as they come."""
-    checkpoint.restore_rng(checkpoint.read_rng(path))
+    restore_rng(read_rng(path))
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}, path)
 
 
@@ -50,9 +51,9 @@ def reseal(checkpoint_dir: Path) -> None:
     files = json.loads(marker.read_text())["files"]
     for rel in files:
         path = checkpoint_dir / rel
-        files[rel] = {"bytes": path.stat().st_size, "xxh3_128": checkpoint._checksum(path, "xxh3")}
+        files[rel] = {"bytes": path.stat().st_size, "xxh3_128": _checksum(path, "xxh3")}
     marker.write_text(json.dumps({"files": files}))
-    assert checkpoint.verify(checkpoint_dir) is None
+    assert verify(checkpoint_dir) is None
 
 
 def draws() -> tuple:
@@ -63,12 +64,12 @@ def draws() -> tuple:
 def test_rng_files_hold_tensors_and_plain_types_only_and_restore_exactly(tmp_path):
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     random.gauss(0, 1), np.random.randn()  # cached Gaussians in both states
-    torch.save(checkpoint.capture_rng(), tmp_path / "rank_0.pt")
+    torch.save(capture_rng(), tmp_path / "rank_0.pt")
     want = draws()
     assert torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "rank_0.pt") == []
     state = torch.load(tmp_path / "rank_0.pt", weights_only=True)  # torch's default allow-list suffices
-    assert state["format"] == checkpoint.RNG_FORMAT
-    checkpoint.restore_rng(state)
+    assert state["format"] == RNG_FORMAT
+    restore_rng(state)
     assert draws() == want
 
 
@@ -77,9 +78,9 @@ def test_an_old_format_rng_file_loads_with_weights_only_and_restores_exactly(tmp
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
                tmp_path / "rank_0.pt")  # capture_rng before the format had a version
     want = draws()
-    state = checkpoint.read_rng(tmp_path / "rank_0.pt")
+    state = read_rng(tmp_path / "rank_0.pt")
     assert "format" not in state and isinstance(state["numpy"][1], np.ndarray)
-    checkpoint.restore_rng(state)
+    restore_rng(state)
     assert draws() == want
 
 
@@ -96,8 +97,8 @@ class StubEngine:
 
 
 def test_a_pickle_payload_in_an_rng_file_is_refused_and_never_runs(tmp_path):
-    manager = checkpoint.CheckpointManager(tmp_path / "run", ENV, keep=3)
-    path = manager.save(StubEngine(), checkpoint.TrainState(step=2, global_batch_size=1), "x: 1\n")
+    manager = CheckpointManager(tmp_path / "run", ENV, keep=3)
+    path = manager.save(StubEngine(), TrainState(step=2, global_batch_size=1), "x: 1\n")
     # The payload is real: an unrestricted load runs it.
     crafted_rng_file(tmp_path / "probe.pt", tmp_path / "probe-ran")
     torch.load(tmp_path / "probe.pt", weights_only=False)
@@ -179,4 +180,4 @@ def test_an_old_format_checkpoint_resumes_exactly_with_a_warning(reference, tmp_
     assert all(got[s] == want[s] for s in (3, 4)), (got, want)  # bitwise: dropout streams restored
     # The resumed run saves in the current format.
     assert torch.load(run_dir / "checkpoints" / "step_4" / "rank_0.pt", weights_only=True)["format"] == \
-        checkpoint.RNG_FORMAT
+        RNG_FORMAT

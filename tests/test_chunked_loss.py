@@ -1,4 +1,4 @@
-"""The chunked output layer (``trainer.loss_chunk_tokens``, :mod:`llmtrain.chunked_loss`):
+"""The chunked output layer (``trainer.loss_chunk_tokens``, :mod:`llmtrain.models.chunked_loss`):
 
 * label log-probs, loss and gradients (hidden, weight, bias) equal float64 ``cross_entropy`` over
   whole logits within 1e-6 (relative), with ignored labels and a last chunk shorter than the rest;
@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmtrain.chunked_loss import ChunkedLabelLogps, install
+from llmtrain.models.chunked_loss import ChunkedLabelLogps, install
 
 
 def _reference(hidden, weight, bias, targets):

@@ -149,8 +149,8 @@ def test_multirun_sweep_gives_each_job_its_own_dir(tmp_path):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
-    from llmtrain.config import register_configs
-    from llmtrain.paths import CONF_DIR
+    from llmtrain.config.compose import register_configs
+    from llmtrain.common.paths import CONF_DIR
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
@@ -166,7 +166,7 @@ def test_multirun_sweep_gives_each_job_its_own_dir(tmp_path):
         finally:
             HydraConfig.instance().cfg = None  # no Hydra state left for later tests in this process
     # A value with a slash stays one folder; a name too long for the file system is cut, unique by a hash.
-    from llmtrain.config import SWEEP_SUBDIR_MAX, sweep_subdir
+    from llmtrain.config.schema import SWEEP_SUBDIR_MAX, sweep_subdir
 
     assert sweep_subdir(0, "model.architecture.model_type=a/b") == "0_model.architecture.model_type=a_b"
     assert sweep_subdir(4, "") == "4"
@@ -332,7 +332,7 @@ def test_finished_deepspeed_runs_exit_0_every_time(tmp_path):
     # About one 2-rank DeepSpeed launch in twenty used to abort at interpreter exit ("terminate
     # called without an active exception", torchrun exit 1) after training, saving and exporting:
     # the run now tears down tracker, engine and process group in order before exiting.
-    # Every other DeepSpeed launch of the suite requires exit 0 too; scripts/stress_exit.py runs
+    # Every other DeepSpeed launch of the suite requires exit 0 too; scripts/bench/stress_exit.py runs
     # these launches by the dozen (20 in a row: all 0).
     for i, recipe in enumerate(["zero3"]):
         proc = run_cli(FAST + ["trainer.max_steps=1", f"+recipe={recipe}", f"run_dir={tmp_path / str(i)}"], nproc=2)

@@ -9,10 +9,10 @@ from omegaconf import OmegaConf
 from hydra.errors import ConfigCompositionException
 
 from conftest import make_cfg
-from llmtrain.config import ConfigError
-from llmtrain.preflight import validate_and_preflight as validate  # the config, then this machine
+from llmtrain.common.errors import ConfigError
+from llmtrain.planning.preflight import validate_and_preflight as validate  # the config, then this machine
 from llmtrain.engine.deepspeed_engine import deepspeed_config
-from llmtrain.paths import CONF_DIR, RECIPES_DIR
+from llmtrain.common.paths import CONF_DIR, RECIPES_DIR
 
 
 
@@ -47,7 +47,7 @@ def test_every_recipe_composes_and_validates(recipe):
     ("zero3", 4, (1, 4, 1, 1)), ("zero1", 2, (1, 2, 1, 1)),
 ])
 def test_recipe_degrees_on_a_world_size(recipe, world_size, degrees):
-    from llmtrain.parallel_dims import ParallelDims
+    from llmtrain.parallel.dims import ParallelDims
 
     dims = ParallelDims.from_recipe(make_cfg([f"+recipe={recipe}"]).recipe, world_size)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp) == degrees
@@ -204,7 +204,7 @@ def test_deepspeed_config_is_generated_from_recipe_and_trainer(recipe, stage, of
 def test_an_unreachable_mlflow_server_with_on_error_warn_trains_without_it(tmp_path, caplog):
     from omegaconf import OmegaConf
 
-    from llmtrain.tracking import Tracker
+    from llmtrain.monitoring.tracking import Tracker
 
     cfg = make_cfg(["tracker.backends=[mlflow]", "tracker.mlflow_uri=http://127.0.0.1:9", "tracker.on_error=warn"])
     validate(cfg, 1)  # accepted: with warn, the run trains without MLflow
@@ -271,16 +271,16 @@ def test_group_files_with_unknown_keys_fail_at_compose(tmp_path, group, option, 
 
 
 def test_a_shipped_recipe_file_with_an_unknown_key_is_a_config_error(tmp_path, monkeypatch):
-    import llmtrain.config
+    import llmtrain.config.compose
 
     (tmp_path / "broken.yaml").write_text("zero_stage: 3\ndp_shrad: 2\n")
-    monkeypatch.setattr(llmtrain.config, "RECIPES_DIR", str(tmp_path))
+    monkeypatch.setattr(llmtrain.config.compose, "RECIPES_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match=r"recipe file .*broken\.yaml: Key 'dp_shrad' not in 'RecipeConfig'"):
-        llmtrain.config.register_configs()
+        llmtrain.config.compose.register_configs()
 
 
 def test_nested_architecture_values_reach_transformers_as_plain_dicts():
-    from llmtrain.models import model_config
+    from llmtrain.models.build import model_config
 
     config = model_config(make_cfg(["+model.architecture.rope_scaling={rope_type: linear, factor: 2.0}"]).model)
     assert config.rope_scaling["rope_type"] == "linear" and config.rope_scaling["factor"] == 2.0
@@ -289,7 +289,7 @@ def test_nested_architecture_values_reach_transformers_as_plain_dicts():
 def test_rotary_models_past_their_position_range_are_warned_about_and_learned_ones_refused():
     from transformers import AutoConfig
 
-    from llmtrain.models import check_sequence_length
+    from llmtrain.models.build import check_sequence_length
 
     llama = AutoConfig.for_model("llama", max_position_embeddings=64)
     assert check_sequence_length(llama, 64) is None
@@ -315,7 +315,7 @@ def test_string_fields_keep_the_characters_typed(override, key, typed):
 
 
 def test_typed_strings_in_lists_and_sweeps_and_numbers_left_alone():
-    from llmtrain.config import keep_typed_strings
+    from llmtrain.config.compose import keep_typed_strings
 
     cfg = make_cfg(["tracker.tags=[1_1,x,2e3]", "trainer.lr=1e-3", "trainer.seed=1_000"])
     assert list(cfg.tracker.tags) == ["1_1", "x", "2e3"]
@@ -328,7 +328,7 @@ def test_typed_strings_in_lists_and_sweeps_and_numbers_left_alone():
 
 
 def test_a_mixture_refuses_a_top_level_data_path():
-    from llmtrain.config import validate as validate_config
+    from llmtrain.config.validate import validate as validate_config
 
     paths = ["data=mix", "data.datasets.0.path=a.json", "data.datasets.1.path=b.json"]
     with pytest.raises(ConfigError, match=r"data.path=/data/x.json is set, but data.datasets lists a mixture "
@@ -338,7 +338,7 @@ def test_a_mixture_refuses_a_top_level_data_path():
 
 
 def test_sweeps_hydra_expands_itself_pass_the_option_check():
-    from llmtrain.config import check_overrides
+    from llmtrain.config.compose import check_overrides
 
     check_overrides(["-m", "trainer=glob(fine*)", "data=range(1,2)", "model=null"])  # Hydra's to expand or refuse
     with pytest.raises(ConfigError, match="'finetun' is not an option of group trainer"):

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from llmtrain import console
+from llmtrain.monitoring import console
 
 
 def test_plain_progress_lines_every_log_every_steps_and_at_the_end(caplog):

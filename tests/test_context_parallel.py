@@ -25,8 +25,8 @@ import torch
 from conftest import FAST, assert_ok, make_cfg, run_cli, run_scenarios, train_rows
 from test_resume import launch, wait_for_step
 
-from llmtrain.context_parallel import chunk_order, local_index
-from llmtrain.errors import ConfigError
+from llmtrain.parallel.context_parallel import chunk_order, local_index
+from llmtrain.common.errors import ConfigError
 
 STEPS = 5
 TOL = 1e-5
@@ -48,7 +48,7 @@ def test_every_token_is_held_once_and_each_rank_holds_a_head_and_a_tail_chunk(cp
 def test_split_keeps_every_next_token_target_and_global_positions():
     """Each local output position is paired with the label of the next *global* token, so the
     targets of all cp ranks together are exactly the row's (none lost at a chunk boundary)."""
-    from llmtrain.context_parallel import ContextParallel
+    from llmtrain.parallel.context_parallel import ContextParallel
 
     rows, length, cp = 2, 16, 2
     ids = torch.arange(rows * length).reshape(rows, length)
@@ -85,15 +85,15 @@ def test_split_keeps_every_next_token_target_and_global_positions():
     (["recipe.cp=0"], "recipe.cp=0"),
 ])
 def test_bad_context_parallel_settings_are_refused_naming_the_field(overrides, message):
-    from llmtrain.config import validate
+    from llmtrain.config.validate import validate
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         validate(make_cfg(["+recipe=fsdp", "data.seq_len=64", "trainer.global_batch_size=8"] + overrides), 8)
 
 
 def test_world_size_not_a_multiple_of_cp_and_ulysses_heads_are_refused():
-    from llmtrain.config import validate
-    from llmtrain.context_parallel import check_heads
+    from llmtrain.config.validate import validate
+    from llmtrain.parallel.context_parallel import check_heads
 
     with pytest.raises(ConfigError, match="recipe.cp=4 does not divide the world size 6"):
         validate(make_cfg(["+recipe=fsdp", "recipe.cp=4"]), 6)
@@ -111,7 +111,7 @@ def test_world_size_not_a_multiple_of_cp_and_ulysses_heads_are_refused():
     (["+recipe=fsdp", "trainer.loss_chunk_tokens=-1"], "trainer.loss_chunk_tokens=-1"),
 ])
 def test_bad_sequence_parallel_and_chunked_loss_settings_are_refused(overrides, message):
-    from llmtrain.config import validate
+    from llmtrain.config.validate import validate
 
     with pytest.raises(ConfigError, match=message):
         validate(make_cfg(["data.seq_len=64", "trainer.global_batch_size=8", "trainer.micro_batch_size=1"]
@@ -123,8 +123,8 @@ def test_bad_sequence_parallel_and_chunked_loss_settings_are_refused(overrides, 
     ("fsdp_tp", 8, 2, (1, 2, 2, 1)), ("zero3", 4, 2, (1, 2, 1, 1)), ("ddp", 4, 2, (2, 1, 1, 1)),
 ])
 def test_data_parallel_degrees_fill_the_world_size_over_cp(recipe, world, cp, degrees):
-    from llmtrain.config import validate
-    from llmtrain.parallel_dims import ParallelDims
+    from llmtrain.config.validate import validate
+    from llmtrain.parallel.dims import ParallelDims
 
     lay = validate(make_cfg([f"+recipe={recipe}", f"recipe.cp={cp}", "trainer.global_batch_size=8",
                               "trainer.micro_batch_size=1"]), world)
@@ -153,7 +153,7 @@ def _attention_errors(rank: int, world: int, style: str, packed: bool) -> dict[s
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from llmtrain.context_parallel import ContextParallel
+    from llmtrain.parallel.context_parallel import ContextParallel
 
     style, _, kernel = style.partition("-")
     torch.manual_seed(0)
@@ -273,7 +273,7 @@ def test_split_rows_train_like_one_process(name, runs):
 @pytest.mark.slow
 def test_packed_rows_hold_several_documents(shared_data):
     from llmtrain import data
-    from llmtrain.models import build_tokenizer
+    from llmtrain.models.build import build_tokenizer
 
     cfg = make_cfg(packed(shared_data / "alpaca_5000.json"))
     splits = data.load_splits(cfg.data, build_tokenizer(cfg.model), cfg.trainer.seed)

@@ -7,11 +7,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from llmtrain import data
-from llmtrain.models import byte_tokenizer
+from llmtrain.models.build import byte_tokenizer
 
 
 def text_cfg(path, seq_len=8, **kw):
-    from llmtrain.config import DataConfig
+    from llmtrain.config.schema import DataConfig
 
     base = dict(name="t", format="text", path=str(path), glob="*.txt", seq_len=seq_len, val_fraction=0.25,
                 template="alpaca")

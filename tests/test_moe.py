@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (``llmtrain.moe``, ``llmtrain.expert_parallel``).
+"""Mixture-of-experts models (``llmtrain.models.moe``, ``llmtrain.parallel.expert_parallel``).
 
 * Against an independent reference: the architecture configs' parameter counts against the
   published ones; the load-balancing loss from the router monitor's sums against
@@ -27,14 +27,14 @@ import torch
 from conftest import FAST, make_cfg, run_cli, run_scenarios, subprocess_env, train_rows
 from test_resume import launch, wait_for_step
 
-from llmtrain.errors import ConfigError
+from llmtrain.common.errors import ConfigError
 
 STEPS = 5
 TOL = 1e-5
 
 
 def _hf_config(model: str):
-    from llmtrain.models import model_config
+    from llmtrain.models.build import model_config
 
     return model_config(make_cfg([f"model={model}"]).model)
 
@@ -42,7 +42,7 @@ def _hf_config(model: str):
 # ---- shapes and the auxiliary loss against references --------------------------------------
 @pytest.mark.parametrize("model, total, active", [("qwen3_30b_a3b", 30.5, 3.3), ("qwen3_235b_a22b", 235, 22)])
 def test_architecture_configs_have_the_published_parameter_counts(model, total, active):
-    from llmtrain.flops import active_parameters
+    from llmtrain.planning.flops import active_parameters
 
     all_params, active_params = active_parameters(_hf_config(model))
     # Qwen3 model cards (2025): 30.5B total / 3.3B activated, 235B / 22B activated, given to
@@ -55,7 +55,7 @@ def test_architecture_configs_have_the_published_parameter_counts(model, total, 
 def test_aux_loss_from_monitor_sums_equals_transformers_load_balancing_loss(model):
     from transformers import AutoModelForCausalLM
 
-    from llmtrain.moe import RouterMonitor, load_balancing_loss, moe_shape
+    from llmtrain.models.moe import RouterMonitor, load_balancing_loss, moe_shape
 
     config = _hf_config(model)
     torch.manual_seed(0)
@@ -87,7 +87,7 @@ def test_aux_loss_from_monitor_sums_equals_transformers_load_balancing_loss(mode
 
 
 def test_capacity_limit_drops_assignments_past_capacity_in_token_order():
-    from llmtrain.moe import CapacityLimit
+    from llmtrain.models.moe import CapacityLimit
 
     class Monitor:
         _armed = _training = True
@@ -116,7 +116,7 @@ def test_capacity_limit_drops_assignments_past_capacity_in_token_order():
 
 
 def test_step_metrics_read_world_summed_counters():
-    from llmtrain.moe import step_metrics
+    from llmtrain.models.moe import step_metrics
 
     L, E = 2, 4
     counts = torch.tensor([[4.0, 4, 4, 4], [16, 0, 0, 0]])
@@ -146,7 +146,7 @@ def test_step_metrics_read_world_summed_counters():
       "+model.architecture.n_group=1", "+model.architecture.topk_group=1"], 1, "score-correction bias"),
 ])
 def test_bad_moe_settings_are_refused_naming_the_field(overrides, world, message):
-    from llmtrain.preflight import validate_and_preflight
+    from llmtrain.planning.preflight import validate_and_preflight
 
     batch = [f"trainer.global_batch_size={12 * world}", "trainer.micro_batch_size=1"]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -154,8 +154,8 @@ def test_bad_moe_settings_are_refused_naming_the_field(overrides, world, message
 
 
 def test_a_target_parameter_matching_nothing_is_refused():
-    from llmtrain import adapters
-    from llmtrain.models import build_model
+    from llmtrain.models import adapters
+    from llmtrain.models.build import build_model
 
     cfg = make_cfg(["model=tiny_qwen3_moe", "+peft=lora", "peft.target_parameters=[mlp.experts.up_proj]"])
     with pytest.raises(ConfigError, match="'mlp.experts.up_proj' matches no parameter"):
@@ -172,7 +172,7 @@ def test_bad_ep_exits_nonzero_in_one_line_writing_nothing(tmp_path):
 
 # ---- planner, dry run, FLOPs --------------------------------------------------------------------
 def test_flops_count_active_parameters():
-    from llmtrain.flops import active_parameters, flops_per_token, parameter_counts
+    from llmtrain.planning.flops import active_parameters, flops_per_token, parameter_counts
 
     config = _hf_config("qwen3_30b_a3b")
     total, embedding = parameter_counts(config)
@@ -182,7 +182,7 @@ def test_flops_count_active_parameters():
 
 
 def test_dry_run_shows_expert_parallel_coordinates_of_64_ranks():
-    from llmtrain.dry_run import dry_run
+    from llmtrain.planning.dry_run import dry_run
 
     cfg = make_cfg(["model=tiny_qwen3_moe", "+recipe=fsdp", "recipe.ep=4", "trainer.global_batch_size=64",
                     "trainer.micro_batch_size=1"])
@@ -196,7 +196,7 @@ def test_dry_run_shows_expert_parallel_coordinates_of_64_ranks():
 
 
 def test_planner_counts_expert_parallel_gathers_and_all_to_all_buffers():
-    from llmtrain.plan import plan_recipe
+    from llmtrain.planning.memory import plan_recipe
 
     base = ["model=qwen3_30b_a3b", "trainer.global_batch_size=8", "trainer.micro_batch_size=1", "data.seq_len=4096",
             "trainer.precision=bf16"]
@@ -211,7 +211,7 @@ def test_planner_counts_expert_parallel_gathers_and_all_to_all_buffers():
 
 
 def test_auto_considers_expert_parallel_for_moe_models_only():
-    from llmtrain.plan import expert_parallel_candidates
+    from llmtrain.planning.auto import expert_parallel_candidates
 
     moe = expert_parallel_candidates(["ddp", "fsdp", "zero3", "pp"], _hf_config("tiny_qwen3_moe"))
     assert moe == ["ddp", "fsdp", "fsdp@ep2", "fsdp@ep4", "fsdp@ep8", "zero3", "pp"]

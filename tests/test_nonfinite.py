@@ -61,10 +61,10 @@ def test_skip_drops_non_finite_updates_then_stops_after_the_limit(tmp_path):
 
 
 def test_a_skipped_update_changes_no_parameter_or_optimizer_state_and_advances_the_schedule():
-    from llmtrain.distributed import DistEnv
+    from llmtrain.parallel.distributed import DistEnv
     from llmtrain.engine.torch_engine import TorchEngine
     from llmtrain.objectives import CausalLM
-    from llmtrain.models import build_model
+    from llmtrain.models.build import build_model
 
     cfg = make_cfg(["trainer.warmup_steps=4"])
     engine = TorchEngine(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo"), 1, objective=CausalLM())
@@ -82,7 +82,8 @@ def test_a_skipped_update_changes_no_parameter_or_optimizer_state_and_advances_t
 
 
 def test_skip_is_refused_on_deepspeed():
-    from llmtrain.config import ConfigError, validate
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.config.validate import validate
 
     with pytest.raises(ConfigError, match="trainer.nonfinite=skip needs engine=torch"):
         validate(make_cfg(["+recipe=zero3", "trainer.nonfinite=skip"]), 2)
@@ -119,7 +120,8 @@ def test_spike_factor_skips_losses_above_the_running_mean_of_healthy_steps(tmp_p
 
 @pytest.mark.parametrize("factor", [-1, 0.5, 1])
 def test_spike_factor_must_be_off_or_above_one(factor):
-    from llmtrain.config import ConfigError, validate
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.config.validate import validate
 
     with pytest.raises(ConfigError, match=f"trainer.spike_factor={factor}"):
         validate(make_cfg([f"trainer.spike_factor={factor}"]), 1)

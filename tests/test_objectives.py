@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import make_cfg
-from llmtrain.errors import ConfigError
-from llmtrain.models import build_model
+from llmtrain.common.errors import ConfigError
+from llmtrain.models.build import build_model
 from llmtrain.objectives import CausalLM, Objective, build_objective
 from token_weighted import TokenWeighted
 
@@ -77,7 +77,7 @@ def test_an_objective_needing_hidden_states_is_refused_by_name():
     class Hidden(CausalLM):
         model_output = "hidden"
 
-    from llmtrain.distributed import DistEnv
+    from llmtrain.parallel.distributed import DistEnv
     from llmtrain.engine.torch_engine import TorchEngine
 
     env = DistEnv(0, 1, 0, torch.device("cpu"), "gloo")

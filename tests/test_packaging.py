@@ -26,8 +26,8 @@ def test_installed_wheel_finds_its_configs_and_recipes(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
     probe = ("import llmtrain.trainer, llmtrain.export, llmtrain.prepare\n"
-             "from llmtrain.paths import CONF_DIR, RECIPES_DIR; print(CONF_DIR); print(RECIPES_DIR)\n"
-             "from llmtrain.config import register_configs; register_configs()\n"
+             "from llmtrain.common.paths import CONF_DIR, RECIPES_DIR; print(CONF_DIR); print(RECIPES_DIR)\n"
+             "from llmtrain.config.compose import register_configs; register_configs()\n"
              "from hydra import compose, initialize_config_dir\n"
              "with initialize_config_dir(config_dir=CONF_DIR, version_base=None):\n"
              "    print(compose('config', overrides=['+recipe=zero3_offload']).recipe.offload_params)\n")
@@ -47,7 +47,7 @@ def test_deepspeed_ops_link_when_the_environment_path_has_a_space(tmp_path, monk
     spaced.mkdir(parents=True)
     (spaced / "libc10.so").write_text("stand-in")
     monkeypatch.setattr(cpp_extension, "TORCH_LIB_PATH", str(spaced))
-    monkeypatch.setattr("llmtrain.paths.CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr("llmtrain.common.paths.CACHE_DIR", tmp_path / "cache")
     ds_engine._link_torch_libs_without_spaces()
     linked = Path(cpp_extension.TORCH_LIB_PATH)
     assert " " not in str(linked) and linked.is_symlink()

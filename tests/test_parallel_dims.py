@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmtrain.config import ConfigError
-from llmtrain.parallel_dims import ParallelDims
+from llmtrain.common.errors import ConfigError
+from llmtrain.parallel.dims import ParallelDims
 
 
 @pytest.mark.parametrize("degrees,world,expected", [

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import make_cfg
-from llmtrain.config import ConfigError
-from llmtrain.models import build_model
-from llmtrain.parallelize import tp_plan
-from llmtrain.pipeline import split_stages, stage_layer_ids
+from llmtrain.common.errors import ConfigError
+from llmtrain.models.build import build_model
+from llmtrain.parallel.parallelize import tp_plan
+from llmtrain.parallel.pipeline import split_stages, stage_layer_ids
 
 
 def test_layers_are_split_contiguously_and_balanced():

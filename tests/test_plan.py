@@ -1,7 +1,7 @@
-"""The memory planner (llmtrain.plan), +recipe=auto and the dry run (llmtrain.dry_run).
+"""The memory planner (llmtrain.plan), +recipe=auto and the dry run (llmtrain.planning.dry_run).
 
 The planner's per-rank bytes are checked against what two real ranks hold (one launch trains
-three recipes, scripts/validate_plan.py's measurement); its arithmetic across recipes, the
+three recipes, scripts/tools/validate_plan.py's measurement); its arithmetic across recipes, the
 auto choice, its errors and a 64-rank 3D dry run are checked in-process.
 """
 
@@ -15,14 +15,14 @@ import torch
 
 from conftest import FAST, REPO, assert_ok, make_cfg, run_cli
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "tools"))
 
 PLAN = ["tracker=none", "data.seq_len=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8"]
 
 
 def test_meta_model_counts_llama3_8b_and_70b_parameters():
-    from llmtrain.models import model_config
-    from llmtrain.plan import model_shape
+    from llmtrain.models.build import model_config
+    from llmtrain.planning.memory import model_shape
 
     for name, total, layer in (("llama3_8b", 8_030_261_248, 218_112_000), ("llama3_70b", 70_553_706_496, 855_654_400)):
         shape = model_shape(model_config(make_cfg([f"model={name}"]).model))
@@ -59,7 +59,8 @@ def test_plan_peak_against_the_cuda_allocator(tmp_path):
 
 
 def test_recipes_shard_what_zero_says():
-    from llmtrain.plan import plan_recipe, with_recipe
+    from llmtrain.planning.memory import plan_recipe
+    from llmtrain.planning.auto import with_recipe
 
     cfg = make_cfg(PLAN)
     plans = {name: plan_recipe(with_recipe(cfg, name), 2) for name in
@@ -84,7 +85,8 @@ def test_recipes_shard_what_zero_says():
 
 
 def test_auto_takes_the_first_layout_that_fits_and_says_why():
-    from llmtrain.plan import choose, plan_recipe, with_recipe
+    from llmtrain.planning.auto import choose, with_recipe
+    from llmtrain.planning.memory import plan_recipe
 
     cfg = make_cfg(PLAN)
     ddp = plan_recipe(with_recipe(cfg, "ddp"), 2)
@@ -103,7 +105,8 @@ def test_auto_takes_the_first_layout_that_fits_and_says_why():
 def test_auto_skips_layouts_the_rest_of_the_config_rules_out():
     """Memory for ZeRO-1 but not DDP (micro-batch 1: no smaller one to try);
     trainer.async_checkpoint rules DeepSpeed out: FSDP2."""
-    from llmtrain.plan import choose, plan_recipe, with_recipe
+    from llmtrain.planning.auto import choose, with_recipe
+    from llmtrain.planning.memory import plan_recipe
 
     cfg = make_cfg(PLAN + ["trainer.async_checkpoint=true", "trainer.micro_batch_size=1"])
     ddp, zero1 = (plan_recipe(with_recipe(cfg, name), 2).total for name in ("ddp", "zero1"))
@@ -114,8 +117,9 @@ def test_auto_skips_layouts_the_rest_of_the_config_rules_out():
 
 
 def test_offloaded_bytes_must_fit_host_memory():
-    from llmtrain.config import ConfigError
-    from llmtrain.plan import choose, plan_recipe, with_recipe
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.planning.auto import choose, with_recipe
+    from llmtrain.planning.memory import plan_recipe
 
     cfg = make_cfg(PLAN)
     offload = plan_recipe(with_recipe(cfg, "zero3_offload"), 2, micro_batch=1, checkpointing=True)
@@ -128,10 +132,11 @@ def test_offloaded_bytes_must_fit_host_memory():
 
 
 def test_memory_that_fits_no_recipe_names_the_smallest_need_and_where_it_fits():
-    from llmtrain.config import ConfigError
-    from llmtrain.plan import choose
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.planning.auto import choose
 
-    from llmtrain.plan import plan_recipe, recipe_names, with_recipe
+    from llmtrain.planning.memory import plan_recipe
+    from llmtrain.planning.auto import recipe_names, with_recipe
 
     cfg = make_cfg(PLAN)
     with pytest.raises(ConfigError) as err:
@@ -165,7 +170,8 @@ def test_plan_command_refuses_bad_input(args, needle, capsys):
 
 
 def test_plan_command_prints_the_breakdown_and_every_recipe(capsys):
-    from llmtrain.plan import main, recipe_names
+    from llmtrain.plan import main
+    from llmtrain.planning.auto import recipe_names
 
     assert main(PLAN + ["+recipe=zero3", "world_size=2", "device_memory=1GiB"]) == 0
     out = capsys.readouterr().out
@@ -177,9 +183,9 @@ def test_plan_command_prints_the_breakdown_and_every_recipe(capsys):
 
 
 def test_dry_run_lays_out_64_ranks_of_3d_and_every_shard_adds_up():
-    from llmtrain.dry_run import _torch_layout
-    from llmtrain.models import model_config
-    from llmtrain.parallel_dims import ParallelDims
+    from llmtrain.planning.dry_run import _torch_layout
+    from llmtrain.models.build import model_config
+    from llmtrain.parallel.dims import ParallelDims
 
     cfg = make_cfg(PLAN + ["+recipe=3d", "trainer.global_batch_size=256"])
     dims = ParallelDims.from_recipe(cfg.recipe, 64)
@@ -202,9 +208,9 @@ def test_dry_run_lays_out_64_ranks_of_3d_and_every_shard_adds_up():
 def test_dry_run_shows_the_cp_coordinates_of_64_ranks():
     """fsdp_tp with cp=2 on 64 ranks: dp_shard 16 x cp 2 x tp 2, a row's cp peers neighbours
     after tp (torchtitan's mesh order); FSDP2 shards over dp_shard x cp = 32 ranks."""
-    from llmtrain.dry_run import _torch_layout
-    from llmtrain.models import model_config
-    from llmtrain.parallel_dims import ParallelDims
+    from llmtrain.planning.dry_run import _torch_layout
+    from llmtrain.models.build import model_config
+    from llmtrain.parallel.dims import ParallelDims
 
     cfg = make_cfg(PLAN + ["+recipe=fsdp_tp", "recipe.cp=2", "trainer.global_batch_size=256"])
     dims = ParallelDims.from_recipe(cfg.recipe, 64)
@@ -221,7 +227,8 @@ def test_dry_run_shows_the_cp_coordinates_of_64_ranks():
 def test_context_parallel_plans_a_rank_share_of_each_row():
     """cp halves what a rank saves for backward and its logits; chunked loss keeps one chunk of
     logits; +recipe=auto turns cp on only when whole rows fit nowhere."""
-    from llmtrain.plan import choose, plan_recipe
+    from llmtrain.planning.auto import choose
+    from llmtrain.planning.memory import plan_recipe
 
     base = ["model=llama3_8b", "data.seq_len=32768", "trainer.micro_batch_size=1", "trainer.global_batch_size=8",
             "trainer.precision=bf16", "+recipe=fsdp"]
@@ -267,7 +274,8 @@ def test_trainer_dry_run_prints_the_layout_and_trains_nothing(tmp_path):
 
 def test_auto_recipe_trains_with_the_chosen_layout(tmp_path):
     """One process, memory for micro-batch 4 but not 8: the run trains ddp at micro-batch 4."""
-    from llmtrain.plan import plan_recipe, with_recipe
+    from llmtrain.planning.memory import plan_recipe
+    from llmtrain.planning.auto import with_recipe
 
     cfg = make_cfg(FAST + ["trainer.max_steps=1"])
     at_8, at_4 = (plan_recipe(with_recipe(cfg, "ddp"), 1, micro_batch=m).total for m in (8, 4))
@@ -287,7 +295,8 @@ def test_gradient_accumulation_counts_the_gradients_held_between_micro_batches()
     last one's reduce-scatter; DDP's no_sync micro-batches write gradients beside its buckets
     (both seen live at the peak of micro-batch 2, torch.profiler memory events on CPU). ZeRO-3
     reduce-scatters every micro-batch into its partition: nothing more."""
-    from llmtrain.plan import plan_recipe, with_recipe
+    from llmtrain.planning.memory import plan_recipe
+    from llmtrain.planning.auto import with_recipe
 
     one, two = make_cfg(PLAN), make_cfg(PLAN + ["trainer.micro_batch_size=4"])  # accumulation 1 and 2
     fsdp = plan_recipe(with_recipe(two, "fsdp"), 2)
@@ -305,7 +314,7 @@ def test_dpo_plans_count_the_frozen_reference_and_two_rows_a_pair():
     """A frozen reference copy is one more set of parameters laid out like the policy's: whole
     under DDP, a dp_shard-th under FSDP2 and ZeRO-3; LoRA (adapters off) and precomputed
     log-probs add none; a micro-batch of m pairs is 2m rows of activations."""
-    from llmtrain.plan import plan_recipe
+    from llmtrain.planning.memory import plan_recipe
 
     pairs = ["data=preference", "data.path=/x", "model=llama3_8b", "data.seq_len=512", "trainer.micro_batch_size=2"]
     sft = plan_recipe(make_cfg(["model=llama3_8b", "data.seq_len=512", "trainer.micro_batch_size=2",

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import FAST, REPO, assert_ok, run_scenarios, subprocess_env
-from llmtrain.models import initial_value
+from llmtrain.models.build import initial_value
 
 BF16 = FAST + ["trainer.precision=bf16", "trainer.save_every=0"]
 # lr=1e-30 makes the update vanish below fp32 resolution: the export after one step is the
@@ -59,8 +59,8 @@ def test_deepspeed_zero0_bf16_takes_one_update_per_step_and_exports_its_fp32_wei
 
 
 def test_the_trainer_refuses_an_optimizer_that_updated_more_often_than_it_stepped():
-    from llmtrain.checkpoint import TrainState
-    from llmtrain.trainer import _check_optimizer_steps
+    from llmtrain.checkpoint.state import TrainState
+    from llmtrain.engine.base import check_optimizer_steps
 
     class Counting:
         def __init__(self, taken):
@@ -69,9 +69,9 @@ def test_the_trainer_refuses_an_optimizer_that_updated_more_often_than_it_steppe
         def optimizer_step_count(self):
             return self.taken
 
-    _check_optimizer_steps(Counting(3), TrainState(step=4, skipped_updates=1))
+    check_optimizer_steps(Counting(3), TrainState(step=4, skipped_updates=1))
     with pytest.raises(RuntimeError, match="applied 4 updates at trainer step 3"):
-        _check_optimizer_steps(Counting(4), TrainState(step=3))
+        check_optimizer_steps(Counting(4), TrainState(step=3))
 
 
 def _floating_dtypes(node) -> set:
@@ -121,11 +121,11 @@ def test_torch_engine_accumulates_bf16_micro_batch_gradients_in_fp32():
     # the eight micro-batch gradients far inside one bf16 rounding of it (bf16 accumulation
     # would be off by about two roundings: 3.4e-3 vs 1.7e-3 relative, issue 10).
     from conftest import make_cfg
-    from llmtrain.distributed import DistEnv
+    from llmtrain.parallel.distributed import DistEnv
     from llmtrain.engine.torch_engine import TorchEngine
     from llmtrain.objectives import CausalLM
     from llmtrain.objectives.causal_lm import count_target_tokens
-    from llmtrain.models import build_model
+    from llmtrain.models.build import build_model
 
     cfg = make_cfg(["trainer.precision=bf16", "trainer.global_batch_size=16", "trainer.micro_batch_size=2"])
     engine = TorchEngine(cfg, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"), accumulation_steps=8, objective=CausalLM())

@@ -13,12 +13,12 @@ import torch
 
 from conftest import assert_ok, make_cfg, run_cli
 from llmtrain import data
-from llmtrain.config import validate
+from llmtrain.config.validate import validate
 from llmtrain.data.preference import PairCollator, extract_prompt, fit_pair
 from llmtrain.engine.base import model_inputs
-from llmtrain.errors import ConfigError, DataError
-from llmtrain.labels import IGNORE_INDEX
-from llmtrain.models import build_model, build_tokenizer
+from llmtrain.common.errors import ConfigError, DataError
+from llmtrain.common.labels import IGNORE_INDEX
+from llmtrain.models.build import build_model, build_tokenizer
 from llmtrain.objectives import DPO, ORPO
 
 
@@ -209,7 +209,7 @@ def test_cli_help_lists_the_objective_group():
 
 
 def test_reward_export_loads_as_a_classifier_and_scores_as_the_run_evaluated(tmp_path):
-    """The export, read back by transformers alone (scripts/reward_accuracy.py), scores the held-
+    """The export, read back by transformers alone (scripts/tools/reward_accuracy.py), scores the held-
     out pairs in the order the run's own final evaluation did; a causal LM export is refused."""
     import subprocess
     import sys
@@ -223,7 +223,7 @@ def test_reward_export_loads_as_a_classifier_and_scores_as_the_run_evaluated(tmp
                     "trainer.max_steps=3", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
                     "trainer.eval_samples=0", "tracker=none", "trainer.progress_bar=false", f"run_dir={run}"]))
     final = [r for r in read_metrics(run) if "val/rewards/accuracies" in r][-1]
-    proc = subprocess.run([sys.executable, "scripts/reward_accuracy.py", str(run)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "scripts/tools/reward_accuracy.py", str(run)], capture_output=True, text=True,
                           cwd=REPO, env=subprocess_env())
     assert_ok(proc)
     assert f"{final['val/pairs']} held-out pairs" in proc.stdout
@@ -232,7 +232,7 @@ def test_reward_export_loads_as_a_classifier_and_scores_as_the_run_evaluated(tmp
     train(make_cfg(["data=preference", f"data.path={path}", "objective=dpo", "trainer.max_steps=1",
                     "trainer.global_batch_size=2", "trainer.micro_batch_size=2", "tracker=none",
                     "trainer.progress_bar=false", f"run_dir={lm}"]))
-    proc = subprocess.run([sys.executable, "scripts/reward_accuracy.py", str(lm)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "scripts/tools/reward_accuracy.py", str(lm)], capture_output=True, text=True,
                           cwd=REPO, env=subprocess_env())
     assert proc.returncode == 1
     assert "is not a reward model" in proc.stderr and "objective=reward" in proc.stderr
@@ -251,8 +251,8 @@ def test_a_resumed_runs_reference_file_must_match_its_data(tmp_path):
     evaluation reads are refused; the file written for these pairs passes."""
     from safetensors.torch import save_file
 
-    from llmtrain.errors import ResumeError
-    from llmtrain.reference import REFERENCE_FILE, check_stored, data_digest
+    from llmtrain.common.errors import ResumeError
+    from llmtrain.objectives.reference import REFERENCE_FILE, check_stored, data_digest
 
     splits, _, _ = _splits(_write(tmp_path / "p.jsonl", PAIRS), "data.val_fraction=0.25")
     other, _, _ = _splits(_write(tmp_path / "q.jsonl", [dict(p, rejected=p["rejected"] + "!") for p in PAIRS]),

@@ -121,7 +121,7 @@ def test_precomputed_reference_equals_the_live_frozen_copy(runs):
 def test_packed_rows_hold_several_pairs(pairs, short_pairs):
     from conftest import make_cfg
     from llmtrain import data
-    from llmtrain.models import build_tokenizer
+    from llmtrain.models.build import build_tokenizer
 
     cfg = make_cfg(overrides_of("dpo_packed", pairs, short_pairs))
     splits = data.load_splits(cfg.data, build_tokenizer(cfg.model), cfg.trainer.seed)

@@ -104,7 +104,7 @@ def _common_args(tmp_path: Path, micro: int, cfg) -> dict:
 
 def _initial_model(cfg, tmp_path: Path, head: str = "logits") -> Path:
     from llmtrain.data import pad_id_of
-    from llmtrain.models import build_model, build_tokenizer
+    from llmtrain.models.build import build_model, build_tokenizer
 
     tok = build_tokenizer(cfg.model)
     folder = tmp_path / f"init-{head}"
@@ -128,7 +128,7 @@ def test_dpo_equals_trl_dpo_trainer(hh_pairs, tmp_path, loss_type, eps):
     from trl import DPOConfig, DPOTrainer
 
     from llmtrain import data
-    from llmtrain.models import build_tokenizer
+    from llmtrain.models.build import build_tokenizer
 
     ours, cfg = _ours(hh_pairs, tmp_path / "ours", ["objective=dpo", f"objective.loss_type={loss_type}",
                                                     f"objective.label_smoothing={eps}"], micro=BATCH)
@@ -168,7 +168,7 @@ def test_simpo_and_orpo_equal_trl_cpo_and_orpo_trainers(hh_pairs, tmp_path, obje
     from trl.experimental.cpo import CPOConfig, CPOTrainer
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-    from llmtrain.models import build_tokenizer
+    from llmtrain.models.build import build_tokenizer
 
     micro = 1 if objective == "orpo" else BATCH
     ours, cfg = _ours(hh_pairs, tmp_path / "ours", [f"objective={objective}"], micro=micro)
@@ -198,7 +198,7 @@ def test_reward_model_equals_trl_reward_trainer(hh_pairs, tmp_path):
     from trl import RewardConfig, RewardTrainer
 
     from llmtrain import data
-    from llmtrain.models import build_tokenizer
+    from llmtrain.models.build import build_tokenizer
 
     ours, cfg = _ours(hh_pairs, tmp_path / "ours", ["objective=reward"], micro=BATCH, seq=REWARD_SEQ)
     tok = build_tokenizer(cfg.model)
@@ -228,7 +228,7 @@ def test_kto_equals_trl_kto_trainer(hh_pairs, tmp_path):
     from trl import KTOConfig, KTOTrainer
     from trl.data_utils import extract_prompt
 
-    from llmtrain.models import build_tokenizer
+    from llmtrain.models.build import build_tokenizer
 
     examples = []
     for line in hh_pairs.read_text().splitlines():

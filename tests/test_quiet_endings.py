@@ -42,7 +42,7 @@ def test_a_wandb_offline_run_ends_with_llmtrains_closing_lines(tmp_path):
 @pytest.mark.parametrize("environ,debug,quiet", [({}, False, True), ({"WANDB_QUIET": "false"}, False, None),
                                                  ({"WANDB_SILENT": "true"}, False, None), ({}, True, None)])
 def test_wandb_is_quiet_unless_the_user_or_debug_mode_says_otherwise(environ, debug, quiet, monkeypatch):
-    from llmtrain.tracking.wandb_backend import wandb_settings
+    from llmtrain.monitoring.tracking.wandb_backend import wandb_settings
 
     for key in ("WANDB_QUIET", "WANDB_SILENT"):
         monkeypatch.delenv(key, raising=False)

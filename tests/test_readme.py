@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, assert_ok, make_cfg, run_cli, subprocess_env
-from llmtrain.config import check_known_keys
-from llmtrain.preflight import validate_and_preflight as validate  # the config, then this machine
+from llmtrain.config.keys import check_known_keys
+from llmtrain.planning.preflight import validate_and_preflight as validate  # the config, then this machine
 
 README = REPO / "README.md"
 SETUP_COMMANDS = {("pip", "install"), ("python3", "-m"), (".", ".venv/bin/activate"), ("python", "-m", "pytest")}
@@ -118,7 +118,7 @@ def test_the_readme_has_the_blocks_this_test_expects():
 def test_command_line(heading, command, tmp_path):
     tokens = shlex.split(command)
     if tokens[1:3] == ["-m", "llmtrain.prepare"]:
-        from llmtrain.config import validate_data
+        from llmtrain.config.validate import validate_data
 
         validate_data(make_cfg([t for t in tokens[3:] if not t.startswith("out=")]).data)
         assert sum(t.startswith("out=") for t in tokens) == 1, command
@@ -129,14 +129,14 @@ def test_command_line(heading, command, tmp_path):
         assert plan(tokens[3:]) == 0, command
         return
     if tokens[1:3] == ["-m", "llmtrain.evaluate"]:  # its arguments parse and its tasks exist (nothing is run)
-        from llmtrain import harness
+        from llmtrain.evaluation import harness
         from llmtrain.evaluate import parse_args
 
         _, args = parse_args([t if not t.startswith("device=cuda") else "device=cpu" for t in tokens[3:]])  # no GPU here
         harness.task_manager(args.tasks, harness.include_paths(args.include))
         return
     if tokens[0] == "lm_eval":  # the harness's CLI: the tasks it names are in the folder it includes
-        from llmtrain import harness
+        from llmtrain.evaluation import harness
 
         folder = REPO / tokens[tokens.index("--include_path") + 1]
         assert folder == REPO / "conf" / "eval", command
@@ -187,7 +187,7 @@ def _tiny_chat_model(folder: Path) -> None:
     like, small enough to build in a second."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llmtrain.models import byte_tokenizer
+    from llmtrain.models.build import byte_tokenizer
 
     tok = byte_tokenizer()
     tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import FAST, assert_ok, read_metrics, run_cli, run_scenarios, subprocess_env
-from llmtrain.export import consolidated_state_dict
+from llmtrain.checkpoint.export import consolidated_state_dict
 
 RECIPES = ["ddp", "zero1", "zero2", "zero3", "zero3_offload"]
 ENGINE = {"ddp": "torch"}

@@ -10,7 +10,8 @@ import numpy as np
 from matplotlib.image import imread
 
 from conftest import subprocess_env
-from llmtrain.report import build_figure, main, proportional_scale, write_report
+from llmtrain.monitoring.report import build_figure, proportional_scale, write_report
+from llmtrain.report import main
 
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
 CONFIG = """\

@@ -169,7 +169,7 @@ def tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
 
 def wandb_history(run_dir: Path, key: str) -> list[tuple[int, float]]:
     """(step, value) of ``key`` across the run's offline wandb folders in ``wandb sync`` order."""
-    from llmtrain.tracking.wandb_backend import offline_folders, offline_history
+    from llmtrain.monitoring.tracking.wandb_backend import offline_folders, offline_history
 
     (run_id,) = {p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")}
     rows = []
@@ -272,7 +272,7 @@ def test_a_rerun_names_the_unfinished_process_and_the_steps_it_redoes(tmp_path):
     """A start without an end in timeline.jsonl is a process that did not end cleanly; its last
     logged step comes from metrics.jsonl records written after that start (a line cut short by
     the kill is skipped), and the redone steps are counted from the checkpoint resumed."""
-    from llmtrain import goodput
+    from llmtrain.monitoring import goodput
 
     (tmp_path / "timeline.jsonl").write_text(
         json.dumps({"event": "start", "time": 100.0, "step": 0, "host": "n1", "pid": 7}) + "\n"
@@ -337,7 +337,7 @@ def test_async_checkpoints_on_two_ranks_seal_every_save(reference):
     reference(2, "mix")
     root = reference.run_dir(2, "mix") / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6", "step_8"]  # keep 3; nothing unsealed
-    from llmtrain.checkpoint import verify
+    from llmtrain.checkpoint.protocol import verify
 
     assert all(verify(root / name) is None for name in ("step_4", "step_6", "step_8"))
     stalls = [r["checkpoint/stall_s"] for r in reference.metrics(2, "mix") if "checkpoint/stall_s" in r]
@@ -347,8 +347,8 @@ def test_async_checkpoints_on_two_ranks_seal_every_save(reference):
 def test_steps_report_the_largest_rank_memory_and_model_tflops(reference):
     from omegaconf import OmegaConf
 
-    from llmtrain.flops import flops_per_token
-    from llmtrain.models import model_config
+    from llmtrain.planning.flops import flops_per_token
+    from llmtrain.models.build import model_config
 
     cfg = OmegaConf.load(reference.run_dir(2, "ddp") / "config.yaml")
     per_token = flops_per_token(model_config(cfg.model), cfg.data.seq_len)
@@ -502,7 +502,7 @@ def test_orphaned_workers_die_with_their_launcher(tmp_path):
 
 def test_second_live_run_in_the_same_run_dir_is_refused(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from llmtrain.checkpoint import lock_run_dir; lock_run_dir(Path(sys.argv[1])); "
+                               "from llmtrain.checkpoint.protocol import lock_run_dir; lock_run_dir(Path(sys.argv[1])); "
                                "print('locked', flush=True); time.sleep(60)", str(tmp_path)],
                               stdout=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO)
     try:

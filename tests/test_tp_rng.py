@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmtrain.parallelize import apply_tp_rng, attention_modules
+from llmtrain.parallel.parallelize import apply_tp_rng, attention_modules
 
 
 class Attention(nn.Module):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from llmtrain.trainer import Checkpointer, Evaluator, StepResult, StepScalars
+from llmtrain.checkpoint.checkpointer import Checkpointer
+from llmtrain.evaluation.validation import Evaluator
+from llmtrain.trainer import StepResult, StepScalars
 
 
 def test_step_scalars_round_trip_by_name():
@@ -50,7 +52,7 @@ def test_step_result_health():
 
 def test_tracker_logs_on_its_cadence(tmp_path):
     from conftest import make_cfg
-    from llmtrain.tracking import Tracker
+    from llmtrain.monitoring.tracking import Tracker
 
     tracker = Tracker(make_cfg(["tracker=none"]).tracker, tmp_path, "x", {}, is_main=False, log_every=3)
     assert [s for s in range(1, 10) if tracker.should_log(s)] == [3, 6, 9]

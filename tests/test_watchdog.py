@@ -1,4 +1,4 @@
-"""The hang watchdog (llmtrain.watchdog): a rank stalled by ``LLMTRAIN_FAULT=stall:<rank>:<step>``
+"""The hang watchdog (llmtrain.monitoring.watchdog): a rank stalled by ``LLMTRAIN_FAULT=stall:<rank>:<step>``
 is named with its step and phase, every rank's stacks are dumped, the job exits non-zero within
 ``trainer.hang_timeout_s`` + 30 s, and ``torchrun --max-restarts 1`` resumes it from the last
 checkpoint with every step logged once. The detection rule on its own, in-process."""
@@ -98,7 +98,7 @@ def _beat(dog, rank: int, step: int, phase: str, changes: int, beat: int = 1) ->
 
 
 def _reader(tmp_path: Path, world_size: int = 3):
-    from llmtrain.watchdog import Watchdog
+    from llmtrain.monitoring.watchdog import Watchdog
 
     dog = Watchdog(tmp_path, rank=0, world_size=world_size, timeout_s=0.3, step=4)
     dog.dir.mkdir()
@@ -141,7 +141,7 @@ def test_a_rank_that_moves_or_ranks_all_at_one_position_are_no_hang(tmp_path):
 
 
 def test_one_process_or_a_zero_timeout_starts_no_watchdog(tmp_path):
-    from llmtrain.watchdog import Watchdog
+    from llmtrain.monitoring.watchdog import Watchdog
 
     for world_size, timeout in ((1, 10), (2, 0)):
         dog = Watchdog.start(tmp_path, 0, world_size, timeout, step=0)
@@ -151,7 +151,8 @@ def test_one_process_or_a_zero_timeout_starts_no_watchdog(tmp_path):
 
 
 def test_hang_timeout_must_not_be_negative():
-    from llmtrain.config import ConfigError, validate
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.config.validate import validate
 
     assert make_cfg([]).trainer.hang_timeout_s == 300
     with pytest.raises(ConfigError, match=r"trainer\.hang_timeout_s=-1\.0 must be >= 0"):
@@ -159,8 +160,9 @@ def test_hang_timeout_must_not_be_negative():
 
 
 def test_hang_timeout_must_be_below_the_process_group_timeout_and_may_change_on_resume():
-    from llmtrain.checkpoint import RESUMABLE_CHANGES
-    from llmtrain.config import ConfigError, validate
+    from llmtrain.checkpoint.resume import RESUMABLE_CHANGES
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.config.validate import validate
 
     with pytest.raises(ConfigError, match=r"trainer\.hang_timeout_s=600\.0 .* below the process group's timeout of 600 s"):
         validate(make_cfg(["trainer.hang_timeout_s=600"]), 1)

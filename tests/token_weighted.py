@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from llmtrain.labels import IGNORE_INDEX
+from llmtrain.common.labels import IGNORE_INDEX
 from llmtrain.objectives import LossSums, Objective
 
 

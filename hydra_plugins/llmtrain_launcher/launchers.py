@@ -1,9 +1,9 @@
-"""hydra-submitit-launcher's launchers with llmtrain's checks (:class:`llmtrain.launcher.CheckedLaunch`)."""
+"""hydra-submitit-launcher's launchers with llmtrain's checks (:class:`llmtrain.planning.launcher.CheckedLaunch`)."""
 
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import LocalLauncher as _PluginLocal
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as _PluginSlurm
 
-from llmtrain.launcher import CheckedLaunch
+from llmtrain.planning.launcher import CheckedLaunch
 
 
 class SlurmLauncher(CheckedLaunch, _PluginSlurm):

@@ -35,11 +35,11 @@ from llmtrain.data.sources import (RECORD_BUILDERS, capped_text, column, explain
 from llmtrain.data.preference import (PackedPairs, PairCollator, WithReference, encode_examples,  # noqa: F401
                                      encode_pairs, pairs_of)
 from llmtrain.data.tokens import MANIFEST, Complement, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
-from llmtrain import distributed
-from llmtrain.config import mapped_columns
-from llmtrain.errors import ConfigError, DataError
-from llmtrain.labels import IGNORE_INDEX  # noqa: F401  (public here too)
-from llmtrain.paths import CACHE_DIR
+from llmtrain.common.errors import ConfigError, DataError
+from llmtrain.common.labels import IGNORE_INDEX  # noqa: F401  (public here too)
+from llmtrain.common.paths import CACHE_DIR
+from llmtrain.config.schema import mapped_columns
+from llmtrain.parallel import distributed
 
 log = logging.getLogger("llmtrain")
 TOKEN_CACHE = CACHE_DIR / "tokens"

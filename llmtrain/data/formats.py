@@ -15,10 +15,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from llmtrain.config import canonical_format
+from llmtrain.config.schema import canonical_format
 from llmtrain.data.sources import column
-from llmtrain.errors import ConfigError, DataError
-from llmtrain.labels import IGNORE_INDEX
+from llmtrain.common.errors import ConfigError, DataError
+from llmtrain.common.labels import IGNORE_INDEX
 
 log = logging.getLogger("llmtrain")
 
@@ -287,7 +287,7 @@ def conversation(record: dict, field: str, layout: str, where: str) -> list[dict
 def chat_field(records: Any, src: Any, key: str, where: str) -> tuple[str, str]:
     """(column, layout) of a chat source: ``chat_layout`` or, when ``auto``, whichever of the
     ``messages`` and ``conversations`` columns is present."""
-    from llmtrain.config import mapped_columns
+    from llmtrain.config.schema import mapped_columns
 
     mapped = mapped_columns(src.columns)
     if src.chat_layout == "messages" or (src.chat_layout == "auto" and "conversations" not in mapped and (
@@ -329,7 +329,7 @@ def encoder(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, whe
         return encode_chat
     if fmt == "instruction":
         cols = {f: column(records, src, f, key, "instruction", where) for f in ("instruction", "output")}
-        from llmtrain.config import mapped_columns
+        from llmtrain.config.schema import mapped_columns
 
         # Optional, unless named: a column the user maps must exist.
         input_col = (column(records, src, "input", key, "instruction", where)

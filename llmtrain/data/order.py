@@ -11,12 +11,13 @@ resuming needs one integer: the number of samples consumed.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
-from llmtrain.labels import IGNORE_INDEX
+from llmtrain.common.labels import IGNORE_INDEX
 
 
 class GlobalSampleOrder:
@@ -205,3 +206,11 @@ def packed_samples(samples: Any, seq_len: int) -> Any:
         out["labels"].append(labels)
         out["position_ids"].append(positions)
     return datasets.Dataset.from_dict(out)
+
+
+def sample_digest(batches: list[dict[str, torch.Tensor]]) -> float:
+    """Order-free fingerprint of the samples in ``batches``: sum of CRC32s of their real tokens
+    (``input_ids`` where ``attention_mask`` is set), so a step's digest summed over ranks says
+    which samples the global batch held, whatever their split."""
+    return float(sum(zlib.crc32(row[mask.bool()].numpy().tobytes())
+                     for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"])))

@@ -26,8 +26,8 @@ import torch
 from llmtrain.data.formats import _apply_template, conversation
 from llmtrain.data.order import pack
 from llmtrain.data.sources import column
-from llmtrain.errors import ConfigError, DataError
-from llmtrain.labels import IGNORE_INDEX
+from llmtrain.common.errors import ConfigError, DataError
+from llmtrain.common.labels import IGNORE_INDEX
 
 
 def extract_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
@@ -103,7 +103,7 @@ class PairEncoder(_Continuations):
     """
 
     def __init__(self, records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str):
-        from llmtrain.config import mapped_columns
+        from llmtrain.config.schema import mapped_columns
 
         super().__init__(data_cfg, tokenizer, where)
         self.chosen = column(records, src, "chosen", key, "preference", where)

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlparse
 
-from llmtrain.errors import DataError
-from llmtrain.paths import CACHE_DIR
+from llmtrain.common.errors import DataError
+from llmtrain.common.paths import CACHE_DIR
 
 # File suffix -> the `datasets` packaged builder that reads it.
 RECORD_BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet",
@@ -369,7 +369,7 @@ def column(records: Any, src: Any, field: str, key: str, fmt: str, where: str) -
     Raises:
         DataError: the column is missing; names the columns present, the closest one and the fix.
     """
-    from llmtrain.config import mapped_columns
+    from llmtrain.config.schema import mapped_columns
 
     name = mapped_columns(src.columns).get(field, field)
     present = list(records.column_names)

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmtrain.errors import DataError
-from llmtrain.labels import IGNORE_INDEX
+from llmtrain.common.errors import DataError
+from llmtrain.common.labels import IGNORE_INDEX
 
 MANIFEST = "manifest.json"
 TOKENS = "tokens.bin"

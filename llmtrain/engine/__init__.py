@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmtrain.distributed import DistEnv
+from llmtrain.parallel.distributed import DistEnv
 from llmtrain.engine.base import (Engine, advance_schedule_only, apply_schedule, autocast, build_adamw,  # noqa: F401
                                   build_scheduler, clip_gradients, first_step_count, lr_lambda, model_inputs,
                                   param_groups)
-from llmtrain.parallel_dims import ParallelDims
+from llmtrain.parallel.dims import ParallelDims
 
 
 def build_engine(cfg: Any, env: DistEnv, accumulation_steps: int, dims: ParallelDims, objective) -> Engine:

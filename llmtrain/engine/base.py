@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from llmtrain.distributed import DistEnv
-from llmtrain.parallel_dims import ParallelDims
+from llmtrain.parallel.distributed import DistEnv
+from llmtrain.parallel.dims import ParallelDims
 
 if TYPE_CHECKING:
     from llmtrain.objectives import Objective
@@ -156,19 +156,19 @@ class Engine(ABC):
         self.dims = dims or ParallelDims(env.world_size, 1, 1, 1, env.world_size)
         self.objective = objective
         objective.check_supported(type(self).__name__)
-        # Set by an engine's setup when recipe.cp > 1 (llmtrain.context_parallel.ContextParallel).
+        # Set by an engine's setup when recipe.cp > 1 (llmtrain.parallel.context_parallel.ContextParallel).
         self.context = None
-        # Set by an engine's setup when trainer.loss_chunk_tokens > 0 (llmtrain.chunked_loss.ChunkedHead).
+        # Set by an engine's setup when trainer.loss_chunk_tokens > 0 (llmtrain.models.chunked_loss.ChunkedHead).
         self.chunked_head = None
         # Set by an engine's setup for a mixture-of-experts model (_install_router_monitors):
-        # one llmtrain.moe.RouterMonitor per local model part, the MoeShape, the aux coefficient.
+        # one llmtrain.models.moe.RouterMonitor per local model part, the MoeShape, the aux coefficient.
         self.routers: list = []
         self.moe_shape = None
         self.router_coef = 0.0
         self._router_sums: torch.Tensor | None = None
         self._aux_sum = 0.0
         if cfg.trainer.get("loss_chunk_tokens", 0) and not objective.label_logps_only:
-            from llmtrain.errors import ConfigError
+            from llmtrain.common.errors import ConfigError
 
             raise ConfigError(f"trainer.loss_chunk_tokens={cfg.trainer.loss_chunk_tokens} with objective "
                               f"{objective.name!r}: its loss reads more of the output than each next label's "
@@ -221,7 +221,7 @@ class Engine(ABC):
             (the term, with grad; this rank's share of the unweighted aux value, float64 without
             grad, for ``moe/aux_loss``).
         """
-        from llmtrain.moe import load_balancing_loss
+        from llmtrain.models.moe import load_balancing_loss
 
         share = 1.0
         if self.context is not None:
@@ -237,7 +237,7 @@ class Engine(ABC):
     def router_counters(self) -> torch.Tensor | None:
         """This rank's router counters of the step (float64 ``[L (E + 3) + 1]``: tokens per
         expert, entropy sums, real tokens, dropped assignments per layer, then the summed aux
-        loss), to be summed over the world and read by :func:`llmtrain.moe.step_metrics` (tensor
+        loss), to be summed over the world and read by :func:`llmtrain.models.moe.step_metrics` (tensor
         parallel peers count alike: divide by tp); None for a dense model. Resets them."""
         if not self.routers:
             return None
@@ -248,10 +248,10 @@ class Engine(ABC):
         return torch.cat([flat.to(self.env.device), aux])
 
     def _install_router_monitors(self, parts: list[torch.nn.Module], model: torch.nn.Module) -> None:
-        """For a mixture-of-experts model: watch each part's routers (:class:`llmtrain.moe.RouterMonitor`,
+        """For a mixture-of-experts model: watch each part's routers (:class:`llmtrain.models.moe.RouterMonitor`,
         with ``model.moe_capacity_factor``'s limit) and fold the load-balancing loss into training
         (``model.router_aux_loss_coef``, default the model config's)."""
-        from llmtrain.moe import RouterMonitor, moe_shape, router_aux_coef
+        from llmtrain.models.moe import RouterMonitor, moe_shape, router_aux_coef
 
         hf_config = model.config
         shape = moe_shape(hf_config, model)
@@ -270,7 +270,7 @@ class Engine(ABC):
 
     def _loss_sums(self, batch: dict[str, torch.Tensor], training: bool = False) -> "LossSums":
         """The objective's sums of ``batch``; under context parallelism, of this rank's part of
-        each row (:meth:`llmtrain.context_parallel.ContextParallel.split`). With a chunked head
+        each row (:meth:`llmtrain.parallel.context_parallel.ContextParallel.split`). With a chunked head
         (``trainer.loss_chunk_tokens``) the model returns each position's next-label log-prob
         ``[B, T]`` instead of logits. A mixture-of-experts model's routing sums of the forward
         are left in ``self._router_sums`` (``training``: counted in the step's router metrics)."""
@@ -315,18 +315,18 @@ class Engine(ABC):
 
     def _install_chunked_head(self, model: torch.nn.Module) -> None:
         """``trainer.loss_chunk_tokens`` > 0: the output layer computes label log-probs chunk by
-        chunk (:mod:`llmtrain.chunked_loss`)."""
+        chunk (:mod:`llmtrain.models.chunked_loss`)."""
         chunk = self.cfg.trainer.get("loss_chunk_tokens", 0)
         if chunk:
-            from llmtrain.chunked_loss import install
+            from llmtrain.models.chunked_loss import install
 
             self.chunked_head = install(model, chunk)
 
     def _install_context_parallel(self, model: torch.nn.Module, group) -> None:
         """Split rows over ``group`` (this rank's cp peers) with ``recipe.cp_style`` attention
         (the model was checked for it before the engine was built:
-        :func:`llmtrain.context_parallel.check_model`)."""
-        from llmtrain.context_parallel import ContextParallel, install
+        :func:`llmtrain.parallel.context_parallel.check_model`)."""
+        from llmtrain.parallel.context_parallel import ContextParallel, install
 
         self.context = ContextParallel(group, self.cfg.recipe.cp_style)
         install(model, self.context)
@@ -422,10 +422,25 @@ class Engine(ABC):
     def num_parameters(self) -> int:
         """Distinct parameters of the whole model (tied counted once), whatever the sharding.
         Collective call."""
-        from llmtrain.models import count_parameters
+        from llmtrain.models.build import count_parameters
 
         return count_parameters(self.model)
 
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Consolidated model state dict on rank 0 (None on other ranks). Collective call."""
+
+
+def check_optimizer_steps(engine: Engine, state: Any) -> None:
+    """The optimizer has applied exactly one update per trainer step (less the skipped ones):
+    an extra update at set-up (DeepSpeed's bf16 ZeRO-0 wrapper once took one) would add a weight
+    decay and shift Adam's bias correction unseen. ``state``: the train state (its ``step`` and
+    ``skipped_updates``, :class:`llmtrain.checkpoint.state.TrainState`).
+
+    Raises:
+        RuntimeError: the counts differ (a bug in an engine, not bad input).
+    """
+    expected, taken = state.step - state.skipped_updates, engine.optimizer_step_count()
+    if taken != expected:
+        raise RuntimeError(f"the optimizer has applied {taken} updates at trainer step {state.step} "
+                           f"({state.skipped_updates} skipped): expected {expected}")

@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from llmtrain import distributed
+from llmtrain.parallel import distributed
 
 # Frozen parameters (LoRA's base, model.freeze) are not saved: they come from the model's source
-# again on resume (llmtrain.adapters), so a LoRA checkpoint is adapter-sized.
+# again on resume (llmtrain.models.adapters), so a LoRA checkpoint is adapter-sized.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
 # Loading sets the trainable tensors only (dcp.load above has already required every one of
 # them): strict=False lets the frozen ones, which come from the model's source, stay as they are.
@@ -33,7 +33,7 @@ METADATA = ".metadata"
 # The optimizer's hyperparameters, flattened per parameter (``param_groups.<name>.lr``, a dozen
 # per parameter): they are not written. DCP would store each as its own item, one torch.save
 # apiece (hundreds per checkpoint, most of a small model's save time), and they are the
-# config's values, which a resume must keep (llmtrain.checkpoint.config_differences); the LR
+# config's values, which a resume must keep (llmtrain.checkpoint.resume.config_differences); the LR
 # comes from the scheduler's state. On load the live optimizer's own values fill them.
 _HYPERPARAMETERS = "param_groups."
 
@@ -134,7 +134,7 @@ def load(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.O
     Raises:
         ResumeError: the checkpoint lacks tensors this model needs or their shapes differ.
     """
-    from llmtrain.errors import ResumeError
+    from llmtrain.common.errors import ResumeError
 
     state, hyper = _state(parts, optimizers)
     try:

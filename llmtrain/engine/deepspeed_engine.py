@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-import llmtrain.distributed  # noqa: F401  (sets DS_ACCELERATOR=cpu without CUDA before deepspeed loads)
+import llmtrain.parallel.distributed  # noqa: F401  (sets DS_ACCELERATOR=cpu without CUDA before deepspeed loads)
 from llmtrain.engine.base import (Engine, apply_schedule, build_adamw, clip_gradients, first_step_count, lr_lambda,
                                   model_inputs, param_groups, replicated_frozen_copy)
 
@@ -42,7 +42,7 @@ def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict
     its CPU AdamW (``DeepSpeedCPUAdam``) from the ``optimizer`` section; otherwise the engine
     passes a ``torch.optim.AdamW``.
     """
-    from llmtrain.models import model_config
+    from llmtrain.models.build import model_config
 
     r, t = cfg.recipe, cfg.trainer
     sizes = communication_sizes(r, model_config(cfg.model).hidden_size)
@@ -108,7 +108,7 @@ def _link_torch_libs_without_spaces() -> None:
 
     import torch.utils.cpp_extension as cpp_extension
 
-    from llmtrain.paths import CACHE_DIR
+    from llmtrain.common.paths import CACHE_DIR
 
     real = cpp_extension.TORCH_LIB_PATH
     link = CACHE_DIR / "torch-lib" / hashlib.sha256(real.encode()).hexdigest()[:16]
@@ -133,10 +133,10 @@ class DeepSpeedEngine(Engine):
         super().__init__(cfg, env, accumulation_steps, dims, objective=objective)
         self.ds_config = deepspeed_config(cfg, env.world_size, accumulation_steps)
         self._hf_ds_config = None
-        from llmtrain.adapters import is_partial
+        from llmtrain.models.adapters import is_partial
 
         self._partial = is_partial(cfg)
-        from llmtrain.console import stdout_to_debug_log
+        from llmtrain.monitoring.console import stdout_to_debug_log
 
         _link_torch_libs_without_spaces()
         # DeepSpeed prints "<op> built successfully" on every CPU launch: keep it out of the log.
@@ -207,7 +207,7 @@ class DeepSpeedEngine(Engine):
         ranks only (which would hang the all-gathers)."""
         from deepspeed.utils import set_z3_leaf_modules
 
-        from llmtrain.moe import sparse_blocks
+        from llmtrain.models.moe import sparse_blocks
 
         set_z3_leaf_modules(model, sorted({type(block) for _, block in sparse_blocks(model)}, key=lambda c: c.__name__))
 
@@ -243,7 +243,7 @@ class DeepSpeedEngine(Engine):
         second fp32 copy of the parameter partitions in an fp32 run. Its code means to share them
         (``stage3.py``, ``_create_fp32_partitions``), but compares a ``torch.device`` with the
         device-name string, which is never equal, so every rank holds 4Ψ/N bytes more than ZeRO
-        theory (scripts/repro_deepspeed_zero3_fp32_copy.py)."""
+        theory (scripts/repro/deepspeed_zero3_fp32_copy.py)."""
         opt = getattr(self.ds, "optimizer", None)
         working = getattr(opt, "fp16_partitioned_groups_flat", None)
         master = getattr(opt, "fp32_partitioned_groups_flat", None)
@@ -258,7 +258,7 @@ class DeepSpeedEngine(Engine):
             logging.getLogger("llmtrain").debug(
                 "DeepSpeed ZeRO-3 keeps a second fp32 copy of this rank's parameter partition in an fp32 run "
                 "(%.1f MiB per rank beyond ZeRO theory; a DeepSpeed device-comparison bug, see "
-                "scripts/repro_deepspeed_zero3_fp32_copy.py)", duplicated / 2**20)
+                "scripts/repro/deepspeed_zero3_fp32_copy.py)", duplicated / 2**20)
 
     def _exclude_frozen_aliases(self) -> None:
         """DeepSpeed's ``exclude_frozen_parameters`` walks ``named_parameters()``, which names a tied
@@ -289,7 +289,7 @@ class DeepSpeedEngine(Engine):
         if stage == 3:
             if self.cfg.model.source != "config":
                 return None
-            from llmtrain.models import initial_value
+            from llmtrain.models.build import initial_value
 
             std = float(getattr(model.config, "initializer_range", 0.02))
             return lambda name, param: initial_value(name, param.ds_shape, t.seed, std)
@@ -345,7 +345,7 @@ class DeepSpeedEngine(Engine):
         """
         if saved_world_size == self.env.world_size:
             return
-        from llmtrain import distributed
+        from llmtrain.parallel import distributed
 
         check_checkpoint_files(directory, self.env)
         step_dir = directory.parent
@@ -380,7 +380,7 @@ class DeepSpeedEngine(Engine):
                 if isinstance(param_state.get("step"), torch.Tensor):
                     param_state["step"] = param_state["step"].clone()
         if path is None:
-            from llmtrain.errors import ResumeError
+            from llmtrain.common.errors import ResumeError
 
             raise ResumeError(f"DeepSpeed could not load {source}")
         apply_schedule(self.scheduler.optimizer, self.scheduler)
@@ -416,7 +416,7 @@ class DeepSpeedEngine(Engine):
             # keeps gathered) by it; one coordinator serves evaluation and training, and a
             # forward-only evaluation left its trace behind: every later step then re-gathered
             # in backward (3Ψ instead of 2Ψ and 1.9x the all-gathers per step, measured with
-            # scripts/bench_comm.py). Release the parameters and record the trace afresh.
+            # scripts/bench/comm.py). Release the parameters and record the trace afresh.
             self.ds.empty_partition_cache()
             coordinator = offload.get_param_coordinator()
             if not coordinator.is_invalid_trace():
@@ -474,7 +474,7 @@ def unsafe_checkpoint_file(directory: Path, rank: int = 0, world_size: int = 1) 
     nothing they could run."""
     import pickle
 
-    from llmtrain.safe_load import load_weights_only, unpickling_reason
+    from llmtrain.common.safe_load import load_weights_only, unpickling_reason
 
     files = sorted(p for p in Path(directory).rglob("*.pt") if p.is_file())
     allowed = checkpoint_safe_globals()
@@ -492,7 +492,7 @@ def unsafe_checkpoint_file(directory: Path, rank: int = 0, world_size: int = 1) 
 def check_checkpoint_files(directory: Path, env=None) -> None:
     """Refuse a DeepSpeed checkpoint folder before DeepSpeed's loaders unpickle it
     (:func:`unsafe_checkpoint_file`), the files split over the ranks of ``env`` (a
-    :class:`llmtrain.distributed.DistEnv`; None: this process checks them all). Collective when
+    :class:`llmtrain.parallel.distributed.DistEnv`; None: this process checks them all). Collective when
     a process group is up: every rank raises the same error.
 
     Raises:
@@ -500,8 +500,8 @@ def check_checkpoint_files(directory: Path, env=None) -> None:
     """
     import torch.distributed as dist
 
-    from llmtrain import distributed
-    from llmtrain.errors import ResumeError
+    from llmtrain.parallel import distributed
+    from llmtrain.common.errors import ResumeError
 
     collective = env is not None and distributed.is_initialized()
     problem = unsafe_checkpoint_file(directory, env.rank if collective else 0, env.world_size if collective else 1)

@@ -2,7 +2,7 @@
 one device mesh, for any Hugging Face decoder.
 
 Set-up order (one owner per concern): ``ParallelDims`` → mesh → (pipeline split) → per model
-part ``llmtrain.parallelize.parallelize`` (TP → activation checkpointing → compile → FSDP2) →
+part ``llmtrain.parallel.parallelize.parallelize`` (TP → activation checkpointing → compile → FSDP2) →
 materialise and initialise the shards → optimizer and LR schedule. Models built from a config
 are created on the meta device, so no rank ever holds the whole model; pretrained weights are
 read on every rank and then sharded.
@@ -22,7 +22,7 @@ from torch import nn
 import llmtrain.engine.dcp_state as dcp_state
 from llmtrain.engine.base import (Engine, advance_schedule_only, apply_schedule, autocast, build_adamw, build_scheduler,
                                   first_step_count, model_inputs, param_groups)
-from llmtrain.models import initial_value
+from llmtrain.models.build import initial_value
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -64,7 +64,7 @@ class NativeEngine(Engine):
 
     # ---- set-up ---------------------------------------------------------------------------
     def setup(self, model: nn.Module) -> None:
-        from llmtrain.parallelize import parallelize, tp_plan
+        from llmtrain.parallel.parallelize import parallelize, tp_plan
 
         cfg, r, t = self.cfg, self.cfg.recipe, self.cfg.trainer
         self.hf_config = model.config
@@ -77,7 +77,7 @@ class NativeEngine(Engine):
                 raise RuntimeError("tie_word_embeddings=True but the output head is not tied after tie_weights()")
         plan = tp_plan(model, cfg.model.get("tp_plan")) if self.dims.tp > 1 else None
         if self.dims.pp > 1:
-            from llmtrain.pipeline import split_stages
+            from llmtrain.parallel.pipeline import split_stages
 
             self.stage_ids, self.parts = zip(*split_stages(model, self.dims.pp, self.pp_rank, r.pp_stages_per_rank))
             self.stage_ids, self.parts = list(self.stage_ids), list(self.parts)
@@ -89,7 +89,7 @@ class NativeEngine(Engine):
         buffers = [{n: b.detach().clone() for n, b in part.named_buffers()} for part in self.parts]
         for part in self.parts:
             parallelize(part, cfg, self.mesh, self.dims, plan)
-        from llmtrain.parallelize import tp_replicated_params
+        from llmtrain.parallel.parallelize import tp_replicated_params
 
         self._tp_grad_sum = [p for part in self.parts for p in tp_replicated_params(part, plan)] if plan else []
         for part, saved in zip(self.parts, buffers):
@@ -114,7 +114,7 @@ class NativeEngine(Engine):
         not for pipeline layouts (no preference objective runs there)."""
         if self.dims.pp > 1:
             return None
-        from llmtrain.parallelize import parallelize, tp_plan
+        from llmtrain.parallel.parallelize import parallelize, tp_plan
 
         with self.model_init_context():
             copy = build()
@@ -135,7 +135,7 @@ class NativeEngine(Engine):
     def _check_tp_plan_runs(self) -> None:
         """One tiny forward before anything is written: an inconsistent plan (say, a column-
         parallel projection feeding an unsharded one) fails here as a ConfigError, not later."""
-        from llmtrain.errors import ConfigError
+        from llmtrain.common.errors import ConfigError
 
         ids = torch.zeros(1, 4 * self.dims.cp * self.dims.tp, dtype=torch.long, device=self.env.device)
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -175,14 +175,14 @@ class NativeEngine(Engine):
         """``to_empty`` gives each module its own new tensor, splitting tied embeddings."""
         if not self.tied or not hasattr(part, "lm_head"):
             return
-        from llmtrain.pipeline import base_model
+        from llmtrain.parallel.pipeline import base_model
 
         embed = getattr(base_model(part), "embed_tokens", None)
         if embed is not None and part.lm_head.weight is not embed.weight:
             part.lm_head.weight = embed.weight
 
     def _setup_pipeline(self) -> None:
-        from llmtrain.pipeline import TiedWeightSync
+        from llmtrain.parallel.pipeline import TiedWeightSync
 
         r = self.cfg.recipe
         self.pp_group = self.mesh["pp"].get_group()
@@ -203,7 +203,7 @@ class NativeEngine(Engine):
         if length not in self._schedules:
             from torch.distributed.pipelining import PipelineStage
 
-            from llmtrain.pipeline import build_schedule
+            from llmtrain.parallel.pipeline import build_schedule
 
             stages = [PipelineStage(part, s, self.num_stages, self.env.device, group=self.pp_group)
                       for s, part in zip(self.stage_ids, self.parts)]
@@ -217,7 +217,7 @@ class NativeEngine(Engine):
         (plus a mixture-of-experts model's load-balancing term, from the router sums every stage
         added to) over the global normaliser, times ``dp`` as in :meth:`backward`; its sums are
         kept for the step's result."""
-        from llmtrain.pipeline import unpack_targets
+        from llmtrain.parallel.pipeline import unpack_targets
 
         logits, router_sums = output if isinstance(output, tuple) else (output, None)
         out = self.objective.loss_sums(logits, unpack_targets(target, self._target_layout))
@@ -258,7 +258,7 @@ class NativeEngine(Engine):
     def accumulate_gradients(self, batches: list[dict[str, torch.Tensor]], normaliser: float) -> torch.Tensor:
         if self.dims.pp == 1:
             return super().accumulate_gradients(batches, normaliser)
-        from llmtrain.pipeline import pack_targets
+        from llmtrain.parallel.pipeline import pack_targets
 
         input_ids, carried, positions = self._pipeline_batch(batches)
         target, self._target_layout = pack_targets(carried)
@@ -324,7 +324,7 @@ class NativeEngine(Engine):
         with self._autocast():
             if self.dims.pp == 1:
                 return self.forward(batch)
-            from llmtrain.pipeline import forward_only
+            from llmtrain.parallel.pipeline import forward_only
 
             return forward_only(dict(zip(self.stage_ids, self.parts)), self.num_stages, self.pp_group,
                                 batch["input_ids"], self.hf_config.hidden_size, batch.get("position_ids"))

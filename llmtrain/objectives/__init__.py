@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from llmtrain.errors import ConfigError
+from llmtrain.common.errors import ConfigError
 from llmtrain.objectives.base import LossSums, Objective
 from llmtrain.objectives.causal_lm import CausalLM
 from llmtrain.objectives.preference import DPO, KTO, ORPO, PairObjective, Reward, SimPO

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from llmtrain.errors import ConfigError
+from llmtrain.common.errors import ConfigError
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Objective(ABC):
         label_logps_only: the loss reads the logits only through each position's log-probability
             of the next label (``labels[:, t + 1]``), so with ``trainer.loss_chunk_tokens`` engines
             hand :meth:`loss_sums` fp32 ``[B, T]`` label log-probs (0 where the label is -100, and
-            at the last position) instead of ``[B, T, V]`` logits (:mod:`llmtrain.chunked_loss`);
+            at the last position) instead of ``[B, T, V]`` logits (:mod:`llmtrain.models.chunked_loss`);
             tell them apart by ``output.dim()``.
     """
 

@@ -8,13 +8,13 @@ import torch.nn.functional as F
 
 from llmtrain.objectives.base import LossSums, Objective
 
-from llmtrain.labels import IGNORE_INDEX
+from llmtrain.common.labels import IGNORE_INDEX
 
 
 def token_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy (fp32 scalar) of ``logits`` ``[B, T, V]`` against
     ``labels`` ``[B, T]`` shifted by one; labels of -100 are ignored. ``logits`` may instead be
-    the chunked head's ``[B, T]`` next-label log-probs (:mod:`llmtrain.chunked_loss`)."""
+    the chunked head's ``[B, T]`` next-label log-probs (:mod:`llmtrain.models.chunked_loss`)."""
     if logits.dim() == 2:
         return -logits[:, :-1].sum()
     return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),

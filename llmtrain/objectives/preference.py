@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from llmtrain.labels import IGNORE_INDEX
+from llmtrain.common.labels import IGNORE_INDEX
 from llmtrain.objectives.base import LossSums, Objective
 from llmtrain.objectives.preference_losses import (PairLosses, dpo_losses, kto_losses, orpo_losses, reward_losses,
                                                    simpo_losses)
@@ -34,7 +34,7 @@ PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
 def completion_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """fp32 ``[rows, seq]``: at position ``t``, log π(label_t | tokens before t) for completion
     tokens (labels != -100), 0 elsewhere and at ``t = 0``. ``logits`` ``[rows, seq, vocab]``, or
-    the chunked head's ``[rows, seq]`` next-label log-probs (:mod:`llmtrain.chunked_loss`)."""
+    the chunked head's ``[rows, seq]`` next-label log-probs (:mod:`llmtrain.models.chunked_loss`)."""
     if logits.dim() == 2:
         return F.pad(logits[:, :-1], (1, 0))
     targets = labels[:, 1:]

@@ -1,0 +1,95 @@
+"""When a run saves: the trainer's checkpoint cadence (steps, minutes, preemption, the last step,
+the steps in-loop evaluations need) around :class:`~llmtrain.checkpoint.protocol.CheckpointManager`,
+background writes sealed once every rank's is done, trackers flushed before a checkpoint counts.
+Also the debugging dump of a model as loaded on resume (``LLMTRAIN_DUMP_AFTER_LOAD``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from llmtrain.checkpoint.protocol import CheckpointManager, step_of
+from llmtrain.checkpoint.state import TrainState
+from llmtrain.monitoring.preemption import Preemption
+from llmtrain.monitoring.tracking import Tracker
+
+
+class Checkpointer:
+    """The run's checkpoint cadence and bookkeeping around :class:`CheckpointManager`:
+    every ``trainer.save_every`` steps, when ``trainer.save_every_minutes`` is due, on
+    preemption, and at the last step; background writes sealed once every rank's is done. Every
+    tracker is flushed before a checkpoint counts and committed after it (steps up to a counted
+    checkpoint are never logged twice across a crash)."""
+
+    def __init__(self, manager: CheckpointManager, engine, tracker: Tracker, preemption: Preemption,
+                 cfg: Any, config_yaml: str, world_size: int):
+        self.manager, self.engine, self.tracker, self.preemption = manager, engine, tracker, preemption
+        self.t, self.config_yaml, self.world_size = cfg.trainer, config_yaml, world_size
+        self.latest: str | None = None  # the newest counted checkpoint
+        self.stalls_s: list[list[float]] = []  # [step, seconds the loop waited for its save] per save
+        self.on_counted: list[Callable[[int, Path], None]] = []  # called (step, folder) once a checkpoint counts
+        self.also_due: Callable[[int], bool] = lambda step: False  # other components' checkpoint steps
+
+    def should_save(self, step: int, result: Any) -> bool:
+        """Whether step ``step`` saves; ``result``: its :class:`llmtrain.trainer.StepResult` (``stop``:
+        preempted, ``save_by_time``: ``trainer.save_every_minutes`` is due)."""
+        every = self.t.save_every
+        return (result.stop or result.save_by_time or bool(every and step % every == 0) or step == self.t.max_steps
+                or self.also_due(step))
+
+    def save(self, state: TrainState, background: bool) -> None:
+        started = time.perf_counter()
+        state.saved_unix = time.time()
+        state.tracker_run_id, state.mlflow_run_id = self.tracker.run_id, self.tracker.mlflow_run_id
+        state.world_size, state.global_batch_size = self.world_size, self.t.global_batch_size
+        self.tracker.flush()  # every step up to this checkpoint is on disk before the checkpoint counts
+        written = self.manager.save(self.engine, state, self.config_yaml, self.t.checkpoint_hash, background)
+        if written is not None:
+            self._commit(written)
+        state.parent = f"step_{state.step}"  # the next checkpoint continues this one
+        self.preemption.saved()
+        stall = time.perf_counter() - started
+        self.stalls_s.append([state.step, stall])
+        state.checkpoint_s += stall
+
+    def seal_if_written(self, scalars: Any, state: TrainState) -> None:
+        """Every rank's background write is done (``scalars.background_written``, the step's flag summed
+        over ranks, :class:`llmtrain.trainer.StepScalars`): make it count."""
+        if scalars.background_written != self.world_size:
+            return
+        started = time.perf_counter()
+        self._commit(self.manager.finish_background())
+        sealing = time.perf_counter() - started
+        self.stalls_s[-1][1] += sealing
+        state.checkpoint_s += sealing
+
+    def finish(self) -> None:
+        """Seal a background write still open (defensive: the last save is synchronous)."""
+        if sealed := self.manager.finish_background():
+            self._commit(sealed)
+
+    def _commit(self, sealed: Path) -> None:
+        self.latest = str(sealed)
+        self.tracker.commit(step_of(sealed))
+        for counted in self.on_counted:
+            counted(step_of(sealed), sealed)
+
+    def stall_of_previous_step(self, step: int) -> dict[str, float]:
+        """``checkpoint/stall_s`` for the record of the step after a save."""
+        if self.stalls_s and self.stalls_s[-1][0] == step:
+            return {"checkpoint/stall_s": self.stalls_s[-1][1]}
+        return {}
+
+
+def dump_loaded_model(engine) -> None:
+    """Debugging aid: LLMTRAIN_DUMP_AFTER_LOAD=FILE writes the just-loaded model's consolidated
+    state dict (``torch.save``), to compare a resume against its checkpoint. Collective call."""
+    path = os.environ.get("LLMTRAIN_DUMP_AFTER_LOAD")
+    if path:
+        state = engine.full_state_dict()
+        if state is not None:
+            torch.save(state, path)

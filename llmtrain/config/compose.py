@@ -1,0 +1,242 @@
+"""Composition: the primary config, its groups and ``recipes/`` composed by Hydra, in-process
+(:func:`compose`) as on the command line, and the checks of the command line before Hydra parses
+it (:func:`check_overrides`: unknown keys and options named with the closest one;
+:func:`keep_typed_strings`: string fields keep what was typed).
+
+Recipes are YAML files in the top-level ``recipes/`` folder; :func:`register_configs` stores each
+one as an option of the Hydra group ``recipe``, typed by
+:class:`~llmtrain.config.schema.RecipeConfig`, so ``+recipe=zero3`` works whether llmtrain runs
+from a checkout or from an installed wheel."""
+
+from __future__ import annotations
+
+import difflib
+import re
+import typing
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from llmtrain.config.keys import _NOT_IN_SCHEMA, _schema_hint, _unknown_key, _walk_schema
+from llmtrain.config.schema import Config, RecipeConfig
+from llmtrain.common.errors import ConfigError
+from llmtrain.common.paths import RECIPES_DIR
+
+
+def register_configs() -> None:
+    """Store the schema as ``base_config`` and every ``recipes/*.yaml`` as group ``recipe``.
+
+    Raises:
+        ConfigError: a recipe file has an unknown key or a value of the wrong type (the message
+            names the file and the key).
+    """
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for recipe_file in sorted(Path(RECIPES_DIR).glob("*.yaml")):
+        cs.store(group="recipe", name=recipe_file.stem, node=load_recipe(recipe_file.stem))
+
+
+def compose(overrides: list[str]) -> Any:
+    """The run config of ``python -m llmtrain OVERRIDES``, composed in-process with Hydra's
+    compose API (the same primary config, groups and recipes as the command line)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from llmtrain.common.paths import CONF_DIR
+
+    register_configs()
+    check_overrides(list(overrides))
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return hydra_compose(config_name="config", overrides=keep_typed_strings(list(overrides)))
+
+
+def _string_field(dotted_key: str) -> Optional[str]:
+    """``"str"`` when ``dotted_key`` names a string field of :class:`Config` (``name``,
+    ``data.path``, ``data.datasets.0.name``, ``tracker.run_name``), ``"list"`` for a list of
+    strings (``tracker.tags``), else None."""
+    hint = _schema_hint(dotted_key, through_containers=True)
+    if hint is str:
+        return "str"
+    return "list" if typing.get_origin(hint) is list and typing.get_args(hint) == (str,) else None
+
+
+def keep_typed_strings(overrides: list[str]) -> list[str]:
+    """Overrides of string fields quoted where Hydra would read the value as something else, so
+    the field keeps the characters typed.
+
+    Hydra's override grammar reads an unquoted ``1_1_1`` as the integer 111, ``1e3`` as the float
+    1000.0 and ``true`` as a boolean before OmegaConf turns them into the strings ``'111'``,
+    ``'1000.0'``, ``'True'`` (Hydra issue #999): ``name=1_1_1`` would train in ``runs/111``. Such a
+    value of a string field (or an element of a list of strings, or of a ``a,b`` sweep) is
+    quoted as typed: ``name=1_1_1`` becomes ``name='1_1_1'``. Every other override is unchanged.
+
+    Raises:
+        ConfigError: a value of a string field that Hydra reads as a number, inside a form this
+            cannot split safely (``choice(...)``, quotes or brackets inside a list); the message
+            asks for quotes.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep, ValueType
+
+    def retyped(value: Any) -> bool:
+        return isinstance(value, (bool, int, float))
+
+    def refuse(arg: str, key: str, values: list) -> None:
+        example = next(str(v) for v in values if retyped(v))
+        raise ConfigError(f"{arg}: {key} takes strings, but Hydra reads unquoted values such as 1_1 or 1e3 as numbers "
+                          f"(here one becomes {example}); quote each string value, e.g. {key}='1_1' (in a shell, "
+                          f"wrap the whole override in double quotes: \"{key}='1_1'\")")
+
+    def quoted_pieces(arg: str, key: str, text: str, values: list) -> str:
+        pieces = [p.strip() for p in text.split(",")]
+        if len(pieces) != len(values) or any(c in text for c in "'\"[]{}()$\\"):
+            refuse(arg, key, values)
+        return ",".join(f"'{p}'" if retyped(v) else p for p, v in zip(pieces, values))
+
+    parser = OverridesParser.create()
+    kept = []
+    for arg in overrides:
+        match = re.fullmatch(r"(\+{0,2})([A-Za-z_][\w.-]*)=(.*)", arg, re.S)
+        kind = _string_field(match.group(2)) if match else None
+        if kind is None:
+            kept.append(arg)
+            continue
+        prefix, key, text = match.group(1), match.group(2), match.group(3).strip()
+        try:
+            override = parser.parse_override(arg)
+        except Exception:  # noqa: BLE001  (malformed: Hydra reports it while composing)
+            kept.append(arg)
+            continue
+        value = override.value()
+        if override.value_type == ValueType.ELEMENT and retyped(value):
+            arg = f"{prefix}{key}='{text}'"
+        elif kind == "list" and override.value_type == ValueType.ELEMENT and isinstance(value, list) \
+                and any(map(retyped, value)):
+            if not (text.startswith("[") and text.endswith("]")):
+                refuse(arg, key, value)
+            arg = f"{prefix}{key}=[{quoted_pieces(arg, key, text[1:-1], value)}]"
+        elif isinstance(value, ChoiceSweep) and any(map(retyped, value.list)):
+            if override.value_type != ValueType.SIMPLE_CHOICE_SWEEP:  # choice(...): refused, not parsed here
+                refuse(arg, key, value.list)
+            arg = f"{prefix}{key}={quoted_pieces(arg, key, text, value.list)}"
+        kept.append(arg)
+    return kept
+
+
+def load_recipe(name: str) -> Any:
+    """The ``recipe`` node of ``recipes/<name>.yaml`` over the :class:`RecipeConfig` schema, as
+    ``+recipe=<name>`` composes it: its engine and name are interpolations that honour a
+    top-level ``engine=``.
+
+    Raises:
+        ConfigError: no such recipe, or the file has an unknown key or a value of the wrong type
+            (the message names the file and the key).
+    """
+    from omegaconf.errors import OmegaConfBaseException
+
+    recipe_file = Path(RECIPES_DIR) / f"{name}.yaml"
+    if not recipe_file.is_file():
+        known = ", ".join(sorted(p.stem for p in Path(RECIPES_DIR).glob("*.yaml")))
+        raise ConfigError(f"no recipe {name!r} in {RECIPES_DIR}; the recipes are {known}")
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.load(recipe_file))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"recipe file {recipe_file}: {err}".replace("\n", " ")) from err
+    engine = OmegaConf.to_container(node, resolve=True)["engine"]
+    node.engine = f"${{recipe_engine:{engine}}}"
+    node.name = f"${{recipe_name:{node._get_node('name')._value()},{engine}}}"
+    return node
+
+
+def config_groups() -> dict[str, list[str]]:
+    """Every config group and its options: the folders of ``conf/`` and ``recipe`` (the files of
+    ``recipes/``), e.g. ``{"data": ["alpaca", "chat", ...], "recipe": ["3d", "auto", ...]}``."""
+    from llmtrain.common.paths import CONF_DIR
+
+    groups = {d.name: sorted(f.stem for f in d.glob("*.yaml")) for d in Path(CONF_DIR).iterdir() if d.is_dir()}
+    groups["recipe"] = sorted(f.stem for f in Path(RECIPES_DIR).glob("*.yaml"))
+    return groups
+
+
+def check_overrides(args: list[str]) -> None:
+    """Check command-line overrides against the schema and the config groups before Hydra
+    composes, so that a misspelt field (``trainer.max_step=10``, ``data.colums.text=content``)
+    or option (``data=alpacca``, ``+recipe=zero4``) gets one line naming the closest one, as
+    :func:`check_known_keys` gives for ``+key=value``, instead of Hydra's composition error and
+    its advice to append with ``+``. Hydra's own flags (``--cfg job``), ``hydra.*`` and
+    ``hydra/...`` overrides, deletions (``~key``) and keys inside free-form mappings
+    (``model.architecture.*``) pass through; malformed overrides are left to Hydra's parser.
+
+    Raises:
+        ConfigError: naming the override and the closest field or option.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    parser = OverridesParser.create()
+    overrides = []
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg or arg.startswith("~"):
+            continue
+        try:
+            overrides.append((arg, parser.parse_override(arg)))
+        except Exception:  # noqa: BLE001  (malformed: Hydra's parser reports it, with its grammar)
+            continue
+    groups = config_groups()
+    if any(a in ("--config-dir", "-cd") or a.startswith("--config-dir=") for a in args):
+        groups = {}  # options from a folder of the user's: Hydra names what it cannot find
+    for _, override in overrides:  # hydra.searchpath=[file://DIR]: DIR's groups add options
+        if override.key_or_group != "hydra.searchpath":
+            continue
+        entries = override.value() or []
+        for entry in entries if isinstance(entries, list) else [entries]:
+            if not str(entry).startswith("file://"):
+                groups = {}  # pkg:// and the like: not read here
+                break
+            for folder in Path(str(entry)[len("file://"):]).glob("*/"):
+                groups[folder.name] = sorted(set(groups.get(folder.name, [])) | {f.stem for f in folder.glob("*.yaml")})
+    selected = set()
+    for arg, override in overrides:
+        key = override.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or override.package is not None:
+            continue
+        if key in groups:
+            selected.add(key)
+            value = override.value()
+            if not isinstance(value, (str, ChoiceSweep)) or (isinstance(value, ChoiceSweep) and
+                                                            not all(isinstance(v, str) for v in value.list)):
+                continue  # glob(...), range(...), null: Hydra expands or refuses them
+            chosen = value.list if isinstance(value, ChoiceSweep) else [value]
+            for option in chosen:
+                if option is not None and str(option) not in groups[key]:
+                    close = difflib.get_close_matches(str(option), groups[key], n=1, cutoff=0.5)
+                    hint = f"did you mean {close[0]}? " if close else ""
+                    raise ConfigError(f"{arg}: {option!r} is not an option of group {key}: {hint}the options are "
+                                      f"{', '.join(groups[key])} (`python -m llmtrain --help` lists every group)")
+            continue
+        # Through Optional and list elements (data.datasets.0.path); keys inside a free-form
+        # mapping (model.architecture.*) are the user's.
+        hint, depth, fields = _walk_schema(key, through_containers=True)
+        if hint is _NOT_IN_SCHEMA:
+            parts = key.split(".")
+            prefix = ".".join(parts[:depth])
+            raise _unknown_key(".".join(parts[:depth + 1]), f"{prefix}." if prefix else "", fields)
+    for arg, override in overrides:
+        if override.key_or_group.startswith("peft.") and "peft" not in selected:
+            raise ConfigError(f"{arg}: no peft method is selected; add +peft=lora (the fields are those of "
+                              "conf/peft/lora.yaml)")
+
+
+def run_dir_of(cfg: Any) -> Path:
+    """The folder a run writes to: ``cfg.run_dir``, or under ``-m`` the sweep job's own folder
+    (``hydra.sweep.dir/hydra.sweep.subdir``, which Hydra resolves per job)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return Path(HydraConfig.get().runtime.output_dir)  # one folder per sweep job
+    return Path(cfg.run_dir)

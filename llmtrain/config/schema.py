@@ -1,0 +1,548 @@
+"""The typed schema of a run's config: dataclasses registered in Hydra's ConfigStore (by
+:func:`llmtrain.config.compose.register_configs`), so a wrong type or an unknown key fails while
+Hydra composes, naming the key; the names each field may take; and the resolvers its
+interpolations use (``recipe.engine``, ``recipe.name``, a sweep job's folder name).
+
+Imports nothing of llmtrain: the cross-field checks are :mod:`llmtrain.config.validate`'s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING, OmegaConf
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+CP_STYLES = ("ulysses", "ring")
+# Attention implementations the context-parallel attention replaces (it computes softmax
+# attention itself; a kernel with its own masking or state cannot be swapped under it).
+CP_REPLACEABLE_ATTENTION = ("sdpa", "eager")
+# Tensor-parallel styles a ``model.tp_plan`` may name (applied by llmtrain.parallel.parallelize).
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "colwise_rep", "embedding_rowwise",
+             "replicated_with_grad_allreduce")
+# ``tracker.backends`` names (llmtrain.monitoring.tracking; metrics.jsonl is always written).
+TRACKER_BACKENDS = ("wandb", "tensorboard", "mlflow")
+
+
+@dataclass
+class ModelConfig:
+    """Which causal LM to train and where its weights and tokenizer come from.
+
+    ``source``:
+      * ``config``: random init from ``architecture`` (a ``transformers`` config as a dict; it
+        must name ``model_type``). Under ZeRO-3 the model is built already partitioned.
+      * ``pretrained``: ``AutoModelForCausalLM.from_pretrained(path)``; ``path`` is a local folder
+        (or a hub id, which needs network access).
+      * ``gguf``: a GGUF file, dequantized by ``transformers``; the file is ``path/gguf_file`` or,
+        when ``gguf_package`` is set, ``gguf_file`` inside that installed Python package.
+    ``tokenizer``: ``byte`` (a built-in byte-level tokenizer that needs no download) or ``model``
+    (the tokenizer stored with the weights) or a path to a tokenizer folder.
+    ``tp_plan``: tensor-parallel plan ``{module path: colwise|rowwise|colwise_gather_output|
+    embedding_rowwise}`` with paths as in the causal LM's ``named_modules()`` (``*`` = any layer
+    index, e.g. ``model.layers.*.self_attn.q_proj``) for families whose transformers config has
+    none; unset (default): the model's own plan.
+    ``freeze``: parameter-name patterns (``fnmatch``, e.g. ``model.embed_tokens.*``) kept frozen
+    in full fine-tuning: they get no gradient and no optimizer state, and checkpoints store only
+    the trainable parameters (the frozen ones come from the source again on resume).
+
+    Mixture-of-experts models (:mod:`llmtrain.models.moe`): ``experts_implementation`` is
+    ``transformers``' switch for the routed experts (``grouped_mm``: one grouped matmul over all
+    experts; ``batched_mm``: gathered per-token weights; ``eager``: a loop over the experts that
+    got tokens; unset: transformers' default, ``grouped_mm`` where it can run).
+    ``router_aux_loss_coef``: weight of the load-balancing loss (Switch Transformer, Fedus et al.
+    2021, eqs. 4-6) added per micro-batch; unset: the model config's ``router_aux_loss_coef``.
+    ``moe_capacity_factor``: 0 = dropless; > 0 = each expert takes at most ``ceil(factor x
+    tokens x k / E)`` assignments of a forward's tokens, the rest are dropped and counted.
+    """
+
+    name: str = MISSING
+    source: str = "config"
+    path: Optional[str] = None
+    gguf_file: Optional[str] = None
+    gguf_package: Optional[str] = None
+    architecture: Dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = "model"
+    attn_implementation: str = "sdpa"
+    tp_plan: Optional[Any] = None  # Any: a dict override must replace, not merge into, the field
+    freeze: List[str] = field(default_factory=list)
+    experts_implementation: Optional[str] = None
+    router_aux_loss_coef: Optional[float] = None
+    moe_capacity_factor: float = 0.0
+
+
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning through the ``peft`` library (``+peft=lora``).
+
+    LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022, section
+    4.1): each targeted Linear ``W`` (out x in) gains ``B A`` with ``A`` (r x in) and ``B``
+    (out x r), scaled by ``alpha / r`` (``use_rslora``: ``alpha / sqrt(r)``, Kalajdzievski 2023).
+    ``B`` starts at zero, so training starts from the base model exactly. The base weights are
+    frozen: they carry no gradient and no optimizer state, and checkpoints store only the
+    trainable parameters (plus a fingerprint of the base weights).
+
+    ``target_modules``: module-name suffixes (``[q_proj, v_proj]``) or ``all-linear`` (default:
+    every Linear of the decoder layers, i.e. the attention and MLP projections, not the output
+    head; a mixture of experts' routers are left out, its shared experts are Linear layers).
+    ``target_parameters``: parameter names (suffixes) of non-Linear weights to adapt, peft's
+    ``target_parameters``: a mixture of experts' 3-D expert tensors
+    (``[mlp.experts.gate_up_proj, mlp.experts.down_proj]``), one low-rank update per expert. ``modules_to_save``: modules trained in full besides the adapters (``[lm_head]`` after
+    adding tokens). ``bias``: ``none``, ``all`` or ``lora_only`` biases trained.
+
+    Selecting ``+peft=lora`` also sets ``trainer.lr`` to 2e-4, LoRA's usual rate (``conf/peft/lora.yaml``
+    is a ``_global_`` package applied after the trainer group); a ``trainer.lr`` override still wins.
+    """
+
+    method: str = "lora"
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: Any = "all-linear"  # a list of names or the string all-linear
+    target_parameters: List[str] = field(default_factory=list)
+    modules_to_save: List[str] = field(default_factory=list)
+    bias: str = "none"
+    use_rslora: bool = False
+    use_dora: bool = False
+
+
+DATA_FORMATS = ("text", "instruction", "alpaca", "chat", "prompt_completion", "tokens", "preference", "kto")
+# Older spellings of a format: same records, same samples.
+FORMAT_ALIASES = {"alpaca": "instruction"}
+
+
+def canonical_format(fmt: str) -> str:
+    """``data.format`` with aliases resolved (``alpaca`` -> ``instruction``)."""
+    return FORMAT_ALIASES.get(fmt, fmt)
+# Record fields each format reads; data.columns maps them to a file's own column names.
+FORMAT_COLUMNS = {
+    "text": ("text",),
+    "instruction": ("instruction", "input", "output"),
+    "chat": ("messages", "conversations"),
+    "prompt_completion": ("prompt", "completion"),
+    "tokens": (),
+    "preference": ("prompt", "chosen", "rejected", "margin"),
+    "kto": ("prompt", "completion", "label"),
+}
+
+
+@dataclass
+class ColumnsConfig:
+    """The file's column for each field a format reads (null: the field's own name), e.g.
+    ``data.columns.text=content`` or ``data.columns.messages=dialog``."""
+
+    text: Optional[str] = None
+    instruction: Optional[str] = None
+    input: Optional[str] = None
+    output: Optional[str] = None
+    messages: Optional[str] = None
+    conversations: Optional[str] = None
+    prompt: Optional[str] = None
+    completion: Optional[str] = None
+    chosen: Optional[str] = None
+    rejected: Optional[str] = None
+    margin: Optional[str] = None
+    label: Optional[str] = None
+
+
+def mapped_columns(columns: Any) -> dict[str, str]:
+    """``{field: column}`` for the fields a source maps (``columns`` as config node or dict)."""
+    items = columns.items() if hasattr(columns, "items") else vars(columns).items()
+    return {k: v for k, v in items if v is not None}
+
+
+@dataclass
+class DataSourceConfig:
+    """One dataset: where its records come from and how to read them (see :class:`DataConfig`)."""
+
+    name: str = MISSING
+    format: str = "text"
+    path: Optional[str] = MISSING
+    glob: str = "**/*.py"
+    subset: Optional[str] = None
+    split: str = "train"
+    revision: Optional[str] = None
+    columns: ColumnsConfig = field(default_factory=ColumnsConfig)
+    chat_layout: str = "auto"
+    max_bytes: Optional[int] = None
+    max_records: Optional[int] = None
+
+
+@dataclass
+class DataConfig(DataSourceConfig):
+    """Training data, read through ``datasets``.
+
+    Sources (``path``): a local file or folder of ``.json``/``.jsonl``/``.parquet``/``.csv``/
+    ``.txt``/``.arrow`` files (``glob`` picks files in a folder), a folder written by
+    ``Dataset.save_to_disk``, or a Hugging Face Hub dataset id with ``subset``, ``split`` and
+    ``revision`` (needs network, or the dataset in the ``datasets`` cache). ``columns`` maps the
+    fields a format reads to the file's names (``columns: {text: content}``). ``text`` with
+    ``path: null`` reads the Python standard library's own source files (on every machine).
+
+    ``format``:
+      * ``text``: documents tokenized, joined with EOS and cut into blocks of ``seq_len`` tokens
+        (``document_masking``: attention and positions restart at each document).
+      * ``instruction`` (alias ``alpaca``): {instruction, input, output} records; the response
+        and its end token are trained, the prompt is not. ``template``: ``chat``/``auto`` (the
+        tokenizer's chat template when it has one), ``alpaca`` (the Stanford Alpaca prompt), or
+        a named template / Jinja file as for ``chat``.
+      * ``chat``: one conversation per record, OpenAI ``messages`` (role/content) or ShareGPT
+        ``conversations`` (from/value), told apart by ``chat_layout`` (``auto``, ``messages``,
+        ``sharegpt``). Rendered with the chat template; every assistant turn and its end-of-turn
+        token are trained. ``template``: ``auto`` (the tokenizer's), ``chatml`` (a built-in
+        template) or a path to a Jinja file.
+      * ``prompt_completion``: {prompt, completion}; the completion and EOS are trained.
+      * ``preference``: preference pairs for ``objective=dpo|simpo|orpo|reward``, TRL's layouts:
+        {prompt, chosen, rejected} as strings or message lists (rendered with the chat
+        template), or implicit prompts ({chosen, rejected} only; the prompt is their shared
+        prefix, as in Anthropic HH-RLHF); optional ``margin`` (reward models). Each sequence
+        (prompt + completion + EOS) is at most ``seq_len`` tokens: a prompt over
+        ``max_prompt_tokens`` keeps its last tokens, then completions are cut from the right;
+        pairs left without a completion token are dropped and counted. Loss on completions only.
+      * ``kto``: unpaired examples for ``objective=kto``: {prompt, completion, label} (strings or
+        message lists; ``label`` a boolean: desirable or not), TRL's unpaired layout, truncated
+        as pairs are. ``objective=kto`` also reads ``preference`` pairs, each as a desirable
+        (chosen) and an undesirable (rejected) example.
+      * ``tokens``: a folder written by ``python -m llmtrain.prepare`` (read by block from disk).
+    ``truncation``: a sample longer than ``seq_len`` is cut (``right``) or dropped (``drop``); a
+    sample left without target tokens is dropped either way. ``packing``: several samples share
+    one row of ``seq_len`` tokens, with positions restarting and attention kept inside each.
+    Mixtures: ``datasets`` (a list of sources) with ``weights``; each global sample index draws
+    its source from the weights and ``trainer.seed``.
+    ``max_bytes`` caps the raw text read from plain-text files at that many bytes in all (null:
+    all; the file the cap falls in is cut at a character boundary; record files are read whole
+    until their sizes reach it); ``max_records`` caps records per source. A mixture's sources read
+    only their own ``data.datasets.N.path`` (a top-level ``data.path`` is refused).
+    ``val_fraction`` of the samples (at least one) is held out for validation, chosen by the seed.
+    ``num_proc``: processes for tokenization (``datasets.map``).
+    """
+
+    name: str = MISSING
+    seq_len: int = 256
+    val_fraction: float = 0.05
+    template: str = "auto"
+    truncation: str = "right"
+    packing: bool = False
+    document_masking: bool = False
+    shuffle: bool = True
+    num_proc: int = 1
+    max_prompt_tokens: Optional[int] = None
+    datasets: List[DataSourceConfig] = field(default_factory=list)
+    weights: List[float] = field(default_factory=list)
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation and the loop's cadence.
+
+    Batch sizes are in samples (sequences). ``global_batch_size`` = ``micro_batch_size`` ×
+    gradient accumulation steps × data-parallel size; the accumulation steps are derived from the
+    other three, so the same config gives the same global batch on any number of ranks.
+    Learning rate: linear warmup over ``warmup_steps`` then cosine decay to
+    ``lr * min_lr_ratio`` at ``max_steps`` (Loshchilov & Hutter, SGDR, 2017, eq. 5).
+    Intervals (``eval_every``, ``save_every``, ``log_every``) are in optimizer steps; 0 = never
+    (a final checkpoint and evaluation are always made); ``save_every_minutes`` adds a
+    wall-clock cadence (default 30: a crash loses at most half an hour; 0 = off). ``keep_checkpoints`` newest complete checkpoints are kept.
+    ``checkpoint_hash``: the completion marker's per-file checksum, ``xxh3`` (XXH3-128: detects
+    corruption at memory speed) or ``sha256`` (cryptographic, slower); either way each rank
+    checksums a share of the files. ``async_checkpoint`` (torch engine): a periodic save copies
+    the state to host memory and writes it in the background while training goes on; the
+    checkpoint counts (completion marker, rename) only once every rank's write has finished,
+    which the ranks agree on in the step's own all-reduce. The final save and a preemption save
+    are always synchronous.
+
+    ``nonfinite``: what a non-finite loss or gradient norm does (checked every step on values every
+    rank already shares, so no extra collective): ``stop`` (default) exits with status 3 naming the
+    step, the value and the last healthy checkpoint, before anything is saved or exported from the
+    bad state; ``skip`` (torch engine) drops that update (parameters and optimizer state unchanged;
+    the step, its samples and the LR schedule still advance) and stops after ``max_skipped_steps``
+    skipped steps in a row. ``spike_factor`` (0 = off, the default): a loss above
+    ``spike_factor`` x the running mean of the healthy steps' losses (exponential moving average,
+    weight 0.1 per step, checked from the 10th healthy step on, carried in checkpoints) counts as
+    a bad step too and gets the same ``nonfinite`` treatment: it guards against the slow
+    divergence that stays finite. Typical values 2-5; a spike at a data-distribution change is a
+    false alarm, so it is off by default.
+
+    ``resume``: ``auto`` (newest complete checkpoint of ``run_dir``, else a fresh start), ``never``
+    (fresh start; refuses a ``run_dir`` that already holds checkpoints), a checkpoint folder, or a
+    step number of this run. ``preempt_signal``: besides SIGTERM and SIGINT, the signal that
+    asks for a save-and-exit at the next step boundary (SLURM: ``--signal=USR1@120``).
+    ``peak_tflops``: one device's peak dense TFLOP/s for ``perf/mfu`` (0 = from the table of
+    accelerators in :mod:`llmtrain.planning.flops` by device name; CPUs report ``perf/tflops_per_device``
+    only).
+
+    ``eval_tasks``: lm-evaluation-harness tasks (``hh_local``, ``alpaca_local`` from ``conf/eval``,
+    the YAML folders in ``eval_tasks_include``, or the harness's own) scored on the checkpoint
+    of every ``eval_tasks_every`` steps (those steps are then checkpoint steps; 0 = the last step
+    only), each in its own process (:mod:`llmtrain.evaluation.in_loop`); training goes on meanwhile
+    unless ``eval_tasks_async=false``. ``eval_tasks_limit``: documents per task (all when unset);
+    ``eval_tasks_device``: where the evaluation runs (default: rank 0's device).
+    """
+
+    seed: int = 1234
+    max_steps: int = 200
+    global_batch_size: int = 16
+    micro_batch_size: int = 8
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    precision: str = "fp32"
+    activation_checkpointing: bool = False
+    # > 0: the output layer and loss run over this many tokens at a time, recomputed in backward,
+    # so the [tokens, vocab] logits never exist whole (llmtrain.models.chunked_loss); 0 = plain logits.
+    loss_chunk_tokens: int = 0
+    # Build the layout on dry_run_world_size ranks (None: the launch's) on the fake process
+    # group, print each rank's shards and exit without training (llmtrain.planning.dry_run).
+    dry_run: bool = False
+    dry_run_world_size: Optional[int] = None
+    eval_every: int = 50
+    eval_samples: int = 64
+    log_every: int = 1
+    save_every: int = 0
+    save_every_minutes: float = 30.0
+    keep_checkpoints: int = 3
+    checkpoint_hash: str = "xxh3"
+    async_checkpoint: bool = False
+    resume: str = "auto"
+    preempt_signal: Optional[str] = "SIGUSR1"
+    # Hang watchdog (llmtrain.monitoring.watchdog): ranks at different steps/phases, none moving for this many seconds,
+    # dump their stacks to run_dir/hang-<time>/ and exit with status 4; 0 = off (off for one process).
+    hang_timeout_s: float = 300.0
+    nonfinite: str = "stop"
+    max_skipped_steps: int = 5
+    spike_factor: float = 0.0
+    export_hf: bool = True
+    export_merged: bool = False
+    progress_bar: bool = True
+    peak_tflops: float = 0.0
+    eval_tasks: List[str] = field(default_factory=list)
+    eval_tasks_every: int = 0
+    eval_tasks_async: bool = True
+    eval_tasks_limit: Optional[float] = None
+    eval_tasks_batch_size: int = 8
+    eval_tasks_device: Optional[str] = None
+    eval_tasks_include: List[str] = field(default_factory=list)
+    eval_tasks_bootstrap_iters: int = 1000
+
+
+@dataclass
+class TrackerConfig:
+    """Experiment tracking. ``backends``: any of ``wandb``, ``tensorboard`` (event files in
+    ``run_dir/tensorboard``; needs the ``tensorboard`` package, ``pip install llmtrain[tracking]``);
+    ``metrics.jsonl`` is always written. ``wandb_mode``: ``auto`` (online when an API key is
+    configured, else offline), ``online``, ``offline`` or ``disabled``. ``mlflow``: a tracking
+    server at ``mlflow_uri`` (``http://host:5000``) or a local store (default: a SQLite file in
+    the run directory), experiment ``mlflow_experiment`` (default: ``project``). ``on_error``:
+    ``raise`` (a backend that cannot start, e.g. an unreachable server, is an error before
+    training) or ``warn`` (train without it). A backend failing mid-run is always dropped with a
+    warning. ``report``: write ``report.png`` and ``report.md`` (:mod:`llmtrain.report`) into the
+    run directory when a run ends (``python -m llmtrain.report RUN_DIR`` does it at any time)."""
+
+    backends: List[str] = field(default_factory=lambda: ["wandb"])
+    wandb_mode: str = "auto"
+    mlflow_uri: Optional[str] = None
+    mlflow_experiment: Optional[str] = None
+    on_error: str = "raise"
+    project: str = "llmtrain"
+    entity: Optional[str] = None
+    run_name: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    report: bool = True
+
+
+@dataclass
+class RecipeConfig:
+    """A parallelism recipe: what to shard and how, independent of the model.
+
+    ``engine``: ``torch`` (torch-native: DDP, FSDP2, tensor and pipeline parallel) or
+    ``deepspeed``. ``zero_stage``: 0-3 as in Rajbhandari et al., "ZeRO" (SC'20), section 5:
+    1 partitions optimizer state, 2 also gradients, 3 also parameters. On the torch engine
+    stage 0 replicates (DDP), 1 and 2 run FSDP2 keeping parameters gathered between forward and
+    backward (``reshard_after_forward=False``; FSDP2 has no optimizer-only sharding, so stage 1
+    also shards gradients), 3 runs FSDP2 full shard. Offload (Ren et al., "ZeRO-Offload",
+    ATC'21) moves optimizer state (stage >= 1) and parameters (stage 3) to CPU memory; FSDP2
+    offloads both together (``CPUOffloadPolicy``).
+
+    Degrees (torch engine): ``dp_replicate`` x ``dp_shard`` x ``tp`` x ``pp`` = world size, one
+    of them may be -1 (= the rest). Unset data-parallel degrees follow ``zero_stage``: stage 0
+    replicates over every data-parallel rank, stages 1-3 shard over them (HSDP = both set). ``tp`` shards attention heads and MLP columns (Shoeybi et
+    al., "Megatron-LM", 2019, section 3); ``pp`` splits the decoder layers into stages run by
+    ``pp_schedule`` (``gpipe``: Huang et al. 2019; ``1f1b``: Narayanan et al., "PipeDream-Flush",
+    2021; ``interleaved_1f1b``: Narayanan et al., SC'21, section 2.2, with
+    ``pp_stages_per_rank`` > 1 virtual stages per rank).
+    """
+
+    # Interpolations resolved at composition (see _register_resolvers): a top-level ``engine=``
+    # shows in ``--cfg job --resolve`` exactly as the run uses it.
+    name: str = "${recipe_name:default,torch}"
+    engine: str = "${recipe_engine:torch}"
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    overlap_comm: bool = False
+    # DeepSpeed communication sizes in elements; None = derived from the model's hidden size
+    # (llmtrain.engine.deepspeed_engine.communication_sizes).
+    reduce_bucket_size: Optional[int] = None
+    allgather_bucket_size: Optional[int] = None
+    prefetch_bucket_size: Optional[int] = None
+    param_persistence_threshold: Optional[int] = None
+    # ZeRO-3's memory/traffic trade-off: gathered elements kept alive, and the reuse distance
+    # (in parameters) within which a gathered parameter is kept for its backward use. None =
+    # DeepSpeed's 1e9: a model under ~1e9 parameters stays gathered from forward to backward
+    # (2Ψ per step instead of ZeRO-3's 3Ψ, at the memory of unsharded parameters); set 0 for
+    # the paper's 3Ψ with parameters sharded between uses.
+    max_live_parameters: Optional[int] = None
+    max_reuse_distance: Optional[int] = None
+    # ZeRO-1/2 gradient reduction: false = each gradient slice is reduced to the rank that owns
+    # it (the ZeRO paper's reduce-scatter volume, Ψ per step); true = DeepSpeed's default, a
+    # full all-reduce of every bucket (2Ψ) then each rank keeps its slice.
+    multi_rank_bucket_allreduce: bool = False
+    dp_replicate: Optional[int] = None
+    dp_shard: Optional[int] = None
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = 1
+    # Pipeline steps are right-padded to their longest micro-batch rounded up to this many tokens
+    # (at most data.seq_len): fewer padded tokens vs fewer distinct shapes (one schedule each).
+    pp_pad_multiple: int = 64
+    # Context parallel: each sequence split over cp ranks (never derived), attention by
+    # cp_style (ulysses | ring; llmtrain.parallel.context_parallel).
+    cp: int = 1
+    cp_style: str = "ulysses"
+    # Expert parallel (mixture-of-experts models, torch engine): each MoE layer's experts split
+    # over ep ranks of dp_shard, tokens dispatched and combined by all-to-all
+    # (llmtrain.parallel.expert_parallel); the other dp_shard / ep ranks FSDP-shard each expert.
+    ep: int = 1
+    # Megatron-LM sequence parallelism inside tensor parallelism (torchtitan's default with TP):
+    # norms and the residual stream sharded along the sequence between the TP blocks.
+    tp_sequence_parallel: bool = False
+    compile: bool = False
+    # +recipe=auto: llmtrain.plan picks the recipe (and micro-batch, activation checkpointing)
+    # that fits device_memory ("80GiB"; None = the device's own) less memory_margin.
+    auto: bool = False
+    device_memory: Optional[str] = None
+    memory_margin: float = 0.1
+
+
+# torch.distributed's collective timeout (llmtrain.parallel.distributed.init_distributed): a hang watchdog
+# must fire before it.
+PROCESS_GROUP_TIMEOUT_S = 600.0
+
+
+@dataclass
+class ObjectiveConfig:
+    """The training objective (``objective=NAME``; :mod:`llmtrain.objectives`).
+
+    Attributes:
+        name: a built-in objective: ``causal_lm`` (next-token cross-entropy over target tokens),
+            ``dpo``, ``simpo``, ``orpo`` (preference pairs, ``data.format=preference``), ``kto``
+            (unpaired examples, ``data.format=kto``, or pairs) or ``reward`` (a
+            sequence-classification head on pairs); or the label of ``target``.
+        target: ``"module:Class"`` of your own :class:`llmtrain.objectives.Objective` subclass
+            (importable on every rank); built with this section.
+        beta: the preference losses' temperature: DPO's β (Rafailov et al. 2023, eq. 7; 0.1), IPO's
+            τ (Azar et al. 2023, eq. 17), SimPO's β (Meng et al. 2024, eq. 6; 2.0 in
+            ``objective=simpo``), ORPO's λ weighting the odds-ratio term (Hong et al. 2024, eq. 6;
+            0.1, TRL's ``beta``).
+        loss_type: DPO's pairwise loss: ``sigmoid`` (DPO eq. 7), ``ipo`` (IPO eq. 17 on length-
+            normalised log-ratios, as TRL), ``hinge`` (SLiC-HF, Zhao et al. 2023, eq. 1) or
+            ``robust`` (Chowdhury et al. 2024, eq. 6, with ``label_smoothing`` the flip rate).
+        label_smoothing: ε, the assumed rate of flipped preference labels: conservative DPO
+            (Mitchell 2023) under ``sigmoid`` (and SimPO), robust DPO under ``robust``; in [0, 0.5).
+        gamma: SimPO's target reward margin γ (eq. 6; 1.0, the paper's γ/β = 0.5 at β = 2).
+        desirable_weight, undesirable_weight: KTO's λ_D and λ_U (Ethayarajh et al. 2024, eq. 8;
+            1.0 each; the paper's rule: λ_D n_D / (λ_U n_U) in [1, 4/3]).
+        nll_on_prompt: ORPO's SFT term over the whole chosen sequence, prompt included (true, as
+            the authors' code and TRL), or over its completion only (false).
+        margin_column: reward models: subtract the record's ``margin`` column from the score
+            difference (Llama 2, Touvron et al. 2023, eq. 2); needs the column in the data.
+        center_coefficient: reward models: weight of the centering term (r_w + r_l)²
+            (Eisenstein et al. 2023; TRL's ``center_rewards_coefficient``); 0 = off.
+        reference: the frozen reference policy of ``dpo``: ``auto`` (with ``+peft=lora`` the base
+            model with adapters disabled, no second copy; otherwise ``copy``), ``copy`` (a frozen
+            copy of the initial weights laid out like the policy) or ``adapters_disabled``.
+        precompute_reference: one pass over the training and validation pairs before step 1
+            stores the reference log-probs in ``run_dir/reference_logps.safetensors`` (kept for
+            resume); each step then runs one model.
+    """
+
+    name: str = "causal_lm"
+    target: Optional[str] = None
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    gamma: float = 1.0
+    nll_on_prompt: bool = True
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    margin_column: bool = False
+    center_coefficient: float = 0.0
+    reference: str = "auto"
+    precompute_reference: bool = False
+
+
+@dataclass
+class Config:
+    """The whole run: model × data × parallelism recipe, plus trainer and tracker settings."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    peft: Optional[PeftConfig] = None  # +peft=lora
+    # Overrides recipe.engine: `+recipe=zero3 engine=torch` runs the ZeRO-3 recipe on FSDP2.
+    engine: Optional[str] = None
+    name: str = "${model.name}-${data.name}-${recipe.name}"
+    run_dir: str = "runs/${name}"
+
+
+def _recipe_engine(own: str, _root_: Any) -> str:
+    """``recipe.engine``: the top-level ``engine=`` when given (one ZeRO recipe, either engine),
+    else the recipe file's own."""
+    top = _root_.get("engine") if "recipe" in _root_ else None  # alone, _root_ is the recipe itself
+    return top or own
+
+
+def _recipe_name(name: str, own_engine: str, _parent_: Any) -> str:
+    """``recipe.name``: the file's name, with the engine appended when the recipe runs on another
+    engine than its own (``zero3-torch``), so that run's default run_dir is not the other's."""
+    engine = _parent_.engine
+    return name if engine == own_engine else f"{name}-{engine}"
+
+
+SWEEP_SUBDIR_MAX = 200  # bytes of a sweep job's folder name; file systems allow 255
+
+
+def sweep_subdir(job_num: Any, overrides: str) -> str:
+    """A sweep job's folder name: ``<job number>_<its overrides>`` (``3_trainer.lr=0.001``), with
+    ``/`` made ``_`` (a value with a slash would nest folders) and a name longer than
+    :data:`SWEEP_SUBDIR_MAX` bytes (UTF-8) cut, ending in a hash of the whole name so that it
+    stays unique."""
+    import hashlib
+
+    name = f"{job_num}_{overrides}".rstrip("_").replace("/", "_")
+    if len(name.encode()) > SWEEP_SUBDIR_MAX:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+        kept = name.encode()[:SWEEP_SUBDIR_MAX - 10].decode(errors="ignore")
+        name = f"{kept}..{digest}"
+    return name
+
+
+def _register_resolvers() -> None:
+    for name, resolver in (("recipe_engine", _recipe_engine), ("recipe_name", _recipe_name),
+                           ("sweep_subdir", sweep_subdir)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
+
+
+_register_resolvers()  # at import: every composition (Hydra, compose API, OmegaConf.structured) needs them

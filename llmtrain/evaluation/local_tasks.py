@@ -1,0 +1,120 @@
+"""Documents of the local lm-evaluation-harness tasks shipped in ``conf/eval/`` (their YAMLs
+name these functions as ``custom_dataset: !function llmtrain.evaluation.local_tasks.NAME``), read from files
+on disk: no dataset hub, so they run on an offline machine and in the test suite.
+
+Where the files are: lm-eval passes its ``metadata`` (``--metadata '{"data_dir": DIR}'`` on its
+CLI, ``metadata=`` of ``simple_evaluate``; :mod:`llmtrain.evaluate` passes ``data_dir=``) and the
+task's ``dataset_kwargs`` to these functions as keyword arguments. Without ``data_dir`` the
+folder is ``$LLMTRAIN_DATA_DIR``, else the first of ``./shared/data``, ``../shared/data`` (from
+the working directory) and ``../shared/data`` beside the repository that holds the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from llmtrain.data.formats import alpaca_prompt
+from llmtrain.data.preference import extract_prompt
+from llmtrain.common.errors import DataError
+
+DATA_DIR_ENV = "LLMTRAIN_DATA_DIR"
+
+
+def data_file(name: str, data_dir: str | None = None) -> Path:
+    """The path of data file ``name`` (see the module for where it is looked for).
+
+    Raises:
+        DataError: no such file in any of those places (all listed, with the fix).
+    """
+    if data_dir:
+        places = [Path(data_dir)]
+    elif os.environ.get(DATA_DIR_ENV):
+        places = [Path(os.environ[DATA_DIR_ENV])]
+    else:
+        repo = Path(__file__).resolve().parents[2]
+        places = [Path.cwd() / "shared" / "data", Path.cwd().parent / "shared" / "data", repo.parent / "shared" / "data"]
+    for place in places:
+        if (place / name).is_file():
+            return place / name
+    raise DataError(f"evaluation data file {name} is not in {' or '.join(str(p) for p in places)}; pass its folder "
+                    f"as data_dir=DIR (lm_eval: --metadata '{{\"data_dir\": \"DIR\"}}') or set {DATA_DIR_ENV}=DIR")
+
+
+def _dataset(rows: list[dict], where: Path) -> dict[str, Any]:
+    import datasets
+
+    if not rows:
+        raise DataError(f"{where}: no documents")
+    return {"test": datasets.Dataset.from_list(rows)}
+
+
+def hh_rlhf_pairs(data_file_name: str = "hh_rlhf_harmless_test.jsonl.gz", data_dir: str | None = None,
+                  max_completion_chars: int | None = None, **_: Any) -> dict[str, Any]:
+    """Anthropic HH-RLHF preference pairs as two-choice documents ``{"prompt", "choices":
+    [chosen completion, rejected completion], "label": 0}``: the prompt is the pair's shared
+    prefix (the implicit-prompt layout, split as TRL's ``extract_prompt`` splits it, as
+    llmtrain's preference data does), so the task's accuracy is the share of pairs whose
+    chosen response has the higher log-likelihood (lm-eval's ``acc``; ``acc_norm`` per byte).
+    Pairs with an empty completion are skipped (no continuation to score), and, with
+    ``max_completion_chars``, pairs with a longer completion (the harness keeps a continuation
+    whole, so it must fit the model's context: 1,000 characters fit a byte-level tokenizer at
+    1,024 positions; the shipped task keeps 2,277 of the 2,312 pairs).
+
+    Raises:
+        DataError: the file is missing (:func:`data_file`) or a line is not a pair.
+    """
+    import gzip
+
+    path = data_file(data_file_name, data_dir)
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as file:
+        for number, line in enumerate(file, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                prompt, chosen, rejected = extract_prompt(record["chosen"], record["rejected"])
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise DataError(f"{path} line {number}: not a chosen/rejected pair ({err})") from err
+            if chosen and rejected and (not max_completion_chars
+                                        or max(len(chosen), len(rejected)) <= max_completion_chars):
+                rows.append({"prompt": prompt, "choices": [chosen, rejected], "label": 0})
+    return _dataset(rows, path)
+
+
+def alpaca_responses(data_file_name: str = "alpaca_5000.json", data_dir: str | None = None,
+                     max_completion_chars: int | None = None, **_: Any) -> dict[str, Any]:
+    """Alpaca instruction records as ``{"prompt", "response"}`` documents: the prompt in the
+    Alpaca template llmtrain trains with (``data.template=alpaca``), the reference output as
+    the continuation whose log-likelihood lm-eval scores (per byte, :func:`response_scores`). Records with an empty output are skipped, and with
+    ``max_completion_chars`` those with a longer one (see :func:`hh_rlhf_pairs`; the shipped task
+    keeps 4,884 of 5,000).
+
+    Raises:
+        DataError: the file is missing or is not a JSON list of instruction records.
+    """
+    path = data_file(data_file_name, data_dir)
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+        rows = [{"prompt": alpaca_prompt(r["instruction"].strip(), (r.get("input") or "").strip()),
+                 "response": r["output"].strip()} for r in records
+                if (r.get("output") or "").strip() and len(r["output"].strip()) <= (max_completion_chars or float("inf"))]
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise DataError(f"{path}: not a JSON list of Alpaca records with instruction/output ({err})") from err
+    return _dataset(rows, path)
+
+
+def response_scores(doc: dict, results: list[tuple[float, bool]]) -> dict[str, Any]:
+    """lm-eval ``process_results`` of ``alpaca_local``: from the response's (log-likelihood in
+    nats, is-greedy) pair, per-byte scores that do not depend on the tokenizer, so runs with
+    different tokenizers compare: ``byte_perplexity`` = exp(-sum ll / sum bytes) and
+    ``bits_per_byte`` = -sum ll / (sum bytes x ln 2) over the documents (lm-eval's
+    ``weighted_perplexity`` and ``bits_per_byte`` aggregations of (ll, bytes) pairs), and
+    ``acc``, the share of responses that are the greedy continuation."""
+    loglikelihood, is_greedy = results[0]
+    size = len(doc["response"].encode("utf-8"))
+    return {"byte_perplexity": (loglikelihood, size), "bits_per_byte": (loglikelihood, size), "acc": int(is_greedy)}

@@ -1,0 +1,65 @@
+"""Held-out loss during training: the objective's mean over every rank's validation batches
+(perplexity = exp(loss) for next-token objectives), at ``trainer.eval_every`` steps and at the
+last step, every rank making the same number of forward passes."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from llmtrain.checkpoint.state import TrainState
+from llmtrain.common.labels import IGNORE_INDEX
+from llmtrain.objectives import Objective
+from llmtrain.parallel import distributed
+
+
+@torch.no_grad()
+def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, float]:
+    """Validation loss (the objective's mean over all ranks' batches; for next-token training,
+    mean token CE), perplexity = exp(loss), and the objective's metrics as ``val/NAME``.
+
+    Ranks with fewer batches run forwards on a batch without targets, so every rank makes the
+    same number of forward passes (ZeRO-3 gathers parameters collectively in each one).
+    """
+    objective: Objective = engine.objective
+    engine.train(False)
+    replicas = engine.dims.data_replicas
+    most = distributed.all_reduce_max(torch.tensor(len(batches), device=device))
+    no_targets = {"input_ids": torch.zeros(1, 2, dtype=torch.long), "attention_mask": torch.ones(1, 2, dtype=torch.long),
+                  "labels": torch.full((1, 2), IGNORE_INDEX, dtype=torch.long)}
+    names = objective.metric_names
+    totals = torch.zeros(2 + len(names), dtype=torch.float64, device=device)
+    for batch in list(batches) + [objective.prepare(no_targets)] * (int(most) - len(batches)):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        totals[:-1] += engine.eval_sums(batch)
+        totals[-1] += objective.normaliser(batch).double()
+    distributed.all_reduce_sum(totals)
+    totals /= replicas
+    engine.train(True)
+    normaliser = totals[-1].clamp(min=1)
+    loss = float(totals[0] / normaliser)
+    perplexity = {"val/perplexity": math.exp(min(loss, 50.0))} if objective.reports_perplexity else {}
+    if objective.counted_unit:
+        perplexity[f"val/{objective.counted_unit}"] = int(totals[-1])
+    averaged = objective.average({name: float(totals[1 + k]) for k, name in enumerate(names)}, float(normaliser))
+    return {"val/loss": loss, **perplexity, **{f"val/{name}": value for name, value in averaged.items()}}
+
+
+class Evaluator:
+    """Held-out evaluation at ``trainer.eval_every`` steps and at the last step; its time is
+    added to ``state.eval_s`` (goodput's accounting)."""
+
+    def __init__(self, engine, val_batches: list[dict], device: torch.device, every: int, max_steps: int):
+        self.engine, self.val_batches, self.device = engine, val_batches, device
+        self.every, self.max_steps = every, max_steps
+
+    def should_run(self, step: int) -> bool:
+        return bool(self.every and step % self.every == 0) or step == self.max_steps
+
+    def run(self, state: TrainState) -> dict[str, float]:
+        started = time.perf_counter()
+        metrics = evaluate(self.engine, self.val_batches, self.device)
+        state.eval_s += time.perf_counter() - started
+        return metrics

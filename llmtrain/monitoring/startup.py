@@ -1,0 +1,95 @@
+"""What a run says while it starts: each start-up phase as it begins and its wall time at the
+end (:class:`StartupPhases`), what loading the model and setting up the engine will do, the
+layout's long-context and expert-parallel details, and a partial run's trainable parameters."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from llmtrain.models import adapters
+from llmtrain.parallel.dims import ParallelDims
+
+log = logging.getLogger("llmtrain")
+
+
+class StartupPhases:
+    """Start-up named as it goes: rank 0 logs each phase as it begins (``start-up: model (GGUF:
+    dequantizing …) …``) and, at :meth:`done`, every phase's wall time in seconds, so minutes of
+    loading, tokenizing or compiling are never silent."""
+
+    def __init__(self, on: bool):
+        self.on, self.seconds = on, {}
+        self._current: str | None = None
+        self._began = time.time()
+
+    def begin(self, name: str, detail: str = "") -> None:
+        self._end()
+        self._current, self._began = name, time.time()
+        if self.on:
+            log.info("start-up: %s%s ...", name, f" ({detail})" if detail else "")
+
+    def _end(self) -> None:
+        if self._current is not None:
+            self.seconds[self._current] = self.seconds.get(self._current, 0.0) + time.time() - self._began
+            self._current = None
+
+    def done(self, total_s: float) -> None:
+        self._end()
+        if self.on:
+            log.info("start-up: ready in %.1f s (%s)", total_s,
+                     ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.seconds.items()))
+
+
+def model_detail(model_cfg: Any) -> str:
+    """What loading ``model`` does, for its start-up line."""
+    if model_cfg.source == "gguf":
+        return f"model.source=gguf: reading and dequantizing {model_cfg.gguf_file or 'the GGUF file'}"
+    if model_cfg.source == "pretrained":
+        return f"model.source=pretrained: loading {model_cfg.path}"
+    return "model.source=config: initialised from the seed"
+
+
+def engine_detail(cfg: Any) -> str:
+    """What setting up the engine does, for its start-up line; for DeepSpeed, where its compiled
+    ops are cached (one folder per Python/torch/DeepSpeed version, llmtrain.parallel.distributed) and
+    whether this run compiles them."""
+    if cfg.recipe.engine != "deepspeed":
+        return f"{cfg.recipe.name} on the torch engine"
+    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")).expanduser()
+    built = cache.is_dir() and any(cache.glob("*/*.so"))
+    return (f"DeepSpeed ZeRO-{cfg.recipe.zero_stage}; compiled ops cached in {cache}"
+            + ("" if built else "; this first run with these versions compiles them (1-2 min, once)"))
+
+
+def log_trainable(engine, cfg: Any, dims: ParallelDims, is_main: bool) -> None:
+    """Start-up line of partial training: trainable parameters and their share (as peft's
+    ``print_trainable_parameters`` puts it) and this rank's model-state bytes."""
+    trainable, total = adapters.summary(engine.model)
+    shards = dims.dp if cfg.recipe.zero_stage in (1, 2) else 1
+    frozen_bytes, trainable_bytes = adapters.model_state_bytes(engine.model, shards)
+    if is_main:
+        log.info("trainable params: %s || all params: %s || trainable%%: %.4f; model state on rank 0: frozen "
+                 "%.1f MiB (parameters only) + trainable %.2f MiB (parameters, gradients, Adam moments)",
+                 f"{trainable:,}", f"{total:,}", 100 * trainable / max(1, total), frozen_bytes / 2**20,
+                 trainable_bytes / 2**20)
+
+
+def long_context_detail(cfg: Any, dims: ParallelDims) -> str:
+    """The start-up line's context-parallel, sequence-parallel, chunked-loss and expert-parallel settings."""
+    parts = []
+    if dims.cp > 1:
+        parts.append(f" x cp {dims.cp} ({cfg.recipe.cp_style}; FSDP2 shards over dp_shard x cp = {dims.dp_shard * dims.cp}"
+                     if cfg.recipe.engine == "torch" else f" x cp {dims.cp} ({cfg.recipe.cp_style}; ZeRO over every rank")
+        parts[-1] += ")"
+    if cfg.recipe.get("tp_sequence_parallel"):
+        parts.append(" with sequence parallelism inside tp")
+    if cfg.trainer.get("loss_chunk_tokens"):
+        parts.append(f"; loss in chunks of {cfg.trainer.loss_chunk_tokens} tokens")
+    if dims.ep > 1:
+        parts.append(f"; experts split over ep {dims.ep} ranks of dp_shard (all-to-all), each FSDP-sharded over the "
+                     f"other {dims.dp_replicate * dims.dp_shard // dims.ep}")
+    return "".join(parts)

@@ -1,0 +1,138 @@
+"""Model FLOPs per token, achieved TFLOP/s and model FLOPs utilisation (MFU).
+
+MFU follows Chowdhery et al., "PaLM" (2022), appendix B: the FLOPs the model needs per token,
+whatever the implementation recomputes (activation checkpointing does not count), times the
+tokens per second, over the accelerators' peak. For a mixture of experts the parameters are
+those a token passes through (its *active* parameters: Fedus et al., "Switch Transformers",
+2021, section 2; DeepSeek-V3's and Qwen3's "activated parameters"): every dense weight, the
+router, shared experts, and k of the E routed experts per MoE layer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from llmtrain.models.build import parameter_numel
+
+# Dense peak TFLOP/s per device, by precision (vendor data sheets, without sparsity). fp32 runs on
+# NVIDIA use TF32 tensor cores for matmuls (torch's default allows it for convolutions only, but
+# the peak is the honest ceiling); keys are matched against torch.cuda.get_device_name().
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "B200": {"bf16": 2250.0, "fp32": 1100.0},
+    "H200": {"bf16": 989.4, "fp32": 494.7},
+    "H100 SXM": {"bf16": 989.4, "fp32": 494.7},
+    "H100 80GB HBM3": {"bf16": 989.4, "fp32": 494.7},  # the SXM part's device name
+    "H100 NVL": {"bf16": 835.0, "fp32": 417.5},
+    "H100 PCIe": {"bf16": 756.5, "fp32": 378.0},
+    "A100": {"bf16": 312.0, "fp32": 156.0},
+    "L40S": {"bf16": 362.0, "fp32": 183.0},
+    "A10G": {"bf16": 70.0, "fp32": 35.0},
+    "MI300X": {"bf16": 1307.4, "fp32": 653.7},
+    "MI250X": {"bf16": 383.0, "fp32": 95.7},
+}
+
+
+def peak_tflops(device: torch.device, precision: str, configured: float = 0.0) -> float | None:
+    """Peak dense TFLOP/s of one ``device`` at ``precision`` (``bf16``/``fp32``): ``configured``
+    when > 0 (``trainer.peak_tflops``), else the table entry matching the CUDA/ROCm device name,
+    else None (CPUs and unknown accelerators: MFU is not reported)."""
+    if configured > 0:
+        return float(configured)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
+        if re.search(re.escape(key), name, re.IGNORECASE):
+            return PEAK_TFLOPS[key][precision]
+    return None
+
+
+def parameter_counts(hf_config: Any) -> tuple[int, int]:
+    """(all parameters, input-embedding parameters) of the model ``hf_config`` describes,
+    counted on the meta device (no memory, any size). Tied input/output embeddings count once
+    in the first figure."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    return total, embedding
+
+
+def active_parameters(hf_config: Any, total: int | None = None) -> tuple[int, int]:
+    """(parameters, parameters one token passes through) of the model ``hf_config`` describes:
+    equal for a dense model; for a mixture of experts the second counts k / E of the routed
+    experts (:class:`llmtrain.models.moe.MoeShape`), e.g. Qwen3-30B-A3B's 30.5 B and 3.3 B.
+    ``total``: :func:`parameter_counts`' first figure when the caller has it (one meta build fewer)."""
+    from llmtrain.models.moe import moe_shape
+
+    if total is None:
+        total, _ = parameter_counts(hf_config)
+    shape = moe_shape(hf_config)
+    if shape is None:
+        return total, total
+    return total, total - shape.routed_params + shape.active_routed_params
+
+
+def flops_per_token(hf_config: Any, seq_len: int, frozen: int = 0, adapter: int = 0) -> float:
+    """Training FLOPs per token of a decoder-only transformer (PaLM, appendix B):
+    ``6 N + 12 L H Q T``, with N the parameters that take part in matmuls (all but the input
+    embedding lookup, which costs no FLOPs; a tied output projection still multiplies, so it
+    counts), L layers, H attention heads of size Q, T = ``seq_len`` (the attention score and
+    value products, forward and backward).
+
+    Mixture of experts: N counts the active parameters (:func:`active_parameters`): k of the E
+    routed experts of each MoE layer, the router and shared experts in full.
+
+    Partial training (LoRA, ``model.freeze``): a frozen weight still costs its forward (2 FLOPs
+    per parameter per token) and the gradient with respect to its input (2), only not its own
+    weight gradient (2): ``frozen`` of the N count 4 instead of 6. ``adapter``: parameters added
+    to the base model (LoRA's A and B), trained, 6 each. Both as a token sees them (active
+    parameters, :func:`partial_training_counts`).
+
+    Returns:
+        FLOPs per token (a multiply-add is 2 FLOPs).
+    """
+    total, embedding = parameter_counts(hf_config)
+    _, active = active_parameters(hf_config, total)
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    matmul = active - embedding + (embedding if tied else 0)  # a tied lm_head is still a matmul
+    layers = int(hf_config.num_hidden_layers)
+    heads = int(hf_config.num_attention_heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+    attention = 12 * layers * heads * head_dim * seq_len
+    return float(6 * (matmul + adapter) - 2 * min(frozen, matmul) + attention)
+
+
+def partial_training_counts(model: torch.nn.Module) -> tuple[int, int]:
+    """(frozen matmul parameters, adapter parameters) of a LoRA / ``model.freeze`` model, for
+    :func:`flops_per_token`. Counts global sizes under ZeRO-3 and FSDP2; the input embedding
+    table is left out unless it is tied to the output projection. Routed experts' weights (and
+    adapters on them) count k / E, as a token sees them."""
+    from llmtrain.models.moe import num_experts_of
+
+    embedding = model.get_input_embeddings().weight
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    experts = num_experts_of(model.config)
+    routed_share = (getattr(model.config, "num_experts_per_tok", experts) / experts) if experts else 1.0
+    frozen = adapter = 0
+    for name, param in model.named_parameters():
+        numel = parameter_numel(param)
+        if experts and ".experts." in name:
+            numel = int(numel * routed_share)
+        if "lora_" in name:
+            adapter += numel
+        elif not param.requires_grad and (param is not embedding or tied):
+            frozen += numel
+    return frozen, adapter
+
+
+def achieved(tokens_per_s: float, flops_per_token: float, world_size: int, peak: float | None) -> dict[str, float]:
+    """``perf/tflops_per_device`` (model TFLOP/s per device: the global rate over the world
+    size) and, when ``peak`` (TFLOP/s per device) is known, ``perf/mfu`` (a fraction)."""
+    tflops = tokens_per_s * flops_per_token / world_size / 1e12
+    return {"perf/tflops_per_device": tflops, **({"perf/mfu": tflops / peak} if peak else {})}

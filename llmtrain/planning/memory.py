@@ -1,0 +1,521 @@
+"""Memory plans: per-rank bytes of a recipe's layout on N ranks, from the model's config alone
+(built on the meta device; one and two decoder layers run under ``FakeTensorMode`` at the run's
+micro-batch shape for the bytes saved for backward), and their table.
+
+Accounting (bytes per rank; n = parameters the rank holds before data-parallel sharding, i.e.
+after the tensor-parallel split and its pipeline stage's share; d = data-parallel shard degree):
+
+- torch engine, ``zero_stage`` 0 (DDP, TP, PP): parameters 4n, gradients 4n (DDP's buckets are
+  the gradients, ``gradient_as_bucket_view``), AdamW 8n (two fp32 moments). FSDP2 (stage 3):
+  each / d, plus the all-gathered largest unit twice (current and prefetched) in the compute
+  dtype and its fp32 gradient before the reduce-scatter. Stages 1-2 on FSDP2 keep every unit
+  gathered from forward to backward (``reshard_after_forward=False``). With gradient
+  accumulation, FSDP2 keeps every unsharded fp32 gradient from the first micro-batch's backward
+  to the last one's reduce-scatter (4n, of which the sharded 4n / d replaces a share), and DDP
+  holds no_sync's gradients beside its buckets (4n).
+- DeepSpeed (ZeRO, Rajbhandari et al. SC'20 section 5.1): working parameters 2n (bf16) or 4n
+  (fp32), / d at stage 3; fp32 gradients n (stage 1) or n / d (stages 2-3); an fp32 master
+  partition 4n / d (DeepSpeed keeps it even in fp32 runs, a second copy of the weights); AdamW
+  8n / d. Temporaries: the reduce and all-gather buckets, and at stage 3 the gathered parameters
+  (up to ``max_live_parameters``, DeepSpeed's default 1e9 elements) and the prefetch bucket.
+  Offload moves the optimizer state and master (and the parameter partition, and at stage 3
+  the gradient partition, twice) to host memory.
+- Activations: bytes saved for backward per decoder layer (measured under FakeTensorMode on a
+  layer with the tensor-parallel rank's share of heads and MLP width), times the stage's layers,
+  plus the embedding and the loss (logits); with activation checkpointing, each layer keeps
+  its input and one layer is recomputed at a time. A pipeline's first stage holds ``pp``
+  micro-batches in flight under 1F1B and all of them under GPipe (Narayanan et al. SC'21,
+  section 2.2).
+- Context parallel (``recipe.cp``): a rank holds seq_len / cp tokens of each row, so its layers
+  are measured at that length and its logits are its tokens'. Both attention styles save what
+  ``sdpa`` saves at that length (Ulysses: whole rows of heads / cp; ring on CPU: the flash
+  kernel's output and log-sum-exp per block; on other devices ring falls back to plain tensor
+  ops that keep (T/cp)^2 scores per head and block, which the plan does not count: use Ulysses
+  there). FSDP2 shards over dp_shard x cp.
+- Tensor-parallel sequence parallelism (``recipe.tp_sequence_parallel``): what a layer's norms
+  save (measured apart) and each layer's checkpointed input are 1/tp; the blocks' all-gathered
+  inputs are saved whole, as torch's ``SequenceParallel`` styles keep them.
+- Chunked loss (``trainer.loss_chunk_tokens``): the output layer is measured as it runs (saving
+  hidden states and a log-sum-exp per token), and the logits temporary is one chunk's.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from llmtrain.config.validate import PREFERENCE_OBJECTIVES, validate_chunked_loss, validate_context_parallel, validate_objective
+from llmtrain.common.errors import ConfigError
+from llmtrain.parallel.context_parallel import check_model
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts (elements) of a causal LM, from a meta-device build.
+
+    ``tp_sharded``: elements of one decoder layer in modules the tensor-parallel plan splits;
+    ``embedding_tp`` / ``head_tp``: whether the plan splits the embedding / the output head.
+    """
+
+    total: int
+    embedding: int
+    head: int  # 0 when tied to the embedding
+    final_norm: int
+    layer: int
+    layers: int
+    tp_sharded: int
+    embedding_tp: bool
+    head_tp: bool
+    small_params: int  # elements of one layer's tensors of <= 10 x hidden elements (norms, biases)
+    hidden: int
+    vocab: int
+    tp_plan_error: str | None
+    experts_layer: int = 0  # routed-expert elements per decoder layer (mean over layers; 0 = dense)
+    top_k: int = 0
+
+
+def model_shape(hf_config: Any, tp_override: dict | None = None) -> ModelShape:
+    """Count the parameters of the model ``hf_config`` describes, built on the meta device (no
+    memory, no weights; an 8B model takes ~0.03 s)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.parallel.parallelize import tp_plan
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    hidden = hf_config.hidden_size
+    layers = list(model.base_model.layers)
+    try:
+        plan, plan_error = tp_plan(model, tp_override), None
+    except ConfigError as err:
+        plan, plan_error = {}, str(err)
+    import fnmatch
+
+    def sharded(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name.rsplit(".", 1)[0], path) for path in plan)
+
+    prefix = model.base_model_prefix
+    layer_params = dict(model.base_model.layers[0].named_parameters())
+    from llmtrain.models.moe import moe_shape
+
+    moe = moe_shape(hf_config, model)
+    embedding = model.base_model.embed_tokens.weight
+    head = model.lm_head.weight
+    tied = head is embedding
+    return ModelShape(
+        total=sum(p.numel() for p in model.parameters()), embedding=embedding.numel(),
+        head=0 if tied else head.numel(), final_norm=sum(p.numel() for p in model.base_model.norm.parameters()),
+        # Mean over layers: MoE models may mix sparse and dense layers.
+        layer=sum(p.numel() for layer in layers for p in layer.parameters()) // len(layers), layers=len(layers),
+        tp_sharded=sum(p.numel() for n, p in layer_params.items() if sharded(f"{prefix}.layers.0.{n}")),
+        embedding_tp=sharded(f"{prefix}.embed_tokens.weight"), head_tp=sharded("lm_head.weight"),
+        small_params=sum(p.numel() for p in layer_params.values() if p.numel() <= 10 * hidden),
+        hidden=hidden, vocab=hf_config.vocab_size, tp_plan_error=plan_error,
+        experts_layer=moe.routed_params // len(layers) if moe else 0, top_k=moe.top_k if moe else 0)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes saved for backward by one micro-batch: ``per_layer`` for each decoder layer,
+    ``outside`` for the embedding, final norm and loss (the logits), ``layer_input`` for one
+    layer's input (what activation checkpointing keeps)."""
+
+    per_layer: int
+    outside: int
+    layer_input: int
+    norms_per_layer: int = 0  # of per_layer: saved inside the layer's norms (sequence-sharded under SP)
+
+
+_ACTIVATION_CACHE: dict[tuple, Activations] = {}
+
+
+def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precision: str, tp: int = 1,
+                        bf16_weights: bool = False, loss_chunk_tokens: int = 0) -> Activations:
+    """Bytes saved for backward, measured by running a one- and a two-layer copy of the model
+    under ``FakeTensorMode`` (shapes only, no memory) with ``saved_tensors_hooks`` counting
+    unique storages that are not parameters; the difference is one layer. A tensor-parallel
+    rank runs its share of heads and MLP width (Megatron-LM's split), so its layer is measured
+    as a layer with heads / tp and intermediate size / tp at the same head dimension.
+    ``precision="bf16"`` runs under autocast over fp32 weights (the torch engine), or with
+    ``bf16_weights`` on bf16 weights without autocast (DeepSpeed's bf16 ZeRO).
+    ``loss_chunk_tokens``: the output layer is :mod:`llmtrain.models.chunked_loss`'s (it saves the
+    hidden states and one log-sum-exp per token, not the logits). A context-parallel rank is
+    measured at its share of the sequence (``seq_len`` / cp).
+    """
+    key = (hf_config.to_json_string(), micro_batch, seq_len, precision, tp, bf16_weights, loss_chunk_tokens)
+    if key in _ACTIVATION_CACHE:
+        return _ACTIVATION_CACHE[key]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.objectives.causal_lm import token_cross_entropy_sum
+
+    def saved_bytes(num_layers: int) -> int:
+        cfg = copy.deepcopy(hf_config)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        cfg.head_dim = head_dim
+        cfg.num_hidden_layers = num_layers
+        cfg.num_attention_heads = max(1, cfg.num_attention_heads // tp)
+        kv = getattr(cfg, "num_key_value_heads", None) or hf_config.num_attention_heads
+        cfg.num_key_value_heads = max(1, kv // tp)
+        cfg.intermediate_size = max(1, cfg.intermediate_size // tp)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if bf16_weights else torch.float32)
+            model.train()
+            params = {p.untyped_storage()._cdata for p in model.parameters()}
+            seen: dict[int, int] = {}
+            in_norm, norm_seen = [0], set()
+            for layer in model.base_model.layers:
+                for child in layer.children():
+                    if "norm" in type(child).__name__.lower():
+                        child.register_forward_pre_hook(lambda *_: in_norm.__setitem__(0, in_norm[0] + 1))
+                        child.register_forward_hook(lambda *_: in_norm.__setitem__(0, in_norm[0] - 1))
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                storage = t.untyped_storage()
+                if storage._cdata not in params:
+                    if storage._cdata not in seen and in_norm[0]:
+                        norm_seen.add(storage._cdata)
+                    seen.setdefault(storage._cdata, storage.nbytes())
+                return t
+
+            _dense_stand_in_for_experts(model)
+            ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+            if loss_chunk_tokens:
+                from llmtrain.models.chunked_loss import install
+
+                install(model, loss_chunk_tokens).targets = ids
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(
+                    "cpu", dtype=torch.bfloat16, enabled=precision == "bf16" and not bf16_weights):
+                token_cross_entropy_sum(model(input_ids=ids).logits, ids)
+        return sum(seen.values()), sum(seen[k] for k in norm_seen)
+
+    (one, norms_one), (two, norms_two) = saved_bytes(1), saved_bytes(2)
+    act_bytes = 2 if precision == "bf16" else 4
+    result = Activations(per_layer=two - one, outside=max(0, 2 * one - two),
+                         layer_input=micro_batch * seq_len * hf_config.hidden_size * act_bytes,
+                         norms_per_layer=norms_two - norms_one)
+    _ACTIVATION_CACHE[key] = result
+    return result
+
+
+def _dense_stand_in_for_experts(model: torch.nn.Module) -> None:
+    """Under ``FakeTensorMode`` neither ``grouped_mm`` (its meta kernel takes bf16 only) nor the
+    eager expert loop (data-dependent ``nonzero``) runs, so each experts module's forward is
+    replaced by dense matmuls over the same ``[N k, ...]`` assignment rows that save what the
+    grouped matmul saves: the gathered inputs ``[N k, H]``, the gate/up output ``[N k, 2I]``,
+    the activation ``[N k, I]``, the expert outputs ``[N k, H]`` and the top-k weights."""
+    import types
+
+    from llmtrain.models.moe import sparse_blocks
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        n, k = top_k_index.shape
+        rows = hidden_states.repeat_interleave(k, dim=0)
+        gate, up = torch.nn.functional.linear(rows, self.gate_up_proj[0]).chunk(2, dim=-1)
+        out = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[0])
+        return (out * top_k_weights.reshape(-1, 1)).view(n, k, -1).sum(1)
+
+    for _, block in sparse_blocks(model):
+        if hasattr(block.experts, "gate_up_proj"):
+            block.experts.forward = types.MethodType(forward, block.experts)
+
+
+@dataclass
+class RankPlan:
+    """Bytes one rank needs for a recipe (the binding rank: the pipeline stage needing most).
+    ``host``: bytes offloaded to host memory per rank. ``error``: why the recipe cannot run on
+    this world size (then the byte fields are 0)."""
+
+    recipe: str
+    world_size: int
+    degrees: str = ""
+    micro_batch: int = 0
+    accumulation: int = 0
+    checkpointing: bool = False
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    master: int = 0
+    activations: int = 0
+    temporaries: dict[str, int] = field(default_factory=dict)  # during the step only
+    buffers: dict[str, int] = field(default_factory=dict)  # kept between steps
+    grads_kept: bool = False  # the gradient storage outlives the step (DDP buckets, ZeRO-3 partitions)
+    host: int = 0
+    stage: int = 0
+    cp: int = 1
+    cp_style: str = "ulysses"
+    ep: int = 1
+    error: str | None = None
+
+    @property
+    def model_states(self) -> int:
+        """Parameters + gradients + optimizer state + master copy on the device (bytes)."""
+        return self.params + self.grads + self.optimizer + self.master
+
+    @property
+    def resident(self) -> int:
+        """Device bytes held between steps (after the optimizer step): parameters, optimizer
+        state, master copy, buffers, and the gradients where their storage is kept."""
+        return (self.params + self.optimizer + self.master + (self.grads if self.grads_kept else 0)
+                + sum(self.buffers.values()))
+
+    @property
+    def total(self) -> int:
+        """Device bytes at the step's peak: model states, buffers, activations and every
+        temporary (assumed live at once). An upper bound of the tensors the plan models; what it
+        does not model (ZeRO-3's communication buffers and threads, allocator fragmentation, a
+        GPU's cuBLAS workspace) measured up to 7% of the peak on CPU under ZeRO-3, which
+        ``recipe.memory_margin`` (default 0.1) is there to cover."""
+        return self.model_states + sum(self.buffers.values()) + self.activations + sum(self.temporaries.values())
+
+
+def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_batch: int | None = None,
+                checkpointing: bool | None = None) -> RankPlan:
+    """Per-rank bytes of ``cfg`` (a composed run config; its recipe) on ``world_size`` ranks.
+    ``micro_batch`` / ``checkpointing`` override ``trainer.micro_batch_size`` /
+    ``trainer.activation_checkpointing``. An invalid layout gives a plan with ``error`` set."""
+    from llmtrain.engine.deepspeed_engine import communication_sizes
+    from llmtrain.config.layout import layout
+    from llmtrain.models.build import model_config
+    from llmtrain.parallel.dims import ParallelDims
+    from llmtrain.parallel.pipeline import stage_layer_ids
+    from llmtrain.objectives.reference import reference_kind
+
+    r, t = cfg.recipe, cfg.trainer
+    hf_config = hf_config or model_config(cfg.model)
+    micro = micro_batch or t.micro_batch_size
+    ckpt = t.activation_checkpointing if checkpointing is None else checkpointing
+    plan = RankPlan(recipe=r.name, world_size=world_size, micro_batch=micro, checkpointing=ckpt, ep=r.get("ep", 1))
+    try:
+        validate_objective(cfg)  # pairs refuse pipeline recipes (and reward models tp)
+        validate_context_parallel(cfg)
+        validate_chunked_loss(cfg)
+        lay = layout(cfg, world_size, micro_batch_size=micro)  # degrees, accumulation, pipeline micro-batches
+        dims = ParallelDims.from_layout(lay)
+        dims.check_model_config(hf_config, r.pp_stages_per_rank)
+        check_model(r.cp_style, dims.cp, dims.tp, hf_config)
+        from llmtrain.config.validate import validate_expert_parallel
+        from llmtrain.models.moe import check_model as check_experts
+
+        validate_expert_parallel(r)
+        check_experts(hf_config, dims.ep)
+    except ConfigError as err:
+        plan.error = str(err)
+        return plan
+    shape = _shape(hf_config, cfg.model)
+    if dims.tp > 1 and shape.tp_plan_error:
+        plan.error = shape.tp_plan_error
+        return plan
+    plan.cp, plan.cp_style = dims.cp, r.cp_style
+    plan.degrees = f"dp {dims.dp_replicate}x{dims.dp_shard} tp {dims.tp} pp {dims.pp}" + (
+        f" cp {dims.cp}" if dims.cp > 1 else "") + (f" ep {dims.ep}" if dims.ep > 1 else "")
+    accumulation = plan.accumulation = lay.accumulation
+    bf16 = t.precision == "bf16"
+    compute = 2 if bf16 else 4
+    # bf16 runs compute on bf16 weights under DeepSpeed's ZeRO and FSDP2 (its param_dtype);
+    # DDP, TP and PP without FSDP keep fp32 weights under autocast.
+    fsdp = r.engine == "torch" and dims.dp_cp > 1 and dims.dp_replicate != world_size
+    # Preference objectives run a micro-batch of pairs as twice as many rows (chosen, rejected).
+    objective = cfg.get("objective")
+    pairs = objective is not None and not objective.get("target") and objective.name in PREFERENCE_OBJECTIVES
+    rows = micro * (2 if pairs else 1)
+    frozen_copy = (pairs and objective.name == "dpo" and not objective.precompute_reference
+                   and reference_kind(cfg) == "copy")
+    chunk = t.get("loss_chunk_tokens", 0)
+    local_seq = cfg.data.seq_len // dims.cp  # a context-parallel rank's share of each row
+    acts = measure_activations(hf_config, rows, local_seq, t.precision, dims.tp,
+                               bf16_weights=bf16 and ((r.engine == "deepspeed" and r.zero_stage >= 1) or fsdp),
+                               loss_chunk_tokens=chunk)
+    if r.get("tp_sequence_parallel") and dims.tp > 1:  # norms run on 1/tp of the sequence
+        acts = replace(acts, per_layer=acts.per_layer - acts.norms_per_layer + acts.norms_per_layer // dims.tp,
+                       layer_input=acts.layer_input // dims.tp)
+    layer_n = shape.tp_sharded // dims.tp + (shape.layer - shape.tp_sharded)
+    embedding_n = shape.embedding // (dims.tp if shape.embedding_tp else 1)
+    head_n = shape.head // (dims.tp if shape.head_tp else 1)
+    stages = dims.pp * r.pp_stages_per_rank
+    stage_ids = stage_layer_ids(shape.layers, stages)
+    best: RankPlan | None = None
+    for pp_rank in range(dims.pp):
+        mine = [s for s in range(stages) if s % dims.pp == pp_rank]
+        first, last = 0 in mine, stages - 1 in mine
+        layers = sum(len(stage_ids[s]) for s in mine)
+        n = layers * layer_n + (embedding_n if first else 0)
+        if last:
+            n += shape.final_norm + (head_n if shape.head else (embedding_n if not first else 0))
+        in_flight = 1 if dims.pp == 1 else (accumulation if r.pp_schedule == "gpipe" else
+                                               min(accumulation, (dims.pp - pp_rank) * r.pp_stages_per_rank))
+        per_micro = (layers * (acts.layer_input if ckpt else acts.per_layer)
+                     + (acts.outside if last else (acts.layer_input if not first else 0)))
+        activations = in_flight * per_micro + (acts.per_layer if ckpt else 0)  # one layer recomputed
+        candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={})
+        _model_states(candidate, r, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
+                      communication_sizes(r, shape.hidden), experts_n=layers * shape.experts_layer)
+        if dims.ep > 1:
+            # Dispatch and combine of one MoE layer: this rank's N k assignment rows sent and as
+            # many received (uniform routing), in the compute dtype.
+            candidate.temporaries["all-to-all buffers (one MoE layer's dispatch + combine)"] = (
+                2 * rows * local_seq * shape.top_k * shape.hidden * compute)
+        if frozen_copy:  # DPO's reference: the initial weights, frozen, laid out like the policy's
+            candidate.buffers["frozen reference model"] = _reference_bytes(r, n, dims, compute, shape)
+        # The logits and their gradient, fp32, live on the last stage while the loss backpropagates.
+        tokens = rows * local_seq
+        # A reward model's head gives one score per token, not vocabulary logits.
+        outputs = 1 if pairs and objective.name == "reward" else shape.vocab
+        if last and chunk:  # one chunk's logits (recomputed in backward, gradient formed in place)
+            vocab_local = shape.vocab // (dims.tp if shape.head_tp else 1)
+            candidate.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] = (
+                min(chunk, tokens) * vocab_local * 4)
+        elif last:
+            candidate.temporaries["logits and their gradient"] = 2 * tokens * outputs * 4
+        if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps
+            candidate.buffers["pipeline receive buffers (one per micro-batch)"] = accumulation * tokens * shape.hidden * 4
+        if best is None or candidate.total > best.total:
+            best = candidate
+    return best
+
+
+def _reference_bytes(r: Any, n: int, dims: Any, compute: int, shape: ModelShape) -> int:
+    """Bytes of the frozen reference copy (:meth:`llmtrain.engine.base.Engine.frozen_copy`) of a
+    stage of ``n`` parameters: under ZeRO-3 partitioned like the policy in its working dtype (small
+    parameters gathered); under FSDP2 sharded over ``dp_shard`` in fp32; otherwise whole, fp32."""
+    if r.engine == "deepspeed":
+        if r.zero_stage == 3:
+            return compute * n // dims.world_size + compute * shape.small_params * shape.layers
+        return 4 * n
+    return 4 * n // (dims.dp_shard * dims.cp)
+
+
+def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16: bool, shape: ModelShape,
+                  layer_n: int, embedding_n: int, head_n: int, sizes: dict[str, int], experts_n: int = 0) -> None:
+    """Model-state bytes of a rank holding ``n`` parameters (``experts_n`` of them routed
+    experts). Expert parallelism (torch engine) stores the same 1/(dp_shard x cp) share of every
+    expert (1/ep of the experts, each over dp_shard/ep ranks), but gathers only its ep share of a
+    layer's experts: the FSDP units are a layer's dense part and its local experts."""
+    if r.engine == "deepspeed":
+        d = dims.world_size
+        working = 2 if bf16 else 4
+        plan.params = working * n // d if r.zero_stage == 3 else working * n
+        if r.zero_stage == 3:  # small parameters (norms, biases) stay gathered on every rank
+            plan.params += working * shape.small_params * shape.layers
+        plan.grads = 4 * n // d if r.zero_stage >= 2 else 4 * n
+        plan.grads_kept = r.zero_stage == 3  # stage 3's flat gradient partition; 1-2 free theirs
+        plan.master, plan.optimizer = 4 * n // d, 8 * n // d
+        plan.temporaries["reduce bucket"] = 4 * sizes["reduce_bucket_size"]
+        if r.zero_stage < 3:
+            plan.temporaries["all-gather bucket"] = working * sizes["allgather_bucket_size"]
+        else:
+            live = r.max_live_parameters if r.max_live_parameters is not None else 10**9
+            plan.temporaries["gathered parameters (max_live_parameters)"] = working * min(n, live)
+            plan.temporaries["prefetch bucket"] = working * sizes["prefetch_bucket_size"]
+        if r.offload_optimizer:
+            # The CPU optimizer's master and moments live on the host. At stage 3 so does the
+            # fp32 gradient partition (stage3.py allocates it on the optimizer's device), and the
+            # optimizer keeps a second fp32 copy of it: measured as two partitions of host bytes.
+            plan.host += plan.master + plan.optimizer + (2 * plan.grads if r.zero_stage == 3 else 0)
+            plan.master = plan.optimizer = 0
+            if r.zero_stage == 3:
+                plan.grads, plan.grads_kept = 0, False
+        if r.offload_params and r.zero_stage == 3:
+            plan.host += plan.params
+            plan.params = 0
+        return
+    d = dims.dp_shard * dims.cp  # FSDP2 shards over dp_shard x cp (llmtrain.parallel.parallelize.fsdp_mesh)
+    plan.params, plan.grads, plan.optimizer = 4 * n // d, 4 * n // d, 8 * n // d
+    plan.grads_kept = d == 1 and dims.dp_replicate > 1 and dims.tp == dims.pp == 1  # DDP: buckets are the grads
+    if plan.grads_kept and plan.accumulation > 1:
+        # Under no_sync (every micro-batch but the last) autograd writes fresh gradients beside
+        # DDP's buckets, which stay allocated (zero_grad sets the views to None); the last
+        # micro-batch's backward copies them into the buckets.
+        plan.temporaries["gradients beside DDP's buckets (no_sync micro-batches)"] = 4 * n
+    if d > 1:
+        unit = max(layer_n, embedding_n + shape.final_norm + head_n)  # a decoder layer, or the root's
+        gathered = n  # elements a rank ever holds unsharded
+        if dims.ep > 1:
+            unit = max(layer_n - shape.experts_layer, shape.experts_layer // dims.ep, embedding_n + shape.final_norm + head_n)
+            gathered = n - experts_n + experts_n // dims.ep
+        if r.zero_stage == 3:
+            plan.temporaries["FSDP all-gather (largest unit, current + prefetch)"] = 2 * compute * unit
+        else:
+            plan.temporaries["FSDP unsharded parameters (kept forward to backward)"] = compute * gathered
+        plan.temporaries["FSDP reduce-scatter input (largest unit, fp32)"] = 4 * unit
+        if plan.accumulation > 1:
+            # Gradient sync is off for every micro-batch but the last: FSDP2 accumulates each
+            # parameter's unsharded gradient (in reduce_dtype, fp32) until the last backward
+            # reduce-scatters it into the sharded gradient (counted above, 4n / d).
+            plan.temporaries["FSDP unsharded gradients between micro-batches (fp32)"] = 4 * gathered - 4 * n // d
+    if r.offload_params:
+        plan.host += plan.params + plan.grads + plan.optimizer
+        plan.params = plan.grads = plan.optimizer = 0
+
+
+_SHAPE_CACHE: dict[str, ModelShape] = {}
+
+
+def _shape(hf_config: Any, model_cfg: Any) -> ModelShape:
+    from omegaconf import OmegaConf
+
+    override = model_cfg.get("tp_plan") if hasattr(model_cfg, "get") else None
+    override = OmegaConf.to_container(override) if OmegaConf.is_config(override) else override
+    key = hf_config.to_json_string() + repr(override)
+    if key not in _SHAPE_CACHE:
+        _SHAPE_CACHE[key] = model_shape(hf_config, override or None)
+    return _SHAPE_CACHE[key]
+
+
+# --- printing and the command line -----------------------------------------------------------
+
+
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in GiB (MiB under 1 GiB, KiB under 1 MiB)."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def describe(plan: RankPlan) -> str:
+    """A per-rank breakdown of one plan, one line per kind of bytes."""
+    if plan.error:
+        return f"{plan.recipe} on {plan.world_size} ranks: not valid ({plan.error})"
+    stage = "" if " pp 1 " in f"{plan.degrees} " else f"; binding rank: pipeline stage {plan.stage}"
+    lines = [f"{plan.recipe} on {plan.world_size} ranks ({plan.degrees}; micro-batch {plan.micro_batch} x "
+             f"accumulation {plan.accumulation}{'; activation checkpointing' if plan.checkpointing else ''}{stage})"]
+    rows = [("parameters", plan.params), ("gradients", plan.grads), ("optimizer state (AdamW)", plan.optimizer),
+            ("fp32 master copy", plan.master), ("activations", plan.activations)]
+    rows += sorted(plan.buffers.items(), key=lambda kv: -kv[1])
+    rows += [(f"{name} (temporary)", value) for name, value in sorted(plan.temporaries.items(), key=lambda kv: -kv[1])]
+    lines += [f"  {name:<64} {fmt_bytes(value):>12}" for name, value in rows]
+    lines.append(f"  {'total per rank (device)':<64} {fmt_bytes(plan.total):>12}")
+    if plan.host:
+        lines.append(f"  {'offloaded to host memory per rank':<64} {fmt_bytes(plan.host):>12}")
+    return "\n".join(lines)
+
+
+def table(plans: list[RankPlan], budget: int | None = None, checkpointed: list[RankPlan] | None = None) -> str:
+    """Every recipe's per-rank bytes as one table (GiB, or MiB when every total is under 1 GiB).
+    With a ``budget``, the ``fits`` column says ``yes``, ``ckpt`` (only with activation
+    checkpointing: the same recipes in ``checkpointed``) or ``no``."""
+    unit, size = ("GiB", GIB) if max([p.total for p in plans if not p.error] or [GIB]) >= GIB else ("MiB", 2**20)
+    head = (f"{'recipe':<14} {'layout':<22} {'params':>9} {'grads':>9} {'optim':>9} {'master':>9} {'activ':>9} "
+            f"{'buf+temp':>9} {'total':>9} {'host':>9}" + ("  fits" if budget else "") + f"   ({unit})")
+    lines = [head, "-" * len(head)]
+    for p in plans:
+        name = p.recipe + (f" ep {p.ep}" if p.ep > 1 else "")
+        if p.error:
+            lines.append(f"{name:<14} not valid: {p.error.split('; ')[0]}")
+            continue
+        cells = [p.params, p.grads, p.optimizer, p.master, p.activations,
+                 sum(p.temporaries.values()) + sum(p.buffers.values()), p.total, p.host]
+        fits = ""
+        if budget:
+            with_ckpt = {(c.recipe, c.ep): c for c in checkpointed or []}.get((p.recipe, p.ep))
+            fits = "  " + ("yes" if p.total <= budget else
+                           "ckpt" if with_ckpt is not None and with_ckpt.total <= budget else "no")
+        lines.append(f"{name:<14} {p.degrees:<22} " + " ".join(f"{c / size:>9.2f}" for c in cells) + fits)
+    return "\n".join(lines)
