@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import hydra
 from omegaconf import DictConfig
 
-from llmtrain.common.errors import ConfigError, LlmtrainError, TrainingStopped
+from llmtrain.common.errors import ConfigError, LlmtrainError, TrainingStopped, require_extra
 from llmtrain.common.paths import CONF_DIR
 from llmtrain.config.compose import check_overrides, keep_typed_strings, register_configs
 
@@ -71,25 +71,38 @@ def check_recipe_selection(args: list[str]) -> None:
                           f"+{chosen[0]}")
 
 
+def check_launcher_extra(args: list[str]) -> None:
+    """``hydra/launcher=slurm`` and ``slurm_local`` are hydra-submitit-launcher's launchers, which
+    the ``slurm`` extra installs.
+
+    Raises:
+        MissingExtra: a launcher preset of ours is chosen without it.
+    """
+    for arg in args:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key == "hydra/launcher" and value in ("slurm", "slurm_local"):
+            require_extra("hydra_plugins.hydra_submitit_launcher", "slurm", arg,
+                          instead="or leave hydra/launcher out to run here")
+
+
 def _register_launchers() -> None:
     """Make llmtrain's launchers (``hydra/launcher=slurm``, ``slurm_local``) known to Hydra's
     plugin registry. Hydra finds plugins by walking the ``hydra_plugins`` namespace's folders,
     which an editable install (setuptools' import finder) does not list; installed from a wheel
     they are found by the walk as well. Without the ``slurm`` extra there is nothing to add."""
-    try:
-        from hydra.core.plugins import Plugins
+    from hydra.core.plugins import Plugins
 
-        from hydra_plugins.llmtrain_launcher import launchers
-    except ImportError:
-        return
+    from hydra_plugins.llmtrain_launcher import launchers
+
     known = Plugins.instance().class_name_to_class
-    for launcher in (launchers.SlurmLauncher, launchers.LocalLauncher):
+    for launcher in launchers.LAUNCHERS:
         known.setdefault(f"{launcher.__module__}.{launcher.__name__}", launcher)
 
 
 try:
     register_configs()  # before @hydra.main composes: the recipes are options of the group
     _register_launchers()
+    check_launcher_extra(sys.argv[1:])
     check_recipe_selection(sys.argv[1:])
     check_overrides(sys.argv[1:])  # a misspelt field or option: our one line, before Hydra's advice
     # Hydra reads sys.argv when main() runs: string fields keep what was typed (name=1_1_1).

@@ -1,7 +1,8 @@
 """Every error type llmtrain reports to its user, in a leaf module: validation, data, model,
 launch and checkpoint code raise them without importing each other (or any parallel code).
 
-All derive from :class:`LlmtrainError`. ``python -m llmtrain`` turns each into one
+All derive from :class:`LlmtrainError`; :func:`require_extra` refuses a feature whose optional
+package is missing with a :class:`MissingExtra` naming the extra that installs it. ``python -m llmtrain`` turns each into one
 ``llmtrain: error: ...`` line and exit status 2, except :class:`TrainingStopped` (status 3).
 Each also keeps the built-in base it had before the common base existed (``ValueError``,
 ``RuntimeError``), so ``except ValueError`` and the like still catch it.
@@ -39,3 +40,31 @@ class TrainingStopped(LlmtrainError, RuntimeError):
     """Training stopped itself to protect the run (a non-finite loss or gradient norm): nothing
     was saved or exported from the bad state; the message names the step, the value and the
     last healthy checkpoint. ``python -m llmtrain`` exits with status 3."""
+
+
+class MissingExtra(LlmtrainError, ImportError):
+    """An optional feature's package is not installed; the message names the feature, the
+    package and the extra of llmtrain that installs it (``pip install "llmtrain[EXTRA]"``)."""
+
+
+# The optional extras of pyproject.toml and what each installs.
+EXTRAS = {"eval": "lm-eval", "tracking": "tensorboard and mlflow", "slurm": "hydra-submitit-launcher and submitit"}
+
+
+def require_extra(module: str, extra: str, feature: str, instead: str = "") -> None:
+    """Refuse ``feature`` when ``module`` (of the ``extra`` named) cannot be imported here;
+    ``instead``: what to do without it (``"or drop trainer.eval_tasks"``), said last.
+
+    Raises:
+        MissingExtra: ``FEATURE needs MODULE, which is not installed (llmtrain's EXTRA extra: ...):
+            pip install "llmtrain[EXTRA]"``.
+    """
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module without a spec
+        found = False
+    if not found:
+        raise MissingExtra(f"{feature} needs {module}, which is not installed (llmtrain's {extra} extra: "
+                           f"{EXTRAS[extra]}): pip install \"llmtrain[{extra}]\"" + (f", {instead}" if instead else ""))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain.config.validate import declared_experts, validate
-from llmtrain.common.errors import ConfigError
+from llmtrain.common.errors import ConfigError, require_extra
 from llmtrain.config.layout import Layout
 
 
@@ -42,15 +42,13 @@ def preflight_tracker(tr: Any) -> None:
     and a wandb API key configured for ``wandb_mode=online``.
 
     Raises:
-        ConfigError: naming the field and the fix (install, start the server, log in, or the
-            setting that trains without the backend).
+        MissingExtra: a backend's package is not installed; ConfigError: naming the field and the
+            fix (start the server, log in, or the setting that trains without the backend).
     """
-    import importlib.util
-
     for backend in ("tensorboard", "mlflow"):  # the package of each is its name
-        _require(backend not in tr.backends or importlib.util.find_spec(backend) is not None,
-                 f"tracker.backends has {backend} but the {backend} package is not installed: pip install {backend} "
-                 f"(or llmtrain[tracking]), or drop it from tracker.backends")
+        if backend in tr.backends:
+            require_extra(backend, "tracking", f"tracker.backends={list(tr.backends)}",
+                          instead=f"or drop {backend} from tracker.backends")
     if "mlflow" in tr.backends and tr.on_error == "raise" and tr.mlflow_uri:
         from llmtrain.monitoring.tracking.mlflow_backend import check_reachable
 
