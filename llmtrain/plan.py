@@ -20,7 +20,7 @@ import time
 from llmtrain.common.errors import ConfigError
 from llmtrain.config.compose import compose
 from llmtrain.config.validate import parse_bytes
-from llmtrain.planning.auto import check_auto_overrides, choose, chosen_config, plan_all
+from llmtrain.planning.auto import check_auto_overrides, choose, chosen_config, plan_all, with_fitting_batch
 from llmtrain.planning.memory import describe, fmt_bytes, plan_recipe, table
 
 
@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     Returns 0, or 2 on bad input (the message names the field)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(args):
-        print(__doc__.split("\n\nHow the bytes")[0] + "\n\nOptions besides a run's overrides: world_size=N (required), "
+        from llmtrain.monitoring.console import plain_text
+
+        print(plain_text(__doc__.split("\n\nHow the bytes")[0]) + "\n\nOptions besides a run's overrides: world_size=N (required), "
               "device_memory=SIZE (e.g. 80GiB; needed by +recipe=auto), host_memory=SIZE (per rank, for offload), "
               "margin=F (0.1), --check (a dry run of the layout instead of the bytes).")
         return 0
@@ -73,6 +75,16 @@ def main(argv: list[str] | None = None) -> int:
 
             print(dry_run(cfg, world_size))
             return 0
+        # The global batch is the run's, but a planner asked about memory plans the default (or a
+        # sweep's value) on any world size: the smallest divisible batch, said below.
+        fit_batch = not any(a.lstrip("+").startswith("trainer.global_batch_size=") for a in overrides)
+        if fit_batch and not r.auto:
+            fitted = with_fitting_batch(cfg, world_size)
+            if fitted is not cfg:
+                print(f"note: trainer.global_batch_size={cfg.trainer.global_batch_size} does not divide into "
+                      f"{r.name}'s micro-batches on {world_size} ranks; planned with {fitted.trainer.global_batch_size}, "
+                      "the smallest that does (set trainer.global_batch_size to plan another)")
+                cfg = fitted
         if not r.auto:
             plan = plan_recipe(cfg, world_size)
             if plan.error:
@@ -85,8 +97,14 @@ def main(argv: list[str] | None = None) -> int:
                   "gradient or optimizer state, so these figures are upper bounds")
         print(f"\nevery recipe on {world_size} ranks (per rank"
               f"{'; fits: total within ' + fmt_bytes(budget) if budget else ''}):")
-        checkpointed = plan_all(cfg, world_size, checkpointing=True) if budget else None
-        print(table(plan_all(cfg, world_size), budget, checkpointed))
+        checkpointed = plan_all(cfg, world_size, checkpointing=True, fit_batch=fit_batch) if budget else None
+        plans = plan_all(cfg, world_size, fit_batch=fit_batch)
+        print(table(plans, budget, checkpointed))
+        batches = {p.global_batch for p in plans if not p.error}
+        if fit_batch and batches != {cfg.trainer.global_batch_size}:
+            print("global batch per recipe (the smallest at or above trainer.global_batch_size that each layout "
+                  "divides): " + ", ".join(f"{p.recipe}{f' ep {p.ep}' if p.ep > 1 else ''} {p.global_batch}"
+                                            for p in plans if not p.error))
         print(f"\nplanned in {time.perf_counter() - started:.1f} s (model on the meta device, activations under "
               "FakeTensorMode; no weights read)")
     except ConfigError as err:

@@ -329,3 +329,19 @@ def test_dpo_plans_count_the_frozen_reference_and_two_rows_a_pair():
             assert "frozen reference model" not in plan_recipe(make_cfg(pairs + other + [f"+recipe={recipe}"]), 2).buffers
     dpo = plan_recipe(make_cfg(pairs + ["objective=simpo", "+recipe=ddp"]), 2)
     assert dpo.activations == sft_rows.activations != sft.activations
+
+
+def test_the_planner_plans_the_default_batch_on_any_world_size(capsys):
+    """The default global batch (16) does not divide into 8 ranks' micro-batches of 8: the planner
+    plans the smallest batch that does (64) and says so, rather than refusing its own default;
+    a batch the user sets is still checked. The fits column's values are explained."""
+    from llmtrain.plan import main
+
+    assert main(["model=llama3_8b", "+recipe=zero3", "world_size=8", "device_memory=80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert ("note: trainer.global_batch_size=16 does not divide into zero3's micro-batches on 8 ranks; planned with "
+            "64, the smallest that does") in out
+    assert "micro-batch 8 x accumulation 1" in out and "not valid" not in out
+    assert "fits: yes = the total is within 72.00 GiB; ckpt = only with activation checkpointing" in out
+    assert main(["model=llama3_8b", "+recipe=zero3", "world_size=8", "trainer.global_batch_size=16"]) == 2
+    assert "trainer.global_batch_size=16 is not divisible" in capsys.readouterr().err

@@ -66,17 +66,59 @@ def with_recipe(cfg: Any, name: str, cp: int = 1, cp_style: str = "ulysses", ep:
     return new
 
 
-def plan_all(cfg: Any, world_size: int, checkpointing: bool | None = None) -> list[RankPlan]:
+def fitting_global_batch(cfg: Any, world_size: int) -> int:
+    """The smallest global batch at or above ``trainer.global_batch_size`` that ``cfg``'s recipe
+    divides on ``world_size`` ranks: a whole number of micro-batches per data-parallel rank (and,
+    with pipeline stages, at least ``pp`` of them, in rounds of ``pp``). The planner plans with it
+    where the user did not set the global batch, rather than refusing the default.
+
+    Raises:
+        ConfigError: the recipe's degrees do not fit ``world_size`` (named by the layout).
+    """
+    import math
+
+    from llmtrain.config.layout import recipe_degrees
+
+    dp_replicate, dp_shard, _, pp = recipe_degrees(cfg.recipe, world_size)
+    per_pass = cfg.trainer.micro_batch_size * dp_replicate * dp_shard
+    steps = max(1, math.ceil(cfg.trainer.global_batch_size / per_pass))
+    if pp > 1:
+        steps = pp * math.ceil(max(steps, pp) / pp)
+    return steps * per_pass
+
+
+def with_fitting_batch(cfg: Any, world_size: int) -> Any:
+    """``cfg`` with :func:`fitting_global_batch` as its global batch (``cfg`` itself when its own
+    fits, or when the recipe fits no layout on ``world_size`` ranks: its plan says why)."""
+    try:
+        fitting = fitting_global_batch(cfg, world_size)
+    except ConfigError:
+        return cfg
+    if fitting == cfg.trainer.global_batch_size:
+        return cfg
+    from omegaconf import OmegaConf
+
+    new = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(new, False)
+    new.trainer.global_batch_size = fitting
+    return new
+
+
+def plan_all(cfg: Any, world_size: int, checkpointing: bool | None = None, fit_batch: bool = False) -> list[RankPlan]:
     """One :class:`RankPlan` per shipped recipe on ``world_size`` ranks for ``cfg``'s model,
     data and trainer settings, at the run's ``recipe.cp`` and ``recipe.cp_style``
-    (``checkpointing``: override ``trainer.activation_checkpointing``); for a mixture of experts
-    also each FSDP2 recipe at ep 2, 4 and 8 where that layout is valid."""
+    (``checkpointing``: override ``trainer.activation_checkpointing``; ``fit_batch``: each recipe
+    at its :func:`fitting_global_batch`); for a mixture of experts also each FSDP2 recipe at ep 2,
+    4 and 8 where that layout is valid."""
     from llmtrain.models.build import model_config
 
     cp, style = cfg.recipe.get("cp", 1), cfg.recipe.get("cp_style", "ulysses")
     hf_config = model_config(cfg.model)
-    plans = [plan_recipe(with_recipe(cfg, name, cp, style), world_size, hf_config, checkpointing=checkpointing)
-             for name in expert_parallel_candidates(recipe_names(), hf_config)]
+    plans = []
+    for name in expert_parallel_candidates(recipe_names(), hf_config):
+        candidate = with_recipe(cfg, name, cp, style)
+        candidate = with_fitting_batch(candidate, world_size) if fit_batch else candidate
+        plans.append(plan_recipe(candidate, world_size, hf_config, checkpointing=checkpointing))
     return [p for p in plans if p.ep == 1 or not p.error]  # an MoE model's ep rows where they are valid
 
 

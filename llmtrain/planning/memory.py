@@ -237,6 +237,7 @@ class RankPlan:
     degrees: str = ""
     micro_batch: int = 0
     accumulation: int = 0
+    global_batch: int = 0
     checkpointing: bool = False
     params: int = 0
     grads: int = 0
@@ -291,7 +292,8 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     hf_config = hf_config or model_config(cfg.model)
     micro = micro_batch or t.micro_batch_size
     ckpt = t.activation_checkpointing if checkpointing is None else checkpointing
-    plan = RankPlan(recipe=r.name, world_size=world_size, micro_batch=micro, checkpointing=ckpt, ep=r.get("ep", 1))
+    plan = RankPlan(recipe=r.name, world_size=world_size, micro_batch=micro, checkpointing=ckpt, ep=r.get("ep", 1),
+                    global_batch=cfg.trainer.global_batch_size)
     try:
         validate_objective(cfg)  # pairs refuse pipeline recipes (and reward models tp)
         validate_context_parallel(cfg)
@@ -500,7 +502,7 @@ def describe(plan: RankPlan) -> str:
 def table(plans: list[RankPlan], budget: int | None = None, checkpointed: list[RankPlan] | None = None) -> str:
     """Every recipe's per-rank bytes as one table (GiB, or MiB when every total is under 1 GiB).
     With a ``budget``, the ``fits`` column says ``yes``, ``ckpt`` (only with activation
-    checkpointing: the same recipes in ``checkpointed``) or ``no``."""
+    checkpointing: the same recipes in ``checkpointed``) or ``no``, and a last line says so."""
     unit, size = ("GiB", GIB) if max([p.total for p in plans if not p.error] or [GIB]) >= GIB else ("MiB", 2**20)
     head = (f"{'recipe':<14} {'layout':<22} {'params':>9} {'grads':>9} {'optim':>9} {'master':>9} {'activ':>9} "
             f"{'buf+temp':>9} {'total':>9} {'host':>9}" + ("  fits" if budget else "") + f"   ({unit})")
@@ -518,4 +520,7 @@ def table(plans: list[RankPlan], budget: int | None = None, checkpointed: list[R
             fits = "  " + ("yes" if p.total <= budget else
                            "ckpt" if with_ckpt is not None and with_ckpt.total <= budget else "no")
         lines.append(f"{name:<14} {p.degrees:<22} " + " ".join(f"{c / size:>9.2f}" for c in cells) + fits)
+    if budget:
+        lines.append(f"fits: yes = the total is within {fmt_bytes(budget)}; ckpt = only with activation checkpointing "
+                     "(trainer.activation_checkpointing=true); no = not even with it")
     return "\n".join(lines)
