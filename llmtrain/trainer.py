@@ -31,7 +31,7 @@ import torch
 from omegaconf import OmegaConf
 
 from llmtrain import data
-from llmtrain.checkpoint.checkpointer import Checkpointer, dump_loaded_model
+from llmtrain.checkpoint.checkpointer import Checkpointer, checkpoint_bytes, dump_loaded_model, warn_if_disk_is_short
 from llmtrain.checkpoint.export import export_hf
 from llmtrain.checkpoint.protocol import CheckpointManager, lock_run_dir, step_of
 from llmtrain.checkpoint.resume import check_resumable
@@ -455,6 +455,8 @@ class Trainer:
                                    self.engine.dp_rank, self.dims.dp, data.collator_for(self.cfg.data, self.tokenizer))
         batches = [self.objective.prepare(b) for b in batches]
         if self.reference is not None:  # the reference does not change: its held-out log-probs once
+            self.phases.begin("reference log-probs", f"the reference policy over {len(batches)} held-out micro-batches"
+                              " on this rank: as long as one evaluation")
             reference.annotate_batches(self.reference, self.engine, batches, self.env.device)
         return batches
 
@@ -488,6 +490,9 @@ class Trainer:
             log.info("%s", data.describe(self.splits))
         if self.partial:
             log_trainable(self.engine, cfg, dims, env.is_main)
+        if env.is_main:
+            trained = adapters.summary(self.engine.model)[0] if self.partial else num_parameters
+            warn_if_disk_is_short(self.run_dir, t.keep_checkpoints, checkpoint_bytes(trained, cfg.recipe.engine))
 
     # ---- per step ------------------------------------------------------------------------------
     def _local_scalars(self, digest: float) -> StepScalars:
@@ -559,7 +564,11 @@ class Trainer:
             if "val/perplexity" in metrics:
                 detail = f"ppl {metrics['val/perplexity']:.2f}"
             elif "val/rewards/accuracies" in metrics:
-                detail = (f"preference accuracy {metrics['val/rewards/accuracies']:.3f}, margin "
+                # Accuracy counts pairs whose chosen reward is strictly higher; with the policy still
+                # the reference every reward is 0: a tie, not a wrong answer.
+                ties = metrics["val/rewards/accuracies"] == 0 and metrics["val/rewards/margins"] == 0
+                detail = (f"preference accuracy {metrics['val/rewards/accuracies']:.3f}"
+                          f"{' (every pair a tie: the policy is still the reference)' if ties else ''}, margin "
                           f"{metrics['val/rewards/margins']:.4f}")
             else:
                 detail = ", ".join(f"{k[4:]} {v:.4f}" for k, v in metrics.items() if k.startswith("val/rewards/"))

@@ -208,7 +208,7 @@ def test_cli_help_lists_the_objective_group():
     assert "objective: causal_lm, dpo, kto, orpo, reward, simpo" in proc.stdout
 
 
-def test_reward_export_loads_as_a_classifier_and_scores_as_the_run_evaluated(tmp_path):
+def test_reward_export_loads_as_a_classifier_and_scores_as_the_run_evaluated(tmp_path, caplog):
     """The export, read back by transformers alone (scripts/tools/reward_accuracy.py), scores the held-
     out pairs in the order the run's own final evaluation did; a causal LM export is refused."""
     import subprocess
@@ -229,9 +229,15 @@ def test_reward_export_loads_as_a_classifier_and_scores_as_the_run_evaluated(tmp
     assert f"{final['val/pairs']} held-out pairs" in proc.stdout
     assert f"= {final['val/rewards/accuracies']:.3f} +-" in proc.stdout
     lm = tmp_path / "lm"
-    train(make_cfg(["data=preference", f"data.path={path}", "objective=dpo", "trainer.max_steps=1",
-                    "trainer.global_batch_size=2", "trainer.micro_batch_size=2", "tracker=none",
-                    "trainer.progress_bar=false", f"run_dir={lm}"]))
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="llmtrain"):
+        train(make_cfg(["data=preference", f"data.path={path}", "objective=dpo", "trainer.max_steps=1",
+                        "trainer.global_batch_size=2", "trainer.micro_batch_size=2", "tracker=none",
+                        "trainer.progress_bar=false", f"run_dir={lm}"]))
+    # Step 0: the policy is the reference, every reward 0: the accuracy of 0 is said to be ties.
+    step0 = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("eval at step 0"))
+    assert "preference accuracy 0.000 (every pair a tie: the policy is still the reference)" in step0, step0
     proc = subprocess.run([sys.executable, "scripts/tools/reward_accuracy.py", str(lm)], capture_output=True, text=True,
                           cwd=REPO, env=subprocess_env())
     assert proc.returncode == 1

@@ -58,3 +58,23 @@ def test_tracker_logs_on_its_cadence(tmp_path):
     assert [s for s in range(1, 10) if tracker.should_log(s)] == [3, 6, 9]
     quiet = Tracker(make_cfg(["tracker=none"]).tracker, tmp_path, "x", {}, is_main=False, log_every=0)
     assert not any(quiet.should_log(s) for s in range(1, 10))
+
+
+def test_a_run_folder_short_of_disk_for_its_checkpoints_is_warned_about(tmp_path, monkeypatch, caplog):
+    """keep_checkpoints + 1 checkpoints must fit (a new one is written before the oldest goes):
+    SmolLM2-135M fully fine-tuned is about 1.6 GB a checkpoint (12 bytes per parameter)."""
+    import logging
+    import shutil
+    from collections import namedtuple
+
+    from llmtrain.checkpoint.checkpointer import checkpoint_bytes, warn_if_disk_is_short
+
+    per_checkpoint = checkpoint_bytes(134_515_008, "torch")
+    assert per_checkpoint == 134_515_008 * 12 and checkpoint_bytes(10, "deepspeed") == 160
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 4 * per_checkpoint - 1))
+    with caplog.at_level(logging.WARNING, logger="llmtrain"):
+        assert warn_if_disk_is_short(tmp_path / "run", 3, per_checkpoint)  # the folder need not exist yet
+    assert "trainer.keep_checkpoints=3 needs about 6.0 GiB (4 checkpoints of 1.50 GiB" in caplog.text
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 4 * per_checkpoint))
+    assert not warn_if_disk_is_short(tmp_path, 3, per_checkpoint)

@@ -5,7 +5,9 @@ Also the debugging dump of a model as loaded on resume (``LLMTRAIN_DUMP_AFTER_LO
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -16,6 +18,8 @@ from llmtrain.checkpoint.protocol import CheckpointManager, step_of
 from llmtrain.checkpoint.state import TrainState
 from llmtrain.monitoring.preemption import Preemption
 from llmtrain.monitoring.tracking import Tracker
+
+log = logging.getLogger("llmtrain")
 
 
 class Checkpointer:
@@ -93,3 +97,25 @@ def dump_loaded_model(engine) -> None:
         state = engine.full_state_dict()
         if state is not None:
             torch.save(state, path)
+
+
+def checkpoint_bytes(trained_parameters: int, engine: str) -> int:
+    """About how many bytes one checkpoint takes: each trained parameter's fp32 value and its two
+    AdamW moments (12 bytes), and DeepSpeed's fp32 master copy besides (16). Frozen parameters
+    (LoRA's base, ``model.freeze``) are not in a checkpoint; RNG and small files are left out."""
+    return trained_parameters * (16 if engine == "deepspeed" else 12)
+
+
+def warn_if_disk_is_short(run_dir: Path, keep: int, per_checkpoint: int) -> bool:
+    """Warn (and return True) when the file system of ``run_dir`` has less free space than
+    ``keep + 1`` checkpoints of ``per_checkpoint`` bytes need (a new one is written before the
+    oldest kept one is deleted), naming both figures and what to change."""
+    folder = next(p for p in (run_dir, *run_dir.absolute().parents) if p.exists())
+    free, need = shutil.disk_usage(folder).free, (keep + 1) * per_checkpoint
+    if free >= need:
+        return False
+    log.warning("%s has %.1f GiB free, but trainer.keep_checkpoints=%d needs about %.1f GiB (%d checkpoints of %.2f "
+                "GiB while the newest is written): free space, lower trainer.keep_checkpoints, or set run_dir on "
+                "another disk", folder, free / 2**30, keep, need / 2**30, keep + 1, per_checkpoint / 2**30)
+    return True
+
