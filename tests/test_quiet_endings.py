@@ -33,6 +33,9 @@ def test_a_wandb_offline_run_ends_with_llmtrains_closing_lines(tmp_path):
     # Before: 33 lines of wandb's run summary and sync hints after them, and one "wandb: WARNING
     # Symlinked 1 file into the W&B run directory" per report file.
     assert "Symlinked" not in out and "Run summary" not in out and "wandb sync" not in out, out[-3000:]
+    # Nor its three notices at the start (offline mode, the folder, a viewer): llmtrain's one line says where.
+    assert not any(line.startswith("wandb:") for line in lines), out[-3000:]
+    assert sum(line.startswith("wandb offline run ") for line in lines) == 1, out[-3000:]
     (folder,) = (run_dir / "wandb").glob("offline-run-*")
     for name in ("report.png", "report.md"):  # wandb still has the report, as a copy
         copy = folder / "files" / name

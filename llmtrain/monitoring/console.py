@@ -26,6 +26,16 @@ from typing import Iterator
 log = logging.getLogger("llmtrain")
 
 
+def plain_text(docstring: str) -> str:
+    """A docstring as a command's ``--help`` prints it: reStructuredText's markup dropped
+    (````code```` -> ``code``, ``:func:`~a.b.name``` -> ``name``, ``:mod:`a.b``` -> ``a.b``)."""
+    import re
+
+    text = re.sub(r":[a-z]+:`~[\w.]*?([\w]+)`", r"\1", docstring)
+    text = re.sub(r":[a-z]+:`([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
 def interactive() -> bool:
     """True when stderr (where progress bars draw) is a terminal."""
     return sys.stderr.isatty()
@@ -71,6 +81,9 @@ EXPECTED_LIBRARY_WARNINGS = (
     # The same probe when the Hub cannot be reached.
     (UserWarning, r"(?s)Unable to fetch remote file due to the following error .* - silently ignoring the lookup "
                   r"for the file config\.json"),
+    # peft reads transformers' deprecated property when it loads an adapter onto its base (peft's
+    # code, not ours; transformers renamed it is_activation_checkpointing).
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
 )
 
 

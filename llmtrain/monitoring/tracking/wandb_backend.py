@@ -11,8 +11,10 @@ each. Online, steps are logged as they happen (a dashboard is live); the server 
 lower than the run's current one, so steps a crash made the run redo keep their first values,
 and the steps the server never received are filled from ``metrics.jsonl`` in the same way.
 
-Output. wandb runs in its own quiet mode (:func:`wandb_settings`): no run summary panel and sync
-hints after llmtrain's closing lines; its warnings and errors still show. A user's own
+Output. wandb runs in its own quiet mode with its informational lines off (:func:`wandb_settings`):
+no offline-mode notice, folder and viewer hints at start (llmtrain's one line says where the run
+is), no run summary panel and sync hints after llmtrain's closing lines; its warnings and errors
+still show. A user's own
 ``WANDB_QUIET`` / ``WANDB_SILENT`` is kept as set, and llmtrain's debug mode
 (``hydra.verbose=llmtrain``) shows wandb's full output.
 """
@@ -50,7 +52,9 @@ def resolve_wandb_mode(mode: str) -> str:
 
 def wandb_settings() -> Any:
     """The ``wandb.Settings`` llmtrain starts a run with: ``quiet=True`` (wandb's own switch,
-    as ``WANDB_QUIET=true``), or None (wandb's defaults) when the user set ``WANDB_QUIET`` or
+    as ``WANDB_QUIET=true``) and ``silent=True`` (the run's printer: the offline notice, folder and
+    viewer hints; wandb's warnings and errors go through its terminal functions and still print),
+    or None (wandb's defaults) when the user set ``WANDB_QUIET`` or
     ``WANDB_SILENT`` (settings passed to ``wandb.init`` would override them) or llmtrain's
     debug log is on."""
     import wandb
@@ -59,7 +63,7 @@ def wandb_settings() -> Any:
 
     if "WANDB_QUIET" in os.environ or "WANDB_SILENT" in os.environ or debug_logging():
         return None
-    return wandb.Settings(quiet=True)
+    return wandb.Settings(quiet=True, silent=True)
 
 
 def offline_folders(run_dir: Path, run_id: str) -> list[Path]:
