@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as python -m llmtrain (se
 log = logging.getLogger("llmtrain")
 
 _USAGE = ("usage: python -m llmtrain.evaluate RUN_DIR|CHECKPOINT|EXPORT|ADAPTER tasks=[NAME,...] [limit=N] "
-          "[batch_size=8] [device=cpu] [dtype=auto] [num_fewshot=N] [data_dir=DIR] [include=[DIR,...]] "
+          "[batch_size=8] [device=cpu] [dtype=auto] [num_fewshot=N] [data_dir=DIR] [data_file=PATH] [include=[DIR,...]] "
           "[out_dir=DIR] [step=N] [log=true] [bootstrap_iters=100000]")
 
 
@@ -34,14 +34,15 @@ class EvalArgs:
     """The entry point's arguments.
 
     Attributes:
-        tasks: lm-eval task names: the local ones in ``conf/eval`` (``hh_local``, ``alpaca_local``),
-            those in ``include`` folders, or the harness's own (network or datasets cache).
+        tasks: lm-eval task names: llmtrain's local ones (``hh_local``, ``alpaca_local``), those in
+            ``include`` folders, or the harness's own (network or datasets cache).
         limit: documents per task (all when unset); a fraction below 1 is a share.
         batch_size: documents per forward (the harness's ``--batch_size``; ``auto`` allowed).
         device: ``cpu``, ``cuda``, ``cuda:N``.
         dtype: the weights' dtype for ``HFLM`` (``auto``: the export's, fp32 for llmtrain's).
         num_fewshot: few-shot examples (the task's default when unset).
         data_dir: folder of the local tasks' data files (:mod:`llmtrain.evaluation.local_tasks`).
+        data_file: the data file of the one local task given (instead of its name in ``data_dir``).
         include: extra folders of task YAMLs.
         out_dir: where ``step_N.json`` goes (default: the run's ``eval/``, else SOURCE/eval).
         step: the step to file the result under (default: the checkpoint's).
@@ -56,6 +57,7 @@ class EvalArgs:
     dtype: str = "auto"
     num_fewshot: int | None = None
     data_dir: str | None = None
+    data_file: str | None = None
     include: list[str] = field(default_factory=list)
     out_dir: str | None = None
     step: int | None = None
@@ -94,6 +96,9 @@ def parse_args(argv: list[str]) -> tuple[Path, EvalArgs]:
     args: EvalArgs = OmegaConf.to_object(merged)  # type: ignore[assignment]
     if not args.tasks:
         raise ConfigError(f"tasks=[NAME,...] is required (e.g. tasks=[hh_local]); {_USAGE}")
+    if args.data_file and len(args.tasks) > 1:
+        raise ConfigError(f"data_file={args.data_file} is one task's file, but tasks={list(args.tasks)}: evaluate one "
+                          "task with it, or give the folder of every task's file as data_dir=DIR")
     if args.limit is not None and (args.limit <= 0 or (args.limit > 1 and args.limit != int(args.limit))):
         raise ConfigError(f"limit={args.limit} must be a whole number of documents per task, or a share in (0, 1]")
     if not (args.batch_size.isdigit() and int(args.batch_size) > 0) and not args.batch_size.startswith("auto"):
@@ -114,24 +119,34 @@ def _limit(value: float | None) -> int | float | None:
     return int(value) if value is not None and value >= 1 else value
 
 
+def _tasks_of(keys: list[str]) -> str:
+    return ", ".join(sorted({k.split("/")[1] for k in keys}))
+
+
 def _log_to_run(source: Any, scores: dict[str, float]) -> str:
     """Log ``scores`` to the run's trackers and refresh its report; returns what was done."""
     from omegaconf import OmegaConf
 
     from llmtrain.checkpoint.protocol import run_dir_in_use, step_dirs
     from llmtrain.checkpoint.state import STATE_FILE, read_state
-    from llmtrain.evaluation.harness import logged_keys
+    from llmtrain.evaluation.harness import documents_of, logged_keys, unlogged
     from llmtrain.monitoring.report import read_jsonl
     from llmtrain.monitoring.tracking import log_outside_training
 
     run_dir = source.run_dir
     if run_dir_in_use(run_dir):
         return f"the run is training: its trainer logs {run_dir / 'eval'} results at step {source.step}"
-    logged = logged_keys(read_jsonl(run_dir / "metrics.jsonl")).get(source.step, set())
-    again = sorted(k for k in scores if k in logged)
-    scores = {k: v for k, v in scores.items() if k not in logged}
-    kept = (f"; {', '.join(again)} at step {source.step} already logged (trackers keep the first value, "
-            "the result file holds this one)") if again else ""
+    logged = logged_keys(read_jsonl(run_dir / "metrics.jsonl")).get(source.step, {})
+    fresh = unlogged(scores, logged)
+    again = [k for k in scores if k not in fresh]
+    superseded = [k for k in fresh if k in logged]
+    kept = (f"; {_tasks_of(again)} at step {source.step} already logged from as many documents or more (the "
+            "trackers keep that, the result file holds this one)") if again else ""
+    if superseded:
+        kept += (f"; {_tasks_of(superseded)} logged again at step {source.step}: "
+                 f"{max(documents_of(scores, k) for k in superseded)} documents supersede the earlier evaluation's "
+                 "(the report shows the larger)")
+    scores = fresh
     if not scores:
         return kept.lstrip("; ")
     cfg = OmegaConf.load(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else OmegaConf.create({})
@@ -159,7 +174,7 @@ def run(source_path: Path, args: EvalArgs) -> dict[str, Any]:
         source.step = args.step
     harness.check_source(source)
     include = harness.include_paths(args.include)
-    manager = harness.check_tasks(args.tasks, include, args.data_dir)  # before anything is loaded
+    manager = harness.check_tasks(args.tasks, include, args.data_dir, args.data_file)  # before anything loads
     out_dir = Path(args.out_dir) if args.out_dir else (source.run_dir / "eval" if source.run_dir is not None
                                                        else source.path / "eval")
     log.info("evaluating %s on %s", source.describe(), ", ".join(args.tasks))
@@ -183,12 +198,16 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     import signal
 
-    from llmtrain.common.errors import LlmtrainError
+    from llmtrain.common.errors import LlmtrainError, require_extra
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__.strip() + "\n\n" + _USAGE)
+        from llmtrain.monitoring.console import plain_text
+
+        arguments = EvalArgs.__doc__.split("Attributes:\n", 1)[1].rstrip()
+        print(plain_text(__doc__.split("\n\nArguments after SOURCE")[0].strip()) + "\n\narguments (key=value):\n"
+              + plain_text(arguments) + "\n\n" + _USAGE)
         return 0
     if not log.handlers:
         handler = logging.StreamHandler()
@@ -196,8 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
     try:
+        require_extra("lm_eval", "eval", "python -m llmtrain.evaluate")
         source_path, args = parse_args(argv)
-        done = run(source_path, args)
+        from llmtrain.monitoring.console import quiet_when_logged
+
+        with quiet_when_logged("evaluate"):  # a log file gets no progress bars
+            done = run(source_path, args)
     except LlmtrainError as err:
         print(f"llmtrain.evaluate: error: {err}", file=sys.stderr)
         return 2

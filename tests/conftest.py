@@ -12,6 +12,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+if SHARED_DATA.is_dir():
+    # Where the local evaluation tasks find their files (llmtrain.evaluation.local_tasks), as a
+    # user's LLMTRAIN_DATA_DIR names the folder they downloaded them to; subprocesses inherit it.
+    os.environ.setdefault("LLMTRAIN_DATA_DIR", str(SHARED_DATA))
 
 # Small, fast settings shared by the multi-process tests (tiny model, short blocks). 327975 bytes:
 # the first 11 stdlib files whole, the text max_bytes=300000 read when it capped whole files.

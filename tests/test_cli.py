@@ -110,6 +110,8 @@ def test_help_explains_the_app_groups_recipes_and_fields():
         assert f"{group}: {', '.join(options)}" in text, group
     recipes = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
     assert f"recipe: {', '.join(recipes)}" in text and "+recipe=NAME" in text
+    # The local evaluation tasks are lm-eval YAMLs (llmtrain/evaluation/tasks), not a config group.
+    assert not re.search(r"^\s*eval:", text, re.M), text
     for pointer in ("--cfg job --resolve", "python -m llmtrain.export", "README.md", "torchrun", "accelerate launch"):
         assert pointer in text, pointer
     # The "most used fields" show the values a plain run composes to (placeholders aside).

@@ -31,7 +31,7 @@ def _evaluate_cli(args: list[str]) -> subprocess.CompletedProcess:
 def _harness_cli(export: Path, out: Path, tasks: str = "hh_local") -> dict:
     """``lm_eval --model hf`` on ``export`` with the shipped task YAMLs; its results file."""
     proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-                           f"pretrained={export},dtype=float32", "--include_path", str(REPO / "conf" / "eval"),
+                           f"pretrained={export},dtype=float32", "--include_path", str(REPO / "llmtrain" / "evaluation" / "tasks"),
                            "--tasks", tasks, "--limit", str(LIMIT), "--batch_size", "8", "--device", "cpu",
                            "--output_path", str(out)], capture_output=True, text=True, env=subprocess_env(),
                           cwd=REPO, timeout=600)
@@ -74,6 +74,67 @@ def test_local_tasks_read_the_shared_files_as_references_split_them(shared_data)
         "response that appropriately completes the request.\n\n### Instruction:\n" + r["instruction"].strip() +
         "\n\n### Input:\n" + r["input"].strip() + "\n\n### Response:\n")
     assert doc["response"] == r["output"].strip()
+
+
+def _requests(tasks: list[str], metadata: dict | None = None) -> dict[str, tuple[int, list]]:
+    """Each task's document count and the requests lm-eval builds from its YAML, as it would
+    score them (``build_all_requests``: every document, no limit)."""
+    manager = harness.task_manager(tasks, harness.include_paths(), metadata)
+    built = {}
+    for name, task in manager.load(tasks)["tasks"].items():
+        task.build_all_requests(limit=None)
+        built[name] = (len(list(task.test_docs())), task.instances)
+    return built
+
+
+def test_every_local_document_renders_to_the_strings_the_harness_encodes(shared_data):
+    """Every document of every local task becomes requests whose context and continuation are
+    strings, the types HFLM's ``_encode_pair`` takes: targets rendered through a Jinja template
+    were literal_eval'd into lists for twelve Alpaca outputs (``[1, 2, 3]``), and the whole task
+    failed."""
+    built = _requests(["hh_local", "alpaca_local"])
+    docs, instances = built["hh_local"]
+    assert docs == 2277 and len(instances) == 2 * docs  # one request per choice
+    docs, instances = built["alpaca_local"]
+    assert docs == 4884 and len(instances) == docs
+    for _, instances in built.values():
+        for instance in instances:
+            context, continuation = instance.arguments
+            assert isinstance(context, str) and isinstance(continuation, str) and context and continuation
+    looks_like_a_list = [i.arguments[1] for i in built["alpaca_local"][1] if i.arguments[1].startswith("[")]
+    assert len(looks_like_a_list) >= 10 and all(isinstance(c, str) for c in looks_like_a_list)
+
+
+def test_local_tasks_keep_targets_that_look_like_python_as_strings(tmp_path):
+    """The same without the shared files: outputs that a template would turn into a list, a
+    number or a dict stay the strings the file holds, and a file named by data_file= is read
+    whatever its name."""
+    outputs = ["[1, 2, 3, 4, 5]", "42", "{'a': 1}", "plain words"]
+    records = [{"instruction": f"Say {k}", "input": "", "output": out} for k, out in enumerate(outputs)]
+    (tmp_path / "mine.json").write_text(json.dumps(records))
+    docs, instances = _requests(["alpaca_local"], {"data_file": str(tmp_path / "mine.json")})["alpaca_local"]
+    assert docs == 4 and [i.arguments[1] for i in instances] == outputs
+    assert instances[0].arguments[0].endswith("### Instruction:\nSay 0\n\n### Response:\n")
+
+
+def test_local_tasks_find_the_readme_download_names(tmp_path, monkeypatch):
+    """alpaca_local reads the README's download, alpaca_data.json, from data_dir or the working
+    directory; the error lists each folder looked in once."""
+    from llmtrain.evaluation.local_tasks import alpaca_responses
+
+    monkeypatch.delenv("LLMTRAIN_DATA_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as missing:
+        alpaca_responses()
+    assert str(missing.value).count(str(tmp_path)) == 1 and "alpaca_data.json or alpaca_5000.json" in str(missing.value)
+    (tmp_path / "alpaca_data.json").write_text(json.dumps([{"instruction": "Hi", "input": "", "output": "Hello"}]))
+    assert alpaca_responses()["test"][0]["response"] == "Hello"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "alpaca_data.json").write_text(json.dumps([{"instruction": "Hi", "input": "", "output": "There"}]))
+    assert alpaca_responses(data_dir=str(elsewhere))["test"][0]["response"] == "There"
+    with pytest.raises(DataError, match="data_file=.*nope.json: no such file"):
+        alpaca_responses(data_file=str(tmp_path / "nope.json"))
 
 
 def test_missing_data_and_unknown_tasks_are_one_line_errors(tmp_path, capsys):
@@ -196,8 +257,10 @@ def test_adapter_scores_equal_its_checkpoints(trained):
     by_adapter, by_checkpoint = (harness.scores(harness.evaluate(source, ["hh_local", "alpaca_local"], limit=30,
                                                                  dtype="float32"))
                                  for source in (adapter, checkpoint))
-    assert by_adapter.keys() == {"eval/hh_local/acc", "eval/hh_local/acc_norm", "eval/alpaca_local/acc",
-                                 "eval/alpaca_local/bits_per_byte", "eval/alpaca_local/byte_perplexity"}
+    assert by_adapter.keys() == {"eval/hh_local/acc", "eval/hh_local/acc_norm", "eval/hh_local/acc_bytes",
+                                 "eval/hh_local/documents", "eval/alpaca_local/acc", "eval/alpaca_local/bits_per_byte",
+                                 "eval/alpaca_local/byte_perplexity", "eval/alpaca_local/documents"}
+    assert by_adapter["eval/hh_local/documents"] == by_adapter["eval/alpaca_local/documents"] == 30
     assert by_adapter == pytest.approx(by_checkpoint, rel=1e-5)
     assert 1 < by_adapter["eval/alpaca_local/byte_perplexity"] < 320  # trained a little, below uniform over bytes
 
@@ -277,3 +340,24 @@ def test_in_loop_results_are_logged_once_across_resumes(tmp_path, monkeypatch):
     evals._reaped(6, type("Done", (), {"returncode": 0, "args": ["python"]})())
     assert 6 not in evals.manager.pinned and evals.manager.pruned == 1
     assert [s for s in range(1, 10) if evals.due(s)] == [2, 4, 6, 8, 9]
+
+
+def test_a_fuller_evaluation_of_a_step_supersedes_a_partial_one():
+    """A score says how many documents it covers (``eval/TASK/documents``); logged at a step from
+    50 documents, the same step scored on the whole task is logged again, and the report takes
+    the larger evaluation, whichever came first; an evaluation of as many documents or fewer is
+    not logged twice."""
+    from llmtrain.monitoring.report import task_scores
+
+    partial = {"eval/hh_local/acc": 0.375, "eval/hh_local/documents": 50}
+    whole = {"eval/hh_local/acc": 0.425, "eval/hh_local/documents": 2277}
+    logged = harness.logged_keys([{"step": 8, "train/loss": 1.0}, {"step": 8, **partial}])
+    assert logged == {8: {"eval/hh_local/acc": 50, "eval/hh_local/documents": 50}}
+    assert harness.unlogged(whole, logged[8]) == whole
+    assert harness.unlogged(partial, logged[8]) == {}
+    assert harness.unlogged({"eval/arc_easy/acc": 0.5, "eval/arc_easy/documents": 10}, logged[8]) != {}
+    for records in ([{"step": 8, **partial}, {"step": 8, **whole}], [{"step": 8, **whole}, {"step": 8, **partial}]):
+        assert task_scores(records) == [{"step": 8, **whole}]
+    results = {"results": {"hh_local": {"acc,none": 0.425, "acc_stderr,none": 0.01, "alias": "hh_local"}},
+               "n-samples": {"hh_local": {"original": 2277, "effective": 2277}}}
+    assert harness.scores(results) == whole

@@ -17,6 +17,7 @@ def test_installed_wheel_finds_its_configs_and_recipes(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"llmtrain/{p.relative_to(REPO).as_posix()}" for folder in ("conf", "recipes")
                for p in (REPO / folder).rglob("*.yaml")}
+    shipped |= {p.relative_to(REPO).as_posix() for p in (REPO / "llmtrain" / "evaluation" / "tasks").glob("*.yaml")}
     assert shipped and shipped <= names, shipped - names
     # Every sub-package of the source tree is in the wheel (a missing one imports only from a checkout).
     modules = {f"llmtrain/{p.relative_to(REPO / 'llmtrain').as_posix()}" for p in (REPO / "llmtrain").rglob("*.py")}

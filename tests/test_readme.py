@@ -139,7 +139,7 @@ def test_command_line(heading, command, tmp_path):
         from llmtrain.evaluation import harness
 
         folder = REPO / tokens[tokens.index("--include_path") + 1]
-        assert folder == REPO / "conf" / "eval", command
+        assert folder == REPO / "llmtrain" / "evaluation" / "tasks", command
         harness.task_manager(tokens[tokens.index("--tasks") + 1].split(","), harness.include_paths())
         return
     parsed = llmtrain_args(tokens)

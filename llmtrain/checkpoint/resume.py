@@ -25,7 +25,7 @@ RESUMABLE_CHANGES = ("name", "run_dir", "tracker", "trainer.max_steps", "trainer
                      # Scoring the checkpoints reads them and changes nothing of the training.
                      "trainer.eval_tasks", "trainer.eval_tasks_every", "trainer.eval_tasks_async",
                      "trainer.eval_tasks_limit", "trainer.eval_tasks_batch_size", "trainer.eval_tasks_device",
-                     "trainer.eval_tasks_include", "trainer.eval_tasks_bootstrap_iters",
+                     "trainer.eval_tasks_include", "trainer.eval_tasks_bootstrap_iters", "trainer.eval_tasks_data_dir",
                      # Memory knobs that do not change what is computed (recomputation, the loss in
                      # chunks, where each row's tokens live): what a run that ran out of memory changes.
                      "trainer.activation_checkpointing", "trainer.loss_chunk_tokens", "recipe.cp", "recipe.cp_style",

@@ -273,12 +273,14 @@ class TrainerConfig:
     accelerators in :mod:`llmtrain.planning.flops` by device name; CPUs report ``perf/tflops_per_device``
     only).
 
-    ``eval_tasks``: lm-evaluation-harness tasks (``hh_local``, ``alpaca_local`` from ``conf/eval``,
+    ``eval_tasks``: lm-evaluation-harness tasks (``hh_local``, ``alpaca_local``, shipped in ``llmtrain/evaluation/tasks``,
     the YAML folders in ``eval_tasks_include``, or the harness's own) scored on the checkpoint
     of every ``eval_tasks_every`` steps (those steps are then checkpoint steps; 0 = the last step
     only), each in its own process (:mod:`llmtrain.evaluation.in_loop`); training goes on meanwhile
     unless ``eval_tasks_async=false``. ``eval_tasks_limit``: documents per task (all when unset);
     ``eval_tasks_device``: where the evaluation runs (default: rank 0's device).
+    ``eval_tasks_data_dir``: the folder of the local tasks' data files (default: ``$LLMTRAIN_DATA_DIR``,
+    then the working directory; :mod:`llmtrain.evaluation.local_tasks`).
     """
 
     seed: int = 1234
@@ -329,6 +331,7 @@ class TrainerConfig:
     eval_tasks_batch_size: int = 8
     eval_tasks_device: Optional[str] = None
     eval_tasks_include: List[str] = field(default_factory=list)
+    eval_tasks_data_dir: Optional[str] = None
     eval_tasks_bootstrap_iters: int = 1000
 
 

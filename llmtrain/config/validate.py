@@ -216,9 +216,10 @@ def _validate_eval_tasks(t: Any) -> None:
              f"trainer.eval_tasks_limit={t.eval_tasks_limit} must be > 0 (documents per task; unset = all)")
     _require(t.eval_tasks_bootstrap_iters >= 0,
              f"trainer.eval_tasks_bootstrap_iters={t.eval_tasks_bootstrap_iters} must be >= 0")
-    _require(bool(t.eval_tasks) or (not t.eval_tasks_every and not t.eval_tasks_include),
-             f"trainer.eval_tasks_every={t.eval_tasks_every} / eval_tasks_include={list(t.eval_tasks_include)} "
-             "without trainer.eval_tasks: name the tasks, e.g. trainer.eval_tasks=[hh_local]")
+    _require(bool(t.eval_tasks) or (not t.eval_tasks_every and not t.eval_tasks_include and not t.eval_tasks_data_dir),
+             f"trainer.eval_tasks_every={t.eval_tasks_every} / eval_tasks_include={list(t.eval_tasks_include)} / "
+             f"eval_tasks_data_dir={t.eval_tasks_data_dir} without trainer.eval_tasks: name the tasks, e.g. "
+             "trainer.eval_tasks=[hh_local]")
 
 
 def validate_trainer(t: Any, r: Any) -> None:

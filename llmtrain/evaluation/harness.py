@@ -1,7 +1,7 @@
 """Task scores from EleutherAI's lm-evaluation-harness (``lm_eval``) for what llmtrain writes: a
 checkpoint (any recipe), a run directory (its newest complete checkpoint), a Hugging Face export
 or a PEFT adapter. Everything about tasks and scoring is the harness's own: tasks come from its
-``TaskManager`` (its standard tasks, the local tasks in ``conf/eval/`` and folders of task YAMLs a
+``TaskManager`` (its standard tasks, the local tasks in ``tasks/`` beside this module and folders of task YAMLs a
 user names), the model is its ``HFLM`` wrapper and the scores are ``simple_evaluate``'s, so a
 number here is the number ``lm_eval --model hf --model_args pretrained=EXPORT`` prints.
 
@@ -10,8 +10,10 @@ LoRA merged) in a temporary folder under ``~/.cache/llmtrain/eval``, which ``HFL
 would any export.
 
 Scores are flattened as ``eval/TASK/METRIC`` (a harness filter other than ``none`` is appended,
-``eval/gsm8k/exact_match_strict-match``) and written with the harness's whole results to
-``eval/step_N.json`` (:func:`write_result`).
+``eval/gsm8k/exact_match_strict-match``), each task's with ``eval/TASK/documents``, the number of
+documents it was scored on, and written with the harness's whole results to ``eval/step_N.json``
+(:func:`write_result`). A score is logged once per step, unless a later evaluation of the same step
+covers more documents, which supersedes it (:func:`unlogged`).
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from typing import Any, Iterator
 from llmtrain.checkpoint.protocol import MARKER, step_dirs, step_of, verify
 from llmtrain.checkpoint.state import STATE_FILE, read_state
 from llmtrain.common.errors import ConfigError, DataError
-from llmtrain.common.paths import CACHE_DIR, CONF_DIR
+from llmtrain.common.paths import CACHE_DIR
+from llmtrain.monitoring.console import quiet_library_warnings
 
 log = logging.getLogger("llmtrain")
 
-LOCAL_TASKS_DIR = Path(CONF_DIR) / "eval"
+LOCAL_TASKS_DIR = Path(__file__).resolve().parent / "tasks"  # the local tasks' YAMLs (local_tasks reads their files)
 SCORE_PREFIX = "eval/"
+DOCUMENTS = "documents"  # eval/TASK/documents: how many documents the task's scores cover
 
 
 @dataclass
@@ -126,7 +130,7 @@ def check_device(device: str, field: str) -> None:
 
 
 def include_paths(extra: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """Folders of task YAMLs: llmtrain's ``conf/eval`` and the user's ``extra`` ones.
+    """Folders of task YAMLs: llmtrain's local tasks (:data:`LOCAL_TASKS_DIR`) and the user's ``extra`` ones.
 
     Raises:
         ConfigError: an ``extra`` folder does not exist.
@@ -159,15 +163,22 @@ def task_manager(tasks: list[str], include: list[str], metadata: dict[str, Any] 
     return manager
 
 
-def check_tasks(tasks: list[str], include: list[str], data_dir: str | None = None):
+def data_metadata(data_dir: str | None = None, data_file: str | None = None) -> dict[str, Any] | None:
+    """The harness ``metadata`` that tells the local tasks where their file is
+    (:mod:`llmtrain.evaluation.local_tasks`), or None."""
+    metadata = {k: v for k, v in (("data_dir", data_dir), ("data_file", data_file)) if v}
+    return metadata or None
+
+
+def check_tasks(tasks: list[str], include: list[str], data_dir: str | None = None, data_file: str | None = None):
     """Every task is known and its documents load (before a run writes anything); returns the
-    ``TaskManager``.
+    ``TaskManager``. ``data_dir`` / ``data_file``: where the local tasks read their file.
 
     Raises:
         ConfigError: an unknown task; DataError: a task whose data files are missing or unreadable
             (a standard task offline without the datasets cache, too).
     """
-    manager = task_manager(tasks, include, {"data_dir": data_dir} if data_dir else None)
+    manager = task_manager(tasks, include, data_metadata(data_dir, data_file))
     for name in tasks:
         try:
             with _quiet_harness():
@@ -192,6 +203,30 @@ def _quiet_harness() -> Iterator[None]:
         yield
     finally:
         harness.setLevel(level)
+
+
+@contextlib.contextmanager
+def _git_hash_without_stderr() -> Iterator[None]:
+    """The harness records ``git describe --always`` of the working directory in its results,
+    and outside a git checkout git's "fatal: not a git repository" reaches the console: the same
+    value here, with git's stderr dropped."""
+    import subprocess
+
+    import lm_eval.evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    def git_hash() -> str | None:
+        try:
+            return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return get_commit_from_path(os.getcwd())
+
+    original = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = git_hash
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = original
 
 
 @contextlib.contextmanager
@@ -228,7 +263,8 @@ def _write_model(source: EvalSource, out_dir: Path) -> Path:
         base = json.loads((source.path / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if not base:
             raise ConfigError(f"adapter {source.path} names no base model (base_model_name_or_path)")
-        merged = AutoPeftModelForCausalLM.from_pretrained(str(source.path), dtype="float32").merge_and_unload()
+        with quiet_library_warnings():
+            merged = AutoPeftModelForCausalLM.from_pretrained(str(source.path), dtype="float32").merge_and_unload()
         merged.save_pretrained(out_dir, safe_serialization=True)
         tokenizer_dir = source.path if (source.path / "tokenizer_config.json").is_file() else base
         AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out_dir)
@@ -272,10 +308,10 @@ def check_source(source: EvalSource) -> None:
 def evaluate(source: EvalSource, tasks: list[str], include: list[str] | None = None, data_dir: str | None = None,
              limit: int | float | None = None, batch_size: int | str = 8, device: str = "cpu",
              num_fewshot: int | None = None, dtype: str = "auto", bootstrap_iters: int = 100000,
-             manager: Any = None) -> dict[str, Any]:
+             manager: Any = None, data_file: str | None = None) -> dict[str, Any]:
     """Run ``tasks`` on ``source`` with ``lm_eval.simple_evaluate`` and ``HFLM``; returns the
     harness's results (``results``, ``n-samples``, ``configs``, ``versions``, ...). ``limit``:
-    documents per task (all when None); ``data_dir``: where local tasks read their files
+    documents per task (all when None); ``data_dir`` / ``data_file``: where local tasks read their files
     (:mod:`llmtrain.evaluation.local_tasks`); the other arguments are the harness CLI's of the same names,
     with the same defaults except ``batch_size``; ``manager``: a ``TaskManager`` that
     :func:`check_tasks` returned (checked again when None).
@@ -287,8 +323,8 @@ def evaluate(source: EvalSource, tasks: list[str], include: list[str] | None = N
     from lm_eval.models.huggingface import HFLM
 
     include = include if include is not None else include_paths()
-    manager = manager if manager is not None else check_tasks(tasks, include, data_dir)
-    with model_folder(source) as pretrained, _quiet_harness():
+    manager = manager if manager is not None else check_tasks(tasks, include, data_dir, data_file)
+    with model_folder(source) as pretrained, _quiet_harness(), _git_hash_without_stderr():
         lm = HFLM(pretrained=pretrained, dtype=dtype, batch_size=batch_size, device=device)
         results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                           num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
@@ -297,9 +333,13 @@ def evaluate(source: EvalSource, tasks: list[str], include: list[str] | None = N
 
 
 def scores(results: dict[str, Any]) -> dict[str, float]:
-    """The harness's per-task metrics as ``{"eval/TASK/METRIC": value}`` (standard errors,
-    document counts and non-numeric entries left out; see the module for filters)."""
+    """The harness's per-task metrics as ``{"eval/TASK/METRIC": value}`` (standard errors and
+    non-numeric entries left out; see the module for filters), and each task's
+    ``eval/TASK/documents``: the documents it was scored on (the harness's ``n-samples``)."""
     flat: dict[str, float] = {}
+    for task, counts in results.get("n-samples", {}).items():
+        if isinstance(counts, dict) and isinstance(counts.get("effective"), int):
+            flat[f"{SCORE_PREFIX}{task}/{DOCUMENTS}"] = counts["effective"]
     for task, metrics in results.get("results", {}).items():
         for key, value in metrics.items():
             metric, _, filter_name = key.partition(",")
@@ -337,14 +377,37 @@ def write_result(out_dir: Path, source: EvalSource, tasks: list[str], results: d
     return path
 
 
-def logged_keys(records: list[dict]) -> dict[int, set[str]]:
-    """The task-score keys each step's records hold (``metrics.jsonl``'s): what is logged."""
-    found: dict[int, set[str]] = {}
+def documents_of(record: dict, key: str) -> int:
+    """How many documents task score ``key`` of ``record`` covers (0 when the record does not say:
+    results written before the count was logged)."""
+    count = record.get(f"{SCORE_PREFIX}{key.split('/')[1]}/{DOCUMENTS}", 0)
+    return int(count) if isinstance(count, (int, float)) else 0
+
+
+def is_score(key: str) -> bool:
+    """Whether ``key`` is a task score or document count (``eval/TASK/METRIC``)."""
+    return key.startswith(SCORE_PREFIX) and key.count("/") >= 2
+
+
+def logged_keys(records: list[dict]) -> dict[int, dict[str, int]]:
+    """The task-score keys each step's records hold (``metrics.jsonl``'s), each with the most
+    documents it was logged from: what is logged."""
+    found: dict[int, dict[str, int]] = {}
     for record in records:
-        keys = {k for k in record if k.startswith(SCORE_PREFIX)}
-        if keys and isinstance(record.get("step"), int):
-            found.setdefault(record["step"], set()).update(keys)
+        step = record.get("step")
+        if not isinstance(step, int):
+            continue
+        for key in filter(is_score, record):
+            logged = found.setdefault(step, {})
+            logged[key] = max(logged.get(key, -1), documents_of(record, key))
     return found
+
+
+def unlogged(new: dict[str, float], logged: dict[str, int]) -> dict[str, float]:
+    """The scores of ``new`` (one step's) to log: those not logged at that step yet, and those
+    of a task now scored on more documents than when it was logged (a whole task after a
+    ``limit``ed one), which supersede them. ``logged``: :func:`logged_keys` of the step."""
+    return {k: v for k, v in new.items() if documents_of(new, k) > logged.get(k, -1)}
 
 
 def read_result(path: Path) -> dict[str, Any] | None:

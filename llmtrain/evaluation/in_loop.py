@@ -63,7 +63,7 @@ class TaskEvals:
         self.folder = run_dir / "eval"
         self.running: dict[int, tuple[subprocess.Popen, Path]] = {}  # step -> (process, checkpoint)
         self.queued: list[tuple[int, Path]] = []  # one evaluation runs at a time: the others wait here
-        self.logged: dict[int, set[str]] = {}  # step -> the task-score keys logged at it
+        self.logged: dict[int, dict[str, int]] = {}  # step -> {task-score key: documents it was logged from}
         if not self.tasks or not is_main:
             return
         for stale in [*self.folder.glob("step_*.done"), self.folder / CLOSED]:
@@ -107,12 +107,13 @@ class TaskEvals:
             if step is None or step in self.running or any(q == step for q, _ in self.queued):
                 continue
             record = harness.read_result(path)
-            new = {k: v for k, v in (record or {}).get("scores", {}).items() if k not in self.logged.get(step, set())}
+            new = harness.unlogged((record or {}).get("scores", {}), self.logged.get(step, {}))
             if not new:
                 continue
             self.tracker.log(new, step=step)
-            self.logged.setdefault(step, set()).update(new)
-            shown = ", ".join(f"{k[len(harness.SCORE_PREFIX):]} {v:.4f}" for k, v in new.items())
+            self.logged.setdefault(step, {}).update({k: harness.documents_of(new, k) for k in new})
+            shown = ", ".join(f"{k[len(harness.SCORE_PREFIX):]} {v:.4f}" if isinstance(v, float) else
+                              f"{k[len(harness.SCORE_PREFIX):]} {v}" for k, v in new.items())
             log.info("task eval at step %d: %s", step, shown)
 
     def finish(self, preempted: bool) -> None:
@@ -157,6 +158,8 @@ class TaskEvals:
             command.append(f"limit={t.eval_tasks_limit}")
         if t.eval_tasks_include:
             command.append(f"include=[{','.join(str(Path(p).resolve()) for p in t.eval_tasks_include)}]")
+        if t.eval_tasks_data_dir:
+            command.append(f"data_dir={Path(t.eval_tasks_data_dir).expanduser().resolve()}")
         return command
 
     def _start(self, step: int, path: Path) -> None:
@@ -221,7 +224,7 @@ class TaskEvals:
         """Whether every task of the run has a score of ``step``, logged or in its result file."""
         record = harness.read_result(harness.result_path(self.folder, step)) or {}
         return set(self.tasks) <= set(record.get("tasks", [])) | {
-            k.split("/")[1] for k in self.logged.get(step, set())}
+            k.split("/")[1] for k in self.logged.get(step, {})}
 
 
 def check(t: Any) -> None:
@@ -229,19 +232,15 @@ def check(t: Any) -> None:
     known and its documents load.
 
     Raises:
-        ConfigError: lm-eval missing, an unknown task or a missing ``eval_tasks_include`` folder;
-        DataError: a task's data files are missing.
+        MissingExtra: lm-eval is not installed; ConfigError: an unknown task or a missing
+        ``eval_tasks_include`` folder; DataError: a task's data files are missing.
     """
-    import importlib.util
+    from llmtrain.common.errors import require_extra
 
-    from llmtrain.common.errors import ConfigError
-
-    if importlib.util.find_spec("lm_eval") is None:
-        raise ConfigError("trainer.eval_tasks needs lm-evaluation-harness: pip install 'llmtrain[eval]' (or lm-eval), "
-                          "or drop trainer.eval_tasks")
+    require_extra("lm_eval", "eval", "trainer.eval_tasks", instead="or drop trainer.eval_tasks")
     if t.eval_tasks_device:
         harness.check_device(t.eval_tasks_device, "trainer.eval_tasks_device")
-    harness.check_tasks(list(t.eval_tasks), harness.include_paths(list(t.eval_tasks_include)))
+    harness.check_tasks(list(t.eval_tasks), harness.include_paths(list(t.eval_tasks_include)), t.eval_tasks_data_dir)
 
 
 def _step_of(path: Path) -> int | None:

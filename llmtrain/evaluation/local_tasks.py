@@ -1,12 +1,13 @@
-"""Documents of the local lm-evaluation-harness tasks shipped in ``conf/eval/`` (their YAMLs
-name these functions as ``custom_dataset: !function llmtrain.evaluation.local_tasks.NAME``), read from files
-on disk: no dataset hub, so they run on an offline machine and in the test suite.
+"""Documents of the local lm-evaluation-harness tasks shipped in ``llmtrain/evaluation/tasks/``
+(their YAMLs name these functions as ``custom_dataset: !function
+llmtrain.evaluation.local_tasks.NAME``), read from files on disk: no dataset hub, so they run on an
+offline machine.
 
-Where the files are: lm-eval passes its ``metadata`` (``--metadata '{"data_dir": DIR}'`` on its
-CLI, ``metadata=`` of ``simple_evaluate``; :mod:`llmtrain.evaluate` passes ``data_dir=``) and the
-task's ``dataset_kwargs`` to these functions as keyword arguments. Without ``data_dir`` the
-folder is ``$LLMTRAIN_DATA_DIR``, else the first of ``./shared/data``, ``../shared/data`` (from
-the working directory) and ``../shared/data`` beside the repository that holds the file.
+Which file: lm-eval passes its ``metadata`` (``--metadata '{"data_file": PATH}'`` or
+``'{"data_dir": DIR}'`` on its CLI; ``python -m llmtrain.evaluate`` passes its ``data_file=`` and
+``data_dir=``) and the task's ``dataset_kwargs`` to these functions as keyword arguments.
+``data_file`` is the file itself; otherwise the task's file names (the download names the README
+gives) are looked for in ``data_dir``, else ``$LLMTRAIN_DATA_DIR``, and in the working directory.
 """
 
 from __future__ import annotations
@@ -16,31 +17,37 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llmtrain.common.errors import DataError
 from llmtrain.data.formats import alpaca_prompt
 from llmtrain.data.preference import extract_prompt
-from llmtrain.common.errors import DataError
 
 DATA_DIR_ENV = "LLMTRAIN_DATA_DIR"
+HH_FILES = ("hh_rlhf_harmless_test.jsonl.gz",)  # anthropics/hh-rlhf harmless-base/test.jsonl.gz, saved so
+ALPACA_FILES = ("alpaca_data.json", "alpaca_5000.json")  # Stanford Alpaca's download, or a 5,000-record subset
 
 
-def data_file(name: str, data_dir: str | None = None) -> Path:
-    """The path of data file ``name`` (see the module for where it is looked for).
+def _data_file(names: tuple[str, ...], data_dir: str | None = None, data_file: str | None = None) -> Path:
+    """The data file of a local task: ``data_file`` itself, else the first of ``names`` found in
+    ``data_dir`` (or ``$LLMTRAIN_DATA_DIR``) and then in the working directory.
 
     Raises:
-        DataError: no such file in any of those places (all listed, with the fix).
+        DataError: ``data_file`` does not exist, or no such file in those folders (each listed
+            once, with the fix).
     """
-    if data_dir:
-        places = [Path(data_dir)]
-    elif os.environ.get(DATA_DIR_ENV):
-        places = [Path(os.environ[DATA_DIR_ENV])]
-    else:
-        repo = Path(__file__).resolve().parents[2]
-        places = [Path.cwd() / "shared" / "data", Path.cwd().parent / "shared" / "data", repo.parent / "shared" / "data"]
+    if data_file:
+        path = Path(data_file).expanduser()
+        if not path.is_file():
+            raise DataError(f"evaluation data_file={data_file}: no such file")
+        return path
+    folder = data_dir or os.environ.get(DATA_DIR_ENV)
+    places = list(dict.fromkeys(p.resolve() for p in ([Path(folder).expanduser()] if folder else []) + [Path.cwd()]))
     for place in places:
-        if (place / name).is_file():
-            return place / name
-    raise DataError(f"evaluation data file {name} is not in {' or '.join(str(p) for p in places)}; pass its folder "
-                    f"as data_dir=DIR (lm_eval: --metadata '{{\"data_dir\": \"DIR\"}}') or set {DATA_DIR_ENV}=DIR")
+        for name in names:
+            if (place / name).is_file():
+                return place / name
+    raise DataError(f"evaluation data file {' or '.join(names)} is not in {' or '.join(str(p) for p in places)}; "
+                    "download it (README: Evaluation), then give its folder as data_dir=DIR or the file as "
+                    f"data_file=PATH (lm_eval: --metadata '{{\"data_dir\": \"DIR\"}}'), or set {DATA_DIR_ENV}=DIR")
 
 
 def _dataset(rows: list[dict], where: Path) -> dict[str, Any]:
@@ -51,13 +58,14 @@ def _dataset(rows: list[dict], where: Path) -> dict[str, Any]:
     return {"test": datasets.Dataset.from_list(rows)}
 
 
-def hh_rlhf_pairs(data_file_name: str = "hh_rlhf_harmless_test.jsonl.gz", data_dir: str | None = None,
-                  max_completion_chars: int | None = None, **_: Any) -> dict[str, Any]:
+def hh_rlhf_pairs(data_dir: str | None = None, data_file: str | None = None, max_completion_chars: int | None = None,
+                  **_: Any) -> dict[str, Any]:
     """Anthropic HH-RLHF preference pairs as two-choice documents ``{"prompt", "choices":
     [chosen completion, rejected completion], "label": 0}``: the prompt is the pair's shared
     prefix (the implicit-prompt layout, split as TRL's ``extract_prompt`` splits it, as
     llmtrain's preference data does), so the task's accuracy is the share of pairs whose
-    chosen response has the higher log-likelihood (lm-eval's ``acc``; ``acc_norm`` per byte).
+    chosen response has the higher log-likelihood (lm-eval's ``acc``; its ``acc_norm`` divides
+    each completion's log-likelihood by its length in characters, ``acc_bytes`` in UTF-8 bytes).
     Pairs with an empty completion are skipped (no continuation to score), and, with
     ``max_completion_chars``, pairs with a longer completion (the harness keeps a continuation
     whole, so it must fit the model's context: 1,000 characters fit a byte-level tokenizer at
@@ -68,7 +76,7 @@ def hh_rlhf_pairs(data_file_name: str = "hh_rlhf_harmless_test.jsonl.gz", data_d
     """
     import gzip
 
-    path = data_file(data_file_name, data_dir)
+    path = _data_file(HH_FILES, data_dir, data_file)
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
     with opener(path, "rt", encoding="utf-8") as file:
@@ -86,18 +94,19 @@ def hh_rlhf_pairs(data_file_name: str = "hh_rlhf_harmless_test.jsonl.gz", data_d
     return _dataset(rows, path)
 
 
-def alpaca_responses(data_file_name: str = "alpaca_5000.json", data_dir: str | None = None,
-                     max_completion_chars: int | None = None, **_: Any) -> dict[str, Any]:
+def alpaca_responses(data_dir: str | None = None, data_file: str | None = None, max_completion_chars: int | None = None,
+                     **_: Any) -> dict[str, Any]:
     """Alpaca instruction records as ``{"prompt", "response"}`` documents: the prompt in the
     Alpaca template llmtrain trains with (``data.template=alpaca``), the reference output as
     the continuation whose log-likelihood lm-eval scores (per byte, :func:`response_scores`). Records with an empty output are skipped, and with
     ``max_completion_chars`` those with a longer one (see :func:`hh_rlhf_pairs`; the shipped task
-    keeps 4,884 of 5,000).
+    keeps 4,884 of the 5,000-record subset). The response is kept as the string it is (a
+    reference output like ``[1, 2, 3]`` included: the task names the field, not a template).
 
     Raises:
         DataError: the file is missing or is not a JSON list of instruction records.
     """
-    path = data_file(data_file_name, data_dir)
+    path = _data_file(ALPACA_FILES, data_dir, data_file)
     try:
         records = json.loads(path.read_text(encoding="utf-8"))
         rows = [{"prompt": alpaca_prompt(r["instruction"].strip(), (r.get("input") or "").strip()),

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import EngFormatter, MaxNLocator
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("llmtrain")
@@ -198,7 +198,7 @@ def build_figure(records: list[dict], resumes: list[int], title: str, expert_loa
     if expert_load:
         _expert_panels(fig, axes[6], axes[7], records, expert_load, resumes)
     if scores:
-        _eval_panels(axes[-2], axes[-1], records, scores, resumes)
+        _eval_panels(axes[-2], axes[-1], task_scores(records), scores, resumes)
     fig.suptitle(title)
     train, val = series(records, "train/loss"), series(records, "val/loss")
     resume_tokens = _tokens_at(records, resumes)
@@ -224,6 +224,9 @@ def build_figure(records: list[dict], resumes: list[int], title: str, expert_loa
         ax.set(xlabel=xlabel, ylabel=f"loss (per {unit})" if unit != "token" else "loss (nats/token)",
                title=f"loss vs {xlabel}")
         _step_ticks(ax)
+        if xlabel == "tokens seen":  # 1.2M, not 1200000: millions of tokens at 5-6 ticks do not overlap
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=5, integer=True))
+            ax.xaxis.set_major_formatter(EngFormatter(sep=""))
         ax.legend()
 
     single = [(axes[2], "train/lr", 1.0, "learning rate", "learning rate"),
@@ -244,9 +247,31 @@ def build_figure(records: list[dict], resumes: list[int], title: str, expert_loa
     return fig
 
 
+def _task_keys(record: dict) -> list[str]:
+    return [k for k in record if k.startswith("eval/") and k.count("/") >= 2]
+
+
+def task_scores(records: list[dict]) -> list[dict]:
+    """One record per step (sorted) with its task scores (``eval/TASK/METRIC``): of a task scored
+    more than once at a step, the evaluation over the most documents (``eval/TASK/documents``; the
+    first of equals, as the trackers keep it), so a whole task supersedes a ``limit``ed one."""
+    best: dict[tuple[int, str], tuple[float, dict]] = {}
+    for record in records:
+        step = record.get("step")
+        for task in dict.fromkeys(k.split("/")[1] for k in _task_keys(record)):
+            documents = record.get(f"eval/{task}/documents", 0)
+            if (step, task) not in best or documents > best[(step, task)][0]:
+                best[(step, task)] = (documents, {k: record[k] for k in _task_keys(record)
+                                                  if k.split("/")[1] == task})
+    by_step: dict[int, dict] = {}
+    for (step, _), (_, values) in best.items():
+        by_step.setdefault(step, {"step": step}).update(values)
+    return [by_step[step] for step in sorted(by_step)]
+
+
 def eval_keys(records: list[dict]) -> list[str]:
-    """The task-score keys (``eval/TASK/METRIC``) the records hold, sorted."""
-    return sorted({k for r in records for k in r if k.startswith("eval/") and k != "eval/step"})
+    """The task-score keys (``eval/TASK/METRIC``) the records hold, sorted (document counts left out)."""
+    return sorted({k for r in records for k in _task_keys(r) if not k.endswith("/documents")})
 
 
 def _eval_panels(bounded_ax, other_ax, records: list[dict], keys: list[str], resumes: list[int]) -> None:
@@ -390,15 +415,14 @@ def _markdown(run_dir: Path, records: list[dict], cfg, procs: list[dict] | None,
         figures.append(["skipped updates (non-finite)", _fmt(int(sum(skipped)), "d")])
     out += ["", "## Final figures", ""] + _table(["metric", "value"], figures)
 
-    keys = eval_keys(records)
+    scored = task_scores(records)
+    keys = sorted({k for r in scored for k in r if k != "step"})
     if keys:
-        by_step: dict[int, dict] = {}
-        for r in records:
-            if any(k in r for k in keys):
-                by_step.setdefault(r["step"], {}).update({k: r[k] for k in keys if k in r})
-        out += ["", "## Task scores (lm-evaluation-harness)", ""] + _table(
+        out += ["", "## Task scores (lm-evaluation-harness)", "",
+                "Each task at each step from its evaluation over the most documents (`TASK/documents`).", ""] + _table(
             ["step", *(f"`{k[len('eval/'):]}`" for k in keys)],
-            [[step, *(_fmt(row.get(k), ".4f") for k in keys)] for step, row in sorted(by_step.items())])
+            [[row["step"], *(_fmt(row.get(k), ".0f" if k.endswith("/documents") else ".4f") for k in keys)]
+             for row in scored])
 
     out += ["", "## Goodput breakdown", ""]
     last = next((r for r in reversed(records) if isinstance(r.get("time/wall_s"), (int, float))), None)
