@@ -492,7 +492,7 @@ class Trainer:
             log_trainable(self.engine, cfg, dims, env.is_main)
         if env.is_main:
             trained = adapters.summary(self.engine.model)[0] if self.partial else num_parameters
-            warn_if_disk_is_short(self.run_dir, t.keep_checkpoints, checkpoint_bytes(trained, cfg.recipe.engine))
+            warn_if_disk_is_short(self.run_dir, t.keep_checkpoints, checkpoint_bytes(trained, cfg.recipe.engine, cfg.recipe.zero_stage))
 
     # ---- per step ------------------------------------------------------------------------------
     def _local_scalars(self, digest: float) -> StepScalars:

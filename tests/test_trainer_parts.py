@@ -69,8 +69,9 @@ def test_a_run_folder_short_of_disk_for_its_checkpoints_is_warned_about(tmp_path
 
     from llmtrain.checkpoint.checkpointer import checkpoint_bytes, warn_if_disk_is_short
 
-    per_checkpoint = checkpoint_bytes(134_515_008, "torch")
-    assert per_checkpoint == 134_515_008 * 12 and checkpoint_bytes(10, "deepspeed") == 160
+    per_checkpoint = checkpoint_bytes(134_515_008, "torch", 3)
+    assert per_checkpoint == 134_515_008 * 12 == checkpoint_bytes(134_515_008, "deepspeed", 3)
+    assert checkpoint_bytes(10, "deepspeed", 2) == 160
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 4 * per_checkpoint - 1))
     with caplog.at_level(logging.WARNING, logger="llmtrain"):

@@ -68,7 +68,8 @@ def launch(overrides: Sequence[str], run_dir: Path, nproc: int = 1, env: dict | 
                 if nproc > 1 else [sys.executable])
     environment = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1",
                        HF_DATASETS_OFFLINE="1", DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
-                       PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+                       PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    environment.update(env or {})
     cpu, started = children_cpu_s(), time.perf_counter()
     proc = subprocess.run(launcher + ["-m", "llmtrain", *overrides, f"run_dir={run_dir}"], capture_output=True,
                           text=True, cwd=REPO, env=environment)

@@ -32,6 +32,7 @@ def run(mode: str, args: argparse.Namespace, root: Path) -> dict[str, float]:
                  "trainer.progress_bar=false", "trainer.export_hf=false"]
     if mode != "off":
         overrides += ["trainer.eval_tasks=[hh_local]", f"trainer.eval_tasks_every={args.every}",
+                      f"trainer.eval_tasks_data_dir={DATA}",
                       f"trainer.eval_tasks_limit={args.limit}", f"trainer.eval_tasks_async={mode == 'async'}"]
     done = launch(overrides, run_dir, nproc=args.nproc, env={"OMP_NUM_THREADS": "1"}, what=mode)
     speeds = [r["train/tokens_per_s"] for r in done.records if "train/tokens_per_s" in r and r["step"] > 2]
