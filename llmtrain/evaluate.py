@@ -141,7 +141,7 @@ def _log_to_run(source: Any, scores: dict[str, float]) -> str:
     again = [k for k in scores if k not in fresh]
     superseded = [k for k in fresh if k in logged]
     kept = (f"; {_tasks_of(again)} at step {source.step} already logged from as many documents or more (the "
-            "trackers keep that, the result file holds this one)") if again else ""
+            "trackers and the report keep that)") if again else ""
     if superseded:
         kept += (f"; {_tasks_of(superseded)} logged again at step {source.step}: "
                  f"{max(documents_of(scores, k) for k in superseded)} documents supersede the earlier evaluation's "

@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         if is_partial(cfg):
             print("note: the planner counts full training; with LoRA or model.freeze the frozen parameters carry no "
                   "gradient or optimizer state, so these figures are upper bounds")
-        print(f"\nevery recipe on {world_size} ranks (per rank"
+        t = cfg.trainer
+        print(f"\nevery recipe on {world_size} ranks (per rank; global batch {t.global_batch_size}, micro-batch "
+              f"{t.micro_batch_size}, activation checkpointing {'on' if t.activation_checkpointing else 'off'}"
               f"{'; fits: total within ' + fmt_bytes(budget) if budget else ''}):")
         checkpointed = plan_all(cfg, world_size, checkpointing=True, fit_batch=fit_batch) if budget else None
         plans = plan_all(cfg, world_size, fit_batch=fit_batch)

@@ -416,7 +416,9 @@ class Trainer:
         tracker = Tracker(cfg.tracker, self.run_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), env.is_main,
                           resume_step=state.step if resumed else None, run_id=state.tracker_run_id,
                           config_yaml=self.config_yaml, mlflow_run_id=state.mlflow_run_id, log_every=self.t.log_every)
-        goodput.account_restart(state, tracker.redone_records, self.process_started, resumed=resumed is not None)
+        finished = goodput.finished_at(self.run_dir) if env.is_main and resumed is not None else None
+        goodput.account_restart(state, tracker.redone_records, self.process_started, resumed=resumed is not None,
+                                finished=finished)
         if env.is_main:
             goodput.timeline_event(self.run_dir, "start", fresh=resumed is None, step=state.step,
                                    resumed_from=resumed.name if resumed else None, world_size=env.world_size,

@@ -296,6 +296,8 @@ def test_layout_errors_on_two_ranks_fail_before_writing(overrides, needle, tmp_p
     # Fields of list elements too (with '+', Hydra would have added the key to the element).
     (["data=mix", "+data.datasets.0.pth=a.json"],
      "data.datasets.0.pth is not a field of data.datasets.0: did you mean data.datasets.0.path?"),
+    # A value of the wrong type: Hydra would print six lines and exit 1.
+    (["+peft=lora", "peft.r=eight"], "peft.r=eight: peft.r takes a whole number, not 'eight'"),
 ])
 def test_misspelt_fields_and_options_get_one_line_naming_the_closest_and_exit_2(overrides, message, tmp_path):
     proc = run_cli(["tracker=none", f"run_dir={tmp_path / 'run'}"] + overrides)

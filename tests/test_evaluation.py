@@ -361,3 +361,21 @@ def test_a_fuller_evaluation_of_a_step_supersedes_a_partial_one():
     results = {"results": {"hh_local": {"acc,none": 0.425, "acc_stderr,none": 0.01, "alias": "hh_local"}},
                "n-samples": {"hh_local": {"original": 2277, "effective": 2277}}}
     assert harness.scores(results) == whole
+
+
+def test_the_result_file_keeps_the_larger_evaluation_of_a_step(tmp_path):
+    """A task scored again at a step on fewer documents goes to smaller/ beside the result file,
+    which keeps the evaluation over the most documents, as the trackers and the report do."""
+    def results(documents: int, acc: float) -> dict:
+        return {"results": {"hh_local": {"acc,none": acc}}, "n-samples": {"hh_local": {"original": 2277,
+                                                                                        "effective": documents}}}
+
+    source = harness.EvalSource("checkpoint", tmp_path / "step_20", tmp_path, 20)
+    assert harness.write_result(tmp_path / "eval", source, ["hh_local"], results(60, 0.5)) == tmp_path / "eval" / "step_20.json"
+    aside = harness.write_result(tmp_path / "eval", source, ["hh_local"], results(10, 0.9))
+    assert aside == tmp_path / "eval" / "smaller" / "step_20.json"
+    kept = harness.read_result(tmp_path / "eval" / "step_20.json")
+    assert kept["scores"] == {"eval/hh_local/acc": 0.5, "eval/hh_local/documents": 60}
+    assert harness.read_result(aside)["scores"] == {"eval/hh_local/acc": 0.9, "eval/hh_local/documents": 10}
+    harness.write_result(tmp_path / "eval", source, ["hh_local"], results(2277, 0.45))
+    assert harness.read_result(tmp_path / "eval" / "step_20.json")["n_samples"]["hh_local"]["effective"] == 2277

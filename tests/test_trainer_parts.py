@@ -79,3 +79,28 @@ def test_a_run_folder_short_of_disk_for_its_checkpoints_is_warned_about(tmp_path
     assert "trainer.keep_checkpoints=3 needs about 6.0 GiB (4 checkpoints of 1.50 GiB" in caplog.text
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(0, 0, 4 * per_checkpoint))
     assert not warn_if_disk_is_short(tmp_path, 3, per_checkpoint)
+
+
+def test_the_gap_before_continuing_a_finished_run_is_idle_not_restart_time(tmp_path):
+    """Goodput: a run that finished and is continued later with a higher trainer.max_steps was idle
+    in between (a 1.1 % goodput once came from booking that gap as restart time); the gap after a
+    crash is restart time, as before."""
+    import pytest
+
+    from llmtrain.checkpoint.state import TrainState
+    from llmtrain.monitoring import goodput
+
+    goodput.timeline_event(tmp_path, "start", fresh=True, step=0)
+    goodput.timeline_event(tmp_path, "end", step=10, reason="finished")
+    finished = goodput.finished_at(tmp_path)
+    assert finished is not None
+    state = TrainState(step=10, run_started_unix=finished - 50, saved_unix=finished - 1, productive_s=40)
+    goodput.account_restart(state, [], finished + 600, resumed=True, finished=finished)
+    assert state.idle_s == pytest.approx(600) and state.restart_s == state.lost_s == 0
+    crashed = TrainState(step=10, run_started_unix=finished - 50, saved_unix=finished - 1, productive_s=40)
+    goodput.account_restart(crashed, [{"step": 11, "time": finished + 5}], finished + 600, resumed=True)
+    assert crashed.idle_s == 0 and crashed.lost_s == pytest.approx(6) and crashed.restart_s == pytest.approx(595)
+    goodput.timeline_event(tmp_path, "start", step=10)  # the continuation, running (or killed)
+    assert goodput.finished_at(tmp_path) is None
+    goodput.timeline_event(tmp_path, "end", step=12, reason="preempted")
+    assert goodput.finished_at(tmp_path) is None  # a preemption's gap is a real loss

@@ -43,7 +43,9 @@ class TrainState:
     loss_ema_steps: int = 0
     # Wall-time accounting since the run's first start (Unix seconds; rank 0's clock), for
     # time/goodput: productive = the steps this checkpoint includes; lost = work a crash made the
-    # run redo; restart = gaps between a crash and the next start (queueing included).
+    # run redo; restart = gaps between a crash and the next start (queueing included); idle =
+    # gaps between a process that finished and the next one that continues the run (no loss: the
+    # run was done until someone raised trainer.max_steps), left out of the wall time.
     run_started_unix: float = 0.0
     saved_unix: float = 0.0
     productive_s: float = 0.0
@@ -52,6 +54,7 @@ class TrainState:
     checkpoint_s: float = 0.0
     lost_s: float = 0.0
     restart_s: float = 0.0
+    idle_s: float = 0.0
     # Partial training (LoRA, model.freeze): the base weights the checkpoint's trainable
     # parameters belong to (llmtrain.models.adapters.base_fingerprint); None in full training.
     base_fingerprint: str | None = None

@@ -225,10 +225,41 @@ def check_overrides(args: list[str]) -> None:
             parts = key.split(".")
             prefix = ".".join(parts[:depth])
             raise _unknown_key(".".join(parts[:depth + 1]), f"{prefix}." if prefix else "", fields)
+        _check_scalar_type(arg, key, hint, override)
     for arg, override in overrides:
         if override.key_or_group.startswith("peft.") and "peft" not in selected:
             raise ConfigError(f"{arg}: no peft method is selected; add +peft=lora (the fields are those of "
                               "conf/peft/lora.yaml)")
+
+
+_SCALAR_KINDS = {int: "a whole number", float: "a number", bool: "true or false"}
+
+
+def _check_scalar_type(arg: str, key: str, hint: Any, override: Any) -> None:
+    """A value of an int, float or bool field that OmegaConf would refuse while Hydra composes
+    (``trainer.max_steps=ten``: Hydra's multi-line error, exit status 1), as one line. Sweeps
+    check each value; interpolations and other sweeps (range, glob) are left to Hydra.
+
+    Raises:
+        ConfigError: naming the override, the field's type and the value.
+    """
+    from hydra.core.override_parser.types import ChoiceSweep, Sweep
+    from omegaconf import ValidationError
+    from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode
+
+    node = {int: IntegerNode, float: FloatNode, bool: BooleanNode}.get(hint)
+    if node is None:
+        return
+    value = override.value()
+    if isinstance(value, Sweep) and not isinstance(value, ChoiceSweep):
+        return
+    for one in value.list if isinstance(value, ChoiceSweep) else [value]:
+        if one is None or (isinstance(one, str) and "${" in one):
+            continue  # null where the field allows it, or an interpolation: Hydra resolves them
+        try:
+            node(value=one)
+        except ValidationError:
+            raise ConfigError(f"{arg}: {key} takes {_SCALAR_KINDS[hint]}, not {one!r}") from None
 
 
 def run_dir_of(cfg: Any) -> Path:

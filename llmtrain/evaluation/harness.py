@@ -192,16 +192,27 @@ def check_tasks(tasks: list[str], include: list[str], data_dir: str | None = Non
     return manager
 
 
+# The harness's notices that say nothing about this evaluation (a custom dataset's hint about
+# --metadata); its other warnings (a context truncated from the left changes a score) still show.
+_HARNESS_NOTICES = ("Custom kwargs can be passed to `--metadata`",)
+
+
+def _not_a_notice(record: logging.LogRecord) -> bool:
+    return not any(notice in record.getMessage() for notice in _HARNESS_NOTICES)
+
+
 @contextlib.contextmanager
 def _quiet_harness() -> Iterator[None]:
-    """The harness's per-task notices (custom datasets, default fewshot) at warning level and
-    below stay out of the run's output; its errors still show."""
-    harness = logging.getLogger("lm_eval")
+    """The harness's per-task notices (:data:`_HARNESS_NOTICES`) and its info lines stay out of
+    the run's output; its warnings (a truncated context) and errors still show."""
+    harness, tasks = logging.getLogger("lm_eval"), logging.getLogger("lm_eval.api.task")  # the notices' logger
     level = harness.level
-    harness.setLevel(logging.ERROR)
+    harness.setLevel(logging.WARNING)
+    tasks.addFilter(_not_a_notice)  # a logger's filters do not reach its children: on the one that logs
     try:
         yield
     finally:
+        tasks.removeFilter(_not_a_notice)
         harness.setLevel(level)
 
 
@@ -357,31 +368,51 @@ def result_path(out_dir: Path, step: int | None) -> Path:
 
 def write_result(out_dir: Path, source: EvalSource, tasks: list[str], results: dict[str, Any]) -> Path:
     """Write ``{"step", "tasks", "scores", "sources", "n_samples", "results", "versions"}`` to
-    :func:`result_path` atomically (a reader never sees half a file); returns the path. A file
-    already there (other tasks of the same step) is merged into: each task's entry is its latest
-    evaluation, ``sources`` says what each was evaluated on."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    :func:`result_path` atomically (a reader never sees half a file); returns the path written. A
+    file already there (other tasks of the same step) is merged into: each task's entry is its
+    evaluation over the most documents (the latest of equals), as in the trackers and the report,
+    and ``sources`` says what each was evaluated on. A task scored on fewer documents than the
+    file holds goes to ``smaller/`` beside it instead (merged there the same way), so nothing is
+    lost and the file never disagrees with the report."""
     path = result_path(out_dir, source.step)
     old = read_result(path) or {}
     new_scores = scores(results)
+    smaller = [t for t in tasks if t in old.get("tasks", [])
+               and task_documents(new_scores, t) < task_documents(old["scores"], t)]
+    if smaller:
+        aside = _merge_result(path.parent / "smaller" / path.name, source, smaller, results)
+        if len(smaller) == len(tasks):
+            return aside
+    return _merge_result(path, source, [t for t in tasks if t not in smaller], results)
+
+
+def _merge_result(path: Path, source: EvalSource, tasks: list[str], results: dict[str, Any]) -> Path:
+    """Merge ``tasks``' part of ``results`` into the result file ``path`` (see :func:`write_result`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = read_result(path) or {}
+    new_scores = {k: v for k, v in scores(results).items() if k.split("/")[1] in tasks}
     kept = {k: v for k, v in old.get("scores", {}).items() if k.split("/")[1] not in tasks}
     record = {"step": source.step, "tasks": sorted(set(old.get("tasks", [])) | set(tasks)),
               "scores": {**kept, **new_scores},
               "sources": {**old.get("sources", {}), **{t: {"path": str(source.path), "kind": source.kind} for t in tasks}},
-              "n_samples": {**old.get("n_samples", {}), **results.get("n-samples", {})},
-              "results": {**old.get("results", {}), **results.get("results", {})},
-              "versions": {**old.get("versions", {}), **results.get("versions", {})}}
+              **{key: {**old.get(key, {}), **{t: v for t, v in results.get(source_key, {}).items() if t in tasks}}
+                 for key, source_key in (("n_samples", "n-samples"), ("results", "results"), ("versions", "versions"))}}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=1, default=str))
     os.replace(tmp, path)
     return path
 
 
-def documents_of(record: dict, key: str) -> int:
-    """How many documents task score ``key`` of ``record`` covers (0 when the record does not say:
-    results written before the count was logged)."""
-    count = record.get(f"{SCORE_PREFIX}{key.split('/')[1]}/{DOCUMENTS}", 0)
+def task_documents(record: dict, task: str) -> int:
+    """How many documents ``task``'s scores in ``record`` cover (0 when it does not say: results
+    written before the count was logged)."""
+    count = record.get(f"{SCORE_PREFIX}{task}/{DOCUMENTS}", 0)
     return int(count) if isinstance(count, (int, float)) else 0
+
+
+def documents_of(record: dict, key: str) -> int:
+    """:func:`task_documents` of the task that score ``key`` (``eval/TASK/METRIC``) belongs to."""
+    return task_documents(record, key.split("/")[1])
 
 
 def is_score(key: str) -> bool:

@@ -46,8 +46,8 @@ def _data_file(names: tuple[str, ...], data_dir: str | None = None, data_file: s
             if (place / name).is_file():
                 return place / name
     raise DataError(f"evaluation data file {' or '.join(names)} is not in {' or '.join(str(p) for p in places)}; "
-                    "download it (README: Evaluation), then give its folder as data_dir=DIR or the file as "
-                    f"data_file=PATH (lm_eval: --metadata '{{\"data_dir\": \"DIR\"}}'), or set {DATA_DIR_ENV}=DIR")
+                    "download it (README: Quick start, data for these examples), then give its folder as data_dir=DIR or "
+                    f"the file as data_file=PATH (lm_eval: --metadata '{{\"data_dir\": \"DIR\"}}'), or set {DATA_DIR_ENV}=DIR")
 
 
 def _dataset(rows: list[dict], where: Path) -> dict[str, Any]:

@@ -78,13 +78,37 @@ def describe_unfinished(previous: dict, resumed_step: int) -> str:
             "bounds the work a crash loses")
 
 
-def account_restart(state: TrainState, redone: list[dict], process_started: float, resumed: bool) -> None:
+def finished_at(run_dir: Path) -> Optional[float]:
+    """When the run's last process ended because it had trained every step (its ``end`` event with
+    reason ``finished``, the last event of the timeline), else None (a crash, a preemption, a
+    fresh run). Rank 0 only."""
+    path = run_dir / TIMELINE
+    last = None
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if isinstance(event, dict) and event.get("event") in ("start", "end"):
+            last = event
+    if last is not None and last["event"] == "end" and last.get("reason") == "finished":
+        return float(last.get("time", 0.0))
+    return None
+
+
+def account_restart(state: TrainState, redone: list[dict], process_started: float, resumed: bool,
+                    finished: Optional[float] = None) -> None:
     """Goodput bookkeeping at start-up. A fresh run starts the clock. A resume books the wall
     time the previous process spent after its checkpoint as lost (its records after the
     checkpoint's step, which this run trains again) and the gap until this process started as
-    restart time (crash detection, queueing, start-up of the launcher)."""
+    restart time (crash detection, queueing, start-up of the launcher). When the previous process
+    had finished (``finished``: its end, :func:`finished_at`), the run was idle until this one
+    continued it (a raised ``trainer.max_steps``): that gap is idle time, out of the wall time."""
     if not resumed or not state.run_started_unix:  # a fresh run, or a checkpoint from before goodput
         state.run_started_unix = state.run_started_unix or process_started
+        return
+    if finished is not None:
+        state.idle_s += max(0.0, process_started - max(finished, state.saved_unix))
         return
     last_seen = max([state.saved_unix] + [r.get("time", 0.0) for r in redone])
     state.lost_s += max(0.0, last_seen - state.saved_unix)
@@ -93,8 +117,9 @@ def account_restart(state: TrainState, redone: list[dict], process_started: floa
 
 def time_metrics(state: TrainState) -> dict[str, float]:
     """``time/goodput`` = productive step time / wall time since the run's first start (Unix
-    clock of rank 0), with the losses broken out, all cumulative over resumes."""
-    wall = max(time.time() - state.run_started_unix, 1e-9)
+    clock of rank 0; idle gaps after a finished process left out), with the losses broken out,
+    all cumulative over resumes."""
+    wall = max(time.time() - state.run_started_unix - state.idle_s, 1e-9)
     return {"time/goodput": state.productive_s / wall, "time/wall_s": wall, "time/productive_s": state.productive_s,
             "time/startup_s": state.startup_s, "time/eval_s": state.eval_s, "time/checkpoint_s": state.checkpoint_s,
             "time/lost_s": state.lost_s, "time/restart_s": state.restart_s}
