@@ -198,8 +198,6 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     import signal
 
-    from llmtrain.common.errors import LlmtrainError, require_extra
-
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
@@ -209,11 +207,25 @@ def main(argv: list[str] | None = None) -> int:
         print(plain_text(__doc__.split("\n\nArguments after SOURCE")[0].strip()) + "\n\narguments (key=value):\n"
               + plain_text(arguments) + "\n\n" + _USAGE)
         return 0
+    handler = None
     if not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[%(asctime)s][llmtrain] %(message)s", "%H:%M:%S"))
         log.addHandler(handler)
+        level = log.level
         log.setLevel(logging.INFO)
+    try:
+        return _main(argv)
+    finally:
+        # Called in-process (tests, a notebook), the handler must not outlive the stream it writes to.
+        if handler is not None:
+            log.removeHandler(handler)
+            log.setLevel(level)
+
+
+def _main(argv: list[str]) -> int:
+    from llmtrain.common.errors import LlmtrainError, require_extra
+
     try:
         require_extra("lm_eval", "eval", "python -m llmtrain.evaluate")
         source_path, args = parse_args(argv)
