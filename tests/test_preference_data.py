@@ -231,6 +231,7 @@ def test_reward_export_loads_as_a_classifier_and_scores_as_the_run_evaluated(tmp
     lm = tmp_path / "lm"
     import logging
 
+    caplog.clear()  # the reward run's own step-0 line is not the one under test
     with caplog.at_level(logging.INFO, logger="llmtrain"):
         train(make_cfg(["data=preference", f"data.path={path}", "objective=dpo", "trainer.max_steps=1",
                         "trainer.global_batch_size=2", "trainer.micro_batch_size=2", "tracker=none",
