@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import FAST, make_cfg, read_metrics, run_cli
 

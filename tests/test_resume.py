@@ -111,7 +111,6 @@ def reference(tmp_path_factory, mixture) -> dict:
 @pytest.mark.parametrize("recipe,equal", [("ddp", False), ("pp", False), ("tp", True)])
 def test_each_data_parallel_rank_and_pipeline_stage_draws_its_own_dropout_stream(recipe, equal, reference):
     # Before: every rank seeded with trainer.seed, so both ranks saved equal states everywhere.
-    import torch
 
     step_dir = reference.run_dir(2, recipe) / "checkpoints" / f"step_{STEPS}"
     states = [torch.load(step_dir / f"rank_{r}.pt", weights_only=False)["torch"] for r in (0, 1)]

@@ -280,7 +280,6 @@ def _write_model(source: EvalSource, out_dir: Path) -> Path:
         tokenizer_dir = source.path if (source.path / "tokenizer_config.json").is_file() else base
         AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out_dir)
         return out_dir
-    from omegaconf import OmegaConf
 
     from llmtrain.checkpoint.export import export_checkpoint
 

@@ -13,7 +13,6 @@ import functools
 import sys
 import tempfile
 
-import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra

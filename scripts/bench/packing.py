@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -43,7 +41,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(make_cfg([]).model))
-    print(f"| data | packing | padding fraction | real tokens/s (wall) | real tokens per CPU-s | samples per row |")
+    print("| data | packing | padding fraction | real tokens/s (wall) | real tokens per CPU-s | samples per row |")
     print("|---|---|---|---|---|---|")
     for name, path, fmt in (("alpaca_5000", args.alpaca, "instruction"), ("sharegpt_dummy_500", args.sharegpt, "chat")):
         results = {}

@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from benchlib import REPO
 SEQ_LEN, GLOBAL_BATCH = 128, 16
