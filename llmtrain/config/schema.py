@@ -108,7 +108,7 @@ class PeftConfig:
     use_dora: bool = False
 
 
-DATA_FORMATS = ("text", "instruction", "alpaca", "chat", "prompt_completion", "tokens", "preference", "kto")
+DATA_FORMATS = ("text", "instruction", "alpaca", "chat", "prompt_completion", "tokens", "preference", "kto", "prompts")
 # Older spellings of a format: same records, same samples.
 FORMAT_ALIASES = {"alpaca": "instruction"}
 
@@ -125,6 +125,7 @@ FORMAT_COLUMNS = {
     "tokens": (),
     "preference": ("prompt", "chosen", "rejected", "margin"),
     "kto": ("prompt", "completion", "label"),
+    "prompts": ("prompt",),
 }
 
 
@@ -475,6 +476,22 @@ class ObjectiveConfig:
         precompute_reference: one pass over the training and validation pairs before step 1
             stores the reference log-probs in ``run_dir/reference_logps.safetensors`` (kept for
             resume); each step then runs one model.
+
+    Online RL (``objective=grpo``, :mod:`llmtrain.objectives.grpo`; TRL 1.16's names and defaults):
+        num_generations: G, completions sampled per prompt (a group; GRPO, Shao et al. 2024).
+        loss_type (grpo): ``dapo`` (default; DAPO, Yu et al. 2025, eq. 8), ``grpo``, ``dr_grpo``
+            (Liu et al. 2025) or ``bnpo``: how the per-token losses are normalised.
+        epsilon, epsilon_high: the clipped ratio's lower and upper ε (PPO, Schulman et al. 2017;
+            clip-higher, DAPO section 3.1; ``epsilon_high`` unset: ``epsilon``).
+        importance_sampling_level: ``token`` or ``sequence`` (GSPO, Zheng et al. 2025).
+        beta (grpo): weight of the k3 KL to the reference (0: no reference is built).
+        scale_rewards: advantages over the group's (``group``), the batch's (``batch``) or no
+            (``none``, Dr. GRPO) standard deviation.
+        advantage_estimator: ``grpo`` (the group mean as baseline) or ``rloo`` (leave-one-out,
+            Ahmadian et al. 2024).
+        num_iterations: μ, optimizer steps per generation batch (its sampling log-probs kept).
+        mask_truncated_completions: completions cut at ``rollout.max_completion_length`` carry
+            no loss (DAPO section 3.3).
     """
 
     name: str = "causal_lm"
@@ -490,6 +507,62 @@ class ObjectiveConfig:
     center_coefficient: float = 0.0
     reference: str = "auto"
     precompute_reference: bool = False
+    num_generations: int = 8
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    importance_sampling_level: str = "token"
+    scale_rewards: str = "group"
+    advantage_estimator: str = "grpo"
+    num_iterations: int = 1
+    mask_truncated_completions: bool = False
+
+
+# objective=grpo's choices (llmtrain.objectives.grpo defines each).
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+GRPO_IMPORTANCE_LEVELS = ("token", "sequence")
+GRPO_SCALE_REWARDS = ("group", "batch", "none")
+GRPO_ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+
+
+@dataclass
+class RolloutConfig:
+    """How an online objective's completions are sampled (``objective=grpo``; :mod:`llmtrain.rollout`).
+
+    Attributes:
+        engine: ``hf``: the policy itself, under its layout, with llmtrain's sampling loop (every
+            data-parallel recipe, tensor parallel, LoRA); or ``module:Class`` of your own
+            :class:`llmtrain.rollout.engines.RolloutEngine` (a server client, fixed completions).
+        temperature, top_p, top_k: sampling (``top_k`` 0: off; ``top_p`` 1: off). The loss's
+            log-probs are those of the logits divided by ``temperature``.
+        max_completion_length: tokens a completion may have; one cut there is truncated.
+        stop: strings that end a completion (besides the tokenizer's end tokens), kept in it.
+        log_completions: completions of each step written to ``run_dir/completions/step_N.jsonl``
+            (with their prompts, rewards and advantages; rank 0's first ones); 0: none.
+    """
+
+    engine: str = "hf"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_completion_length: int = 256
+    stop: List[str] = field(default_factory=list)
+    log_completions: int = 4
+
+
+@dataclass
+class RewardConfig:
+    """What scores an online objective's completions (:mod:`llmtrain.rollout.rewards`).
+
+    Attributes:
+        functions: built-in names (``gsm8k``, ``format``, ``length``, ``model:FOLDER``) or
+            ``module:function`` of your own, called as TRL calls reward functions:
+            ``f(prompts=, completions=, completion_ids=, **the data's other columns)`` -> one float
+            (or None: not applicable) per completion.
+        weights: one per function (default: 1 each); the reward is their weighted sum.
+    """
+
+    functions: List[str] = field(default_factory=list)
+    weights: List[float] = field(default_factory=list)
 
 
 @dataclass
@@ -502,6 +575,8 @@ class Config:
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     peft: Optional[PeftConfig] = None  # +peft=lora
     # Overrides recipe.engine: `+recipe=zero3 engine=torch` runs the ZeRO-3 recipe on FSDP2.
     engine: Optional[str] = None

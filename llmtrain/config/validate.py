@@ -465,16 +465,20 @@ def validate_context_parallel(cfg: Any) -> None:
 
 PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo", "reward", "kto")
 # The objective fields each built-in objective reads (any other one must keep its default).
+GRPO_FIELDS = ("num_generations", "epsilon", "epsilon_high", "importance_sampling_level", "scale_rewards",
+               "advantage_estimator", "num_iterations", "mask_truncated_completions")
 OBJECTIVE_FIELDS = {
     "all": ("beta", "loss_type", "label_smoothing", "gamma", "nll_on_prompt", "desirable_weight", "undesirable_weight",
-            "margin_column", "center_coefficient", "reference", "precompute_reference"),
+            "margin_column", "center_coefficient", "reference", "precompute_reference", *GRPO_FIELDS),
     "causal_lm": (),
     "dpo": ("beta", "loss_type", "label_smoothing", "reference", "precompute_reference"),
     "simpo": ("beta", "gamma", "label_smoothing"),
     "orpo": ("beta", "nll_on_prompt"),
     "kto": ("beta", "desirable_weight", "undesirable_weight", "reference"),
     "reward": ("margin_column", "center_coefficient"),
+    "grpo": ("beta", "loss_type", "reference", *GRPO_FIELDS),
 }
+ONLINE_OBJECTIVES = ("grpo",)
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 REFERENCE_KINDS = ("auto", "copy", "adapters_disabled")
 
@@ -487,12 +491,22 @@ def validate_objective(cfg: Any) -> None:
     """
     o, d, r = cfg.objective, cfg.data, cfg.recipe
     formats = {canonical_format(src.format) for src in d.datasets} if d.datasets else {canonical_format(d.format)}
+    _require(o.target or o.name in ONLINE_OBJECTIVES or "prompts" not in formats,
+             f"data.format=prompts holds prompts without completions, which objective={o.name} does not train on; "
+             f"use an online objective (objective={'/'.join(ONLINE_OBJECTIVES)})")
+    _require(o.target or o.name in ONLINE_OBJECTIVES or not cfg.reward.functions,
+             f"reward.functions={list(cfg.reward.functions)} with objective={o.name}: rewards score sampled completions "
+             f"of an online objective (objective={'/'.join(ONLINE_OBJECTIVES)}); drop them")
     if o.target:
         return
     name = o.name
-    _require(name == "causal_lm" or name in PREFERENCE_OBJECTIVES,
-             f"objective.name={name!r} is not a built-in objective (choose causal_lm, {', '.join(PREFERENCE_OBJECTIVES)}"
-             ", or set objective.target=module:Class)")
+    _require(name == "causal_lm" or name in PREFERENCE_OBJECTIVES or name in ONLINE_OBJECTIVES,
+             f"objective.name={name!r} is not a built-in objective (choose causal_lm, "
+             f"{', '.join(PREFERENCE_OBJECTIVES + ONLINE_OBJECTIVES)}, or set objective.target=module:Class)")
+    if name in ONLINE_OBJECTIVES:
+        validate_online(cfg, formats)
+        _refuse_stray_fields(o, name)
+        return
     if name == "causal_lm":
         _require(not formats & {"preference", "kto"}, f"data.format={'/'.join(sorted(formats & {'preference', 'kto'}))} "
                  "holds preference data, which objective=causal_lm does not train on; pick a preference objective "
@@ -543,6 +557,59 @@ def validate_objective(cfg: Any) -> None:
         _require(r.tp == 1, f"objective=reward with recipe {r.name} (recipe.tp={r.tp}): the classification head "
                  "is not in the tensor-parallel plan; use a data-parallel, ZeRO or FSDP recipe")
     _refuse_stray_fields(o, name)
+
+
+ROLLOUT_ENGINES = ("hf",)
+
+
+def validate_online(cfg: Any, formats: set[str]) -> None:
+    """``objective=grpo`` against its data, ``rollout``, ``reward`` and the recipe.
+
+    Raises:
+        ConfigError: naming the field, its value and the fix.
+    """
+    from llmtrain.config.schema import GRPO_ADVANTAGE_ESTIMATORS, GRPO_IMPORTANCE_LEVELS, GRPO_LOSS_TYPES, GRPO_SCALE_REWARDS
+
+    o, d, r, ro, t = cfg.objective, cfg.data, cfg.recipe, cfg.rollout, cfg.trainer
+    _require(formats == {"prompts"}, f"objective={o.name} samples completions of prompts: every source's format must "
+             f"be prompts (data=prompts, data.columns.prompt=COLUMN); the data has {', '.join(sorted(formats))}")
+    _require(o.num_generations >= 2, f"objective.num_generations={o.num_generations}: a group needs at least 2 "
+             "completions per prompt for a group-relative advantage")
+    _require(o.loss_type in GRPO_LOSS_TYPES, f"objective.loss_type={o.loss_type!r} must be one of "
+             f"{', '.join(GRPO_LOSS_TYPES)} for objective={o.name}")
+    for key, allowed in (("importance_sampling_level", GRPO_IMPORTANCE_LEVELS), ("scale_rewards", GRPO_SCALE_REWARDS),
+                         ("advantage_estimator", GRPO_ADVANTAGE_ESTIMATORS)):
+        _require(o[key] in allowed, f"objective.{key}={o[key]!r} must be one of {', '.join(allowed)}")
+    _require(math.isfinite(o.beta) and o.beta >= 0, f"objective.beta={o.beta} must be >= 0 (0: no reference model)")
+    _require(0 < o.epsilon < 1, f"objective.epsilon={o.epsilon} must be in (0, 1)")
+    _require(o.epsilon_high is None or o.epsilon_high >= o.epsilon,
+             f"objective.epsilon_high={o.epsilon_high} must be >= objective.epsilon={o.epsilon} (clip-higher)")
+    _require(o.num_iterations >= 1, f"objective.num_iterations={o.num_iterations} must be >= 1")
+    _require(o.reference in REFERENCE_KINDS, f"objective.reference={o.reference!r} must be one of "
+             f"{', '.join(REFERENCE_KINDS)}")
+    _require(o.reference != "adapters_disabled" or cfg.get("peft") is not None,
+             "objective.reference=adapters_disabled needs +peft=lora; use objective.reference=copy for full fine-tuning")
+    _require(r.pp == 1, f"objective={o.name} with recipe {r.name} (recipe.pp={r.pp}): sampling decodes a whole "
+             "sequence token by token, which pipeline stages cannot do alone; use a data-parallel, ZeRO, FSDP or "
+             "tensor-parallel recipe")
+    _require(not d.packing, f"objective={o.name} lays out its own micro-batches of completions: set data.packing=false")
+    _require(ro.engine in ROLLOUT_ENGINES or ":" in str(ro.engine),
+             f"rollout.engine={ro.engine!r} must be one of {', '.join(ROLLOUT_ENGINES)} or module:Class (a "
+             "llmtrain.rollout.engines.RolloutEngine)")
+    _require(ro.temperature > 0, f"rollout.temperature={ro.temperature} must be > 0 (the loss's log-probs are of the "
+             "logits over the temperature; greedy completions would make every group's rewards equal)")
+    _require(0 < ro.top_p <= 1, f"rollout.top_p={ro.top_p} must be in (0, 1]")
+    _require(ro.top_k >= 0, f"rollout.top_k={ro.top_k} must be >= 0 (0: off)")
+    _require(ro.max_completion_length >= 1, f"rollout.max_completion_length={ro.max_completion_length} must be >= 1")
+    _require(ro.max_completion_length < d.seq_len, f"rollout.max_completion_length={ro.max_completion_length} leaves "
+             f"no room for a prompt in data.seq_len={d.seq_len}; raise data.seq_len or lower the completion length")
+    _require(ro.log_completions >= 0, f"rollout.log_completions={ro.log_completions} must be >= 0")
+    _require(bool(cfg.reward.functions), "reward.functions is empty: an online objective needs at least one reward "
+             "function, e.g. reward.functions=[gsm8k] or reward.functions=[my_module:my_reward]")
+    _require(not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.functions),
+             f"reward.weights has {len(cfg.reward.weights)} values for {len(cfg.reward.functions)} reward.functions; "
+             "give one weight per function (or none: 1 each)")
+    _require(t.eval_samples > 0 or not t.eval_every, "trainer.eval_samples=0 leaves no held-out prompts to score")
 
 
 def _refuse_stray_fields(o: Any, name: str) -> None:

@@ -27,13 +27,14 @@ import torch
 
 from llmtrain.data.formats import (ALPACA_PROMPT, apply_template_setting, end_of_turn,  # noqa: F401
                                    end_token_ids, encode_records, prompt_and_response, uses_chat_template)
-from llmtrain.data.order import (Collator, GlobalSampleOrder, MixtureOrder, StepBatchSampler,  # noqa: F401
+from llmtrain.data.order import (Collator, GlobalSampleOrder, MixtureOrder, StepBatches, StepBatchSampler,  # noqa: F401
                                  pack, packed_samples)
 from llmtrain.data.sources import (RECORD_BUILDERS, capped_text, column, explain_error, file_kind,  # noqa: F401
                                    is_saved_dataset, load_hub, load_records, looks_like_local_path,
                                    refuse_records_as_text, source_files)
 from llmtrain.data.preference import (PackedPairs, PairCollator, WithReference, encode_examples,  # noqa: F401
                                      encode_pairs, pairs_of)
+from llmtrain.data.prompts import PromptCollator, encode_prompts
 from llmtrain.data.tokens import MANIFEST, Complement, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
 from llmtrain.common.errors import ConfigError, DataError
 from llmtrain.common.labels import IGNORE_INDEX  # noqa: F401  (public here too)
@@ -205,8 +206,8 @@ def _split(n: int, val_fraction: float, seed: int) -> tuple[Complement, np.ndarr
     return Complement(n, val), val
 
 
-def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int, unpair: bool = False
-                 ) -> tuple[Any, Any, dict]:
+def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int, unpair: bool = False,
+                 prompt_budget: int | None = None) -> tuple[Any, Any, dict]:
     """(train, val, stats) of one source."""
     if src.format in ("text", "tokens"):
         tokens, manifest = _on_main_first(lambda: token_source(src, key, tokenizer, data_cfg.num_proc))
@@ -221,6 +222,9 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int, u
 
     def encode():
         records = load_records(src, key)
+        if src.format == "prompts":
+            return encode_prompts(records, src, data_cfg, tokenizer, key, f"{key}.path: {src.path}",
+                                  prompt_budget if prompt_budget is not None else data_cfg.seq_len)
         if src.format == "kto" or (src.format == "preference" and unpair):
             return encode_examples(records, src, data_cfg, tokenizer, key, f"{key}.path: {src.path}",
                                    unpair=src.format == "preference")
@@ -241,7 +245,8 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int, u
     else:
         train_idx, val_idx = _split(len(samples), data_cfg.val_fraction, seed)
         train, val = samples.select([train_idx[k] for k in range(len(train_idx))]), samples.select(val_idx.tolist())
-    kind = "examples" if src.format == "kto" or unpair else "pairs" if src.format == "preference" else None
+    kind = ("examples" if src.format == "kto" or unpair else "pairs" if src.format == "preference" else
+            "prompts" if src.format == "prompts" else None)
     stats = dict(counts, samples=len(samples), **({kind: len(samples)} if kind else {}))
     if data_cfg.packing and src.format == "preference":
         unpacked = len(train)
@@ -254,11 +259,13 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int, u
     return train, val, stats
 
 
-def load_splits(data_cfg: Any, tokenizer: Any, seed: int, unpair: bool = False) -> Splits:
+def load_splits(data_cfg: Any, tokenizer: Any, seed: int, unpair: bool = False, prompt_budget: int | None = None
+                ) -> Splits:
     """Read, tokenize and encode the configured data (one source or a mixture) and hold out
     ``val_fraction`` of each source's samples (at least 1), chosen by ``seed``. ``unpair``
     (``objective=kto``): preference pairs become unpaired examples (see
-    :func:`~llmtrain.data.preference.encode_examples`).
+    :func:`~llmtrain.data.preference.encode_examples`). ``prompt_budget``: the tokens a prompt of
+    ``data.format=prompts`` may have (default ``data.seq_len``).
 
     Raises:
         DataError: missing, empty or malformed data (the message names the file, record and field).
@@ -269,7 +276,7 @@ def load_splits(data_cfg: Any, tokenizer: Any, seed: int, unpair: bool = False) 
     keys = [f"data.datasets.{i}" for i in range(len(sources))] if data_cfg.datasets else ["data"]
     trains, vals, stats = [], [], {}
     for src, key in zip(sources, keys):
-        train, val, source_stats = _load_source(src, key, data_cfg, tokenizer, seed, unpair)
+        train, val, source_stats = _load_source(src, key, data_cfg, tokenizer, seed, unpair, prompt_budget)
         trains.append(train)
         vals.append(val)
         stats[src.name] = source_stats
@@ -283,6 +290,10 @@ def describe(splits: Splits) -> str:
     """One log line per source: records, samples, truncated and dropped counts, packing."""
     lines = []
     for name, s in splits.stats.items():
+        if "prompts" in s:
+            lines.append(f"data {name}: {s['records']} records -> {s['prompts']} prompts (dropped {s['dropped_too_long']} "
+                         "too long)")
+            continue
         if "records" in s and ("pairs" in s or "examples" in s):
             kind = "preference pairs" if "pairs" in s else "unpaired examples"
             of = f"of {s['examples_read']} examples: " if "examples_read" in s else ""
@@ -307,6 +318,12 @@ def pad_id_of(tokenizer: Any) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
+def is_prompts(data_cfg: Any) -> bool:
+    """Whether the data are prompts for online RL (every source has ``format`` prompts)."""
+    sources = list(data_cfg.datasets) or [data_cfg]
+    return all(src.format == "prompts" for src in sources)
+
+
 def is_preference(data_cfg: Any) -> bool:
     """Whether the data are preference data (every source has ``format`` preference or kto)."""
     sources = list(data_cfg.datasets) or [data_cfg]
@@ -318,6 +335,8 @@ def collator_for(data_cfg: Any, tokenizer: Any):
     :class:`Collator`."""
     if is_preference(data_cfg):
         return PairCollator(pad_id_of(tokenizer), data_cfg.seq_len)
+    if is_prompts(data_cfg):
+        return PromptCollator()
     return Collator(pad_id_of(tokenizer))
 
 

@@ -12,7 +12,7 @@ resuming needs one integer: the number of samples consumed.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -132,6 +132,20 @@ class StepBatchSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return (self.max_steps - self.start_step) * self.a
+
+
+class StepBatches:
+    """The trainer's batch source for objectives that read their batches from the data: each
+    optimizer step takes ``accumulation`` micro-batches from ``loader`` (this rank's iterator),
+    each passed through ``prepare`` (the objective's). An online objective's source is its rollout
+    (:class:`llmtrain.rollout.rollout.Rollout`), with the same :meth:`for_step`."""
+
+    def __init__(self, loader: Iterator[dict], accumulation: int, prepare: Callable[[dict], dict]):
+        self.loader, self.accumulation, self.prepare = loader, accumulation, prepare
+
+    def for_step(self, step: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
+        """Optimizer step ``step``'s host micro-batches, and no metrics of their own."""
+        return [self.prepare(next(self.loader)) for _ in range(self.accumulation)], {}
 
 
 class Collator:

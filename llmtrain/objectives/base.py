@@ -51,6 +51,9 @@ class Objective(ABC):
             hand :meth:`loss_sums` fp32 ``[B, T]`` label log-probs (0 where the label is -100, and
             at the last position) instead of ``[B, T, V]`` logits (:mod:`llmtrain.models.chunked_loss`);
             tell them apart by ``output.dim()``.
+        online: the trainer samples the objective's batches from the policy (an online RL
+            objective; :mod:`llmtrain.rollout`) instead of reading them from the data, which then
+            holds prompts.
     """
 
     def average(self, sums: dict[str, float], normaliser: float) -> dict[str, float]:
@@ -79,9 +82,21 @@ class Objective(ABC):
     metric_denominators: ClassVar[Mapping[str, str]] = {}
     # Whether loss_sums also accepts [B, T] next-label log-probs (the chunked output layer).
     label_logps_only: ClassVar[bool] = False
+    # Whether batches are sampled from the policy (online RL) rather than read from the data.
+    online: ClassVar[bool] = False
 
     def __init__(self, cfg: Any = None):
         self.cfg = cfg
+
+    def setup(self, run_cfg: Any) -> None:
+        """Read what the loss needs from other sections of the run's config (``run_cfg``), once,
+        before training; the default reads nothing."""
+
+    @property
+    def steps_per_batch(self) -> int:
+        """Optimizer steps that train on one batch of the data (GRPO's ``num_iterations``): the
+        data loader yields one every that many steps."""
+        return 1
 
     @property
     def name(self) -> str:

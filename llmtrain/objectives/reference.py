@@ -64,14 +64,17 @@ def adapters_disabled(model: torch.nn.Module):
 class LiveReference:
     """Reference log-probs of a micro-batch, per token (``[rows, seq]``), from ``forward``
     (``batch -> logits``) run without gradients: the policy's model with its adapters off, or the
-    engine's frozen copy (:meth:`~llmtrain.engine.base.Engine.frozen_copy`)."""
+    engine's frozen copy (:meth:`~llmtrain.engine.base.Engine.frozen_copy`). ``logps``
+    (``(logits, labels) -> [rows, seq]``) turns logits into log-probs: each label's log-softmax,
+    or an objective's own (GRPO's of the tempered logits)."""
 
-    def __init__(self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor]):
-        self.forward = forward
+    def __init__(self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                 logps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = completion_token_logps):
+        self.forward, self.logps = forward, logps
 
     @torch.no_grad()
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return completion_token_logps(self.forward(batch), batch["labels"])
+        return self.logps(self.forward(batch), batch["labels"])
 
 
 def _adapters_off_forward(engine: Any) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
@@ -219,20 +222,21 @@ def precompute(engine: Any, splits: Any, collate: Any, micro_batch: int, device:
     splits.val = WithReference(splits.val, tables["val_values"], tables["val_offsets"])
 
 
-def build_reference(cfg: Any, engine: Any, build: Callable[[], torch.nn.Module]
+def build_reference(cfg: Any, engine: Any, build: Callable[[], torch.nn.Module],
+                    logps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = completion_token_logps
                     ) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
     """The live reference of the run (see the module docstring); ``build()`` makes the model
-    with its initial weights (for the frozen copy).
+    with its initial weights (for the frozen copy); ``logps``: see :class:`LiveReference`.
 
     Raises:
         ConfigError: ``objective.reference=copy`` on an engine that cannot lay out a frozen copy.
     """
     kind = reference_kind(cfg)
     if kind == "adapters_disabled":
-        return LiveReference(_adapters_off_forward(engine))
+        return LiveReference(_adapters_off_forward(engine), logps)
     forward = engine.frozen_copy(build)
     if forward is None:
         raise ConfigError(f"objective.reference=copy: the {type(engine).__name__} engine of recipe {cfg.recipe.name} "
                           "cannot lay out a frozen copy of the model; set objective.precompute_reference=true "
                           "(one pass before step 1, no second model) or train LoRA adapters (+peft=lora)")
-    return LiveReference(forward)
+    return LiveReference(forward, logps)

@@ -1,0 +1,97 @@
+"""Prompts for online RL (``data.format=prompts``): one prompt per record, which the rollout
+completes (:mod:`llmtrain.rollout`), and the record's other columns, which reach the reward
+functions by name (as TRL passes a dataset's columns).
+
+A prompt is a string or an OpenAI message list (``role``/``content``). A message list is rendered
+with the chat template and its generation prompt; a string is too when the tokenizer has a chat
+template (``data.template=auto``, or ``chatml`` / a Jinja file), as one user message, or is the
+Alpaca prompt's instruction (``data.template=alpaca``); otherwise it is the text itself (TRL's
+"standard" prompts). A sample is ``{"prompt_ids": [...], "record": i, **the record}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtrain.common.errors import ConfigError, DataError
+from llmtrain.data.formats import alpaca_prompt
+from llmtrain.data.sources import column
+
+
+def render(prompt: Any, tokenizer: Any, template: str, where: str) -> list[int]:
+    """The token ids the model is prompted with (see the module).
+
+    Raises:
+        DataError: the prompt is neither a string nor a message list, or its template fails.
+        ConfigError: a message list and a tokenizer without a chat template.
+    """
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if isinstance(prompt, str):
+        if template == "alpaca":
+            return tokenizer(alpaca_prompt(prompt.strip(), ""), add_special_tokens=False)["input_ids"]
+        if not has_template:
+            return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        prompt = [{"role": "user", "content": prompt}]
+    if not (isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)):
+        raise DataError(f"{where}: the prompt must be a string or a list of {{role, content}} messages, got "
+                        f"{type(prompt).__name__}")
+    if not has_template:
+        raise ConfigError(f"{where}: a message-list prompt needs a chat template, and this tokenizer has none; set "
+                          "data.template=chatml or data.template=/path/to/template.jinja")
+    try:
+        ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+    except Exception as err:  # noqa: BLE001  (Jinja's errors)
+        raise DataError(f"{where}: the chat template failed on this prompt: {err}") from None
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def encode_prompts(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str,
+                   budget: int) -> tuple[Any, dict[str, int]]:
+    """Every record's prompt as token ids, beside the record's columns.
+
+    ``budget``: the tokens a prompt may have (``data.seq_len`` - ``rollout.max_completion_length``).
+    A longer prompt is an error naming it, or (``data.truncation=drop``) dropped and counted: a
+    prompt cut short would ask another question.
+
+    Returns:
+        (``datasets.Dataset`` of samples, counts ``{"records", "dropped_too_long"}``).
+
+    Raises:
+        DataError: a prompt that is too long (naming the record, its length and the fixes), not a
+            string or message list, or fewer than 2 usable prompts.
+    """
+    name = column(records, src, "prompt", key, "prompts", where)
+    drop = data_cfg.truncation == "drop"
+    lengths: list[int] = []
+
+    def encode(record: dict, index: int) -> dict:
+        ids = render(record[name], tokenizer, str(data_cfg.template), f"{where} record {index}")
+        if len(ids) > budget and not drop:
+            raise DataError(f"{where} record {index}: the prompt has {len(ids)} tokens, over the {budget} that "
+                            f"data.seq_len={data_cfg.seq_len} leaves beside rollout.max_completion_length; raise "
+                            "data.seq_len, lower rollout.max_completion_length, or set data.truncation=drop to drop "
+                            "such prompts")
+        return {"prompt_ids": ids, "record": index}
+
+    encoded = records.map(encode, with_indices=True, desc=f"encode {src.name}")
+    lengths = [len(ids) for ids in encoded["prompt_ids"]]
+    keep = [i for i, n in enumerate(lengths) if n <= budget]
+    samples = encoded.select(keep)
+    if name != "prompt":
+        if "prompt" in samples.column_names:
+            raise DataError(f"{where}: {key}.columns.prompt={name} reads the prompt from {name!r}, but the records also "
+                            "have a 'prompt' column, which the reward functions would get under the same name; rename one")
+        samples = samples.rename_column(name, "prompt")
+    counts = {"records": len(records), "dropped_too_long": len(records) - len(keep)}
+    if len(samples) < 2:
+        raise DataError(f"{where}: {len(samples)} of {len(records)} prompts fit in {budget} tokens (data.seq_len - "
+                        "rollout.max_completion_length); need at least 2 (one to train, one to validate)")
+    return samples, counts
+
+
+class PromptCollator:
+    """A micro-batch of prompts: the samples themselves, in order (the rollout turns each into its
+    group of completions)."""
+
+    def __call__(self, samples: list[dict]) -> dict[str, list[dict]]:
+        return {"prompts": list(samples)}

@@ -1,0 +1,229 @@
+"""Group relative policy optimisation (GRPO; Shao et al. 2024, DeepSeekMath section 4.1) and its
+corrections, on completions the rollout sampled from the policy (:mod:`llmtrain.rollout`).
+
+A micro-batch holds completions, one per row (its prompt, then the completion; right-padded),
+and carries per token:
+
+* ``labels``: the completion's tokens (-100 on the prompt and on padding);
+* ``completion_mask``: 1.0 where a completion token counts in the loss (0 on every token of a
+  truncated completion under ``mask_truncated_completions``, DAPO section 3.3);
+* ``advantages``: the completion's advantage on each of its tokens (:func:`group_advantages`);
+* ``old_logps``: log π_old of each completion token, the policy that sampled it, when it may
+  differ from the current one (``num_iterations`` > 1); on-policy the current log-probs,
+  detached, stand in (as TRL does);
+* ``ref_logps``: the reference policy's log-probs (``beta`` > 0).
+
+Per token, with r = π_θ / π_old (token level), or exp of its masked mean log over the
+completion (sequence level, GSPO: Zheng et al. 2025, eq. 7), the clipped surrogate (PPO:
+Schulman et al. 2017, eq. 7, with clip-higher's ε_high, DAPO section 3.1) and the k3 estimate of
+KL to the reference (Schulman 2020; GRPO eq. 4, weighted by r as TRL 1.16's
+``use_bias_correction_kl``)::
+
+    ℓ_t = -min(r A, clip(r, 1 - ε, 1 + ε_high) A) + β (exp(ref - logp) - (ref - logp) - 1) r
+
+The loss's normalisation (``loss_type``, TRL 1.16's definitions) is over the global batch,
+whatever the micro-batch, accumulation and data-parallel split (:meth:`GRPO.normaliser`):
+``grpo`` each completion's token mean, then the mean over completions; ``dapo`` the sum over
+all completion tokens of the global batch over their number (DAPO eq. 8); ``dr_grpo`` the same
+sum over completions × ``max_completion_length`` (Dr. GRPO: Liu et al. 2025, section 3.2);
+``bnpo`` each micro-batch's token mean, then the mean over micro-batches (TRL's "local active
+tokens": it depends on the micro-batch by definition).
+
+Log-probs are of the logits divided by the sampling temperature, the distribution the rollout
+sampled from (as TRL). Metrics under TRL's names: ``entropy``, ``kl`` (``beta`` > 0),
+``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``: means over the
+global batch's completion tokens (over completions at sequence level).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from llmtrain.common.errors import ConfigError
+from llmtrain.common.labels import IGNORE_INDEX
+from llmtrain.config.schema import GRPO_ADVANTAGE_ESTIMATORS as ADVANTAGE_ESTIMATORS
+from llmtrain.config.schema import GRPO_IMPORTANCE_LEVELS as IMPORTANCE_LEVELS
+from llmtrain.config.schema import GRPO_LOSS_TYPES as LOSS_TYPES
+from llmtrain.config.schema import GRPO_SCALE_REWARDS as SCALE_REWARDS
+from llmtrain.objectives.base import LossSums, Objective
+from llmtrain.objectives.preference import completion_token_logps
+
+ADVANTAGE_EPS = 1e-4  # TRL's: the std a group's rewards are divided by is std + 1e-4
+
+
+def nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """The unbiased (n - 1) standard deviation of ``values`` ignoring NaNs (TRL's ``nanstd``):
+    NaN where fewer than 2 values are present."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(values)).sum(dim=dim, keepdim=True)
+    variance = variance * torch.where(count > 1, count / (count - 1), torch.full_like(variance, float("nan")))
+    std = torch.sqrt(variance)
+    return std if keepdim else (std.squeeze() if dim is None else std.squeeze(dim))
+
+
+def group_advantages(rewards: torch.Tensor, estimator: str = "grpo", scale: str = "group",
+                     batch_std: float | None = None) -> torch.Tensor:
+    """Advantages of ``rewards`` float64 ``[prompts, G]`` (G completions of each prompt; NaN for a
+    completion no reward function applied to, whose advantage is 0 and which the group's
+    statistics leave out, as TRL 1.16's).
+
+    ``grpo`` (GRPO section 4.1.2): each reward minus its group's mean; ``rloo`` (leave-one-out,
+    Ahmadian et al. 2024, section 3.2): minus the mean of the group's other G - 1 rewards, which is
+    G / (G - 1) times the former. ``scale``: divided by the group's standard deviation (``group``,
+    GRPO), by the whole batch's (``batch``: ``batch_std``, computed over every rank's rewards), or
+    not (``none``, Dr. GRPO section 3.1), each + 1e-4 (TRL). Standard deviations are unbiased
+    (n - 1), as TRL's.
+    """
+    g = rewards.shape[1]
+    centred = rewards - torch.nanmean(rewards, dim=1, keepdim=True)
+    if estimator == "rloo":
+        centred = centred * (g / (g - 1))
+    if scale == "group":
+        centred = centred / (nanstd(rewards, dim=1, keepdim=True) + ADVANTAGE_EPS)
+    elif scale == "batch":
+        centred = centred / ((batch_std if batch_std is not None else float(nanstd(rewards))) + ADVANTAGE_EPS)
+    return torch.nan_to_num(centred, nan=0.0)
+
+
+def token_entropies(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[rows, seq]``: at position t the entropy of the distribution that predicts token t
+    (from the logits at t - 1); 0 at t = 0."""
+    logits = logits[:, :-1].float()
+    logz = torch.logsumexp(logits, dim=-1, keepdim=True)
+    probs = torch.exp(logits - logz)
+    entropy = logz.squeeze(-1) - (probs * logits).sum(-1)
+    return torch.nn.functional.pad(entropy, (1, 0))
+
+
+class GRPO(Objective):
+    """``objective=grpo``: see the module. ``cfg``: the ``objective`` section; :meth:`setup` reads
+    the rollout's sampling temperature and ``max_completion_length`` from the run's config.
+
+    Raises (at construction):
+        ConfigError: an unknown ``loss_type``, importance level, reward scaling or estimator.
+    """
+
+    carries = {"labels": IGNORE_INDEX, "completion_mask": 0.0, "advantages": 0.0, "old_logps": 0.0, "ref_logps": 0.0}
+    reports_perplexity = False
+    counted_unit = None
+    online = True
+
+    def __init__(self, cfg: Any = None):
+        super().__init__(cfg)
+        get = (lambda key, default: cfg.get(key, default)) if cfg is not None else (lambda key, default: default)
+        self.loss_type = str(get("loss_type", "dapo"))
+        self.epsilon = float(get("epsilon", 0.2))
+        high = get("epsilon_high", None)
+        self.epsilon_high = float(high) if high is not None else self.epsilon
+        self.level = str(get("importance_sampling_level", "token"))
+        self.beta = float(get("beta", 0.0))
+        self.num_iterations = int(get("num_iterations", 1))
+        self.scale_rewards = str(get("scale_rewards", "group"))
+        self.estimator = str(get("advantage_estimator", "grpo"))
+        self.num_generations = int(get("num_generations", 8))
+        self.mask_truncated = bool(get("mask_truncated_completions", False))
+        for value, allowed, key in ((self.loss_type, LOSS_TYPES, "loss_type"),
+                                    (self.level, IMPORTANCE_LEVELS, "importance_sampling_level"),
+                                    (self.scale_rewards, SCALE_REWARDS, "scale_rewards"),
+                                    (self.estimator, ADVANTAGE_ESTIMATORS, "advantage_estimator")):
+            if value not in allowed:
+                raise ConfigError(f"objective.{key}={value!r} must be one of {', '.join(allowed)}")
+        self.temperature = 1.0
+        self.max_completion_length = 256
+        clipped = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+        self.metric_names = ("entropy", *(("kl",) if self.beta else ()), *clipped, "_tokens", "_sequences")
+        # Token means over the global batch's completion tokens; the clip ratios at sequence
+        # level over its completions (TRL's global_masked_mean). "_" metrics are denominators only.
+        per_sequence = self.level == "sequence"
+        self.metric_denominators = {"entropy": "_tokens", "kl": "_tokens",
+                                    **{name: "_sequences" if per_sequence else "_tokens" for name in clipped}}
+
+    @property
+    def needs_reference(self) -> bool:  # type: ignore[override]
+        """A reference policy only for the KL term (``beta`` > 0; 0: none is built)."""
+        return self.beta != 0.0
+
+    @property
+    def steps_per_batch(self) -> int:
+        """μ (``num_iterations``): optimizer steps per generation batch."""
+        return self.num_iterations
+
+    @property
+    def on_policy(self) -> bool:
+        """Each generation batch trains one optimizer step: π_old is the current policy."""
+        return self.num_iterations == 1
+
+    def setup(self, cfg: Any) -> None:
+        """Read the sampling temperature (the log-probs are the tempered distribution's) and
+        ``max_completion_length`` (``dr_grpo``'s constant) from the run's ``rollout`` section."""
+        rollout = cfg.get("rollout") if cfg is not None else None
+        if rollout is not None:
+            self.temperature = float(rollout.temperature)
+            self.max_completion_length = int(rollout.max_completion_length)
+
+    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        shape = batch["input_ids"].shape
+        for key in ("completion_mask", "advantages", "old_logps", "ref_logps"):
+            batch.setdefault(key, torch.zeros(shape, dtype=torch.float32))
+        return batch
+
+    def normaliser(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The micro-batch's share of the global batch's normaliser (see the module): its
+        completions (``grpo``), completion tokens (``dapo``), completions × ``max_completion_length``
+        (``dr_grpo``), or 1 (``bnpo``: one token mean per micro-batch)."""
+        completions = (batch["labels"] != IGNORE_INDEX).any(dim=1).sum()
+        if self.loss_type == "grpo":
+            return completions
+        if self.loss_type == "dr_grpo":
+            return completions * self.max_completion_length
+        if self.loss_type == "dapo":
+            return batch["completion_mask"].sum()
+        return (completions > 0).to(completions.dtype)
+
+    def token_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[rows, seq]``: each completion token's log-prob under the tempered policy."""
+        return completion_token_logps(logits.float() / self.temperature, labels)
+
+    def loss_sums(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossSums:
+        labels, mask, advantages = batch["labels"], batch["completion_mask"], batch["advantages"]
+        logits = output.float() / self.temperature
+        logps = completion_token_logps(logits, labels)
+        old = logps.detach() if self.on_policy else batch["old_logps"]
+        log_ratio = logps - old
+        if self.level == "sequence":
+            log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        ratio = torch.exp(log_ratio)
+        clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
+        per_token = -torch.min(ratio * advantages, clipped * advantages)
+        metrics: dict[str, torch.Tensor] = {}
+        if self.beta:
+            gap = batch["ref_logps"] - logps
+            kl = (torch.exp(gap) - gap - 1) * ratio
+            per_token = per_token + self.beta * kl
+            metrics["kl"] = (kl.detach() * mask).sum()
+        masked = per_token * mask
+        if self.loss_type == "grpo":
+            loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
+        elif self.loss_type == "bnpo":
+            loss = masked.sum() / mask.sum().clamp(min=1.0)
+        else:
+            loss = masked.sum()
+        with torch.no_grad():
+            rows = (labels != IGNORE_INDEX).any(dim=1).sum().to(torch.float32)
+            metrics["entropy"] = (token_entropies(logits) * mask).sum()
+            weigh = mask
+            if self.level == "sequence":  # [rows, 1] ratios: one decision per completion, on its advantage
+                completion = (labels != IGNORE_INDEX).float()
+                advantages = (advantages * completion).sum(-1, keepdim=True) / completion.sum(-1, keepdim=True).clamp(min=1.0)
+                weigh = completion.amax(dim=1, keepdim=True)
+            low = ((ratio < 1 - self.epsilon) & (advantages < 0)).float()
+            high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
+            metrics["clip_ratio/low_mean"] = (low * weigh).sum()
+            metrics["clip_ratio/high_mean"] = (high * weigh).sum()
+            metrics["clip_ratio/region_mean"] = (torch.maximum(low, high) * weigh).sum()
+            metrics["_tokens"] = mask.sum()
+            metrics["_sequences"] = rows
+        return LossSums(loss, metrics)

@@ -1,0 +1,225 @@
+"""Online RL (``objective=grpo``): the loss against TRL's ``GRPOTrainer`` on the same inputs,
+advantages against their definitions."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+G, PROMPT, COMPLETION = 4, 6, 5  # completions per prompt, prompt and completion tokens
+
+
+def _tiny_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=1)
+    return LlamaForCausalLM(config)
+
+
+def _trl_trainer(tmp_path, model, **config):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from llmtrain.models.build import byte_tokenizer
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=G, num_generations=G,
+                      max_completion_length=COMPLETION, report_to=[], use_cpu=True, bf16=False, logging_steps=1,
+                      **config)
+    model.save_pretrained(tmp_path / "model")  # with beta > 0 TRL loads its reference from the model's folder
+    trainer = GRPOTrainer(model=str(tmp_path / "model"), reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                          args=args, train_dataset=Dataset.from_list([{"prompt": "hi"}] * G),
+                          processing_class=byte_tokenizer())
+    trainer.model.float().train()  # TRL logs under "train" in training mode
+    return trainer
+
+
+def _inputs(model, beta: float, num_iterations: int):
+    """One group: G completions of one prompt, with padding after two of them, advantages, and
+    (old, reference) log-probs that differ from the current ones."""
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(2, 64, (1, PROMPT), generator=g).repeat(G, 1)
+    completion = torch.randint(2, 64, (G, COMPLETION), generator=g)
+    mask = torch.ones(G, COMPLETION)
+    mask[1, 3:] = 0
+    mask[2, 1:] = 0
+    completion = completion * mask.long()  # pad id 0 after the end
+    advantages = torch.tensor([1.2, -0.7, 0.4, -0.9])
+    with torch.no_grad():
+        logits = model(torch.cat([prompt, completion], 1)).logits[:, PROMPT - 1:-1]
+        current = torch.log_softmax(logits, -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    old = current + 0.3 * torch.randn(current.shape, generator=g) if num_iterations > 1 else None
+    ref = current + 0.2 * torch.randn(current.shape, generator=g) if beta else None
+    return prompt, completion, mask, advantages, old, ref
+
+
+def _ours(model, loss_type: str, prompt, completion, mask, advantages, old, ref, **fields) -> tuple[float, dict]:
+    from llmtrain.objectives.grpo import GRPO
+
+    objective = GRPO({"loss_type": loss_type, **fields})
+    objective.max_completion_length = COMPLETION
+    rows = torch.cat([prompt, completion], 1)
+    labels = torch.full(rows.shape, -100)
+    labels[:, PROMPT:] = torch.where(mask.bool(), completion, -100)
+    carried = torch.zeros(rows.shape)
+    per_token = lambda values: torch.cat([carried[:, :PROMPT], values], 1) if values is not None else carried  # noqa: E731
+    batch = objective.prepare({"input_ids": rows, "attention_mask": torch.ones_like(rows), "labels": labels,
+                               "completion_mask": per_token(mask), "old_logps": per_token(old),
+                               "ref_logps": per_token(ref),
+                               "advantages": per_token(advantages.unsqueeze(1).expand(-1, COMPLETION) * mask)})
+    sums = objective.loss_sums(model(rows).logits, batch)
+    normaliser = float(objective.normaliser(batch))
+    names = objective.metric_names
+    values = {name: float(sums.metrics[name]) for name in names}
+    return float(sums.loss) / normaliser, objective.average(values, normaliser)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo"])
+@pytest.mark.parametrize("beta,num_iterations,epsilon_high,level", [
+    (0.0, 1, None, "token"), (0.04, 2, 0.28, "token"), (0.04, 2, None, "sequence"), (0.0, 2, 0.28, "sequence")])
+def test_the_loss_and_its_metrics_equal_trls_on_the_same_inputs(tmp_path, loss_type, beta, num_iterations,
+                                                                  epsilon_high, level):
+    model = _tiny_model()
+    prompt, completion, mask, advantages, old, ref = _inputs(model, beta, num_iterations)
+    fields = {"beta": beta, "num_iterations": num_iterations, "epsilon_high": epsilon_high,
+              "importance_sampling_level": level}
+    trainer = _trl_trainer(tmp_path, model, loss_type=loss_type, beta=beta, num_iterations=num_iterations,
+                           epsilon_high=epsilon_high, importance_sampling_level=level)
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
+              "completion_mask": mask, "advantages": advantages, "num_items_in_batch": mask.sum()}
+    if old is not None:
+        inputs["old_per_token_logps"] = old
+    if ref is not None:
+        inputs["ref_per_token_logps"] = ref
+    theirs = float(trainer._compute_loss(trainer.model, inputs).detach())
+    loss, metrics = _ours(model, loss_type, prompt, completion, mask, advantages, old, ref, **fields)
+    assert loss == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+    logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    for name in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                 *(["kl"] if beta else [])):
+        assert metrics[name] == pytest.approx(logged[name], rel=1e-5, abs=1e-7), name
+
+
+def test_group_advantages_follow_their_definitions():
+    from llmtrain.objectives.grpo import group_advantages
+
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]], dtype=torch.float64)
+    grpo = group_advantages(rewards)
+    assert torch.allclose(grpo[0], (rewards[0] - 0.5) / (rewards[0].std() + 1e-4))
+    assert torch.equal(grpo[1], torch.zeros(4, dtype=torch.float64))  # a group without spread teaches nothing
+    rloo = group_advantages(rewards, "rloo", "none")
+    others = (rewards.sum(1, keepdim=True) - rewards) / 3  # the mean of the group's other rewards
+    assert torch.allclose(rloo, rewards - others)
+    batch = group_advantages(rewards, scale="batch", batch_std=2.0)
+    assert torch.allclose(batch, (rewards - rewards.mean(1, keepdim=True)) / (2.0 + 1e-4))
+
+
+# ---- configs and bad input ---------------------------------------------------------------------
+def _grpo_overrides(path, *extra: str) -> list[str]:
+    return ["objective=grpo", "data=prompts", f"data.path={path}", "data.columns.prompt=question", "data.seq_len=64",
+            "reward.functions=[tests.grpo_fixtures:odd_tokens]", "rollout.max_completion_length=8",
+            "objective.num_generations=2", "trainer.global_batch_size=2", "trainer.micro_batch_size=1",
+            "trainer.max_steps=2", "trainer.eval_every=0", "trainer.eval_samples=2", "tracker=none",
+            "trainer.progress_bar=false", "trainer.export_hf=false", *extra]
+
+
+@pytest.fixture()
+def questions(tmp_path):
+    import json
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i}+{i}?", "answer": f"#### {2 * i}"}) + "\n"
+                            for i in range(12)), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("override,message", [
+    ("objective.num_generations=1", "objective.num_generations=1: a group needs at least 2"),
+    ("objective.loss_type=sigmoid", "objective.loss_type='sigmoid' must be one of grpo, dapo"),
+    ("objective.scale_rewards=rank", "objective.scale_rewards='rank' must be one of group, batch, none"),
+    ("objective.epsilon_high=0.1", "objective.epsilon_high=0.1 must be >= objective.epsilon=0.2"),
+    ("objective.gamma=3.0", "objective.gamma=3.0 does not apply to objective=grpo"),
+    ("+recipe=pp", "pipeline stages cannot do alone"),
+    ("rollout.temperature=0", "rollout.temperature=0"),
+    ("rollout.max_completion_length=64", "leaves no room for a prompt in data.seq_len=64"),
+    ("rollout.engine=vllm", "rollout.engine='vllm' must be one of hf or module:Class"),
+    ("reward.functions=[]", "reward.functions is empty"),
+    ("reward.weights=[1.0,2.0]", "reward.weights has 2 values for 1 reward.functions"),
+    ("data.format=text", "data.columns: ['prompt'] are not fields of format text"),
+])
+def test_bad_online_configs_are_refused_naming_the_field(questions, override, message):
+    from conftest import make_cfg
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.config.validate import validate
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(make_cfg(_grpo_overrides(questions, override)), 2 if "recipe=pp" in override else 1)
+
+
+def test_prompts_and_rewards_only_with_an_online_objective(questions):
+    from conftest import make_cfg
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.config.validate import validate
+
+    with pytest.raises(ConfigError, match="data.format=prompts holds prompts without completions"):
+        validate(make_cfg(_grpo_overrides(questions, "objective=causal_lm", "reward.functions=[]")), 1)
+    with pytest.raises(ConfigError, match="rewards score sampled completions"):
+        validate(make_cfg(["reward.functions=[gsm8k]"]), 1)
+    with pytest.raises(ConfigError, match="objective=grpo samples completions of prompts: every source's format must "
+                                          "be prompts"):
+        validate(make_cfg(["objective=grpo", "reward.functions=[gsm8k]"]), 1)
+
+
+@pytest.mark.parametrize("function,message", [
+    ("no_such_module:f", r"reward.functions\[0\]='no_such_module:f' cannot be imported"),
+    ("tests.grpo_fixtures:wrong_count", "wrong_count returned 1 values for 4 completions in the start-up check"),
+    ("tests.grpo_fixtures:not_a_number", "not_a_number returned nan for completion 0 in the start-up check"),
+    ("length:x", r"the argument is the penalty's window in tokens"),
+])
+def test_a_bad_reward_function_fails_before_anything_is_written(questions, tmp_path, function, message):
+    from conftest import make_cfg
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.trainer import train
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=message):
+        train(make_cfg(_grpo_overrides(questions, f"reward.functions=[{function}]", f"run_dir={run_dir}")))
+    assert not run_dir.exists()
+
+
+def test_a_prompt_too_long_names_the_record_and_the_fixes(questions, tmp_path):
+    from conftest import make_cfg
+    from llmtrain import data
+    from llmtrain.common.errors import DataError
+    from llmtrain.models.build import byte_tokenizer
+    from llmtrain.trainer import train
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(DataError, match=r"record 0: the prompt has 12 tokens, over the 8 that data.seq_len=16"):
+        train(make_cfg(_grpo_overrides(questions, "data.seq_len=16", f"run_dir={run_dir}")))
+    assert not run_dir.exists()
+    dropping = make_cfg(_grpo_overrides(questions, "data.seq_len=21", "data.truncation=drop", f"run_dir={run_dir}"))
+    splits = data.load_splits(dropping.data, byte_tokenizer(), 0, prompt_budget=21 - 8)
+    assert "12 records -> 10 prompts (dropped 2 too long)" in data.describe(splits)  # the two of 14 tokens
+    assert len(train(dropping)["losses"]) == 2
+
+
+def test_a_reward_function_that_raises_mid_run_stops_after_the_last_checkpoint(questions, tmp_path):
+    from conftest import make_cfg
+    from llmtrain.checkpoint.protocol import verify
+    from llmtrain.rollout import RewardError
+    from llmtrain.trainer import train
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(RewardError, match="raises_at_step_two raised ValueError at step 2: checker crashed") as caught:
+        train(make_cfg(_grpo_overrides(questions, "reward.functions=[tests.grpo_fixtures:raises_at_step_two]",
+                                       "trainer.save_every=1", f"run_dir={run_dir}")))
+    assert isinstance(caught.value.__cause__, ValueError)  # the function's own traceback
+    assert verify(run_dir / "checkpoints" / "step_1") is None
+    assert not (run_dir / "checkpoints" / "step_2").exists()
