@@ -43,7 +43,7 @@ from llmtrain.data.order import sample_digest
 from llmtrain.engine import build_engine
 from llmtrain.engine.base import check_optimizer_steps
 from llmtrain.evaluation import in_loop
-from llmtrain.evaluation.validation import Evaluator
+from llmtrain.evaluation.validation import Evaluator, evaluate
 from llmtrain.models import adapters, moe
 from llmtrain.models.build import build_model, build_tokenizer, check_sequence_length, model_config
 from llmtrain.monitoring import console, goodput
@@ -59,6 +59,7 @@ from llmtrain.parallel.seeding import seed_everything, seed_streams
 from llmtrain.planning import flops
 from llmtrain.planning.auto import check_same_layout
 from llmtrain.planning.preflight import preflight
+from llmtrain.rollout import RewardError, Rollout, build_rewards, build_sampler
 
 log = logging.getLogger("llmtrain")
 
@@ -163,6 +164,8 @@ class StepResult:
     save_by_time: bool
     spike: str | None
     router: torch.Tensor | None = None  # StepSums.router
+    # What the batch source reports (an online objective's rollout: rewards, lengths, times).
+    source_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def healthy(self) -> bool:
@@ -195,13 +198,16 @@ class Trainer:
         phases.begin("tokenizer", f"model {cfg.model.name}")
         self.tokenizer, self.hf_config = self._setup_tokenizer()
         phases.begin("data", f"data {cfg.data.name}: reading and tokenizing{f' {cfg.data.path}' if cfg.data.path else ''}")
-        self.splits = data.load_splits(cfg.data, self.tokenizer, self.t.seed, unpair=cfg.objective.name == "kto")
+        self.splits = data.load_splits(cfg.data, self.tokenizer, self.t.seed, unpair=cfg.objective.name == "kto",
+                                       prompt_budget=cfg.data.seq_len - cfg.rollout.max_completion_length)
         self.partial = adapters.is_partial(cfg)  # LoRA or model.freeze: some parameters stay frozen
         self.fingerprint = adapters.base_fingerprint(cfg.model, self.t.seed) if self.partial else None
         phases.begin("checkpoints", f"finding and verifying the one to resume in {self.run_dir / 'checkpoints'}")
         self.checkpoints, self.resume_from = self._setup_checkpoints()
         self.objective = build_objective(cfg.get("objective"))
+        self.objective.setup(cfg)
         self._check_data_for_objective()
+        self.online_parts = self._setup_online()
         self.engine = self._setup_engine()
         phases.begin("train state")
         self.state, rng = self._setup_state()
@@ -214,8 +220,7 @@ class Trainer:
         phases.begin("data loader and validation batches")
         self.sampler, self.micro_batches = self._setup_data_loader()
         self.flops_per_token, self.peak_tflops = self._setup_flops()
-        self.evaluator = Evaluator(self.engine, self._setup_val_batches(), self.env.device, self.t.eval_every,
-                                   self.t.max_steps)
+        self.batches, self.evaluator = self._setup_batches(self._setup_val_batches())
         self.summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(self.run_dir),
                                         "start_step": self.state.step}
         phases.begin("first evaluation" if self.resume_from is None else "resume")
@@ -248,10 +253,11 @@ class Trainer:
             result = self.train_step(step)
             self.watchdog.set("log")
             metrics = self._step_metrics(result)
-            if self.evaluator.should_run(result.step):
+            evaluated = self.evaluator.should_run(result.step)
+            if evaluated:
                 self.watchdog.set("eval")
                 metrics.update(self._log_eval(result.step, self.evaluator.run(self.state), result.loss))
-            if self.tracker.should_log(result.step) or "val/loss" in metrics or not result.healthy:
+            if self.tracker.should_log(result.step) or evaluated or not result.healthy:
                 self.tracker.log(metrics, step=result.step)
                 self._write_expert_load()
             if not result.healthy:
@@ -275,7 +281,7 @@ class Trainer:
         loss or norm is not finite or spikes), and the train state advanced."""
         started = time.perf_counter()
         self.watchdog.set("data", step + 1)
-        host_batches = [self.objective.prepare(next(self.micro_batches)) for _ in range(self.accumulation)]
+        host_batches, source_metrics = self.batches.for_step(step)
         # Fingerprint on the host copies: on an accelerator this avoids a device-to-host sync.
         digest = sample_digest(host_batches)
         batches = [{k: v.to(self.env.device) for k, v in b.items()} for b in host_batches]
@@ -292,7 +298,7 @@ class Trainer:
         self.watchdog.set("optimizer")
         grad_norm = self.engine.step(keep_update=keep if self.t.nonfinite == "skip" else None)
         result = StepResult(step + 1, sums.loss, lr, grad_norm, sums.tokens, time.perf_counter() - started,
-                            sums.metrics, sums.scalars, stop, save_by_time, spike, sums.router)
+                            sums.metrics, sums.scalars, stop, save_by_time, spike, sums.router, source_metrics)
         self._advance_state(result)
         return result
 
@@ -325,8 +331,10 @@ class Trainer:
         """The run's checkpoint manager and the checkpoint to resume (checked compatible), if any."""
         manager = CheckpointManager(self.run_dir, self.env, self.t.keep_checkpoints)
         resume_from = manager.resolve(self.t.resume)
+        self.rollout_state: dict[str, torch.Tensor] = {}  # an online objective's pending generation batch
         if resume_from is not None:
             check_resumable(resume_from, self.cfg, manager, self.env.is_main, self.fingerprint)
+            self.rollout_state = manager.read_rank_state(resume_from, "rollout")
         if self.env.is_main and self.t.resume == "auto":  # a rerun of the same command: say what a crash cost
             previous = goodput.unfinished_process(self.run_dir)
             resumed_step = step_of(resume_from) if resume_from is not None else 0
@@ -373,6 +381,24 @@ class Trainer:
         if self.objective.needs_reference and o.get("precompute_reference") and self.resume_from is not None:
             reference.check_stored(self.run_dir, self.splits, self.t.eval_samples)
 
+    def _setup_online(self) -> tuple[Any, list] | None:
+        """An online objective's sampler and reward functions, each function tried on two prompts
+        before anything is written (:func:`llmtrain.rollout.build_rewards`); None for others.
+
+        Raises:
+            ConfigError: a rollout engine or reward function that cannot be built or fails the try.
+        """
+        if not self.objective.online:
+            return None
+        sampler = build_sampler(self.cfg, self.tokenizer, data.end_token_ids(self.cfg.data, self.tokenizer))
+        probe = [self.splits.train[i] for i in range(min(2, len(self.splits.train)))]
+        try:
+            functions = build_rewards(self.cfg, probe, self.env.device)
+        except RewardError as err:
+            raise ConfigError(f"reward.functions: {err}; fix the function (it must return one finite float, or None, "
+                              "per completion)") from err.__cause__
+        return sampler, functions
+
     def _build_model(self):
         """The model with its initial weights (the policy, or its frozen reference copy)."""
         return build_model(self.cfg.model, self.t.seed, head=self.objective.model_output,
@@ -391,7 +417,9 @@ class Trainer:
                                  self.run_dir, self.resume_from is not None, self.env.is_main, self.t.eval_samples)
             return None
         self.phases.begin("reference", f"objective.reference={reference.reference_kind(self.cfg)}")
-        return reference.build_reference(self.cfg, self.engine, self._build_model)
+        # GRPO's log-probs are of temperature-scaled logits; the preference objectives' are plain.
+        logps = getattr(self.objective, "token_logps", reference.completion_token_logps)
+        return reference.build_reference(self.cfg, self.engine, self._build_model, logps)
 
     def _setup_state(self) -> tuple[TrainState, dict | None]:
         """A fresh train state, or the resumed checkpoint's (and its RNG states) loaded into the
@@ -438,11 +466,27 @@ class Trainer:
     def _setup_data_loader(self):
         """The global sample order (``sampler``) and this rank's micro-batch iterator from the
         current step on."""
-        t = self.t
+        t, per = self.t, self.objective.steps_per_batch  # GRPO's μ steps train on one batch of prompts
         loader, sampler = data.train_loader(self.splits, self.tokenizer, self.cfg.data, t.seed, t.micro_batch_size,
                                             self.accumulation, self.engine.dp_rank, self.dims.dp,
-                                            start_step=self.state.step, max_steps=t.max_steps)
+                                            start_step=-(-self.state.step // per), max_steps=-(-t.max_steps // per))
         return sampler, iter(loader)
+
+    def _setup_batches(self, val_batches: list[dict]) -> tuple[Any, Evaluator]:
+        """The step's batch source and the held-out evaluator: the data loader's micro-batches and
+        the held-out loss, or an online objective's rollout (:mod:`llmtrain.rollout`: sampled,
+        scored completions; held-out greedy rewards)."""
+        t = self.t
+        if not self.objective.online:
+            source = data.StepBatches(self.micro_batches, self.accumulation, self.objective.prepare)
+            return source, Evaluator(lambda: evaluate(self.engine, val_batches, self.env.device), t.eval_every,
+                                     t.max_steps)
+        sampler, functions = self.online_parts
+        rollout = Rollout(self.cfg, self.engine, self.objective, sampler, self.micro_batches, self.tokenizer,
+                          data.pad_id_of(self.tokenizer), functions, self.run_dir, self.env.is_main)
+        rollout.load_state_dict(self.rollout_state)
+        self.checkpoints.rank_state["rollout"] = rollout.state_dict
+        return rollout, Evaluator(lambda: rollout.evaluate(val_batches), t.eval_every, t.max_steps)
 
     def _setup_flops(self) -> tuple[float, float | None]:
         """Model FLOPs per token (PaLM appendix B) at ``data.seq_len``, and the device's peak
@@ -452,9 +496,12 @@ class Trainer:
                 flops.peak_tflops(self.env.device, self.t.precision, self.t.peak_tflops))
 
     def _setup_val_batches(self) -> list[dict]:
-        """This rank's share of the held-out batches, with what the objective adds."""
+        """This rank's share of the held-out batches, with what the objective adds (an online
+        objective's: prompts, which its rollout completes)."""
         batches = data.val_batches(self.splits, self.tokenizer, self.t.micro_batch_size, self.t.eval_samples,
                                    self.engine.dp_rank, self.dims.dp, data.collator_for(self.cfg.data, self.tokenizer))
+        if self.objective.online:
+            return batches
         batches = [self.objective.prepare(b) for b in batches]
         if self.reference is not None:  # the reference does not change: its held-out log-probs once
             self.phases.begin("reference log-probs", f"the reference policy over {len(batches)} held-out micro-batches"
@@ -514,6 +561,8 @@ class Trainer:
         state.skipped_updates += int(not result.healthy and t.nonfinite == "skip")
         state.tokens_seen += result.tokens
         state.productive_s += result.seconds
+        state.generation_s += result.source_metrics.get("rollout/generation_s", 0.0)
+        state.reward_s += result.source_metrics.get("rollout/reward_s", 0.0)
         self.summary["losses"].append(result.loss)
         self.summary["lrs"].append(result.lr)
         if result.router is not None:
@@ -531,11 +580,13 @@ class Trainer:
                    "train/tokens_seen": state.tokens_seen, "train/samples_seen": state.consumed_samples,
                    "data/sample_digest": result.scalars.sample_digest / self.dims.data_replicas,
                    "memory/peak_bytes": max(memory), "memory/peak_rank": memory.index(max(memory)),
-                   **{f"train/{name}": value for name, value in result.metrics.items()},
+                   **{f"train/{name}": value for name, value in result.metrics.items() if not name.startswith("_")},
+                   **result.source_metrics,
                    **flops.achieved(tokens_per_s, self.flops_per_token, self.env.world_size, self.peak_tflops)}
         metrics.update(self.checkpointer.stall_of_previous_step(result.step - 1))
         if len(self.splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed
-            counts = self.sampler.source_counts(result.step - 1, len(self.splits.names))
+            counts = self.sampler.source_counts((result.step - 1) // self.objective.steps_per_batch,
+                                                len(self.splits.names))
             metrics.update({f"data/source/{name}_samples": n for name, n in zip(self.splits.names, counts)})
         self.progress.update(result.step, result.loss, result.lr, result.grad_norm, tokens_per_s)
         metrics.update(goodput.time_metrics(state))
@@ -574,11 +625,15 @@ class Trainer:
                           f"{metrics['val/rewards/margins']:.4f}")
             else:
                 detail = ", ".join(f"{k[4:]} {v:.4f}" for k, v in metrics.items() if k.startswith("val/rewards/"))
-            log.info("eval at step %d: val loss %.4f (%s)%s", step, metrics["val/loss"], detail,
-                     f", train loss {train_loss:.4f}" if train_loss is not None else "")
+            if "val/loss" in metrics:
+                log.info("eval at step %d: val loss %.4f (%s)%s", step, metrics["val/loss"], detail,
+                         f", train loss {train_loss:.4f}" if train_loss is not None else "")
+            else:  # an online objective: the mean reward of greedy completions of held-out prompts
+                log.info("eval at step %d: val reward %.4f over %d prompts (%s), mean completion %.1f tokens", step,
+                         metrics["val/reward"], metrics["val/prompts"], detail, metrics["val/completions/mean_length"])
         if step == self.t.max_steps and step > 0:
-            self.summary["final_val"] = {k: v for k, v in metrics.items() if k in ("val/loss", "val/perplexity")
-                                         or k.startswith("val/rewards/")}
+            self.summary["final_val"] = {k: v for k, v in metrics.items() if k in ("val/loss", "val/perplexity",
+                                         "val/reward", "val/reward_stderr") or k.startswith("val/rewards/")}
         return metrics
 
     def _on_unhealthy(self, result: StepResult) -> None:

@@ -27,9 +27,9 @@ def _result(step: int, stop: bool = False, save_by_time: bool = False) -> StepRe
 
 
 def test_evaluator_runs_every_n_steps_and_at_the_end():
-    evaluator = Evaluator(None, [], torch.device("cpu"), every=4, max_steps=10)
+    evaluator = Evaluator(dict, every=4, max_steps=10)
     assert [s for s in range(1, 11) if evaluator.should_run(s)] == [4, 8, 10]
-    never = Evaluator(None, [], torch.device("cpu"), every=0, max_steps=10)
+    never = Evaluator(dict, every=0, max_steps=10)
     assert [s for s in range(1, 11) if never.should_run(s)] == [10]
 
 

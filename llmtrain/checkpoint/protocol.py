@@ -7,6 +7,10 @@ Layout of ``RUN_DIR/checkpoints/step_<N>/``::
     rank_<r>.pt         RNG states of rank r (python, numpy, torch CPU, CUDA where present), as
                         tensors and plain types (:func:`~llmtrain.checkpoint.state.capture_rng`;
                         read with weights_only)
+    <part>_rank_<r>.safetensors
+                        a part's per-rank tensors, where a part has some at this step
+                        (:attr:`CheckpointManager.rank_state`: an online objective's generation
+                        batch still being trained on); safetensors, so no code runs on reading
     trainer_state.json  step, consumed samples and tokens (global, rank-count independent),
                         tracker run id, world size, global batch
     config.yaml         the resolved config
@@ -46,7 +50,7 @@ import shutil
 import signal
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -60,6 +64,11 @@ log = logging.getLogger("llmtrain")
 MARKER = "COMPLETE.json"
 ENGINE_DIR = "engine"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def rank_state_file(name: str, rank: int) -> str:
+    """The file name of part ``name``'s per-rank tensors of ``rank``."""
+    return f"{name}_rank_{rank}.safetensors"
 
 
 def step_of(checkpoint_dir: Path) -> int:
@@ -238,6 +247,8 @@ class CheckpointManager:
         # Steps whose checkpoints pruning keeps beyond ``keep`` (rank 0): a task evaluation still
         # reading them (llmtrain.evaluation.in_loop).
         self.pinned: set[int] = set()
+        # Parts with per-rank tensors to save: name -> (step -> tensors; empty: nothing to save).
+        self.rank_state: dict[str, Callable[[int], dict[str, torch.Tensor]]] = {}
 
     def step_dirs(self) -> list[tuple[int, Path]]:
         """Folders named ``step_<N>``, newest first (complete or not)."""
@@ -328,6 +339,25 @@ class CheckpointManager:
         log.warning("resuming from %s starts a new branch: the later checkpoints %s were moved to %s (kept; "
                     "resume=auto now continues this branch)", resumed.name, ", ".join(p.name for p in later), dest)
         return dest
+
+    def read_rank_state(self, path: Path, name: str) -> dict[str, torch.Tensor]:
+        """Part ``name``'s tensors of this rank in checkpoint ``path`` (empty when it saved none).
+
+        Raises:
+            ResumeError: the checkpoint holds them but was written by another number of ranks
+                (they are one rank's share of a batch: they do not split anew).
+        """
+        saved = self.read_state(path).world_size
+        if not (path / rank_state_file(name, 0)).is_file():
+            return {}
+        if saved != self.env.world_size:
+            raise ResumeError(f"checkpoint {path} holds per-rank {name} state of {saved} rank(s) (a generation batch "
+                              f"still being trained on), and this launch has {self.env.world_size}; resume it on "
+                              f"{saved} rank(s), or from a checkpoint at a step that starts a generation batch "
+                              "(trainer.resume=PATH)")
+        from safetensors.torch import load_file
+
+        return load_file(str(path / rank_state_file(name, self.env.rank)))
 
     def prepare(self, engine, path: Path) -> None:
         """Before ``engine.setup``: let the engine convert a checkpoint of another world size."""
@@ -420,6 +450,11 @@ class CheckpointManager:
 
     def _write_small_files(self, tmp: Path, state: TrainState, config_yaml: str) -> None:
         torch.save(capture_rng(), tmp / f"rank_{self.env.rank}.pt")
+        for name, tensors_at in self.rank_state.items():
+            if tensors := tensors_at(state.step):
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / rank_state_file(name, self.env.rank)))
         if self.env.is_main:
             (tmp / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
             (tmp / "config.yaml").write_text(config_yaml)

@@ -55,6 +55,9 @@ class TrainState:
     lost_s: float = 0.0
     restart_s: float = 0.0
     idle_s: float = 0.0
+    # Online RL: the parts of productive_s spent sampling completions and scoring them.
+    generation_s: float = 0.0
+    reward_s: float = 0.0
     # Partial training (LoRA, model.freeze): the base weights the checkpoint's trainable
     # parameters belong to (llmtrain.models.adapters.base_fingerprint); None in full training.
     base_fingerprint: str | None = None

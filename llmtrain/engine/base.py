@@ -351,6 +351,20 @@ class Engine(ABC):
         """Context in which the model is built (ZeRO-3 partitions parameters as they appear)."""
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def generation_model(self):
+        """Context yielding the model with whole weights on this rank, for an online objective's
+        sampling loop: its forwards inside make no collectives, so ranks may decode different
+        numbers of tokens (tensor-parallel peers decode the same prompts in lockstep). Entering and
+        leaving are collective calls where weights are sharded (ZeRO-3, FSDP2 gather them for the
+        duration: the whole model's bytes on every rank). Layouts with whole weights yield the
+        model itself."""
+        yield self.model
+
+    def generation_autocast(self):
+        """The autocast the sampling loop's forwards run under: the run's precision."""
+        return autocast(self.env.device, self.cfg.trainer.precision)
+
     def prepare_resume(self, directory: Path, saved_world_size: int) -> None:
         """Called before :meth:`setup` when resuming from ``directory`` (the engine folder of a
         checkpoint written by ``saved_world_size`` ranks): a chance to convert the checkpoint or

@@ -6,6 +6,7 @@ The DeepSpeed JSON is generated from the typed recipe and trainer config by
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +300,44 @@ class DeepSpeedEngine(Engine):
     @property
     def model(self) -> torch.nn.Module:
         return self.ds.module
+
+    @contextlib.contextmanager
+    def generation_model(self):
+        """ZeRO-3: every parameter gathered for the duration (``GatheredParameters``) and the
+        engine's fetch/release hooks taken off, so the sampling loop's forwards make no collectives
+        (TRL's ``unwrap_model_for_generation``); the hooks are put back after, with the parameter
+        coordinator's trace invalidated (the generation forwards are not the training order).
+        ZeRO 0-2 hold whole weights."""
+        if self.cfg.recipe.zero_stage != 3:
+            yield self.model
+            return
+        import deepspeed
+
+        offload = getattr(self.ds.optimizer, "parameter_offload", self.ds.optimizer)
+        with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+            for param in self.model.parameters():
+                param.ds_active_sub_modules.clear()
+            for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            # The start-of-forward hook checks the module order across ranks (a broadcast) until a
+            # trace is recorded: ranks decoding different numbers of tokens would wait on each other.
+            start = offload.fwd_pre_hook
+            start_hook = offload.module._forward_pre_hooks.get(start.id)
+            start.remove()
+            try:
+                yield self.model
+            finally:
+                coordinator = getattr(offload, "param_coordinator", None)
+                if coordinator is not None and not coordinator.is_invalid_trace():
+                    coordinator._invalidate_trace()
+                if start_hook is not None:
+                    offload.fwd_pre_hook = offload.module.register_forward_pre_hook(start_hook)
+                offload._register_deepspeed_module(offload.module)
+
+    def generation_autocast(self):
+        # DeepSpeed's bf16 runs keep bf16 working weights: the gathered model computes in them.
+        return contextlib.nullcontext()
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.ds(**model_inputs(batch)).logits

@@ -233,6 +233,25 @@ class NativeEngine(Engine):
     def model(self) -> nn.Module:
         return self.parts[0]
 
+    @contextlib.contextmanager
+    def generation_model(self):
+        """FSDP2: every FSDP module unsharded (all-gathered once, collectively) and kept so during
+        the sampling loop (``reshard_after_forward`` off), so its forwards make no collectives;
+        resharded after. Tensor parallel alone: the model as it is (peers decode in lockstep).
+        Pipeline stages cannot decode a sequence alone: refused at validation."""
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = [m for m in self.parts[0].modules() if isinstance(m, FSDPModule)]
+        for module in sharded:
+            module.unshard()
+            module.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield self.parts[0]
+        finally:
+            for module in sharded:
+                module.reshard()
+                module.set_reshard_after_forward(self.cfg.recipe.zero_stage == 3, recurse=False)
+
     def train(self, mode: bool = True) -> None:
         for part in self.parts:
             part.train(mode)

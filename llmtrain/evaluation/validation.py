@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 import torch
 
@@ -44,22 +45,24 @@ def evaluate(engine, batches: list[dict], device: torch.device) -> dict[str, flo
     if objective.counted_unit:
         perplexity[f"val/{objective.counted_unit}"] = int(totals[-1])
     averaged = objective.average({name: float(totals[1 + k]) for k, name in enumerate(names)}, float(normaliser))
-    return {"val/loss": loss, **perplexity, **{f"val/{name}": value for name, value in averaged.items()}}
+    return {"val/loss": loss, **perplexity,
+            **{f"val/{name}": value for name, value in averaged.items() if not name.startswith("_")}}
 
 
 class Evaluator:
     """Held-out evaluation at ``trainer.eval_every`` steps and at the last step; its time is
-    added to ``state.eval_s`` (goodput's accounting)."""
+    added to ``state.eval_s`` (goodput's accounting). ``measure()`` returns the ``val/...``
+    metrics (a collective call): :func:`evaluate` on the held-out batches, or an online
+    objective's held-out rewards (:meth:`llmtrain.rollout.rollout.Rollout.evaluate`)."""
 
-    def __init__(self, engine, val_batches: list[dict], device: torch.device, every: int, max_steps: int):
-        self.engine, self.val_batches, self.device = engine, val_batches, device
-        self.every, self.max_steps = every, max_steps
+    def __init__(self, measure: Callable[[], dict[str, float]], every: int, max_steps: int):
+        self.measure, self.every, self.max_steps = measure, every, max_steps
 
     def should_run(self, step: int) -> bool:
         return bool(self.every and step % self.every == 0) or step == self.max_steps
 
     def run(self, state: TrainState) -> dict[str, float]:
         started = time.perf_counter()
-        metrics = evaluate(self.engine, self.val_batches, self.device)
+        metrics = self.measure()
         state.eval_s += time.perf_counter() - started
         return metrics

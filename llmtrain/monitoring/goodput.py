@@ -118,8 +118,10 @@ def account_restart(state: TrainState, redone: list[dict], process_started: floa
 def time_metrics(state: TrainState) -> dict[str, float]:
     """``time/goodput`` = productive step time / wall time since the run's first start (Unix
     clock of rank 0; idle gaps after a finished process left out), with the losses broken out,
-    all cumulative over resumes."""
+    all cumulative over resumes; an online objective's generation and reward time (parts of the
+    productive time) beside them."""
     wall = max(time.time() - state.run_started_unix - state.idle_s, 1e-9)
     return {"time/goodput": state.productive_s / wall, "time/wall_s": wall, "time/productive_s": state.productive_s,
             "time/startup_s": state.startup_s, "time/eval_s": state.eval_s, "time/checkpoint_s": state.checkpoint_s,
-            "time/lost_s": state.lost_s, "time/restart_s": state.restart_s}
+            "time/lost_s": state.lost_s, "time/restart_s": state.restart_s,
+            **({"time/generation_s": state.generation_s, "time/reward_s": state.reward_s} if state.generation_s else {})}

@@ -1,0 +1,57 @@
+"""Online RL's rollouts: completions sampled from the policy under its layout (:mod:`.engines`,
+:mod:`.generate`, seeded per completion), scored by reward functions (:mod:`.rewards`), and laid
+out as the objective's training micro-batches with group-relative advantages (:mod:`.rollout`).
+
+Sits beside the engines (it drives an engine's ``generation_model`` and ``forward`` without
+importing one): may import objectives, data, parallel's process-group helpers, config and common;
+never engines, models or parallel plans (``.importlinter``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtrain.rollout import rewards
+from llmtrain.rollout.engines import RolloutEngine, build_rollout_engine
+from llmtrain.rollout.generate import Sampling
+from llmtrain.rollout.rollout import Rollout, RewardError, score
+
+__all__ = ["Rollout", "RolloutEngine", "RewardError", "build_rewards", "build_sampler"]
+
+
+def build_rewards(cfg: Any, samples: list[dict], device: Any = "cpu") -> list[rewards.RewardFunction]:
+    """``reward.functions`` built and tried once on ``samples`` (two prompts of the data, each with
+    two placeholder completions, ``""`` and ``"0"``), so that a function that cannot be imported,
+    raises, returns another number of values or a non-number fails before anything is written.
+
+    Raises:
+        ConfigError: a function that cannot be built (:func:`rewards.build`).
+        RewardError: a function failed the check (naming it and what it returned).
+    """
+    functions = rewards.build(list(cfg.reward.functions), list(cfg.reward.weights), int(cfg.rollout.max_completion_length),
+                              device)
+    prompts, completions, ids, columns = [], [], [], {}
+    extra = [k for k in samples[0] if k not in ("prompt", "prompt_ids", "record")] if samples else []
+    for sample in samples:
+        for text in ("", "0"):
+            prompts.append(sample["prompt"])
+            completions.append([{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list) else text)
+            ids.append([])
+            for key in extra:
+                columns.setdefault(key, []).append(sample.get(key))
+    score(functions, prompts, completions, ids, columns,
+          "in the start-up check (2 prompts of the data, each with placeholder completions '' and '0')")
+    return functions
+
+
+def build_sampler(cfg: Any, tokenizer: Any, end_ids: list[int]) -> RolloutEngine:
+    """``rollout.engine``'s sampler with the ``rollout`` section's sampling fields, ending
+    completions at ``end_ids`` (the tokenizer's end tokens) and ``rollout.stop``.
+
+    Raises:
+        ConfigError: an engine that cannot be built (:func:`build_rollout_engine`).
+    """
+    r = cfg.rollout
+    sampling = Sampling(temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
+                        max_new=int(r.max_completion_length), end_ids=frozenset(end_ids), stop=tuple(r.stop))
+    return build_rollout_engine(cfg, tokenizer, sampling)

@@ -1,0 +1,78 @@
+"""Rollout engines (``rollout.engine``): what turns prompts into completions for an online
+objective. The seam is :class:`RolloutEngine`'s one method; the rest of a generation batch
+(rewards, advantages, layout, checkpoints) is :class:`llmtrain.rollout.rollout.Rollout`'s.
+
+* ``hf`` (:class:`PolicySampler`, the default): llmtrain's sampling loop
+  (:mod:`llmtrain.rollout.generate`) on the policy's own weights under the run's layout (the
+  engine's :meth:`~llmtrain.engine.base.Engine.generation_model`: whole on DDP and ZeRO 0-2,
+  gathered under ZeRO-3 and FSDP2, tensor-parallel peers in lockstep; LoRA through the adapted
+  model).
+* ``module:Class``: a subclass of :class:`RolloutEngine` of your own, built as
+  ``Class(cfg, tokenizer, sampling)`` (a server's client, or fixed completions in a test).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any
+
+from llmtrain.common.errors import ConfigError
+from llmtrain.rollout.generate import Completion, Sampling, sample_group
+
+
+class RolloutEngine(ABC):
+    """Samples completions. ``cfg``: the run's config; ``tokenizer``: the policy's; ``sampling``:
+    ``rollout``'s fields (:class:`~llmtrain.rollout.generate.Sampling`)."""
+
+    def __init__(self, cfg: Any, tokenizer: Any, sampling: Sampling):
+        self.cfg, self.tokenizer, self.sampling = cfg, tokenizer, sampling
+
+    @abstractmethod
+    def sample(self, policy: Any, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
+        """For each sample (``{"prompt_ids": [...], "record": i, "prompt": ..., **columns}``) one
+        completion per entry of its ``seeds`` list: sampled with that seed (the same seed must give
+        the same completion, whatever else the call holds), or greedy where it is None.
+
+        ``policy``: the training engine (:class:`~llmtrain.engine.base.Engine`), in eval mode; an
+        engine that samples from the policy's weights reads them from it. Every rank calls this
+        at the same time (a collective call where the weights are sharded), each with its own
+        samples, possibly none.
+        """
+
+
+class PolicySampler(RolloutEngine):
+    """``rollout.engine=hf``: see the module."""
+
+    def sample(self, policy: Any, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
+        decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.sampling.stop else None
+        with policy.generation_model() as model:
+            model.eval()
+            return [sample_group(model, list(sample["prompt_ids"]), row_seeds, self.sampling, policy.env.device,
+                                 decode, policy.generation_autocast) for sample, row_seeds in zip(samples, seeds)]
+
+
+BUILT_IN = {"hf": PolicySampler}
+
+
+def build_rollout_engine(cfg: Any, tokenizer: Any, sampling: Sampling) -> RolloutEngine:
+    """The engine ``rollout.engine`` names (see the module).
+
+    Raises:
+        ConfigError: an unknown name, or a ``module:Class`` that cannot be imported or is not a
+            :class:`RolloutEngine`.
+    """
+    spec = str(cfg.rollout.engine)
+    if spec in BUILT_IN:
+        return BUILT_IN[spec](cfg, tokenizer, sampling)
+    module_name, _, class_name = spec.partition(":")
+    if not class_name:
+        raise ConfigError(f"rollout.engine={spec!r} is neither a built-in engine ({', '.join(BUILT_IN)}) nor "
+                          "module:Class")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"rollout.engine={spec!r} cannot be imported ({err}); give importable.module:Class") from None
+    if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
+        raise ConfigError(f"rollout.engine={spec!r} is not a subclass of llmtrain.rollout.engines.RolloutEngine")
+    return cls(cfg, tokenizer, sampling)

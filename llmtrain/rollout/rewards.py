@@ -1,0 +1,211 @@
+"""Reward functions of online RL (``reward.functions``, ``reward.weights``).
+
+Each function is called as TRL calls one (``GRPOTrainer``'s ``reward_funcs``)::
+
+    f(prompts=[...], completions=[...], completion_ids=[[...], ...], **the data's other columns)
+
+with one entry per completion in every list (a prompt repeated for each of its completions) and
+returns one float per completion, or None where it does not apply. A completion is a string, or
+``[{"role": "assistant", "content": text}]`` when its prompt is a message list. The reward is
+the weighted sum of the functions' values (None counted as 0, as TRL's ``nansum``), each also
+logged under its own name.
+
+Built-ins (a name, optionally ``name:argument``):
+
+* ``gsm8k``: 1.0 when the completion's final number equals the ``answer`` column's (the text
+  after GSM8K's ``#### `` marker); the completion's final number is what follows its own
+  ``####``, else its last number. With ``math-verify`` installed the two are compared by it.
+* ``format[:REGEX]``: 1.0 when the completion matches the regular expression (``re.search``;
+  default GSM8K's final line ``#### N`` at the end).
+* ``length[:CACHE]``: DAPO's soft overlong penalty (Yu et al. 2025, eq. 13): 0 up to
+  ``max_completion_length - CACHE`` tokens, then falling linearly to -1 at the limit
+  (default CACHE: a quarter of the limit).
+* ``model:FOLDER``: a sequence-classification model's score of prompt + completion
+  (``AutoModelForSequenceClassification``; llmtrain's ``objective=reward`` export is one).
+
+Model output is text and is never evaluated as code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from llmtrain.common.errors import ConfigError
+
+GSM8K_MARKER = "####"
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+
+
+def _number(text: str) -> float | None:
+    match = _NUMBER.findall(text or "")
+    if not match:
+        return None
+    try:
+        return float(match[-1].replace(",", "").replace("$", ""))
+    except ValueError:
+        return None
+
+
+def final_number(text: str) -> float | None:
+    """The number a GSM8K-style answer ends on: what follows the last ``####``, else the text's
+    last number (commas and dollar signs dropped); None without one."""
+    if GSM8K_MARKER in text:
+        return _number(text.rsplit(GSM8K_MARKER, 1)[1])
+    return _number(text)
+
+
+def _text(completion: Any) -> str:
+    """A completion's text: itself, or the content of its assistant message."""
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+def gsm8k_reward(completions: list[Any], answer: list[str] | None = None, **_: Any) -> list[float | None]:
+    """1.0 where the completion's final number equals the reference answer's, else 0.0; None
+    where the record has no answer (see the module)."""
+    if answer is None:
+        return [None] * len(completions)
+    try:
+        import math_verify
+    except ImportError:
+        math_verify = None
+    out: list[float | None] = []
+    for completion, reference in zip(completions, answer):
+        expected = final_number(str(reference))
+        got = final_number(_text(completion))
+        if expected is None:
+            out.append(None)
+        elif math_verify is not None and got is not None:
+            out.append(float(math_verify.verify(math_verify.parse(str(expected)), math_verify.parse(str(got)))))
+        else:
+            out.append(float(got is not None and math.isclose(got, expected, rel_tol=0, abs_tol=1e-6)))
+    return out
+
+
+def format_reward(completions: list[Any], pattern: str = r"####\s*-?\$?\d[\d,]*(?:\.\d+)?\s*$", **_: Any
+                  ) -> list[float]:
+    """1.0 where ``pattern`` is found in the completion (``re.search``, multi-line), else 0.0."""
+    compiled = re.compile(pattern, re.MULTILINE | re.DOTALL)
+    return [float(bool(compiled.search(_text(c)))) for c in completions]
+
+
+def length_penalty(completion_ids: list[list[int]], max_completion_length: int, cache: int | None = None, **_: Any
+                   ) -> list[float]:
+    """DAPO's soft overlong penalty (eq. 13) of each completion's token count (see the module)."""
+    cache = cache if cache is not None else max(1, max_completion_length // 4)
+    start = max_completion_length - cache
+    return [0.0 if len(ids) <= start else max(-1.0, (start - len(ids)) / cache) for ids in completion_ids]
+
+
+class RewardModel:
+    """``model:FOLDER``: the first logit of a sequence-classification model on prompt + completion
+    (the prompt's text as rendered for the policy, then the completion), batched."""
+
+    def __init__(self, folder: str, device: torch.device | str = "cpu"):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.model = AutoModelForSequenceClassification.from_pretrained(folder).to(device).eval()
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[Any], completions: list[Any], prompt_texts: list[str] | None = None, **_: Any
+                 ) -> list[float]:
+        texts = [(p if isinstance(p, str) else (pt or "")) + _text(c)
+                 for p, c, pt in zip(prompts, completions, prompt_texts or [None] * len(prompts))]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.tokenizer.pad_token_id = pad
+        encoded = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        return self.model(**encoded).logits[:, 0].float().tolist()
+
+
+BUILT_IN = {"gsm8k", "format", "length", "model"}
+
+
+@dataclass
+class RewardFunction:
+    """One of ``reward.functions``: its name as logged (``rewards/NAME/mean``) and the callable."""
+
+    name: str
+    fn: Callable[..., list[Any]]
+    weight: float
+
+
+def build(functions: list[str], weights: list[float], max_completion_length: int,
+          device: torch.device | str = "cpu") -> list[RewardFunction]:
+    """The reward functions ``reward.functions`` names (see the module), with their weights.
+
+    Raises:
+        ConfigError: no function, an unknown built-in argument, a ``module:function`` that cannot
+            be imported or is not callable, a reward model folder that does not exist, or weights
+            that do not match the functions (each naming the field and the fix).
+    """
+    if not functions:
+        raise ConfigError("reward.functions is empty: an online objective needs at least one reward function, e.g. "
+                          "reward.functions=[gsm8k] or reward.functions=[my_module:my_reward]")
+    if weights and len(weights) != len(functions):
+        raise ConfigError(f"reward.weights has {len(weights)} values for {len(functions)} reward.functions; give one "
+                          "weight per function (or none: 1 each)")
+    built = []
+    for k, spec in enumerate(functions):
+        name, _, argument = str(spec).partition(":")
+        weight = float(weights[k]) if weights else 1.0
+        if name == "gsm8k" and not argument:
+            built.append(RewardFunction("gsm8k", gsm8k_reward, weight))
+        elif name == "format":
+            pattern = argument or None
+            try:
+                re.compile(pattern or "")
+            except re.error as err:
+                raise ConfigError(f"reward.functions[{k}]={spec!r}: not a regular expression ({err})") from None
+            built.append(RewardFunction("format", partial(format_reward, pattern=pattern) if pattern else format_reward,
+                                        weight))
+        elif name == "length":
+            if argument and not argument.isdigit():
+                raise ConfigError(f"reward.functions[{k}]={spec!r}: the argument is the penalty's window in tokens, "
+                                  "e.g. length:64")
+            cache = int(argument) if argument else None
+            if cache is not None and not 0 < cache <= max_completion_length:
+                raise ConfigError(f"reward.functions[{k}]={spec!r}: the window must be in 1..rollout.max_completion_"
+                                  f"length={max_completion_length}")
+            built.append(RewardFunction("length", partial(length_penalty, max_completion_length=max_completion_length,
+                                                          cache=cache), weight))
+        elif name == "model":
+            if not argument or not Path(argument).expanduser().is_dir():
+                raise ConfigError(f"reward.functions[{k}]={spec!r}: give a reward model's folder, model:FOLDER (an "
+                                  "AutoModelForSequenceClassification, e.g. an objective=reward run's hf/)")
+            built.append(RewardFunction("model", RewardModel(str(Path(argument).expanduser()), device), weight))
+        else:
+            fn = _import(spec, k)
+            built.append(RewardFunction(getattr(fn, "__name__", argument), fn, weight))
+    seen: dict[str, int] = {}
+    for f in built:  # two functions of one name log apart: format, format_1
+        count = seen.get(f.name, 0)
+        seen[f.name] = count + 1
+        if count:
+            f.name = f"{f.name}_{count}"
+    return built
+
+
+def _import(spec: str, k: int) -> Callable[..., list[Any]]:
+    module_name, _, attribute = spec.partition(":")
+    if not attribute:
+        raise ConfigError(f"reward.functions[{k}]={spec!r} is neither a built-in ({', '.join(sorted(BUILT_IN))}) nor "
+                          "module:function")
+    try:
+        fn = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"reward.functions[{k}]={spec!r} cannot be imported ({err}); give importable.module:function "
+                          "(on every rank's Python path)") from None
+    if not callable(fn):
+        raise ConfigError(f"reward.functions[{k}]={spec!r} is not callable")
+    return fn

@@ -1,0 +1,336 @@
+"""One generation batch of online RL: this rank's prompts sampled G times each with the policy's
+current weights, scored by the reward functions, turned into group-relative advantages and laid
+out as the objective's training micro-batches (:mod:`llmtrain.objectives.grpo`'s carries).
+
+Each prompt's G completions (a group) are sampled on the rank that holds the prompt, so group
+statistics need no communication; the batch-wide numbers (``scale_rewards=batch``'s standard
+deviation, the logged means) come from one all-reduce. A generation batch trains
+``objective.num_iterations`` optimizer steps (μ, GRPO section 4.2): it is kept, with the policy's
+log-probs at sampling time, until then, and a checkpoint taken in between holds it
+(:meth:`Rollout.state_dict`), so a resume continues with the same completions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from llmtrain.common.labels import IGNORE_INDEX
+from llmtrain.objectives.grpo import group_advantages, nanstd
+from llmtrain.parallel import distributed
+from llmtrain.rollout.engines import RolloutEngine
+from llmtrain.rollout.generate import Completion, completion_seed
+from llmtrain.rollout.rewards import RewardFunction
+
+log = logging.getLogger("llmtrain")
+
+# The tensors of a training micro-batch that a checkpoint keeps for a pending generation batch.
+BATCH_KEYS = ("input_ids", "attention_mask", "labels", "completion_mask", "advantages", "old_logps")
+
+
+@dataclass
+class GenerationBatch:
+    """This rank's share of one generation batch: its training micro-batches (host tensors, every
+    carry but ``ref_logps`` filled), the batch's index, and its metrics (global; logged once, at the
+    step that sampled it)."""
+
+    generation: int
+    batches: list[dict[str, torch.Tensor]]
+    metrics: dict[str, float]
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on the completions of a step (raised with the function's own
+    exception as its cause, so the traceback shows where)."""
+
+
+def score(functions: list[RewardFunction], prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
+          columns: dict[str, list[Any]], where: str) -> torch.Tensor:
+    """float64 ``[completions, functions]``: each function's values (NaN where it returned None).
+
+    Raises:
+        RewardError: a function raised, returned another number of values than completions, a
+            value that is not a number or None, or NaN (``where`` says when: the step or the check).
+    """
+    table = torch.full((len(completions), len(functions)), float("nan"), dtype=torch.float64)
+    for j, f in enumerate(functions):
+        try:
+            values = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as err:  # noqa: BLE001  (a user's function: any exception is its failure)
+            raise RewardError(f"reward function {f.name} raised {type(err).__name__} {where}: {err}") from err
+        values = list(values) if values is not None else []
+        if len(values) != len(completions):
+            raise RewardError(f"reward function {f.name} returned {len(values)} values for {len(completions)} "
+                              f"completions {where}: it must return one float (or None) per completion")
+        for i, value in enumerate(values):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
+                raise RewardError(f"reward function {f.name} returned {value!r} for completion {i} {where}: rewards "
+                                  "must be finite floats (or None where a function does not apply)")
+            table[i, j] = float(value)
+    return table
+
+
+class Rollout:
+    """Samples, scores and lays out the generation batches of an online objective (see the
+    module): the trainer's batch source (:meth:`for_step`), its held-out evaluation
+    (:meth:`evaluate`) and a checkpoint's per-rank state (:meth:`state_dict`).
+
+    Args:
+        cfg: the run's config (``rollout``, ``trainer.seed``).
+        engine: the training engine (:class:`~llmtrain.engine.base.Engine`): its ``forward``
+            for the sampling policy's log-probs, ``accumulation_steps``, device and dims.
+        objective: the online objective (GRPO's fields).
+        sampler: the :class:`~llmtrain.rollout.engines.RolloutEngine` that writes completions.
+        prompts: this rank's prompt micro-batches (``{"prompts": [sample, ...]}``), one per call of
+            ``next``, from the first generation batch still to sample.
+        tokenizer: decodes completions for the reward functions.
+        pad_id: right padding of the training micro-batches.
+        functions: the reward functions.
+    """
+
+    def __init__(self, cfg: Any, engine: Any, objective: Any, sampler: RolloutEngine, prompts: Iterator[dict],
+                 tokenizer: Any, pad_id: int, functions: list[RewardFunction], run_dir: Path, is_main: bool):
+        self.cfg, self.engine, self.objective, self.sampler, self.prompts = cfg, engine, objective, sampler, prompts
+        self.tokenizer, self.pad_id, self.functions = tokenizer, pad_id, functions
+        self.run_dir, self.is_main = run_dir, is_main
+        self.seed = cfg.trainer.seed
+        self.group = objective.num_generations
+        self.log_completions = int(cfg.rollout.log_completions)
+        self.pending: GenerationBatch | None = None
+
+    # ---- a training step -------------------------------------------------------------------
+    def for_step(self, step: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
+        """The host micro-batches of optimizer step ``step`` (0-based) and the metrics to log with
+        it (empty on steps that reuse a generation batch). A new generation batch every
+        ``num_iterations`` steps reads ``accumulation`` prompt micro-batches. Collective call."""
+        generation = step // self.objective.num_iterations
+        if self.pending is None or self.pending.generation != generation:
+            prompts = [next(self.prompts)["prompts"] for _ in range(self.engine.accumulation_steps)]
+            self.pending = self._generate(generation, step, prompts)
+            return self.pending.batches, self.pending.metrics
+        return self.pending.batches, {}
+
+    def _generate(self, generation: int, step: int, micro_batches: list[list[dict]]) -> GenerationBatch:
+        started = time.perf_counter()
+        samples = [sample for micro in micro_batches for sample in micro]
+        groups = self._sample(samples, generation, greedy=False)
+        sampled = time.perf_counter()
+        table = self._score(samples, groups, f"at step {step + 1}")
+        rewards = self._weighted(table).view(len(samples), self.group)
+        scored = time.perf_counter()
+        stats = self._global_stats(table, rewards, groups)
+        advantages = group_advantages(rewards, self.objective.estimator, self.objective.scale_rewards,
+                                      batch_std=stats.pop("_batch_std"))
+        batches, k = [], 0
+        for micro in micro_batches:
+            rows = [(sample, completion, float(advantages[k + j, i]))
+                    for j, sample in enumerate(micro) for i, completion in enumerate(groups[k + j])]
+            batches.append(self._layout(rows))
+            k += len(micro)
+        if not self.objective.on_policy:  # μ > 1: the sampling policy's log-probs, kept for μ steps
+            self._old_logps(batches)
+        metrics = {**stats, "rollout/generation_s": sampled - started, "rollout/reward_s": scored - sampled}
+        if self.is_main and self.log_completions:
+            self._write_completions(step + 1, samples, groups, table, rewards, advantages)
+        return GenerationBatch(generation, batches, metrics)
+
+    def _sample(self, samples: list[dict], generation: int, greedy: bool) -> list[list[Completion]]:
+        """Each sample's completions: G seeded ones (:func:`completion_seed` of the prompt's
+        record and CRC32, so the same prompt gets the same seeds on any layout), or one greedy."""
+        seeds: list[list[int | None]] = []
+        for sample in samples:
+            if greedy:
+                seeds.append([None])
+                continue
+            prompt = int(sample.get("record", 0)) * 2**32 + zlib.crc32(str(list(sample["prompt_ids"])).encode())
+            seeds.append([completion_seed(self.seed, generation, prompt, k) for k in range(self.group)])
+        self.engine.train(False)
+        try:
+            groups = self.sampler.sample(self.engine, samples, seeds)
+        finally:
+            self.engine.train(True)
+        wrong = [i for i, (group, row) in enumerate(zip(groups, seeds)) if len(group) != len(row)]
+        if len(groups) != len(samples) or wrong:
+            raise RuntimeError(f"rollout.engine={self.cfg.rollout.engine} returned {len(groups)} groups for "
+                               f"{len(samples)} prompts (or a group of another size than its seeds)")
+        return groups
+
+    def _score(self, samples: list[dict], groups: list[list[Completion]], where: str) -> torch.Tensor:
+        prompts, completions, ids, columns = [], [], [], {}
+        extra = [k for k in samples[0] if k not in ("prompt", "prompt_ids", "record")] if samples else []
+        for sample, group in zip(samples, groups):
+            for completion in group:
+                text = self.tokenizer.decode(completion.ids, skip_special_tokens=True)
+                prompts.append(sample["prompt"])
+                completions.append([{"role": "assistant", "content": text}] if isinstance(sample["prompt"], list)
+                                   else text)
+                ids.append(list(completion.ids))
+                for key in extra:
+                    columns.setdefault(key, []).append(sample.get(key))
+        return score(self.functions, prompts, completions, ids, columns, where)
+
+    def _weighted(self, table: torch.Tensor) -> torch.Tensor:
+        """Each completion's reward: the weighted sum of its functions' values, None as 0, and NaN
+        where every function returned None (unscorable: left out of its group's statistics, with
+        advantage 0), as TRL 1.16."""
+        weights = torch.tensor([f.weight for f in self.functions], dtype=torch.float64)
+        rewards = torch.nan_to_num(table * weights, nan=0.0).sum(dim=1)
+        return rewards.masked_fill(torch.isnan(table).all(dim=1), float("nan"))
+
+    def _global_stats(self, table: torch.Tensor, rewards: torch.Tensor, groups: list[list[Completion]]) -> dict:
+        """TRL's rollout metrics over every rank's completions (one all-reduce, one max): the
+        reward's mean and unbiased standard deviation over the scored completions, the share of
+        groups whose rewards do not vary (of the batch, under ``scale_rewards=batch``), each
+        function's mean and standard deviation where it applied, the completions' lengths."""
+        lengths = torch.tensor([len(c.ids) for g in groups for c in g], dtype=torch.float64)
+        truncated = torch.tensor([float(c.truncated) for g in groups for c in g], dtype=torch.float64)
+        flat = rewards.flatten()
+        scored = ~torch.isnan(flat)
+        values = torch.nan_to_num(flat, nan=0.0)
+        group_std = nanstd(rewards, dim=1) if self.group > 1 else torch.zeros(len(rewards), dtype=torch.float64)
+        flat_zero_std = torch.isclose(group_std, torch.zeros_like(group_std)).sum()
+        present = ~torch.isnan(table)
+        fvalues = torch.nan_to_num(table, nan=0.0)
+        sums = torch.cat([torch.tensor([scored.sum(), values.sum(), (values ** 2).sum(), float(flat_zero_std),
+                                        float(len(rewards)), float(flat.numel()), lengths.sum(), truncated.sum()],
+                                       dtype=torch.float64),
+                          present.sum(0).double(), fvalues.sum(0), (fvalues ** 2).sum(0)])
+        device = self.engine.env.device
+        sums = distributed.all_reduce_sum(sums.to(device)).cpu()
+        extremes = distributed.all_reduce_max(torch.tensor([lengths.max() if len(lengths) else 0.0,
+                                                            -(lengths.min() if len(lengths) else 0.0)],
+                                                           dtype=torch.float64, device=device)).cpu()
+        sums = sums / self.engine.dims.data_replicas  # tensor/pipeline peers hold the same prompts
+        n, total, squares, zero_std, prompts, completions, length_sum, truncated_sum = sums[:8].tolist()
+        fn = len(self.functions)
+        counts, fsum, fsq = sums[8:8 + fn], sums[8 + fn:8 + 2 * fn], sums[8 + 2 * fn:]
+        batch_std = math.sqrt(max((squares - total * total / n) / (n - 1), 0.0)) if n > 1 else float("nan")
+        if self.objective.scale_rewards == "batch":
+            zero_std = prompts * float(abs(batch_std) <= 1e-8)
+        metrics = {"train/reward": total / n if n else float("nan"), "train/reward_std": batch_std,
+                   "train/frac_reward_zero_std": zero_std / prompts,
+                   "train/completions/mean_length": length_sum / completions,
+                   "train/completions/max_length": float(extremes[0]),
+                   "train/completions/min_length": float(-extremes[1]),
+                   "train/completions/clipped_ratio": truncated_sum / completions, "_batch_std": batch_std}
+        for j, f in enumerate(self.functions):
+            c = float(counts[j])
+            mean = float(fsum[j]) / c if c else float("nan")
+            var = (float(fsq[j]) - c * mean * mean) / (c - 1) if c > 1 else float("nan")
+            metrics[f"train/rewards/{f.name}/mean"] = mean
+            metrics[f"train/rewards/{f.name}/std"] = math.sqrt(max(var, 0.0)) if c > 1 else float("nan")
+        return metrics
+
+    def _layout(self, rows: list[tuple[dict, Completion, float]]) -> dict[str, torch.Tensor]:
+        """One training micro-batch: each row its prompt then its completion, right-padded."""
+        length = max(len(s["prompt_ids"]) + len(c.ids) for s, c, _ in rows)
+        shape = (len(rows), length)
+        batch = {"input_ids": torch.full(shape, self.pad_id, dtype=torch.long),
+                 "attention_mask": torch.zeros(shape, dtype=torch.long),
+                 "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.long),
+                 "completion_mask": torch.zeros(shape, dtype=torch.float32),
+                 "advantages": torch.zeros(shape, dtype=torch.float32),
+                 "old_logps": torch.zeros(shape, dtype=torch.float32),
+                 "ref_logps": torch.zeros(shape, dtype=torch.float32)}
+        for i, (sample, completion, advantage) in enumerate(rows):
+            p, c = len(sample["prompt_ids"]), len(completion.ids)
+            batch["input_ids"][i, :p + c] = torch.tensor(list(sample["prompt_ids"]) + completion.ids)
+            batch["attention_mask"][i, :p + c] = 1
+            batch["labels"][i, p:p + c] = torch.tensor(completion.ids)
+            keep = not (completion.truncated and self.objective.mask_truncated)
+            batch["completion_mask"][i, p:p + c] = float(keep)
+            batch["advantages"][i, p:p + c] = advantage
+        return batch
+
+    @torch.no_grad()
+    def _old_logps(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        """The sampling policy's log-probs of each completion token (every rank the same number of
+        forwards: ZeRO-3 and FSDP2 gather in each)."""
+        device = self.engine.env.device
+        for batch in batches:
+            on_device = {k: v.to(device) for k, v in batch.items()}
+            logits = self.engine.forward(on_device)
+            batch["old_logps"] = self.objective.token_logps(logits, on_device["labels"]).cpu()
+
+    def _write_completions(self, step: int, samples: list[dict], groups: list[list[Completion]], table: torch.Tensor,
+                           rewards: torch.Tensor, advantages: torch.Tensor) -> None:
+        """``run_dir/completions/step_N.jsonl``: rank 0's first ``rollout.log_completions``
+        completions with their prompt, each function's reward, the reward and the advantage."""
+        folder = self.run_dir / "completions"
+        folder.mkdir(parents=True, exist_ok=True)
+        lines, k = [], 0
+        for p, (sample, group) in enumerate(zip(samples, groups)):
+            for i, completion in enumerate(group):
+                if len(lines) < self.log_completions:
+                    prompt = sample["prompt"]
+                    lines.append(json.dumps({
+                        "step": step, "record": sample.get("record"),
+                        "prompt": prompt if isinstance(prompt, str) else prompt,
+                        "completion": self.tokenizer.decode(completion.ids, skip_special_tokens=True),
+                        "tokens": len(completion.ids), "truncated": completion.truncated,
+                        "rewards": {f.name: (None if math.isnan(float(table[k, j])) else float(table[k, j]))
+                                    for j, f in enumerate(self.functions)},
+                        "reward": None if math.isnan(float(rewards[p, i])) else float(rewards[p, i]),
+                        "advantage": float(advantages[p, i])}, default=str))
+                k += 1
+        (folder / f"step_{step}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    # ---- evaluation ---------------------------------------------------------------------------
+    def evaluate(self, prompt_batches: list[dict]) -> dict[str, float]:
+        """Held-out mean reward of greedy completions (pass@1 for a 0/1 checker) over every rank's
+        prompts, each function's mean, and the completions' mean length, as ``val/...``.
+        Collective call."""
+        samples = [sample for batch in prompt_batches for sample in batch["prompts"]]
+        groups = self._sample(samples, 0, greedy=True)
+        table = self._score(samples, groups, "in the held-out evaluation") if samples else \
+            torch.zeros(0, len(self.functions), dtype=torch.float64)
+        rewards = torch.nan_to_num(self._weighted(table), nan=0.0)  # pass@1: an unscorable completion fails
+        present = ~torch.isnan(table)
+        lengths = float(sum(len(g[0].ids) for g in groups))
+        sums = torch.cat([torch.tensor([float(len(samples)), float(rewards.sum()), lengths], dtype=torch.float64),
+                          present.sum(0).double(), torch.nan_to_num(table, nan=0.0).sum(0)])
+        sums = distributed.all_reduce_sum(sums.to(self.engine.env.device)).cpu() / self.engine.dims.data_replicas
+        n = max(float(sums[0]), 1.0)
+        fn = len(self.functions)
+        metrics = {"val/reward": float(sums[1]) / n, "val/completions/mean_length": float(sums[2]) / n,
+                   "val/prompts": int(sums[0])}
+        for j, f in enumerate(self.functions):
+            c = float(sums[3 + j])
+            metrics[f"val/rewards/{f.name}/mean"] = float(sums[3 + fn + j]) / c if c else float("nan")
+        return metrics
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def state_dict(self, step: int) -> dict[str, torch.Tensor]:
+        """The pending generation batch when optimizer step ``step`` (done) leaves some of its
+        ``num_iterations`` steps to train (empty otherwise): this rank's micro-batches' tensors,
+        flat (``b{i}.{key}``), and the batch's index."""
+        mu = self.objective.num_iterations
+        if self.pending is None or step % mu == 0 or step // mu != self.pending.generation:
+            return {}
+        flat = {"generation": torch.tensor([self.pending.generation])}
+        for i, batch in enumerate(self.pending.batches):
+            for key in BATCH_KEYS:
+                flat[f"b{i}.{key}"] = batch[key].contiguous()
+        return flat
+
+    def load_state_dict(self, flat: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state_dict` saved (nothing to do for an empty one)."""
+        if not flat:
+            return
+        count = 1 + max(int(k.split(".")[0][1:]) for k in flat if k.startswith("b"))
+        batches = []
+        for i in range(count):
+            batch = {key: flat[f"b{i}.{key}"] for key in BATCH_KEYS}
+            batch["ref_logps"] = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+            batches.append(batch)
+        self.pending = GenerationBatch(int(flat["generation"][0]), batches, {})

@@ -1,0 +1,72 @@
+"""Reward functions and a rollout engine for the online RL tests, importable by every rank as
+``tests.grpo_fixtures:NAME`` (the repository root is on each process's path).
+
+A tiny random model's completions rarely satisfy a real checker, so every group would score the
+same and train nothing; these rewards depend on the token ids, so groups differ."""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+from llmtrain.rollout.engines import RolloutEngine
+from llmtrain.rollout.generate import Completion
+
+EOS = 256  # the byte tokenizer's end token
+
+
+def odd_tokens(completion_ids, **_):
+    """The share of a completion's tokens that are odd ids (0 for an empty completion)."""
+    return [sum(t % 2 for t in ids) / len(ids) if ids else 0.0 for ids in completion_ids]
+
+
+def short(completion_ids, **_):
+    """1.0 under 6 tokens, else None (does not apply): exercises None in the weighted sum."""
+    return [1.0 if len(ids) < 6 else None for ids in completion_ids]
+
+
+def answer_seen(completions, answer, **_):
+    """1.0 when the completion holds the answer column's number: reads a data column."""
+    return [float(a.split("####")[-1].strip() in c) for c, a in zip(completions, answer)]
+
+
+def raises_at_step_two(completions, completion_ids, **_):
+    """Raises on the second training batch of 4 sampled completions it sees (the start-up check's
+    placeholders have no ids; a held-out evaluation of 2 prompts has 2 completions)."""
+    if len(completions) >= 4 and all(completion_ids):
+        raises_at_step_two.calls = getattr(raises_at_step_two, "calls", 0) + 1
+        if raises_at_step_two.calls >= 2:
+            raise ValueError("checker crashed")
+    return [0.5] * len(completions)
+
+
+def wrong_count(completions, **_):
+    return [1.0]
+
+
+def not_a_number(completions, **_):
+    return [float("nan")] * len(completions)
+
+
+def fixed_completion(prompt_ids: list[int], index: int, max_length: int) -> list[int]:
+    """Completion ``index`` of a prompt: random bytes seeded by the prompt and the index; about
+    two in three end with EOS before ``max_length``, the others are cut at it."""
+    rng = random.Random(zlib.crc32(bytes(prompt_ids) + bytes([index])))
+    if rng.random() < 0.65:
+        return [rng.randrange(256) for _ in range(rng.randint(0, max_length - 2))] + [EOS]
+    return [rng.randrange(256) for _ in range(max_length)]
+
+
+class FixedCompletions(RolloutEngine):
+    """``rollout.engine=tests.grpo_fixtures:FixedCompletions``: :func:`fixed_completion` for
+    each seed, so a test hands TRL's ``GRPOTrainer`` (its ``rollout_func``) the same completions."""
+
+    def sample(self, policy, samples, seeds):
+        out = []
+        for sample in samples:
+            group = []
+            for k in range(len(seeds[len(out)])):
+                ids = fixed_completion(list(sample["prompt_ids"]), k, self.sampling.max_new)
+                group.append(Completion(ids, truncated=ids[-1] != EOS))
+            out.append(group)
+        return out

@@ -1,0 +1,123 @@
+"""Online RL (``objective=grpo``, the ``hf`` rollout engine) on every data-parallel layout:
+completions are seeded per prompt and sample, so 2 processes (ddp, zero2, zero3, fsdp, tp; LoRA
+with a KL term and ``num_iterations=2`` on zero3 and fsdp) sample exactly the completions of the
+1-process run (the step's sample digest, a sum of CRC32s of every prompt + completion, is equal)
+and their per-step losses, gradient norms, rewards and held-out rewards equal it within 1e-5;
+SIGKILL between the two optimizer steps of a generation batch and rerun continues bit for bit,
+and the same checkpoint on another world size is refused.
+
+One launch per world size trains every run of this module (``tests/scenarios.py``): 4 prompts a
+step (micro-batch 1: 1 process accumulates 4, 2 processes 2 each), 4 completions each, fp32,
+6 steps, checkpoints and held-out evaluations at 3 and 6."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import FAST, assert_ok, read_metrics, run_cli, run_scenarios, train_rows
+from test_resume import launch, wait_for_step
+
+STEPS = 6
+TOL = 1e-5
+FIXTURES = "tests.grpo_fixtures"
+RUNS = {"dapo": ["objective.loss_type=dapo"],
+        "lora": ["+peft=lora", "peft.r=4", "objective.loss_type=grpo", "objective.beta=0.04",
+                 "objective.num_iterations=2"]}
+TWO_RANKS = {"dapo": ["ddp", "zero2", "zero3", "fsdp", "tp"], "lora": ["zero3", "fsdp"]}
+CASES = [(name, recipe) for name, recipes in TWO_RANKS.items() for recipe in recipes]
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory) -> Path:
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("gsm") / "questions.jsonl"
+    pairs = [(rng.randint(0, 50), rng.randint(0, 50)) for _ in range(64)]
+    path.write_text("".join(json.dumps({"question": f"What is {a}+{b}?", "answer": f"{a}+{b}={a + b}\n#### {a + b}"})
+                            + "\n" for a, b in pairs), encoding="utf-8")
+    return path
+
+
+def overrides_of(name: str, questions: Path) -> list[str]:
+    return [o for o in FAST if not o.startswith(("data.max_bytes", "data.seq_len", "trainer.eval"))] + [
+        "objective=grpo", "data=prompts", f"data.path={questions}", "data.columns.prompt=question", "data.seq_len=64",
+        f"reward.functions=[{FIXTURES}:odd_tokens,{FIXTURES}:short,{FIXTURES}:answer_seen]",
+        "rollout.max_completion_length=10", "objective.num_generations=4", f"trainer.max_steps={STEPS}",
+        "trainer.save_every=3", "trainer.eval_every=3", "data.val_fraction=0.1", "trainer.eval_samples=3",
+        "trainer.global_batch_size=4",
+        "trainer.micro_batch_size=1", "trainer.lr=3e-3", "trainer.warmup_steps=1", "trainer.precision=fp32",
+        "trainer.export_hf=false", *RUNS[name]]
+
+
+@pytest.fixture(scope="module")
+def runs(questions, tmp_path_factory) -> dict[str, Path]:
+    one = {name: overrides_of(name, questions) + ["+recipe=ddp"] for name in RUNS}
+    two = {f"{name}-{recipe}": overrides_of(name, questions) + [f"+recipe={recipe}"] for name, recipe in CASES}
+    out = {}
+    for nproc, group in ((1, one), (2, two)):
+        out.update(run_scenarios(group, nproc, tmp_path_factory.mktemp(f"grpo-{nproc}"), timeout=1500))
+    return out
+
+
+KEYS = ("train/loss", "train/grad_norm", "train/entropy", "train/reward", "train/reward_std",
+        "train/completions/mean_length")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,recipe", CASES)
+def test_two_ranks_sample_the_same_completions_and_equal_one_process(name, recipe, runs):
+    one, two = train_rows(runs[name], STEPS), train_rows(runs[f"{name}-{recipe}"], STEPS)
+    mu = 2 if name == "lora" else 1
+    for a, b in zip(one, two):
+        assert b["data/sample_digest"] == a["data/sample_digest"], f"step {a['step']}: other completions"
+        for key in KEYS if (a["step"] - 1) % mu == 0 else KEYS[:3]:
+            assert b[key] == pytest.approx(a[key], abs=TOL, rel=1e-5), f"step {a['step']} {key}"
+        if name == "lora":
+            assert b["train/kl"] == pytest.approx(a["train/kl"], abs=TOL, rel=1e-5)
+    val_one, val_two = ([r for r in read_metrics(runs[n]) if "val/reward" in r] for n in (name, f"{name}-{recipe}"))
+    assert [r["step"] for r in val_two] == [0, 3, 6]
+    for a, b in zip(val_one, val_two):
+        assert b["val/reward"] == pytest.approx(a["val/reward"], abs=TOL)
+        assert b["val/prompts"] == a["val/prompts"] == 3  # 2 on rank 0, 1 on rank 1
+
+
+@pytest.mark.slow
+def test_rollout_records_and_outputs(runs):
+    rows = train_rows(runs["lora"], STEPS)
+    # num_iterations=2: a generation batch at steps 1, 3 and 5, reused at 2, 4 and 6.
+    assert [("train/reward" in r) for r in rows] == [True, False] * 3
+    assert all(r["train/kl"] >= 0 for r in rows) and rows[0]["train/kl"] == pytest.approx(0, abs=1e-7)
+    assert all(0 <= r["train/frac_reward_zero_std"] <= 1 for r in rows if "train/reward" in r)
+    first = rows[0]
+    assert first["train/completions/min_length"] <= first["train/completions/mean_length"] <= 10
+    assert {"train/rewards/odd_tokens/mean", "train/rewards/short/mean", "train/rewards/answer_seen/std",
+            "rollout/generation_s", "time/generation_s"} <= set(first)
+    lines = [json.loads(line) for line in (runs["lora"] / "completions" / "step_1.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and set(lines[0]["rewards"]) == {"odd_tokens", "short", "answer_seen"}
+    group = [line["advantage"] for line in lines]
+    assert abs(sum(group)) < 1e-6  # one prompt's G=4 completions: group-relative advantages sum to 0
+    assert lines[0]["prompt"].startswith("What is ")
+
+
+@pytest.mark.slow
+def test_sigkill_inside_a_generation_batch_then_rerun_continues_exactly(runs, questions, tmp_path):
+    overrides = overrides_of("lora", questions) + ["+recipe=zero3", f"run_dir={tmp_path}"]
+    proc = launch(overrides, nproc=2)
+    wait_for_step(proc, tmp_path, 5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (tmp_path / "checkpoints" / "step_3" / "rollout_rank_1.safetensors").is_file()  # step 3 is mid-batch
+    elsewhere = run_cli(overrides, nproc=1)
+    assert elsewhere.returncode == 2, elsewhere.stderr[-2000:]
+    assert "resume it on 2 rank(s)" in elsewhere.stderr
+    resumed = run_cli(overrides, nproc=2)
+    assert_ok(resumed)
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    keys = ("train/loss", "train/grad_norm", "train/kl", "data/sample_digest")
+    for a, b in zip(train_rows(runs["lora-zero3"], STEPS), train_rows(tmp_path, STEPS)):
+        assert [b[k] for k in keys] == [a[k] for k in keys], f"step {a['step']}"  # bitwise
