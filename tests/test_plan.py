@@ -345,3 +345,52 @@ def test_the_planner_plans_the_default_batch_on_any_world_size(capsys):
     assert "fits: yes = the total is within 72.00 GiB; ckpt = only with activation checkpointing" in out
     assert main(["model=llama3_8b", "+recipe=zero3", "world_size=8", "trainer.global_batch_size=16"]) == 2
     assert "trainer.global_batch_size=16 is not divisible" in capsys.readouterr().err
+
+
+def test_grpo_plans_g_rows_a_prompt_its_reference_and_the_sampling_peak():
+    """Online RL: a micro-batch of m prompts is m x G rows of activations; beta > 0 without
+    adapters adds the frozen reference; sampling adds the weights gathered whole (ZeRO-3 and
+    FSDP2 only) and one group's KV cache to the resident bytes, and the total is the larger peak."""
+    from llmtrain.planning.memory import plan_recipe
+
+    grpo = ["objective=grpo", "data=prompts", "data.path=/x", "reward.functions=[gsm8k]", "model=llama3_8b",
+            "data.seq_len=512", "trainer.micro_batch_size=1", "objective.num_generations=4"]
+    sft_rows = plan_recipe(make_cfg(["model=llama3_8b", "data.seq_len=512", "trainer.micro_batch_size=4",
+                                     "+recipe=ddp"]), 2)
+    ddp = plan_recipe(make_cfg(grpo + ["+recipe=ddp"]), 2)
+    assert ddp.activations == sft_rows.activations
+    assert "frozen reference model" not in ddp.buffers and "weights gathered whole for sampling" not in ddp.sampling
+    # Llama-3 8B: 32 layers, 8 KV heads of 128; bf16 off: fp32 (4 bytes); 4 rows x 512 positions.
+    assert ddp.sampling["KV cache of one group (4 x data.seq_len tokens)"] == 2 * 32 * 4 * 512 * 8 * 128 * 4
+    assert ddp.total == max(ddp.step_peak, ddp.resident + sum(ddp.sampling.values()))
+    for recipe in ("zero3", "fsdp"):
+        plan = plan_recipe(make_cfg(grpo + [f"+recipe={recipe}", "objective.beta=0.04"]), 2)
+        assert plan.buffers["frozen reference model"] > 0
+        # Gathered whole for sampling: the model in the compute dtype, less the rank's own share.
+        assert plan.sampling["weights gathered whole for sampling"] + plan.params == ddp.params, recipe
+        lora = plan_recipe(make_cfg(grpo + [f"+recipe={recipe}", "objective.beta=0.04", "+peft=lora"]), 2)
+        assert "frozen reference model" not in lora.buffers
+    tp = plan_recipe(make_cfg(grpo + ["+recipe=tp"]), 2)
+    assert tp.sampling["KV cache of one group (4 x data.seq_len tokens)"] * 2 == ddp.sampling[
+        "KV cache of one group (4 x data.seq_len tokens)"]
+
+
+def test_kv_cache_bytes_equal_what_transformers_cache_holds():
+    """The planner's KV-cache formula against the tensors a DynamicCache holds after a forward
+    of G rows (tiny Llama with grouped-query attention, and tiny Qwen2)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from llmtrain.models.build import model_config
+    from llmtrain.planning.memory import kv_cache_bytes
+    from llmtrain.rollout.generate import cache_argument
+
+    for model in ("tiny_llama", "tiny_qwen2"):
+        config = model_config(make_cfg([f"model={model}"]).model)
+        net = AutoModelForCausalLM.from_config(config).eval()
+        cache = {cache_argument(net): DynamicCache()}
+        with torch.no_grad():
+            net(input_ids=torch.zeros(3, 10, dtype=torch.long), use_cache=True, **cache)
+            net(input_ids=torch.zeros(3, 1, dtype=torch.long), use_cache=True, **cache)
+        cache = next(iter(cache.values()))
+        held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        assert held == kv_cache_bytes(config, 3, 11, 4), model

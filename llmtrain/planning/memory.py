@@ -37,6 +37,13 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   inputs are saved whole, as torch's ``SequenceParallel`` styles keep them.
 - Chunked loss (``trainer.loss_chunk_tokens``): the output layer is measured as it runs (saving
   hidden states and a log-sum-exp per token), and the logits temporary is one chunk's.
+- Online RL (``objective=grpo``): a micro-batch of m prompts trains m x G completion rows; with
+  ``beta`` > 0 and no adapters, the frozen reference copy as for DPO. Sampling happens between
+  optimizer steps, so its bytes (:attr:`RankPlan.sampling`) peak apart from the step's: the
+  resident bytes, the weights gathered whole under ZeRO-3 and FSDP2 (the compute dtype, less the
+  share the rank already holds), one group's KV cache (2 x layers x G x ``data.seq_len`` tokens
+  x the key/value heads / tp x head size, in the compute dtype; :func:`kv_cache_bytes`) and one
+  decode step's fp32 logits. The plan's total is the larger of the two peaks.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ from typing import Any
 
 import torch
 
-from llmtrain.config.validate import PREFERENCE_OBJECTIVES, validate_chunked_loss, validate_context_parallel, validate_objective
+from llmtrain.config.validate import (ONLINE_OBJECTIVES, PREFERENCE_OBJECTIVES, validate_chunked_loss,
+                                      validate_context_parallel, validate_objective)
 from llmtrain.common.errors import ConfigError
 from llmtrain.parallel.context_parallel import check_model
 
@@ -246,6 +254,7 @@ class RankPlan:
     activations: int = 0
     temporaries: dict[str, int] = field(default_factory=dict)  # during the step only
     buffers: dict[str, int] = field(default_factory=dict)  # kept between steps
+    sampling: dict[str, int] = field(default_factory=dict)  # online RL: while sampling, beside `resident`
     grads_kept: bool = False  # the gradient storage outlives the step (DDP buckets, ZeRO-3 partitions)
     host: int = 0
     stage: int = 0
@@ -267,13 +276,25 @@ class RankPlan:
                 + sum(self.buffers.values()))
 
     @property
-    def total(self) -> int:
-        """Device bytes at the step's peak: model states, buffers, activations and every
-        temporary (assumed live at once). An upper bound of the tensors the plan models; what it
-        does not model (ZeRO-3's communication buffers and threads, allocator fragmentation, a
-        GPU's cuBLAS workspace) measured up to 7% of the peak on CPU under ZeRO-3, which
-        ``recipe.memory_margin`` (default 0.1) is there to cover."""
+    def step_peak(self) -> int:
+        """Device bytes at the training step's peak: model states, buffers, activations and every
+        temporary (assumed live at once)."""
         return self.model_states + sum(self.buffers.values()) + self.activations + sum(self.temporaries.values())
+
+    @property
+    def sampling_peak(self) -> int:
+        """Device bytes while an online objective samples (0 for other objectives): the resident
+        bytes and :attr:`sampling`'s."""
+        return self.resident + sum(self.sampling.values()) if self.sampling else 0
+
+    @property
+    def total(self) -> int:
+        """Device bytes at the run's peak: the larger of :attr:`step_peak` and
+        :attr:`sampling_peak`. An upper bound of the tensors the plan models; what it does not
+        model (ZeRO-3's communication buffers and threads, allocator fragmentation, a GPU's
+        cuBLAS workspace) measured up to 7% of the peak on CPU under ZeRO-3, which
+        ``recipe.memory_margin`` (default 0.1) is there to cover."""
+        return max(self.step_peak, self.sampling_peak)
 
 
 def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_batch: int | None = None,
@@ -323,12 +344,16 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     # bf16 runs compute on bf16 weights under DeepSpeed's ZeRO and FSDP2 (its param_dtype);
     # DDP, TP and PP without FSDP keep fp32 weights under autocast.
     fsdp = r.engine == "torch" and dims.dp_cp > 1 and dims.dp_replicate != world_size
-    # Preference objectives run a micro-batch of pairs as twice as many rows (chosen, rejected).
+    # Preference objectives run a micro-batch of pairs as twice as many rows (chosen, rejected);
+    # online RL a micro-batch of prompts as G completions each.
     objective = cfg.get("objective")
-    pairs = objective is not None and not objective.get("target") and objective.name in PREFERENCE_OBJECTIVES
-    rows = micro * (2 if pairs else 1)
-    frozen_copy = (pairs and objective.name == "dpo" and not objective.precompute_reference
-                   and reference_kind(cfg) == "copy")
+    builtin = objective is not None and not objective.get("target")
+    pairs = builtin and objective.name in PREFERENCE_OBJECTIVES
+    online = builtin and objective.name in ONLINE_OBJECTIVES
+    group = int(objective.num_generations) if online else 1
+    rows = micro * (2 if pairs else group)
+    frozen_copy = reference_kind(cfg) == "copy" and (
+        (pairs and objective.name == "dpo" and not objective.precompute_reference) or (online and objective.beta > 0))
     chunk = t.get("loss_chunk_tokens", 0)
     local_seq = cfg.data.seq_len // dims.cp  # a context-parallel rank's share of each row
     acts = measure_activations(hf_config, rows, local_seq, t.precision, dims.tp,
@@ -377,9 +402,25 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
             candidate.temporaries["logits and their gradient"] = 2 * tokens * outputs * 4
         if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps
             candidate.buffers["pipeline receive buffers (one per micro-batch)"] = accumulation * tokens * shape.hidden * 4
+        if online:
+            if (r.engine == "deepspeed" and r.zero_stage == 3) or fsdp:
+                candidate.sampling["weights gathered whole for sampling"] = max(0, compute * n - candidate.params)
+            candidate.sampling[f"KV cache of one group ({group} x data.seq_len tokens)"] = kv_cache_bytes(
+                hf_config, group, cfg.data.seq_len, compute, dims.tp)
+            candidate.sampling["logits of one decode step (fp32)"] = group * shape.vocab * 4
         if best is None or candidate.total > best.total:
             best = candidate
     return best
+
+
+def kv_cache_bytes(hf_config: Any, rows: int, tokens: int, dtype_bytes: int, tp: int = 1) -> int:
+    """Bytes of a KV cache holding ``tokens`` positions of ``rows`` sequences: a key and a value
+    of ``num_key_value_heads / tp`` heads x ``head_dim`` per layer and position (transformers'
+    ``DynamicCache``; ``head_dim`` defaults to hidden / attention heads)."""
+    heads = getattr(hf_config, "num_attention_heads")
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return 2 * hf_config.num_hidden_layers * rows * tokens * max(1, kv_heads // tp) * head_dim * dtype_bytes
 
 
 def _reference_bytes(r: Any, n: int, dims: Any, compute: int, shape: ModelShape) -> int:
@@ -492,6 +533,10 @@ def describe(plan: RankPlan) -> str:
             ("fp32 master copy", plan.master), ("activations", plan.activations)]
     rows += sorted(plan.buffers.items(), key=lambda kv: -kv[1])
     rows += [(f"{name} (temporary)", value) for name, value in sorted(plan.temporaries.items(), key=lambda kv: -kv[1])]
+    if plan.sampling:
+        rows.append(("peak of the training step", plan.step_peak))
+        rows += [(f"{name} (while sampling)", value) for name, value in sorted(plan.sampling.items(), key=lambda kv: -kv[1])]
+        rows.append(("peak while sampling (resident bytes and the above)", plan.sampling_peak))
     lines += [f"  {name:<64} {fmt_bytes(value):>12}" for name, value in rows]
     lines.append(f"  {'total per rank (device)':<64} {fmt_bytes(plan.total):>12}")
     if plan.host:
@@ -504,8 +549,10 @@ def table(plans: list[RankPlan], budget: int | None = None, checkpointed: list[R
     With a ``budget``, the ``fits`` column says ``yes``, ``ckpt`` (only with activation
     checkpointing: the same recipes in ``checkpointed``) or ``no``, and a last line says so."""
     unit, size = ("GiB", GIB) if max([p.total for p in plans if not p.error] or [GIB]) >= GIB else ("MiB", 2**20)
+    sampling = any(p.sampling for p in plans)  # online RL: a column for what sampling adds
     head = (f"{'recipe':<14} {'layout':<22} {'params':>9} {'grads':>9} {'optim':>9} {'master':>9} {'activ':>9} "
-            f"{'buf+temp':>9} {'total':>9} {'host':>9}" + ("  fits" if budget else "") + f"   ({unit})")
+            f"{'buf+temp':>9}" + (f" {'sampling':>9}" if sampling else "") + f" {'total':>9} {'host':>9}"
+            + ("  fits" if budget else "") + f"   ({unit})")
     lines = [head, "-" * len(head)]
     for p in plans:
         name = p.recipe + (f" ep {p.ep}" if p.ep > 1 else "")
@@ -513,13 +560,17 @@ def table(plans: list[RankPlan], budget: int | None = None, checkpointed: list[R
             lines.append(f"{name:<14} not valid: {p.error.split('; ')[0]}")
             continue
         cells = [p.params, p.grads, p.optimizer, p.master, p.activations,
-                 sum(p.temporaries.values()) + sum(p.buffers.values()), p.total, p.host]
+                 sum(p.temporaries.values()) + sum(p.buffers.values()),
+                 *([sum(p.sampling.values())] if sampling else []), p.total, p.host]
         fits = ""
         if budget:
             with_ckpt = {(c.recipe, c.ep): c for c in checkpointed or []}.get((p.recipe, p.ep))
             fits = "  " + ("yes" if p.total <= budget else
                            "ckpt" if with_ckpt is not None and with_ckpt.total <= budget else "no")
         lines.append(f"{name:<14} {p.degrees:<22} " + " ".join(f"{c / size:>9.2f}" for c in cells) + fits)
+    if sampling:
+        lines.append("sampling: bytes that online RL's rollouts add to the resident ones between steps; the total is "
+                     "the larger peak, the training step's or the sampling's")
     if budget:
         lines.append(f"fits: yes = the total is within {fmt_bytes(budget)}; ckpt = only with activation checkpointing "
                      "(trainer.activation_checkpointing=true); no = not even with it")
