@@ -188,3 +188,28 @@ def test_proportional_scale():
     assert proportional_scale(([1, 2], [10.0, 20.0]), ([1, 2], [1.0, 2.0])) == 0.1
     assert proportional_scale(([1, 2], [10.0, 20.0]), ([1, 2], [1.0, 3.0])) is None
     assert proportional_scale(([1], [0.0]), ([1], [1.0])) is None
+
+
+def test_an_online_rl_run_plots_reward_and_completion_length(tmp_path):
+    """objective=grpo logs rewards, not a per-token likelihood: the second panel plots the sampled
+    completions' mean reward (train), the greedy held-out reward (val points) and, on a second
+    scale, the mean completion length; report.md gives the last rewards."""
+    records = [{"step": 0, "val/reward": 0.25, "val/prompts": 4}]
+    for s in range(1, 7):
+        records.append({"step": s, "train/loss": 0.01 * s, "train/lr": 1e-3, "train/grad_norm": 0.5,
+                        "train/kl": 0.001 * s, "train/reward": 0.1 * s, "train/completions/mean_length": 20.0 + s})
+    records[-1]["val/reward"] = 0.75
+    fig = build_figure(records, [], "grpo")
+    ax = _panel(fig, "reward and completion length")
+    assert [line.get_label() for line in ax.get_lines()] == ["train reward", "val reward (greedy)"]
+    assert list(ax.get_lines()[0].get_ydata()) == [0.1 * s for s in range(1, 7)]
+    assert list(ax.get_lines()[1].get_xdata()) == [0, 6]
+    assert _panel(fig, "loss vs step").get_ylabel() == "loss (clipped surrogate)"
+    (twin,) = [other for other in fig.axes if other.get_ylabel() == "completion length (tokens)"]
+    assert list(twin.get_lines()[0].get_ydata()) == [20.0 + s for s in range(1, 7)]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_report(run)
+    text = (run / "report.md").read_text()
+    assert "| last train reward (sampled) | 0.6000 |" in text and "| last val reward (greedy) | 0.7500 |" in text

@@ -206,6 +206,8 @@ def build_figure(records: list[dict], resumes: list[int], title: str, expert_loa
     panels = [(axes[0], lambda s: s, "step", resumes)]
     if unit == "token":
         panels.append((axes[1], lambda s: _tokens_at(records, s), "tokens seen", resume_tokens))
+    elif unit == "completion":  # online RL: reward and completion length where others show loss vs tokens
+        _rollout_panel(axes[1], records, resumes)
     else:  # preference runs: accuracy and margins where token-based runs show loss vs tokens
         _preference_panel(axes[1], records, resumes)
 
@@ -221,7 +223,8 @@ def build_figure(records: list[dict], resumes: list[int], title: str, expert_loa
             _no_data(ax)
             continue
         _resume_lines(ax, resume_xs)
-        ax.set(xlabel=xlabel, ylabel=f"loss (per {unit})" if unit != "token" else "loss (nats/token)",
+        ylabel = {"token": "loss (nats/token)", "completion": "loss (clipped surrogate)"}.get(unit, f"loss (per {unit})")
+        ax.set(xlabel=xlabel, ylabel=ylabel,
                title=f"loss vs {xlabel}")
         _step_ticks(ax)
         if xlabel == "tokens seen":  # 1.2M, not 1200000: millions of tokens at 5-6 ticks do not overlap
@@ -330,8 +333,11 @@ def _expert_panels(fig: Figure, heat_ax, load_ax, records: list[dict], load: dic
 
 def loss_unit(records: list[dict]) -> str:
     """What a run's loss is a mean over: ``token`` (next-token objectives), ``pair`` (preference
-    and reward objectives) or ``example`` (KTO), told by the metrics the run logged."""
+    and reward objectives), ``example`` (KTO) or ``completion`` (online RL: a policy-gradient
+    surrogate over sampled completions), told by the metrics the run logged."""
     keys = set().union(*(r.keys() for r in records)) if records else set()
+    if "train/reward" in keys or "val/reward" in keys:
+        return "completion"
     if "train/kl" in keys or "val/kl" in keys:
         return "example"
     if "train/rewards/chosen" in keys or "val/rewards/chosen" in keys:
@@ -369,6 +375,29 @@ def _preference_panel(ax, records: list[dict], resumes: list[int]) -> None:
     ax.legend(loc="upper left")
 
 
+def _rollout_panel(ax, records: list[dict], resumes: list[int]) -> None:
+    """Online RL: the mean reward of the sampled completions (train line) and of the greedy
+    held-out ones (validation points) against steps, and on a second scale the completions'
+    mean length in tokens."""
+    for key, style, label in (("train/reward", "-", "train reward"), ("val/reward", "o", "val reward (greedy)")):
+        steps, values = series(records, key)
+        if steps:
+            ax.plot(steps, values, style, label=label)
+    if not ax.lines:
+        _no_data(ax)
+        return
+    lengths = series(records, "train/completions/mean_length")
+    if lengths[0]:
+        twin = ax.twinx()
+        twin.plot(lengths[0], lengths[1], ":", color="tab:gray", label="mean completion length")
+        twin.set_ylabel("completion length (tokens)")
+        twin.legend(loc="lower right")
+    _resume_lines(ax, resumes)
+    ax.set(xlabel="step", ylabel="mean reward", title="reward and completion length")
+    _step_ticks(ax)
+    ax.legend(loc="upper left")
+
+
 def _table(header: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return lines + ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
@@ -401,6 +430,10 @@ def _markdown(run_dir: Path, records: list[dict], cfg, procs: list[dict] | None,
         *([["last val preference accuracy", _fmt(series(records, "val/rewards/accuracies")[1][-1], ".3f")],
            ["last val reward margin", _fmt(series(records, "val/rewards/margins")[1][-1], ".4f")]]
           if series(records, "val/rewards/accuracies")[0] else []),
+        *([["last train reward (sampled)", _fmt(series(records, "train/reward")[1][-1], ".4f")],
+           ["last val reward (greedy)", _fmt(series(records, "val/reward")[1][-1] if series(records, "val/reward")[0]
+                                             else None, ".4f")]]
+          if series(records, "train/reward")[0] else []),
         ["total steps", _fmt(max((r["step"] for r in records if "step" in r), default=None), "d")],
         ["tokens seen", _fmt(int(tokens[-1]) if tokens else None, ",d")],
         ["tokens/s (mean of last 10 logged steps)",
