@@ -483,7 +483,8 @@ class Trainer:
                                      t.max_steps)
         sampler, functions = self.online_parts
         rollout = Rollout(self.cfg, self.engine, self.objective, sampler, self.micro_batches, self.tokenizer,
-                          data.pad_id_of(self.tokenizer), functions, self.run_dir, self.env.is_main)
+                          data.pad_id_of(self.tokenizer), functions, self.run_dir, self.env.is_main,
+                          lambda rows, step: self.tracker.log_table("completions", rows, step))
         rollout.load_state_dict(self.rollout_state)
         self.checkpoints.rank_state["rollout"] = rollout.state_dict
         return rollout, Evaluator(lambda: rollout.evaluate(val_batches), t.eval_every, t.max_steps)

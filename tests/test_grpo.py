@@ -223,3 +223,28 @@ def test_a_reward_function_that_raises_mid_run_stops_after_the_last_checkpoint(q
     assert isinstance(caught.value.__cause__, ValueError)  # the function's own traceback
     assert verify(run_dir / "checkpoints" / "step_1") is None
     assert not (run_dir / "checkpoints" / "step_2").exists()
+
+
+def test_completions_reach_wandb_as_a_table_equal_to_their_file(questions, tmp_path):
+    """rollout.log_completions rows of each generation step: run_dir/completions/step_N.jsonl and a
+    wandb table at step N holding the same rows (read back from the offline run's files)."""
+    import json
+
+    from conftest import make_cfg
+    from llmtrain.monitoring.tracking.wandb_backend import offline_history
+    from llmtrain.trainer import train
+
+    run = tmp_path / "run"
+    overrides = [o for o in _grpo_overrides(questions, f"run_dir={run}") if o != "tracker=none"]
+    train(make_cfg(overrides + ["tracker.wandb_mode=offline", "rollout.log_completions=3"]))
+    (folder,) = list((run / "wandb").glob("offline-run-*"))
+    history = offline_history(folder)
+    for step in (1, 2):
+        rows = [json.loads(line) for line in (run / "completions" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == 3
+        row = history[step]  # wandb flattens the table's reference into completions/<field>
+        assert row["completions/_type"] == "table-file" and row["completions/nrows"] == 3
+        table = json.loads((folder / "files" / row["completions/path"]).read_text())
+        assert table["columns"] == list(rows[0])
+        assert [r[table["columns"].index("completion")] for r in table["data"]] == [r["completion"] for r in rows]
+        assert [json.loads(r[table["columns"].index("rewards")]) for r in table["data"]] == [r["rewards"] for r in rows]

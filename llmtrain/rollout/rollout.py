@@ -19,7 +19,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -96,13 +96,17 @@ class Rollout:
         tokenizer: decodes completions for the reward functions.
         pad_id: right padding of the training micro-batches.
         functions: the reward functions.
+        run_dir, is_main: where rank 0 writes ``completions/step_N.jsonl``.
+        on_completions: called on rank 0 with those records and the step (1-based) after each
+            file is written (the trainer's tracker: a wandb table).
     """
 
     def __init__(self, cfg: Any, engine: Any, objective: Any, sampler: RolloutEngine, prompts: Iterator[dict],
-                 tokenizer: Any, pad_id: int, functions: list[RewardFunction], run_dir: Path, is_main: bool):
+                 tokenizer: Any, pad_id: int, functions: list[RewardFunction], run_dir: Path, is_main: bool,
+                 on_completions: Callable[[list[dict], int], None] | None = None):
         self.cfg, self.engine, self.objective, self.sampler, self.prompts = cfg, engine, objective, sampler, prompts
         self.tokenizer, self.pad_id, self.functions = tokenizer, pad_id, functions
-        self.run_dir, self.is_main = run_dir, is_main
+        self.run_dir, self.is_main, self.on_completions = run_dir, is_main, on_completions
         self.seed = cfg.trainer.seed
         self.group = objective.num_generations
         self.log_completions = int(cfg.rollout.log_completions)
@@ -268,22 +272,23 @@ class Rollout:
         completions with their prompt, each function's reward, the reward and the advantage."""
         folder = self.run_dir / "completions"
         folder.mkdir(parents=True, exist_ok=True)
-        lines, k = [], 0
+        rows, k = [], 0
         for p, (sample, group) in enumerate(zip(samples, groups)):
             for i, completion in enumerate(group):
-                if len(lines) < self.log_completions:
-                    prompt = sample["prompt"]
-                    lines.append(json.dumps({
-                        "step": step, "record": sample.get("record"),
-                        "prompt": prompt if isinstance(prompt, str) else prompt,
+                if len(rows) < self.log_completions:
+                    rows.append({
+                        "step": step, "record": sample.get("record"), "prompt": sample["prompt"],
                         "completion": self.tokenizer.decode(completion.ids, skip_special_tokens=True),
                         "tokens": len(completion.ids), "truncated": completion.truncated,
                         "rewards": {f.name: (None if math.isnan(float(table[k, j])) else float(table[k, j]))
                                     for j, f in enumerate(self.functions)},
                         "reward": None if math.isnan(float(rewards[p, i])) else float(rewards[p, i]),
-                        "advantage": float(advantages[p, i])}, default=str))
+                        "advantage": float(advantages[p, i])})
                 k += 1
-        (folder / f"step_{step}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        (folder / f"step_{step}.jsonl").write_text("".join(json.dumps(r, default=str) + "\n" for r in rows),
+                                                   encoding="utf-8")
+        if self.on_completions is not None:
+            self.on_completions(rows, step)
 
     # ---- evaluation ---------------------------------------------------------------------------
     def evaluate(self, prompt_batches: list[dict]) -> dict[str, float]:

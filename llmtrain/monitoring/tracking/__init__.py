@@ -81,6 +81,13 @@ class Tracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._each("log", metrics, step)
 
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        """A table of ``rows`` (dicts with the same keys: the columns) at ``step``, in the backends
+        that keep tables (wandb); ``metrics.jsonl`` holds scalars only (online RL's completions
+        are in their own files)."""
+        if rows:
+            self._each("log_table", name, rows, step)
+
     def flush(self) -> None:
         """Make every step logged so far durable (called before a checkpoint is written)."""
         self._each("flush")

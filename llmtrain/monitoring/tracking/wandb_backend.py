@@ -182,6 +182,18 @@ class WandbBackend:
         else:
             self._log_now(metrics, step)
 
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        """``rows`` as a ``wandb.Table`` under ``name`` at ``step`` (held back offline like the
+        step's metrics); nested values (per-function rewards, message lists) as JSON text."""
+        import json
+
+        import wandb
+
+        columns = list(rows[0])
+        data = [[json.dumps(row.get(c), default=str) if isinstance(row.get(c), (dict, list)) else row.get(c)
+                 for c in columns] for row in rows]
+        self.log({name: wandb.Table(columns=columns, data=data)}, step)
+
     def _log_now(self, metrics: dict[str, float], step: int) -> None:
         if any(k.startswith("eval/") for k in metrics):
             # A task score of an earlier checkpoint: in the newest row, with its own step as
