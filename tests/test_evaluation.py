@@ -105,6 +105,30 @@ def test_every_local_document_renders_to_the_strings_the_harness_encodes(shared_
     assert len(looks_like_a_list) >= 10 and all(isinstance(c, str) for c in looks_like_a_list)
 
 
+def test_gsm8k_local_prompts_as_lm_eval_does_and_checks_final_numbers(shared_data, tmp_path):
+    """gsm8k_local: every test problem one greedy generation request in lm-eval's zero-shot gsm8k
+    layout, stopped at the next "Question:"; scored by the final number as online RL's gsm8k
+    reward scores it; a plain (not gzipped) file named by data_file= reads the same."""
+    import gzip
+
+    from llmtrain.evaluation.local_tasks import gsm8k_scores
+
+    docs, instances = _requests(["gsm8k_local"])["gsm8k_local"]
+    first = json.loads(gzip.open(shared_data / "gsm8k_test.jsonl.gz", "rt").readline())
+    assert docs == len(instances) == 1319
+    context, generation = instances[0].arguments
+    assert context == f"Question: {first['question']}\nAnswer:"
+    assert "Question:" in generation["until"] and generation["do_sample"] is False
+    (tmp_path / "mine.jsonl").write_text(json.dumps(first) + "\n")
+    docs, instances = _requests(["gsm8k_local"], {"data_file": str(tmp_path / "mine.jsonl")})["gsm8k_local"]
+    assert docs == 1 and instances[0].arguments[0] == context
+    answer = first["answer"].rsplit("####", 1)[1].strip()  # 18
+    assert gsm8k_scores(first, [f" 16 - 3 - 4 = 9 eggs, 9 * 2 = {answer}.\n"]) == {"exact_match": 1.0}
+    assert gsm8k_scores(first, [f" #### {answer}\nso 12"]) == {"exact_match": 1.0}  # #### wins over later numbers
+    assert gsm8k_scores(first, [" 9 eggs"]) == {"exact_match": 0.0}
+    assert gsm8k_scores(first, [" no number"]) == {"exact_match": 0.0}
+
+
 def test_local_tasks_keep_targets_that_look_like_python_as_strings(tmp_path):
     """The same without the shared files: outputs that a template would turn into a list, a
     number or a dict stay the strings the file holds, and a file named by data_file= is read

@@ -248,3 +248,66 @@ def test_completions_reach_wandb_as_a_table_equal_to_their_file(questions, tmp_p
         assert table["columns"] == list(rows[0])
         assert [r[table["columns"].index("completion")] for r in table["data"]] == [r["completion"] for r in rows]
         assert [json.loads(r[table["columns"].index("rewards")]) for r in table["data"]] == [r["rewards"] for r in rows]
+
+
+# ---- built-in rewards -----------------------------------------------------------------------------
+def test_gsm8k_reward_checks_the_final_number_as_lm_eval_extracts_it():
+    """The number after the completion's own "####" (lm-eval gsm8k's strict-match), else its
+    last number (flexible-extract), against the number after the reference's "####"; commas and
+    dollar signs dropped; None where the record has no answer or the reference no number."""
+    from llmtrain.rollout.rewards import gsm8k_reward
+
+    reference = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 1,072"
+    completions = ["So she sold 1072 clips.", "#### $1,072\nThen 5 more", "#### 1072.0", "1072 clips, or 1073",
+                   "no number", [{"role": "assistant", "content": "#### 1072"}]]
+    assert gsm8k_reward(completions, answer=[reference] * len(completions)) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    assert gsm8k_reward(["#### 3"], answer=["no final number"]) == [None]
+    assert gsm8k_reward(["#### 3"]) == [None]
+    assert gsm8k_reward(["#### -3"], answer=["#### -3"]) == [1.0]
+
+
+def test_format_and_length_rewards():
+    """format: GSM8K's final "#### N" line by default, or any regular expression; length: DAPO's
+    soft overlong penalty (Yu et al. 2025, eq. 13): 0 up to L_max - L_cache tokens, then linearly
+    down to -1 at L_max, and -1 beyond."""
+    from llmtrain.rollout.rewards import format_reward, length_penalty
+
+    assert format_reward(["so #### 12", "#### 12\nmore", "12"]) == [1.0, 0.0, 0.0]
+    assert format_reward(["<answer>7</answer>", "7"], pattern=r"<answer>\d+</answer>") == [1.0, 0.0]
+    ids = [[0] * n for n in (0, 12, 13, 14, 16, 20)]
+    assert length_penalty(ids, max_completion_length=16, cache=4) == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    assert length_penalty([[0] * 14], max_completion_length=16) == [-0.5]  # default cache: a quarter of L_max
+
+
+def test_reward_model_scores_prompt_and_completion_with_its_own_tokenizer(tmp_path):
+    """model:FOLDER: the classification head's first logit on prompt + completion + EOS (what
+    objective=reward trains on), as transformers alone computes it for each text: batching and
+    padding change no score; a message-list prompt is rendered through the reward model's chat
+    template with the completion as the assistant's turn."""
+    from transformers import AutoModelForSequenceClassification, LlamaConfig
+
+    from llmtrain.models.build import byte_tokenizer
+    from llmtrain.rollout.rewards import RewardModel
+
+    torch.manual_seed(0)
+    tokenizer = byte_tokenizer()
+    config = LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)  # as llmtrain's reward export sets it
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+
+    def alone(text: str) -> float:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        with torch.no_grad():
+            return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+
+    scorer = RewardModel(str(tmp_path))
+    prompts, completions = ["What is 2+2?", "Name a colour."], [" 4", " A rather long answer: blue."]
+    got = scorer(prompts=prompts, completions=completions)
+    assert got == pytest.approx([alone(p + c) for p, c in zip(prompts, completions)], abs=1e-5)
+    assert got[0] != pytest.approx(got[1], abs=1e-4)
+    chat = [[{"role": "user", "content": "Hi"}]]  # byte_tokenizer has no chat template: contents joined
+    assert scorer(prompts=chat, completions=[[{"role": "assistant", "content": " there"}]]) == pytest.approx(
+        [alone("Hi there")], abs=1e-5)

@@ -24,6 +24,7 @@ from llmtrain.data.preference import extract_prompt
 DATA_DIR_ENV = "LLMTRAIN_DATA_DIR"
 HH_FILES = ("hh_rlhf_harmless_test.jsonl.gz",)  # anthropics/hh-rlhf harmless-base/test.jsonl.gz, saved so
 ALPACA_FILES = ("alpaca_data.json", "alpaca_5000.json")  # Stanford Alpaca's download, or a 5,000-record subset
+GSM8K_FILES = ("gsm8k_test.jsonl", "gsm8k_test.jsonl.gz")  # openai/grade-school-math's test.jsonl, saved so
 
 
 def _data_file(names: tuple[str, ...], data_dir: str | None = None, data_file: str | None = None) -> Path:
@@ -127,3 +128,39 @@ def response_scores(doc: dict, results: list[tuple[float, bool]]) -> dict[str, A
     loglikelihood, is_greedy = results[0]
     size = len(doc["response"].encode("utf-8"))
     return {"byte_perplexity": (loglikelihood, size), "bits_per_byte": (loglikelihood, size), "acc": int(is_greedy)}
+
+
+def gsm8k_problems(data_dir: str | None = None, data_file: str | None = None, **_: Any) -> dict[str, Any]:
+    """GSM8K's test problems (Cobbe et al. 2021) as ``{"prompt", "question", "answer"}``
+    documents: the prompt is lm-eval's own zero-shot ``gsm8k`` layout (``Question: ...\nAnswer:``),
+    the answer the worked solution ending in ``#### N`` that :func:`gsm8k_scores` checks against.
+    Reads JSON lines, gzipped or not.
+
+    Raises:
+        DataError: the file is missing, or a line is not a ``{question, answer}`` record.
+    """
+    import gzip
+
+    path = _data_file(GSM8K_FILES, data_dir, data_file)
+    rows = []
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                question, answer = record["question"].strip(), str(record["answer"])
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+                raise DataError(f"{path} line {number}: not a GSM8K record with question/answer ({err})") from err
+            rows.append({"prompt": f"Question: {question}\nAnswer:", "question": question, "answer": answer})
+    return _dataset(rows, path)
+
+
+def gsm8k_scores(doc: dict, results: list[str]) -> dict[str, Any]:
+    """lm-eval ``process_results`` of ``gsm8k_local``: ``exact_match`` is 1 when the generated
+    answer's final number equals the reference's (the ``gsm8k`` reward of online RL, so a
+    run's held-out ``val/reward`` and this score check answers the same way)."""
+    from llmtrain.rollout.rewards import gsm8k_reward
+
+    return {"exact_match": float(gsm8k_reward([results[0]], answer=[doc["answer"]])[0] or 0.0)}

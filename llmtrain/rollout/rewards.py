@@ -12,9 +12,9 @@ logged under its own name.
 
 Built-ins (a name, optionally ``name:argument``):
 
-* ``gsm8k``: 1.0 when the completion's final number equals the ``answer`` column's (the text
-  after GSM8K's ``#### `` marker); the completion's final number is what follows its own
-  ``####``, else its last number. With ``math-verify`` installed the two are compared by it.
+* ``gsm8k``: 1.0 when the completion's final number equals the ``answer`` column's (the number
+  after GSM8K's ``#### `` marker); the completion's final number is the first after its own
+  ``####``, else its last number (:func:`final_number`). With ``math-verify`` installed the two are compared by it.
 * ``format[:REGEX]``: 1.0 when the completion matches the regular expression (``re.search``;
   default GSM8K's final line ``#### N`` at the end).
 * ``length[:CACHE]``: DAPO's soft overlong penalty (Yu et al. 2025, eq. 13): 0 up to
@@ -44,21 +44,22 @@ GSM8K_MARKER = "####"
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 
 
-def _number(text: str) -> float | None:
+def _number(text: str, index: int = -1) -> float | None:
     match = _NUMBER.findall(text or "")
     if not match:
         return None
     try:
-        return float(match[-1].replace(",", "").replace("$", ""))
+        return float(match[index].replace(",", "").replace("$", ""))
     except ValueError:
         return None
 
 
 def final_number(text: str) -> float | None:
-    """The number a GSM8K-style answer ends on: what follows the last ``####``, else the text's
-    last number (commas and dollar signs dropped); None without one."""
+    """The number a GSM8K-style answer gives: the first number after the last ``####`` (lm-eval's
+    gsm8k "strict-match"), else the text's last number ("flexible-extract"); commas and dollar
+    signs dropped; None without one."""
     if GSM8K_MARKER in text:
-        return _number(text.rsplit(GSM8K_MARKER, 1)[1])
+        return _number(text.rsplit(GSM8K_MARKER, 1)[1], index=0)
     return _number(text)
 
 
@@ -91,9 +92,10 @@ def gsm8k_reward(completions: list[Any], answer: list[str] | None = None, **_: A
     return out
 
 
-def format_reward(completions: list[Any], pattern: str = r"####\s*-?\$?\d[\d,]*(?:\.\d+)?\s*$", **_: Any
+def format_reward(completions: list[Any], pattern: str = r"####\s*-?\$?\d[\d,]*(?:\.\d+)?\s*\Z", **_: Any
                   ) -> list[float]:
-    """1.0 where ``pattern`` is found in the completion (``re.search``, multi-line), else 0.0."""
+    """1.0 where ``pattern`` is found in the completion (``re.search``, multi-line), else 0.0; the
+    default: GSM8K's ``#### N`` ending the completion."""
     compiled = re.compile(pattern, re.MULTILINE | re.DOTALL)
     return [float(bool(compiled.search(_text(c)))) for c in completions]
 
@@ -108,7 +110,12 @@ def length_penalty(completion_ids: list[list[int]], max_completion_length: int, 
 
 class RewardModel:
     """``model:FOLDER``: the first logit of a sequence-classification model on prompt + completion
-    (the prompt's text as rendered for the policy, then the completion), batched."""
+    and an end token, as llmtrain's ``objective=reward`` trains and scores (its export reads each
+    row's last token that is not ``config.pad_token_id``). A message-list prompt is rendered with
+    the completion as the assistant's turn through the reward model's chat template (its
+    messages' contents joined without one). Scored 16 texts a batch, right-padded."""
+
+    BATCH = 16
 
     def __init__(self, folder: str, device: torch.device | str = "cpu"):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -116,16 +123,34 @@ class RewardModel:
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.model = AutoModelForSequenceClassification.from_pretrained(folder).to(device).eval()
         self.device = device
+        pads = (self.model.config.pad_token_id, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id)
+        self.pad = next((p for p in pads if p is not None), 0)
+
+    def _ids(self, prompt: Any, completion: Any) -> list[int]:
+        if isinstance(prompt, list):
+            turn = completion if isinstance(completion, list) else [{"role": "assistant", "content": _text(completion)}]
+            messages = prompt + turn
+            if getattr(self.tokenizer, "chat_template", None):
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+            else:
+                text = "".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+        else:
+            text = str(prompt) + _text(completion)
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        eos = self.tokenizer.eos_token_id
+        return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
 
     @torch.no_grad()
-    def __call__(self, prompts: list[Any], completions: list[Any], prompt_texts: list[str] | None = None, **_: Any
-                 ) -> list[float]:
-        texts = [(p if isinstance(p, str) else (pt or "")) + _text(c)
-                 for p, c, pt in zip(prompts, completions, prompt_texts or [None] * len(prompts))]
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.tokenizer.pad_token_id = pad
-        encoded = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
-        return self.model(**encoded).logits[:, 0].float().tolist()
+    def __call__(self, prompts: list[Any], completions: list[Any], **_: Any) -> list[float]:
+        rows = [self._ids(p, c) for p, c in zip(prompts, completions)]
+        scores: list[float] = []
+        for k in range(0, len(rows), self.BATCH):
+            chunk = rows[k:k + self.BATCH]
+            longest = max(len(r) for r in chunk)
+            ids = torch.tensor([r + [self.pad] * (longest - len(r)) for r in chunk], device=self.device)
+            mask = torch.tensor([[1] * len(r) + [0] * (longest - len(r)) for r in chunk], device=self.device)
+            scores += self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()
+        return scores
 
 
 BUILT_IN = {"gsm8k", "format", "length", "model"}
