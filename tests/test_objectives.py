@@ -67,7 +67,7 @@ def test_objective_chosen_by_config():
     assert isinstance(weighted, TokenWeighted) and weighted.name == "token_weighted"
     with pytest.raises(ConfigError, match="objective.name='no_such' is not a built-in objective"):
         build_objective(make_cfg(["objective.name=no_such"]).objective)
-    with pytest.raises(ConfigError, match="objective.target='no_such_module:X' cannot be loaded"):
+    with pytest.raises(ConfigError, match="objective.target='no_such_module:X' cannot be imported"):
         build_objective(make_cfg(["objective.target=no_such_module:X"]).objective)
     with pytest.raises(ConfigError, match="is not a subclass of llmtrain.objectives.Objective"):
         build_objective(make_cfg(["objective.target=math:sqrt"]).objective)

@@ -2,7 +2,8 @@
 launch and checkpoint code raise them without importing each other (or any parallel code).
 
 All derive from :class:`LlmtrainError`; :func:`require_extra` refuses a feature whose optional
-package is missing with a :class:`MissingExtra` naming the extra that installs it. ``python -m llmtrain`` turns each into one
+package is missing with a :class:`MissingExtra` naming the extra that installs it, and
+:func:`import_object` loads a user's ``module:name`` or refuses it naming the config field. ``python -m llmtrain`` turns each into one
 ``llmtrain: error: ...`` line and exit status 2, except :class:`TrainingStopped` (status 3).
 Each also keeps the built-in base it had before the common base existed (``ValueError``,
 ``RuntimeError``), so ``except ValueError`` and the like still catch it.
@@ -68,3 +69,23 @@ def require_extra(module: str, extra: str, feature: str, instead: str = "") -> N
     if not found:
         raise MissingExtra(f"{feature} needs {module}, which is not installed (llmtrain's {extra} extra: "
                            f"{EXTRAS[extra]}): pip install \"llmtrain[{extra}]\"" + (f", {instead}" if instead else ""))
+
+
+def import_object(spec: str, field: str, usage: str) -> object:
+    """The object a config field names as ``module:name`` (a user's objective, rollout engine or
+    reward function), imported. ``field``: the field as the user wrote it (``reward.functions[0]``);
+    ``usage``: what to give instead (``importable.module:function``).
+
+    Raises:
+        ConfigError: no ``:name`` part, the module cannot be imported, or it has no such name
+            (``FIELD='SPEC' cannot be imported (the import's error); give USAGE``).
+    """
+    import importlib
+
+    module_name, _, name = str(spec).partition(":")
+    if not name:
+        raise ConfigError(f"{field}={spec!r} is not {usage}")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"{field}={spec!r} cannot be imported ({err}); give {usage}") from None

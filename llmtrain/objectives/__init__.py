@@ -14,10 +14,9 @@ give exactly the gradient of one big batch, whatever the split.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-from llmtrain.common.errors import ConfigError
+from llmtrain.common.errors import ConfigError, import_object
 from llmtrain.objectives.base import LossSums, Objective
 from llmtrain.objectives.causal_lm import CausalLM
 from llmtrain.objectives.grpo import GRPO
@@ -49,12 +48,8 @@ def build_objective(objective_cfg: Any) -> Objective:
             raise ConfigError(f"objective.name={name!r} is not a built-in objective (choose one of "
                               f"{', '.join(sorted(BUILT_IN))}, or set objective.target=module:Class)")
         return BUILT_IN[name](objective_cfg)
-    module_name, _, class_name = str(target).partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ConfigError(f"objective.target={target!r} cannot be loaded ({err}); give it as "
-                          "importable.module:ClassName") from None
+    class_name = str(target).partition(":")[2]
+    cls = import_object(target, "objective.target", "importable.module:ClassName")
     if not (isinstance(cls, type) and issubclass(cls, Objective)):
         raise ConfigError(f"objective.target={target!r} is not a subclass of llmtrain.objectives.Objective")
     try:

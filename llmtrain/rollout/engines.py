@@ -13,11 +13,10 @@ objective. The seam is :class:`RolloutEngine`'s one method; the rest of a genera
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from typing import Any
 
-from llmtrain.common.errors import ConfigError
+from llmtrain.common.errors import ConfigError, import_object
 from llmtrain.rollout.generate import Completion, Sampling, sample_group
 
 
@@ -65,14 +64,10 @@ def build_rollout_engine(cfg: Any, tokenizer: Any, sampling: Sampling) -> Rollou
     spec = str(cfg.rollout.engine)
     if spec in BUILT_IN:
         return BUILT_IN[spec](cfg, tokenizer, sampling)
-    module_name, _, class_name = spec.partition(":")
-    if not class_name:
+    if ":" not in spec:
         raise ConfigError(f"rollout.engine={spec!r} is neither a built-in engine ({', '.join(BUILT_IN)}) nor "
                           "module:Class")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"rollout.engine={spec!r} cannot be imported ({err}); give importable.module:Class") from None
+    cls = import_object(spec, "rollout.engine", "importable.module:Class")
     if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
         raise ConfigError(f"rollout.engine={spec!r} is not a subclass of llmtrain.rollout.engines.RolloutEngine")
     return cls(cfg, tokenizer, sampling)

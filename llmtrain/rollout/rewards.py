@@ -28,7 +28,6 @@ Model output is text and is never evaluated as code.
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmtrain.common.errors import ConfigError
+from llmtrain.common.errors import ConfigError, import_object
 
 GSM8K_MARKER = "####"
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
@@ -222,15 +221,10 @@ def build(functions: list[str], weights: list[float], max_completion_length: int
 
 
 def _import(spec: str, k: int) -> Callable[..., list[Any]]:
-    module_name, _, attribute = spec.partition(":")
-    if not attribute:
+    if ":" not in spec:
         raise ConfigError(f"reward.functions[{k}]={spec!r} is neither a built-in ({', '.join(sorted(BUILT_IN))}) nor "
                           "module:function")
-    try:
-        fn = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"reward.functions[{k}]={spec!r} cannot be imported ({err}); give importable.module:function "
-                          "(on every rank's Python path)") from None
+    fn = import_object(spec, f"reward.functions[{k}]", "importable.module:function (on every rank's Python path)")
     if not callable(fn):
         raise ConfigError(f"reward.functions[{k}]={spec!r} is not callable")
     return fn
