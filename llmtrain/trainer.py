@@ -395,8 +395,7 @@ class Trainer:
         try:
             functions = build_rewards(self.cfg, probe, self.env.device)
         except RewardError as err:
-            raise ConfigError(f"reward.functions: {err}; fix the function (it must return one finite float, or None, "
-                              "per completion)") from err.__cause__
+            raise ConfigError(f"reward.functions: {err}") from err.__cause__
         return sampler, functions
 
     def _build_model(self):

@@ -30,6 +30,11 @@ def answer_seen(completions, answer, **_):
     return [float(a.split("####")[-1].strip() in c) for c, a in zip(completions, answer)]
 
 
+def scores_nothing(completions, **_):
+    """None for every completion: nothing is scorable."""
+    return [None] * len(completions)
+
+
 def raises_at_step_two(completions, completion_ids, **_):
     """Raises on the second training batch of 4 sampled completions it sees (the start-up check's
     placeholders have no ids; a held-out evaluation of 2 prompts has 2 completions)."""

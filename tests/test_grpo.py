@@ -210,6 +210,69 @@ def test_a_prompt_too_long_names_the_record_and_the_fixes(questions, tmp_path):
     assert len(train(dropping)["losses"]) == 2
 
 
+def test_empty_prompts_and_too_few_records_are_refused_naming_them(tmp_path):
+    import json
+
+    from conftest import make_cfg
+    from llmtrain.common.errors import DataError
+    from llmtrain.trainer import train
+
+    run_dir = tmp_path / "run"
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in ["What?", "", "Why?"]))
+    with pytest.raises(DataError, match=r"record 1: the prompt \('question'\) is empty"):
+        train(make_cfg(_grpo_overrides(path, f"run_dir={run_dir}")))
+    path.write_text(json.dumps({"question": "What?", "answer": "#### 1"}) + "\n")
+    with pytest.raises(DataError, match="1 record\\(s\\); online RL needs at least 2 prompts"):
+        train(make_cfg(_grpo_overrides(path, f"run_dir={run_dir}")))
+    assert not run_dir.exists()
+
+
+def test_a_builtin_reward_without_its_column_and_a_module_that_fails_to_load_are_refused(tmp_path, monkeypatch):
+    """gsm8k on records without an 'answer' column would score nothing (every advantage 0) for the
+    whole run; a reward module with a syntax error names its file and line. Nothing is written."""
+    import json
+
+    from conftest import make_cfg
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.trainer import train
+
+    run_dir = tmp_path / "run"
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i}?", "solution": f"#### {i}"}) + "\n" for i in range(6)))
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\]=gsm8k reads each record's 'answer' column, which "
+                                          r"the records of data.path do not have \(theirs: solution besides"):
+        train(make_cfg(_grpo_overrides(path, "reward.functions=[gsm8k]", f"run_dir={run_dir}")))
+    (tmp_path / "broken_rewards.py").write_text("def f(completions, **_)\n    return [0.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\]='broken_rewards:f': importing broken_rewards failed "
+                                          r"with SyntaxError \(.*broken_rewards.py:1\)"):
+        train(make_cfg(_grpo_overrides(path, "reward.functions=[broken_rewards:f]", f"run_dir={run_dir}")))
+    assert not run_dir.exists()
+
+
+def test_unscorable_completions_get_no_advantage_and_one_warning(questions, tmp_path, caplog):
+    """A completion every function returned None for: NaN reward (left out of train/reward, as
+    TRL 1.16), advantage 0, and one warning a run (TRL warns every step)."""
+    import json
+    import logging
+
+    from conftest import make_cfg, read_metrics
+    from llmtrain.trainer import train
+
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="llmtrain"):
+        train(make_cfg(_grpo_overrides(questions, "reward.functions=[tests.grpo_fixtures:scores_nothing]",
+                                       f"run_dir={run_dir}")))
+    warned = [r for r in caplog.records if "every reward function returned None" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    rows = [r for r in read_metrics(run_dir) if "train/reward" in r]
+    assert len(rows) == 2 and all(r["train/reward"] != r["train/reward"] for r in rows)  # NaN
+    assert all(r["train/loss"] == 0.0 for r in rows)  # every advantage 0
+    lines = [json.loads(line) for line in (run_dir / "completions" / "step_1.jsonl").read_text().splitlines()]
+    assert all(line["advantage"] == 0.0 and line["reward"] is None for line in lines)
+
+
 def test_a_reward_function_that_raises_mid_run_stops_after_the_last_checkpoint(questions, tmp_path):
     from conftest import make_cfg
     from llmtrain.checkpoint.protocol import verify

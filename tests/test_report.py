@@ -198,7 +198,8 @@ def test_an_online_rl_run_plots_reward_and_completion_length(tmp_path):
     for s in range(1, 7):
         records.append({"step": s, "train/loss": 0.01 * s, "train/lr": 1e-3, "train/grad_norm": 0.5,
                         "train/kl": 0.001 * s, "train/reward": 0.1 * s, "train/completions/mean_length": 20.0 + s})
-    records[-1]["val/reward"] = 0.75
+    records[-1].update({"val/reward": 0.75, "time/wall_s": 100.0, "time/productive_s": 80.0,
+                        "time/generation_s": 50.0, "time/reward_s": 5.0})
     fig = build_figure(records, [], "grpo")
     ax = _panel(fig, "reward and completion length")
     assert [line.get_label() for line in ax.get_lines()] == ["train reward", "val reward (greedy)"]
@@ -213,3 +214,7 @@ def test_an_online_rl_run_plots_reward_and_completion_length(tmp_path):
     write_report(run)
     text = (run / "report.md").read_text()
     assert "| last train reward (sampled) | 0.6000 |" in text and "| last val reward (greedy) | 0.7500 |" in text
+    # Generation and scoring are parts of the productive time, not added to it.
+    assert "| productive | 80.0 | 80.0 % |\n| productive: generation | 50.0 | 50.0 % |\n" \
+           "| productive: reward functions | 5.0 | 5.0 % |" in text
+    assert "| other | 20.0 | 20.0 % |" in text

@@ -77,8 +77,8 @@ def import_object(spec: str, field: str, usage: str) -> object:
     ``usage``: what to give instead (``importable.module:function``).
 
     Raises:
-        ConfigError: no ``:name`` part, the module cannot be imported, or it has no such name
-            (``FIELD='SPEC' cannot be imported (the import's error); give USAGE``).
+        ConfigError: no ``:name`` part, the module cannot be found or fails as it loads (a
+            syntax error, with its file and line), or it has no such name; each naming the field.
     """
     import importlib
 
@@ -86,6 +86,15 @@ def import_object(spec: str, field: str, usage: str) -> object:
     if not name:
         raise ConfigError(f"{field}={spec!r} is not {usage}")
     try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError) as err:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
         raise ConfigError(f"{field}={spec!r} cannot be imported ({err}); give {usage}") from None
+    except Exception as err:  # noqa: BLE001  (a user's module failing as it loads: a syntax error, its own raise)
+        where = f" ({err.filename}:{err.lineno})" if isinstance(err, SyntaxError) else ""
+        raise ConfigError(f"{field}={spec!r}: importing {module_name} failed with {type(err).__name__}{where}: "
+                          f"{err}") from err
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ConfigError(f"{field}={spec!r} cannot be imported (module {module_name!r} has no {name!r}); give "
+                          f"{usage}") from None

@@ -57,8 +57,8 @@ def encode_prompts(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: s
         (``datasets.Dataset`` of samples, counts ``{"records", "dropped_too_long"}``).
 
     Raises:
-        DataError: a prompt that is too long (naming the record, its length and the fixes), not a
-            string or message list, or fewer than 2 usable prompts.
+        DataError: a prompt that is empty or too long (naming the record, its length and the
+            fixes), not a string or message list, or fewer than 2 usable prompts.
     """
     name = column(records, src, "prompt", key, "prompts", where)
     drop = data_cfg.truncation == "drop"
@@ -66,6 +66,8 @@ def encode_prompts(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: s
 
     def encode(record: dict, index: int) -> dict:
         ids = render(record[name], tokenizer, str(data_cfg.template), f"{where} record {index}")
+        if not ids:  # nothing to continue from: the model cannot sample a first token
+            raise DataError(f"{where} record {index}: the prompt ({name!r}) is empty; give every record a prompt")
         if len(ids) > budget and not drop:
             raise DataError(f"{where} record {index}: the prompt has {len(ids)} tokens, over the {budget} that "
                             f"data.seq_len={data_cfg.seq_len} leaves beside rollout.max_completion_length; raise "
@@ -83,9 +85,13 @@ def encode_prompts(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: s
                             "have a 'prompt' column, which the reward functions would get under the same name; rename one")
         samples = samples.rename_column(name, "prompt")
     counts = {"records": len(records), "dropped_too_long": len(records) - len(keep)}
+    if len(records) < 2:
+        raise DataError(f"{where}: {len(records)} record(s); online RL needs at least 2 prompts (one to train on, one "
+                        "held out)")
     if len(samples) < 2:
         raise DataError(f"{where}: {len(samples)} of {len(records)} prompts fit in {budget} tokens (data.seq_len - "
-                        "rollout.max_completion_length); need at least 2 (one to train, one to validate)")
+                        "rollout.max_completion_length); need at least 2 (one to train, one to validate): raise "
+                        "data.seq_len or lower rollout.max_completion_length")
     return samples, counts
 
 

@@ -465,6 +465,10 @@ def _markdown(run_dir: Path, records: list[dict], cfg, procs: list[dict] | None,
         wall = last["time/wall_s"]
         parts = [(name, float(last.get(key) or 0.0)) for name, key in GOODPUT_ROWS]
         parts.append(("other", max(0.0, wall - sum(s for _, s in parts))))
+        # Online RL: sampling and scoring happen inside the productive steps; shown as their parts.
+        within = [(f"productive: {name}", float(last[key])) for name, key in
+                  (("generation", "time/generation_s"), ("reward functions", "time/reward_s")) if key in last]
+        parts[1:1] = within
         rows = [[name, f"{s:.1f}", f"{100 * s / wall:.1f} %" if wall > 0 else "n/a"] for name, s in parts]
         rows.append(["**wall**", f"{wall:.1f}", "100.0 %"])
         out += [f"At step {last.get('step')}:", ""] + _table(["time", "seconds", "% of wall"], rows)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmtrain.common.errors import ConfigError
 from llmtrain.rollout import rewards
 from llmtrain.rollout.engines import RolloutEngine, build_rollout_engine
 from llmtrain.rollout.generate import Sampling
@@ -25,13 +26,20 @@ def build_rewards(cfg: Any, samples: list[dict], device: Any = "cpu") -> list[re
     raises, returns another number of values or a non-number fails before anything is written.
 
     Raises:
-        ConfigError: a function that cannot be built (:func:`rewards.build`).
+        ConfigError: a function that cannot be built (:func:`rewards.build`), or a built-in whose
+            column the data lacks (``gsm8k`` without ``answer``).
         RewardError: a function failed the check (naming it and what it returned).
     """
     functions = rewards.build(list(cfg.reward.functions), list(cfg.reward.weights), int(cfg.rollout.max_completion_length),
                               device)
     prompts, completions, ids, columns = [], [], [], {}
     extra = [k for k in samples[0] if k not in ("prompt", "prompt_ids", "record")] if samples else []
+    for k, f in enumerate(functions):
+        missing = [c for c in f.columns if c not in extra]
+        if missing and samples:  # it would score nothing: every reward None, every advantage 0
+            raise ConfigError(f"reward.functions[{k}]={f.name} reads each record's {missing[0]!r} column, which the "
+                              f"records of data.path do not have (theirs: {', '.join(extra) or 'none'} besides the "
+                              f"prompt); rename the column holding the reference answers to {missing[0]}")
     for sample in samples:
         for text in ("", "0"):
             prompts.append(sample["prompt"])

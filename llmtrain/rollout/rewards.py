@@ -157,11 +157,13 @@ BUILT_IN = {"gsm8k", "format", "length", "model"}
 
 @dataclass
 class RewardFunction:
-    """One of ``reward.functions``: its name as logged (``rewards/NAME/mean``) and the callable."""
+    """One of ``reward.functions``: its name as logged (``rewards/NAME/mean``), the callable, its
+    weight, and the data columns it cannot score without (a built-in's; checked at start-up)."""
 
     name: str
     fn: Callable[..., list[Any]]
     weight: float
+    columns: tuple[str, ...] = ()
 
 
 def build(functions: list[str], weights: list[float], max_completion_length: int,
@@ -184,7 +186,7 @@ def build(functions: list[str], weights: list[float], max_completion_length: int
         name, _, argument = str(spec).partition(":")
         weight = float(weights[k]) if weights else 1.0
         if name == "gsm8k" and not argument:
-            built.append(RewardFunction("gsm8k", gsm8k_reward, weight))
+            built.append(RewardFunction("gsm8k", gsm8k_reward, weight, columns=("answer",)))
         elif name == "format":
             pattern = argument or None
             try:

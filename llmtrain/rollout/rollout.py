@@ -111,6 +111,7 @@ class Rollout:
         self.group = objective.num_generations
         self.log_completions = int(cfg.rollout.log_completions)
         self.pending: GenerationBatch | None = None
+        self.warned_unscorable = False
 
     # ---- a training step -------------------------------------------------------------------
     def for_step(self, step: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
@@ -189,7 +190,13 @@ class Rollout:
         advantage 0), as TRL 1.16."""
         weights = torch.tensor([f.weight for f in self.functions], dtype=torch.float64)
         rewards = torch.nan_to_num(table * weights, nan=0.0).sum(dim=1)
-        return rewards.masked_fill(torch.isnan(table).all(dim=1), float("nan"))
+        unscorable = torch.isnan(table).all(dim=1)
+        if bool(unscorable.any()) and not self.warned_unscorable:
+            self.warned_unscorable = True  # once a run: TRL warns at every step
+            log.warning("every reward function returned None for %d of %d completions (rank %d; first seen here, not "
+                        "repeated): they get advantage 0 and no reward in train/reward; make at least one function "
+                        "score every completion", int(unscorable.sum()), len(table), self.engine.dp_rank)
+        return rewards.masked_fill(unscorable, float("nan"))
 
     def _global_stats(self, table: torch.Tensor, rewards: torch.Tensor, groups: list[list[Completion]]) -> dict:
         """TRL's rollout metrics over every rank's completions (one all-reduce, one max): the
