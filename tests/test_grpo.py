@@ -374,3 +374,29 @@ def test_reward_model_scores_prompt_and_completion_with_its_own_tokenizer(tmp_pa
     chat = [[{"role": "user", "content": "Hi"}]]  # byte_tokenizer has no chat template: contents joined
     assert scorer(prompts=chat, completions=[[{"role": "assistant", "content": " there"}]]) == pytest.approx(
         [alone("Hi there")], abs=1e-5)
+
+
+def test_reasoning_gym_prompts_carry_answers_the_gsm8k_reward_checks(tmp_path):
+    """scripts/tools/reasoning_gym_prompts.py: seeded problems (the same seed, the same file) whose
+    '#### N' answers the gsm8k reward accepts for the right number only."""
+    pytest.importorskip("reasoning_gym")
+    import json
+    import sys
+
+    from conftest import REPO
+    from llmtrain.rollout.rewards import gsm8k_reward
+
+    sys.path.insert(0, str(REPO / "scripts" / "tools"))
+    from reasoning_gym_prompts import main
+
+    args = ["basic_arithmetic", "--size", "20", "--seed", "3", "--config", "min_terms=2", "max_terms=2"]
+    assert main([args[0], str(tmp_path / "a.jsonl"), *args[1:]]) == 0
+    assert main([args[0], str(tmp_path / "b.jsonl"), *args[1:]]) == 0
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    records = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert len(records) == 20 and all(r["answer"].startswith("#### ") for r in records)
+    right = [f"The answer is {r['answer'][5:]}." for r in records]
+    wrong = [f"The answer is {float(r['answer'][5:]) + 1}." for r in records]
+    answers = [r["answer"] for r in records]
+    assert gsm8k_reward(right, answer=answers) == [1.0] * 20 and gsm8k_reward(wrong, answer=answers) == [0.0] * 20
+    assert main(["no_such_task", str(tmp_path / "c.jsonl")]) == 2
