@@ -25,6 +25,10 @@ FAST = ["tracker=none", "tracker.report=false", "trainer.progress_bar=false", "d
 
 def subprocess_env() -> dict:
     env = dict(os.environ)
+    # A test that ran wandb in this process left its service's address here; a child inheriting it
+    # joins that long-lived service, which still holds the run id of a run the test killed, and
+    # the resumed run is refused ("run ID ... is in use").
+    env.pop("WANDB_SERVICE", None)
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_SILENT="true",
                TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     return env

@@ -300,6 +300,9 @@ def test_completions_reach_wandb_as_a_table_equal_to_their_file(questions, tmp_p
     run = tmp_path / "run"
     overrides = [o for o in _grpo_overrides(questions, f"run_dir={run}") if o != "tracker=none"]
     train(make_cfg(overrides + ["tracker.wandb_mode=offline", "rollout.log_completions=3"]))
+    import wandb
+
+    wandb.teardown()  # the service this process started: later tests' runs get their own
     (folder,) = list((run / "wandb").glob("offline-run-*"))
     history = offline_history(folder)
     for step in (1, 2):
