@@ -218,3 +218,22 @@ def test_an_online_rl_run_plots_reward_and_completion_length(tmp_path):
     assert "| productive | 80.0 | 80.0 % |\n| productive: generation | 50.0 | 50.0 % |\n" \
            "| productive: reward functions | 5.0 | 5.0 % |" in text
     assert "| other | 20.0 | 20.0 % |" in text
+
+
+def test_a_preference_run_plots_accuracy_and_the_held_out_margin():
+    """DPO-like records: preference accuracy (train line, val points) where other runs plot loss
+    against tokens, and the held-out reward margin on a second scale."""
+    records = [{"step": 0, "val/loss": 0.69, "val/rewards/accuracies": 0.0, "val/rewards/margins": 0.0}]
+    for s in range(1, 5):
+        records.append({"step": s, "train/loss": 0.7 - 0.01 * s, "train/lr": 1e-3, "train/grad_norm": 1.0,
+                        "train/rewards/accuracies": 0.5 + 0.1 * s, "train/rewards/chosen": 0.1 * s,
+                        "train/rewards/rejected": -0.1 * s})
+    records[-1].update({"val/loss": 0.6, "val/rewards/accuracies": 0.75, "val/rewards/margins": 0.2})
+    fig = build_figure(records, [2], "dpo")
+    ax = _panel(fig, "preference accuracy and margin")
+    assert [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")] == [
+        "train accuracy", "val accuracy", "resume"]  # the dashed line at the resume step
+    assert ax.get_ylabel() == "preference accuracy" and ax.get_xlabel() == "step"
+    (twin,) = [other for other in fig.axes if other.get_ylabel() == "reward margin (chosen - rejected)"]
+    assert list(twin.get_lines()[0].get_ydata()) == [0.0, 0.2]
+    assert _panel(fig, "loss vs step").get_ylabel() == "loss (per pair)"

@@ -362,15 +362,26 @@ def _preference_panel(ax, records: list[dict], resumes: list[int]) -> None:
     if not plotted:
         _no_data(ax)
         return
-    margins = series(records, "val/rewards/margins")
-    if margins[0]:
+    _second_scale(ax, series(records, "val/rewards/margins"), "s", "tab:red", "val margin",
+                  "reward margin (chosen - rejected)")
+    _finish_step_panel(ax, resumes, "preference accuracy" if series(records, "train/rewards/accuracies")[0]
+                       else "implicit reward", "preference accuracy and margin")
+
+
+def _second_scale(ax, xy: tuple[list[int], list[float]], style: str, color: str, label: str, ylabel: str) -> None:
+    """``xy`` (steps, values) on a second y scale of ``ax``, its legend at the lower right; nothing
+    without data."""
+    if xy[0]:
         twin = ax.twinx()
-        twin.plot(margins[0], margins[1], "s", color="tab:red", label="val margin")
-        twin.set_ylabel("reward margin (chosen - rejected)")
+        twin.plot(xy[0], xy[1], style, color=color, label=label)
+        twin.set_ylabel(ylabel)
         twin.legend(loc="lower right")
+
+
+def _finish_step_panel(ax, resumes: list[int], ylabel: str, title: str) -> None:
+    """A panel against steps: resume lines, labels, integer step ticks, the legend at the upper left."""
     _resume_lines(ax, resumes)
-    ax.set(xlabel="step", ylabel="preference accuracy" if series(records, "train/rewards/accuracies")[0]
-           else "implicit reward", title="preference accuracy and margin")
+    ax.set(xlabel="step", ylabel=ylabel, title=title)
     _step_ticks(ax)
     ax.legend(loc="upper left")
 
@@ -386,16 +397,9 @@ def _rollout_panel(ax, records: list[dict], resumes: list[int]) -> None:
     if not ax.lines:
         _no_data(ax)
         return
-    lengths = series(records, "train/completions/mean_length")
-    if lengths[0]:
-        twin = ax.twinx()
-        twin.plot(lengths[0], lengths[1], ":", color="tab:gray", label="mean completion length")
-        twin.set_ylabel("completion length (tokens)")
-        twin.legend(loc="lower right")
-    _resume_lines(ax, resumes)
-    ax.set(xlabel="step", ylabel="mean reward", title="reward and completion length")
-    _step_ticks(ax)
-    ax.legend(loc="upper left")
+    _second_scale(ax, series(records, "train/completions/mean_length"), ":", "tab:gray", "mean completion length",
+                  "completion length (tokens)")
+    _finish_step_panel(ax, resumes, "mean reward", "reward and completion length")
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
