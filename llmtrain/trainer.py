@@ -633,7 +633,7 @@ class Trainer:
                          metrics["val/reward"], metrics["val/prompts"], detail, metrics["val/completions/mean_length"])
         if step == self.t.max_steps and step > 0:
             self.summary["final_val"] = {k: v for k, v in metrics.items() if k in ("val/loss", "val/perplexity",
-                                         "val/reward", "val/reward_stderr") or k.startswith("val/rewards/")}
+                                         "val/reward") or k.startswith("val/rewards/")}
         return metrics
 
     def _on_unhealthy(self, result: StepResult) -> None:

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_cfg
 from grpo_fixtures import fixed_completion, odd_tokens, short
-from test_preference_trl import _common_args, _initial_model
+from test_preference_trl import _common_args, _initial_model, _training_records, train_rows
 
 trl = pytest.importorskip("trl")
 
@@ -45,30 +44,19 @@ def prompts(tmp_path_factory) -> Path:
 
 
 def _ours(path: Path, run_dir: Path, fields: list[str]) -> tuple[list[dict], object]:
-    from llmtrain.trainer import train
-
-    cfg = make_cfg(["objective=grpo", "data=prompts", f"data.path={path}", "data.columns.prompt=question",
-                    f"data.seq_len={SEQ}", "data.shuffle=false", "data.val_fraction=0.05",
-                    "reward.functions=[tests.grpo_fixtures:odd_tokens,tests.grpo_fixtures:short]",
-                    "rollout.engine=tests.grpo_fixtures:FixedCompletions", f"rollout.max_completion_length={COMPLETION}",
-                    f"objective.num_generations={G}", *fields, f"trainer.max_steps={STEPS}",
-                    f"trainer.global_batch_size={PROMPTS}", f"trainer.micro_batch_size={PROMPTS}", "trainer.lr=1e-3",
-                    "trainer.warmup_steps=0", "trainer.min_lr_ratio=1.0", "trainer.weight_decay=0.0",
-                    "trainer.grad_clip=1.0", "trainer.precision=fp32", "tracker=none", "trainer.log_every=1",
-                    "trainer.eval_every=0", "trainer.eval_samples=1", "trainer.progress_bar=false",
-                    "trainer.save_every_minutes=0", "trainer.export_hf=false", f"run_dir={run_dir}"])
-    train(cfg)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "train/loss" in r], cfg
+    return train_rows(["objective=grpo", "data=prompts", f"data.path={path}", "data.columns.prompt=question",
+                       f"data.seq_len={SEQ}", "data.shuffle=false", "data.val_fraction=0.05",
+                       "reward.functions=[tests.grpo_fixtures:odd_tokens,tests.grpo_fixtures:short]",
+                       "rollout.engine=tests.grpo_fixtures:FixedCompletions",
+                       f"rollout.max_completion_length={COMPLETION}", f"objective.num_generations={G}", *fields,
+                       f"trainer.max_steps={STEPS}", f"trainer.global_batch_size={PROMPTS}",
+                       f"trainer.micro_batch_size={PROMPTS}", "trainer.precision=fp32", "trainer.eval_samples=1",
+                       "trainer.export_hf=false"], run_dir)
 
 
 def _training_prompts(path: Path, cfg) -> list[str]:
     """The questions of llmtrain's training split, in its (unshuffled) order."""
-    from llmtrain.data import _split
-
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    train_idx, _ = _split(len(records), cfg.data.val_fraction, cfg.trainer.seed)
-    return [records[train_idx[k]]["question"] for k in range(len(train_idx))]
+    return [record["question"] for record in _training_records(path, cfg)]
 
 
 def _trl(tmp_path: Path, cfg, questions: list[str], **config) -> list[dict]:

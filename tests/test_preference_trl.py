@@ -46,18 +46,28 @@ def hh_pairs(shared_data, tmp_path_factory) -> Path:
     return path
 
 
-def _ours(path: Path, run_dir: Path, objective: list[str], micro: int, seq: int = SEQ) -> tuple[list[dict], object]:
+# What TRL's trainers are given in these comparisons (AdamW at a constant 1e-3, no decay, clipping
+# at 1), with every step logged and nothing else running: llmtrain's side of the same settings.
+TRL_MATCHED = ["trainer.lr=1e-3", "trainer.warmup_steps=0", "trainer.min_lr_ratio=1.0", "trainer.weight_decay=0.0",
+               "trainer.grad_clip=1.0", "tracker=none", "trainer.log_every=1", "trainer.eval_every=0",
+               "trainer.progress_bar=false", "trainer.save_every_minutes=0"]
+
+
+def train_rows(overrides: list[str], run_dir: Path) -> tuple[list[dict], object]:
+    """llmtrain trained in-process with ``overrides`` + :data:`TRL_MATCHED`: its per-step training
+    records and its config."""
     from llmtrain.trainer import train
 
-    cfg = make_cfg(["data=preference", f"data.path={path}", f"data.seq_len={seq}", "data.max_prompt_tokens=null",
-                    "data.shuffle=false", "data.val_fraction=0.05", *objective, f"trainer.max_steps={STEPS}",
-                    f"trainer.global_batch_size={BATCH}", f"trainer.micro_batch_size={micro}", "trainer.lr=1e-3",
-                    "trainer.warmup_steps=0", "trainer.min_lr_ratio=1.0", "trainer.weight_decay=0.0",
-                    "trainer.grad_clip=1.0", "tracker=none", "trainer.log_every=1", "trainer.eval_every=0",
-                    "trainer.progress_bar=false", "trainer.save_every_minutes=0", f"run_dir={run_dir}"])
+    cfg = make_cfg([*overrides, *TRL_MATCHED, f"run_dir={run_dir}"])
     train(cfg)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in records if "train/loss" in r], cfg
+
+
+def _ours(path: Path, run_dir: Path, objective: list[str], micro: int, seq: int = SEQ) -> tuple[list[dict], object]:
+    return train_rows(["data=preference", f"data.path={path}", f"data.seq_len={seq}", "data.max_prompt_tokens=null",
+                       "data.shuffle=false", "data.val_fraction=0.05", *objective, f"trainer.max_steps={STEPS}",
+                       f"trainer.global_batch_size={BATCH}", f"trainer.micro_batch_size={micro}"], run_dir)
 
 
 def _training_records(path: Path, cfg) -> list[dict]:
