@@ -403,3 +403,31 @@ def test_reasoning_gym_prompts_carry_answers_the_gsm8k_reward_checks(tmp_path):
     answers = [r["answer"] for r in records]
     assert gsm8k_reward(right, answer=answers) == [1.0] * 20 and gsm8k_reward(wrong, answer=answers) == [0.0] * 20
     assert main(["no_such_task", str(tmp_path / "c.jsonl")]) == 2
+
+
+def test_bf16_runs_sample_from_bf16_weights_and_get_their_fp32_weights_back():
+    """``bf16_weights`` (the sampling loop of one process and DDP under ``precision=bf16``): inside,
+    the model computes as a bf16 copy of itself does (an independent ``.to(bfloat16)``); after, every
+    parameter is the same fp32 tensor with the same values (the optimizer's master weights)."""
+    import copy
+
+    from llmtrain.engine.native import bf16_weights
+    from llmtrain.rollout.generate import Sampling, sample_group
+
+    model = _tiny_model().eval()
+    before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    for buffer, ref_buffer in zip(model.buffers(), reference.buffers()):
+        ref_buffer.data = buffer.data.clone()  # buffers (RoPE) stay fp32 in bf16_weights
+    ids = torch.tensor([[5, 9, 3, 7]])
+    sampling = Sampling(temperature=1.0, max_new=6)
+    with bf16_weights(model, True):
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+        ours = sample_group(model, [5, 9, 3, 7], [11, 12, None], sampling, torch.device("cpu"))
+    theirs = sample_group(reference, [5, 9, 3, 7], [11, 12, None], sampling, torch.device("cpu"))
+    assert [c.ids for c in ours] == [c.ids for c in theirs]
+    for name, p in model.named_parameters():
+        assert p is before[name][0] and p.dtype == torch.float32 and torch.equal(p, before[name][1]), name
+    with bf16_weights(model, False):
+        assert {p.dtype for p in model.parameters()} == {torch.float32}

@@ -1,0 +1,78 @@
+"""Rollout throughput: decode tokens/s of the ``hf`` engine's sampling loop per precision mode,
+side by side, on a SmolLM2-135M-shaped Llama (config-built, random weights: every completion runs
+to ``--new`` tokens, so each mode decodes the same number of tokens), one thread, rounds
+alternating the order of the modes. Wall clock and CPU time (``time.process_time``) per mode.
+
+* ``fp32``: fp32 weights, no autocast (``trainer.precision=fp32``).
+* ``bf16-autocast``: fp32 weights under bf16 autocast (how bf16 runs sampled before
+  :func:`llmtrain.engine.native.bf16_weights`).
+* ``bf16``: bf16 weights for the duration of the sampling loop (bf16 runs now).
+
+    python scripts/bench/rollout.py [--rounds 3] [--rows 8] [--prompt 64] [--new 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import benchlib  # noqa: F401  (the checkout's llmtrain first)
+import torch
+
+from llmtrain.engine.native import bf16_weights
+from llmtrain.rollout.generate import Sampling, sample_group
+
+MODES = ("fp32", "bf16-autocast", "bf16")
+
+
+def smollm2_shaped() -> torch.nn.Module:
+    """A Llama with SmolLM2-135M's shape (30 layers, hidden 576, 9 heads / 3 KV heads, 49152 vocab)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                         tie_word_embeddings=True)
+    return LlamaForCausalLM(config).eval()
+
+
+def run(model: torch.nn.Module, mode: str, args) -> tuple[float, float, int]:
+    """One sampling batch in ``mode``: (wall s, CPU s, tokens decoded)."""
+    sampling = Sampling(temperature=1.0, max_new=args.new)
+    prompt = list(range(100, 100 + args.prompt))
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if mode != "fp32" else contextlib.nullcontext
+    wall, cpu = time.perf_counter(), time.process_time()
+    with bf16_weights(model, mode == "bf16"):
+        out = sample_group(model, prompt, list(range(args.rows)), sampling, torch.device("cpu"), autocast=autocast)
+    return time.perf_counter() - wall, time.process_time() - cpu, sum(len(c.ids) for c in out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=8, help="completions per prompt (G), decoded as one batch")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    parser.add_argument("--new", type=int, default=32, help="tokens per completion")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model = smollm2_shaped()
+    run(model, "bf16", args)  # warm-up: oneDNN's bf16 kernels, allocator
+    results: dict[str, list[tuple[float, float, int]]] = {m: [] for m in MODES}
+    for r in range(args.rounds):
+        for mode in benchlib.alternating(MODES, r):
+            results[mode].append(run(model, mode, args))
+    base_wall = statistics.median(w for w, _, _ in results["fp32"])
+    base_cpu = statistics.median(c for _, c, _ in results["fp32"])
+    print(f"{'mode':<14} {'tokens/s':>9} {'ms/step':>8} {'wall vs fp32':>13} {'cpu vs fp32':>12}")
+    for mode in MODES:
+        wall = statistics.median(w for w, _, _ in results[mode])
+        cpu = statistics.median(c for _, c, _ in results[mode])
+        tokens = results[mode][0][2]
+        print(f"{mode:<14} {tokens / wall:9.1f} {1000 * wall / args.new:8.1f} {base_wall / wall:13.2f}x "
+              f"{base_cpu / cpu:11.2f}x")
+
+
+if __name__ == "__main__":
+    main()
