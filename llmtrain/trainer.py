@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 
 from llmtrain import data
 from llmtrain.checkpoint.checkpointer import Checkpointer, checkpoint_bytes, dump_loaded_model, warn_if_disk_is_short
-from llmtrain.checkpoint.export import export_hf
+from llmtrain.checkpoint.export import export_hf, write_policy
 from llmtrain.checkpoint.protocol import CheckpointManager, lock_run_dir, step_of
 from llmtrain.checkpoint.resume import check_resumable
 from llmtrain.checkpoint.state import TrainState, restore_rng
@@ -390,7 +390,12 @@ class Trainer:
         """
         if not self.objective.online:
             return None
-        sampler = build_sampler(self.cfg, self.tokenizer, data.end_token_ids(self.cfg.data, self.tokenizer))
+        end_ids = data.end_token_ids(self.cfg.data, self.tokenizer)
+        sampler = build_sampler(self.cfg, self.tokenizer, end_ids)
+        sampler.check()
+        # An engine that serves the policy elsewhere (vLLM) gets its weights written by the export's code.
+        sampler.publish = lambda directory, part: write_policy(self.engine, self.cfg, self.tokenizer, directory, part,
+                                                               end_ids)
         probe = [self.splits.train[i] for i in range(min(2, len(self.splits.train)))]
         try:
             functions = build_rewards(self.cfg, probe, self.env.device)
@@ -629,11 +634,12 @@ class Trainer:
                 log.info("eval at step %d: val loss %.4f (%s)%s", step, metrics["val/loss"], detail,
                          f", train loss {train_loss:.4f}" if train_loss is not None else "")
             else:  # an online objective: the mean reward of greedy completions of held-out prompts
-                log.info("eval at step %d: val reward %.4f over %d prompts (%s), mean completion %.1f tokens", step,
-                         metrics["val/reward"], metrics["val/prompts"], detail, metrics["val/completions/mean_length"])
+                log.info("eval at step %d: val reward %.4f ± %.4f (standard error) over %d prompts (%s), mean "
+                         "completion %.1f tokens", step, metrics["val/reward"], metrics["val/reward_stderr"],
+                         metrics["val/prompts"], detail, metrics["val/completions/mean_length"])
         if step == self.t.max_steps and step > 0:
             self.summary["final_val"] = {k: v for k, v in metrics.items() if k in ("val/loss", "val/perplexity",
-                                         "val/reward") or k.startswith("val/rewards/")}
+                                         "val/reward", "val/reward_stderr") or k.startswith("val/rewards/")}
         return metrics
 
     def _on_unhealthy(self, result: StepResult) -> None:
@@ -690,9 +696,15 @@ class Trainer:
             log.warning("preempted (%s): saved step %d; %s", self.preemption.requested or "signal on another rank",
                         summary["preempted_at"], "submitit requeues the job, which continues from it"
                         if distributed.scheduler_signal() else "rerun the same command to continue")
+        self.close_sampler()
         self.engine.close()
         distributed.barrier()
         return summary
+
+    def close_sampler(self) -> None:
+        """Stop what an online objective's rollout engine started (a vLLM server); idempotent."""
+        if getattr(self, "online_parts", None):
+            self.online_parts[0].close()
 
 
 def train(cfg: Any) -> dict[str, Any]:
@@ -708,3 +720,4 @@ def train(cfg: Any) -> dict[str, Any]:
         return trainer.train()
     finally:
         trainer.watchdog.stop()  # also when the loop raises: a process that lives on is not watched
+        trainer.close_sampler()  # a server started for the run stops with it, on errors too

@@ -148,7 +148,7 @@ def questions(tmp_path):
     ("+recipe=pp", "pipeline stages cannot do alone"),
     ("rollout.temperature=0", "rollout.temperature=0"),
     ("rollout.max_completion_length=64", "leaves no room for a prompt in data.seq_len=64"),
-    ("rollout.engine=vllm", "rollout.engine='vllm' must be one of hf or module:Class"),
+    ("rollout.engine=sglang", "rollout.engine='sglang' must be one of hf, vllm or module:Class"),
     ("reward.functions=[]", "reward.functions is empty"),
     ("reward.weights=[1.0,2.0]", "reward.weights has 2 values for 1 reward.functions"),
     ("data.format=text", "data.columns: ['prompt'] are not fields of format text"),

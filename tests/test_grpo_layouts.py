@@ -83,6 +83,7 @@ def test_two_ranks_sample_the_same_completions_and_equal_one_process(name, recip
     assert [r["step"] for r in val_two] == [0, 3, 6]
     for a, b in zip(val_one, val_two):
         assert b["val/reward"] == pytest.approx(a["val/reward"], abs=TOL)
+        assert b["val/reward_stderr"] == pytest.approx(a["val/reward_stderr"], abs=TOL)  # squares all-reduced
         assert b["val/prompts"] == a["val/prompts"] == 3  # 2 on rank 0, 1 on rank 1
 
 

@@ -51,14 +51,9 @@ def export_hf(engine, cfg: Any, tokenizer: Any, run_dir: Path, end_token_ids: li
     Raises:
         RuntimeError: the engine's state dict does not fit the model built from the config.
     """
-    state = engine.full_state_dict()
-    if not engine.env.is_main:
+    state = trained_state(engine, cfg)
+    if state is None:
         return {}
-    if adapters.is_partial(cfg) and cfg.recipe.engine == "deepspeed" and cfg.trainer.precision == "bf16":
-        # DeepSpeed holds frozen parameters in bf16 only (no fp32 master): export the trained
-        # tensors on the fp32 base rebuilt from its source, as users load it.
-        trainable = {n for n, p in engine.model.named_parameters(remove_duplicate=False) if p.requires_grad}
-        state = adapters.whole_state({k: v for k, v in state.items() if k in trainable}, cfg)
     if cfg.get("peft") is not None and "score.weight" in state:
         # A LoRA reward model: its classification head trained in full, outside the adapter, so
         # the export is the merged classifier (AutoModelForSequenceClassification), no adapter.
@@ -67,6 +62,63 @@ def export_hf(engine, cfg: Any, tokenizer: Any, run_dir: Path, end_token_ids: li
         return export_lora(state, cfg, tokenizer, run_dir / "adapter",
                            run_dir / "hf" if cfg.trainer.export_merged else None, end_token_ids)
     return {"export": str(save_hf_folder(state, cfg.model, tokenizer, run_dir / "hf", end_token_ids))}
+
+
+def trained_state(engine, cfg: Any) -> dict[str, torch.Tensor] | None:
+    """The live engine's whole fp32 state dict (in-place LoRA names) on rank 0, None elsewhere.
+    Collective call (ZeRO-3 and FSDP2 gather)."""
+    state = engine.full_state_dict()
+    if not engine.env.is_main:
+        return None
+    if adapters.is_partial(cfg) and cfg.recipe.engine == "deepspeed" and cfg.trainer.precision == "bf16":
+        # DeepSpeed holds frozen parameters in bf16 only (no fp32 master): export the trained
+        # tensors on the fp32 base rebuilt from its source, as users load it.
+        trainable = {n for n, p in engine.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        state = adapters.whole_state({k: v for k, v in state.items() if k in trainable}, cfg)
+    return state
+
+
+def write_policy(engine, cfg: Any, tokenizer: Any, directory: Path, part: str,
+                 end_token_ids: list[int] | None = None) -> Path | None:
+    """The policy's current weights for an inference server (a rollout engine such as vLLM),
+    written to ``directory`` by rank 0; collective call (returns None on other ranks).
+
+    ``part``: ``"model"``: a Hugging Face folder of the whole model (for a LoRA run, its untrained
+    base: :func:`untrained_base`) with the tokenizer and ``generation_config.json`` ending at
+    ``end_token_ids``; ``"adapter"``: a LoRA run's PEFT adapter folder. The folder's output
+    embedding is written untied (``lm_head.weight`` saved, ``tie_word_embeddings`` false): vLLM
+    0.32's in-place weight reload skips a tied head, which would then keep its old values.
+
+    Raises:
+        ValueError: ``part`` is neither, or ``"adapter"`` for a run without ``+peft``.
+    """
+    if part not in ("model", "adapter") or (part == "adapter" and cfg.get("peft") is None):
+        raise ValueError(f"write_policy: part={part!r} (model, or adapter for a +peft run)")
+    state = trained_state(engine, cfg)
+    if state is None:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    if part == "adapter":
+        save_adapter(state, cfg, directory, "")
+        return directory
+    from safetensors.torch import save_file
+
+    whole = untrained_base(state, cfg) if cfg.get("peft") is not None else state
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    fresh = model_from_state(whole, cfg.model, pad)
+    # Every key, a tied head too (PyTorch's state_dict lists it under both names), as its own copy.
+    tensors = {k: v.detach().clone().contiguous() for k, v in fresh.state_dict().items()}
+    fresh.config.tie_word_embeddings = False
+    if hasattr(fresh.config, "get_text_config"):
+        fresh.config.get_text_config().tie_word_embeddings = False
+    fresh.config.save_pretrained(directory)
+    if end_token_ids and getattr(fresh, "generation_config", None) is not None:
+        fresh.generation_config.eos_token_id = _eos_token_id(end_token_ids)
+        fresh.generation_config.save_pretrained(directory)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(directory)
+    follow_umask(directory)
+    return directory
 
 
 def model_from_state(state: dict[str, torch.Tensor], model_cfg: Any, pad_token_id: int | None = None) -> torch.nn.Module:

@@ -530,7 +530,8 @@ class RolloutConfig:
 
     Attributes:
         engine: ``hf``: the policy itself, under its layout, with llmtrain's sampling loop (every
-            data-parallel recipe, tensor parallel, LoRA); or ``module:Class`` of your own
+            data-parallel recipe, tensor parallel, LoRA); ``vllm``: a vLLM server in its own
+            environment (:mod:`llmtrain.rollout.vllm_server`); or ``module:Class`` of your own
             :class:`llmtrain.rollout.engines.RolloutEngine` (a server client, fixed completions).
         temperature, top_p, top_k: sampling (``top_k`` 0: off; ``top_p`` 1: off). The loss's
             log-probs are those of the logits divided by ``temperature``.
@@ -538,6 +539,15 @@ class RolloutConfig:
         stop: strings that end a completion (besides the tokenizer's end tokens), kept in it.
         log_completions: completions of each step written to ``run_dir/completions/step_N.jsonl``
             (with their prompts, rewards and advantages; rank 0's first ones); 0: none.
+        sync_every: ``vllm``: optimizer steps between weight syncs to the server (1: every step;
+            more samples from weights up to ``sync_every - 1`` steps old).
+        vllm_python: ``vllm``: the Python of the environment with vLLM ("": ``$LLMTRAIN_VLLM_PYTHON``
+            or ``~/.cache/llmtrain/vllm-venv/bin/python``).
+        vllm_url: ``vllm``: a server you started (same flags as llmtrain's, on this filesystem);
+            "": llmtrain starts and stops one.
+        vllm_port: ``vllm``: the port of the server llmtrain starts (0: a free one).
+        vllm_start_timeout_s: ``vllm``: seconds to wait for the server to answer ``/health``.
+        vllm_args: ``vllm``: extra arguments to the server llmtrain starts.
     """
 
     engine: str = "hf"
@@ -547,6 +557,12 @@ class RolloutConfig:
     max_completion_length: int = 256
     stop: List[str] = field(default_factory=list)
     log_completions: int = 4
+    sync_every: int = 1
+    vllm_python: str = ""
+    vllm_url: str = ""
+    vllm_port: int = 0
+    vllm_start_timeout_s: float = 600.0
+    vllm_args: List[str] = field(default_factory=list)
 
 
 @dataclass

@@ -559,7 +559,7 @@ def validate_objective(cfg: Any) -> None:
     _refuse_stray_fields(o, name)
 
 
-ROLLOUT_ENGINES = ("hf",)
+ROLLOUT_ENGINES = ("hf", "vllm")
 
 
 def validate_online(cfg: Any, formats: set[str]) -> None:
@@ -604,6 +604,14 @@ def validate_online(cfg: Any, formats: set[str]) -> None:
     _require(ro.max_completion_length < d.seq_len, f"rollout.max_completion_length={ro.max_completion_length} leaves "
              f"no room for a prompt in data.seq_len={d.seq_len}; raise data.seq_len or lower the completion length")
     _require(ro.log_completions >= 0, f"rollout.log_completions={ro.log_completions} must be >= 0")
+    _require(ro.sync_every >= 1, f"rollout.sync_every={ro.sync_every} must be >= 1 (optimizer steps between weight "
+             "syncs to the vLLM server)")
+    if ro.engine == "vllm" and cfg.get("peft") is not None:
+        p = cfg.peft
+        _require(not p.modules_to_save and not p.target_parameters, "peft.modules_to_save / peft.target_parameters "
+                 "with rollout.engine=vllm: vLLM loads adapters of Linear layers only; use rollout.engine=hf or drop "
+                 "them")
+        _require(int(p.r) <= 512, f"peft.r={p.r} with rollout.engine=vllm: vLLM serves LoRA ranks up to 512")
     _require(bool(cfg.reward.functions), "reward.functions is empty: an online objective needs at least one reward "
              "function, e.g. reward.functions=[gsm8k] or reward.functions=[my_module:my_reward]")
     _require(not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.functions),

@@ -7,6 +7,9 @@ objective. The seam is :class:`RolloutEngine`'s one method; the rest of a genera
   engine's :meth:`~llmtrain.engine.base.Engine.generation_model`: whole on DDP and ZeRO 0-2,
   gathered under ZeRO-3 and FSDP2, tensor-parallel peers in lockstep; LoRA through the adapted
   model).
+* ``vllm`` (:class:`llmtrain.rollout.vllm_server.VLLMEngine`): a vLLM server in its own Python
+  environment, started and stopped by llmtrain (or one you run), the policy's weights sent to it
+  after optimizer steps.
 * ``module:Class``: a subclass of :class:`RolloutEngine` of your own, built as
   ``Class(cfg, tokenizer, sampling)`` (a server's client, or fixed completions in a test).
 """
@@ -14,7 +17,8 @@ objective. The seam is :class:`RolloutEngine`'s one method; the rest of a genera
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from llmtrain.common.errors import ConfigError, import_object
 from llmtrain.rollout.generate import Completion, Sampling, sample_group
@@ -26,6 +30,16 @@ class RolloutEngine(ABC):
 
     def __init__(self, cfg: Any, tokenizer: Any, sampling: Sampling):
         self.cfg, self.tokenizer, self.sampling = cfg, tokenizer, sampling
+        # publish(directory, part): writes the policy's current weights for an engine that serves
+        # them elsewhere (part "model" or "adapter"; collective call). Set by the trainer.
+        self.publish: Callable[[Path, str], Any] | None = None
+
+    def check(self) -> None:
+        """Called before anything is written: raise ConfigError for what cannot work (a server
+        that cannot be reached, an environment without its package). Nothing by default."""
+
+    def close(self) -> None:
+        """Release what the engine started (a server): at the end of the run and on errors."""
 
     @abstractmethod
     def sample(self, policy: Any, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
@@ -51,7 +65,13 @@ class PolicySampler(RolloutEngine):
                                  decode, policy.generation_autocast) for sample, row_seeds in zip(samples, seeds)]
 
 
-BUILT_IN = {"hf": PolicySampler}
+def _vllm_engine() -> type[RolloutEngine]:
+    from llmtrain.rollout.vllm_server import VLLMEngine
+
+    return VLLMEngine
+
+
+BUILT_IN: dict[str, Callable[[], type[RolloutEngine]]] = {"hf": lambda: PolicySampler, "vllm": _vllm_engine}
 
 
 def build_rollout_engine(cfg: Any, tokenizer: Any, sampling: Sampling) -> RolloutEngine:
@@ -63,7 +83,7 @@ def build_rollout_engine(cfg: Any, tokenizer: Any, sampling: Sampling) -> Rollou
     """
     spec = str(cfg.rollout.engine)
     if spec in BUILT_IN:
-        return BUILT_IN[spec](cfg, tokenizer, sampling)
+        return BUILT_IN[spec]()(cfg, tokenizer, sampling)
     if ":" not in spec:
         raise ConfigError(f"rollout.engine={spec!r} is neither a built-in engine ({', '.join(BUILT_IN)}) nor "
                           "module:Class")

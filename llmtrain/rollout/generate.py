@@ -59,10 +59,12 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 @dataclass
 class Completion:
-    """A sampled completion: its token ids and whether ``max_new`` cut it short."""
+    """A sampled completion: its token ids, whether ``max_new`` cut it short, and (from engines
+    that report them) each token's log-prob under the sampling distribution."""
 
     ids: list[int]
     truncated: bool
+    logps: list[float] | None = None
 
 
 def cache_argument(model: torch.nn.Module) -> str:

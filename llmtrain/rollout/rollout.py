@@ -142,9 +142,12 @@ class Rollout:
                     for j, sample in enumerate(micro) for i, completion in enumerate(groups[k + j])]
             batches.append(self._layout(rows))
             k += len(micro)
-        if not self.objective.on_policy:  # μ > 1: the sampling policy's log-probs, kept for μ steps
+        reported = any(c.logps is not None for group in groups for c in group)
+        if not self.objective.on_policy or reported:  # μ > 1: the sampling policy's log-probs, kept for μ steps
             self._old_logps(batches)
         metrics = {**stats, "rollout/generation_s": sampled - started, "rollout/reward_s": scored - sampled}
+        if reported:
+            metrics.update(self._logp_check(batches, micro_batches, groups))
         if self.is_main and self.log_completions:
             self._write_completions(step + 1, samples, groups, table, rewards, advantages)
         return GenerationBatch(generation, batches, metrics)
@@ -273,6 +276,31 @@ class Rollout:
             logits = self.engine.forward(on_device)
             batch["old_logps"] = self.objective.token_logps(logits, on_device["labels"]).cpu()
 
+    def _logp_check(self, batches: list[dict[str, torch.Tensor]], micro_batches: list[list[dict]],
+                    groups: list[list[Completion]]) -> dict[str, float]:
+        """The largest and the mean absolute difference, over every rank's sampled tokens, between
+        the log-probs the rollout engine reported and the policy's own (``old_logps``, just
+        computed): near 0 when the engine samples with the policy's weights (TRL logs the same
+        as ``sampling/sampling_logp_difference``)."""
+        largest, total, count, k = 0.0, 0.0, 0, 0
+        for micro, batch in zip(micro_batches, batches):
+            row = 0
+            for j, sample in enumerate(micro):
+                p = len(sample["prompt_ids"])
+                for completion in groups[k + j]:
+                    if completion.logps is not None and completion.ids:
+                        ours = batch["old_logps"][row, p:p + len(completion.ids)].double()
+                        diff = (ours - torch.tensor(completion.logps, dtype=torch.float64)).abs()
+                        largest, total, count = max(largest, float(diff.max())), total + float(diff.sum()), \
+                            count + diff.numel()
+                    row += 1
+            k += len(micro)
+        device = self.engine.env.device
+        sums = distributed.all_reduce_sum(torch.tensor([total, float(count)], dtype=torch.float64, device=device))
+        peak = distributed.all_reduce_max(torch.tensor([largest], dtype=torch.float64, device=device))
+        return {"rollout/logp_diff_max": float(peak[0]),
+                "rollout/logp_diff_mean": float(sums[0] / sums[1]) if float(sums[1]) else float("nan")}
+
     def _write_completions(self, step: int, samples: list[dict], groups: list[list[Completion]], table: torch.Tensor,
                            rewards: torch.Tensor, advantages: torch.Tensor) -> None:
         """``run_dir/completions/step_N.jsonl``: rank 0's first ``rollout.log_completions``
@@ -300,7 +328,8 @@ class Rollout:
     # ---- evaluation ---------------------------------------------------------------------------
     def evaluate(self, prompt_batches: list[dict]) -> dict[str, float]:
         """Held-out mean reward of greedy completions (pass@1 for a 0/1 checker) over every rank's
-        prompts, each function's mean, and the completions' mean length, as ``val/...``.
+        prompts with its standard error (the sample standard deviation over sqrt(prompts)), each
+        function's mean, and the completions' mean length, as ``val/...``.
         Collective call."""
         samples = [sample for batch in prompt_batches for sample in batch["prompts"]]
         groups = self._sample(samples, 0, greedy=True)
@@ -309,16 +338,19 @@ class Rollout:
         rewards = torch.nan_to_num(self._weighted(table), nan=0.0)  # pass@1: an unscorable completion fails
         present = ~torch.isnan(table)
         lengths = float(sum(len(g[0].ids) for g in groups))
-        sums = torch.cat([torch.tensor([float(len(samples)), float(rewards.sum()), lengths], dtype=torch.float64),
+        sums = torch.cat([torch.tensor([float(len(samples)), float(rewards.sum()), lengths,
+                                        float((rewards ** 2).sum())], dtype=torch.float64),
                           present.sum(0).double(), torch.nan_to_num(table, nan=0.0).sum(0)])
         sums = distributed.all_reduce_sum(sums.to(self.engine.env.device)).cpu() / self.engine.dims.data_replicas
         n = max(float(sums[0]), 1.0)
+        mean = float(sums[1]) / n
+        variance = (float(sums[3]) - n * mean * mean) / (n - 1) if n > 1 else float("nan")
         fn = len(self.functions)
-        metrics = {"val/reward": float(sums[1]) / n, "val/completions/mean_length": float(sums[2]) / n,
-                   "val/prompts": int(sums[0])}
+        metrics = {"val/reward": mean, "val/reward_stderr": math.sqrt(max(variance, 0.0) / n),
+                   "val/completions/mean_length": float(sums[2]) / n, "val/prompts": int(sums[0])}
         for j, f in enumerate(self.functions):
-            c = float(sums[3 + j])
-            metrics[f"val/rewards/{f.name}/mean"] = float(sums[3 + fn + j]) / c if c else float("nan")
+            c = float(sums[4 + j])
+            metrics[f"val/rewards/{f.name}/mean"] = float(sums[4 + fn + j]) / c if c else float("nan")
         return metrics
 
     # ---- checkpoints -------------------------------------------------------------------------

@@ -1,0 +1,225 @@
+"""``rollout.engine=vllm`` (:mod:`llmtrain.rollout.vllm_server`).
+
+What runs everywhere: the config refusals, the server's command line, the start-up checks of the
+vLLM environment and of a user's server, and the folder :func:`write_policy` writes for a server
+(untied head, equal logits). What needs vLLM's own environment (``~/.cache/llmtrain/vllm-venv`` or
+``$LLMTRAIN_VLLM_PYTHON``; the README's set-up; skipped without it, as in CI): the engine against a
+real server, checked against the policy itself (transformers): its greedy completions equal the
+``hf`` engine's, the log-probs it reports for sampled tokens equal the policy's recomputed ones
+(fp32, 1e-3) before and after weights change and are synced; and training runs (LoRA on 2 ranks,
+full fine-tuning on 1) whose every step reports ``rollout/logp_diff_max`` within 1e-3, and whose
+server is gone at the end and after SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import FAST, assert_ok, read_metrics, run_cli, train_rows
+from llmtrain.common.errors import ConfigError
+from llmtrain.config.compose import compose
+from llmtrain.rollout.vllm_server import vllm_python
+
+PYTHON = vllm_python(SimpleNamespace(rollout=SimpleNamespace(vllm_python="")))
+needs_vllm = pytest.mark.skipif(not PYTHON.is_file(), reason=f"no vLLM environment at {PYTHON} (README: Online RL)")
+FIXTURES = "tests.grpo_fixtures"
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory) -> Path:
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("vllm-q") / "questions.jsonl"
+    pairs = [(rng.randint(0, 50), rng.randint(0, 50)) for _ in range(64)]
+    path.write_text("".join(json.dumps({"question": f"What is {a}+{b}?", "answer": f"#### {a + b}"}) + "\n"
+                            for a, b in pairs), encoding="utf-8")
+    return path
+
+
+def overrides(questions: Path, *extra: str) -> list[str]:
+    return [o for o in FAST if not o.startswith(("data.max_bytes", "data.seq_len", "trainer.eval"))] + [
+        "objective=grpo", "data=prompts", f"data.path={questions}", "data.columns.prompt=question", "data.seq_len=64",
+        f"reward.functions=[{FIXTURES}:odd_tokens,{FIXTURES}:answer_seen]", "rollout.engine=vllm",
+        "rollout.max_completion_length=10", "objective.num_generations=4", "trainer.max_steps=5",
+        "data.val_fraction=0.1", "trainer.eval_samples=4", "trainer.eval_every=0", "trainer.global_batch_size=4",
+        "trainer.micro_batch_size=2", "trainer.lr=3e-3", "trainer.warmup_steps=1", "trainer.precision=fp32",
+        "trainer.export_hf=false", *extra]
+
+
+# ---- everywhere --------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra,message", [
+    (["rollout.sync_every=0"], "rollout.sync_every=0"),
+    (["+peft=lora", "peft.modules_to_save=[lm_head]"], "peft.modules_to_save"),
+])
+def test_vllm_configs_that_cannot_work_are_refused_naming_the_field(questions, extra, message):
+    from llmtrain.config.validate import validate
+
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        validate(compose(overrides(questions, *extra)), 1)
+
+
+def test_the_server_command_serves_the_run_as_configured(questions, tmp_path):
+    from llmtrain.rollout.vllm_server import server_command
+
+    cfg = compose(overrides(questions, "+peft=lora", "peft.r=4", "trainer.precision=bf16", "rollout.vllm_args=[--enforce-eager]"))
+    command = server_command(cfg, tmp_path, 8123)
+    text = " ".join(command)
+    for part in ("-m vllm.entrypoints.openai.api_server", f"--model {tmp_path}", "--port 8123", "--dtype bfloat16",
+                 "--max-model-len 64", "--logprobs-mode processed_logprobs", "--no-enable-prefix-caching",
+                 "--enable-lora --max-lora-rank 8", "--seed 1234", "--enforce-eager"):
+        assert part in text, part
+    assert "--enable-lora" not in server_command(compose(overrides(questions)), tmp_path, 1)
+
+
+def test_a_missing_environment_and_an_unreachable_server_are_refused_before_anything_is_written(questions, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(overrides(questions, f"rollout.vllm_python={tmp_path}/nothing/bin/python", f"run_dir={run_dir}"))
+    assert proc.returncode == 2 and "rollout.vllm_python=" in proc.stderr and "does not exist" in proc.stderr
+    proc = run_cli(overrides(questions, "rollout.vllm_url=http://127.0.0.1:9", f"run_dir={run_dir}"))
+    assert proc.returncode == 2 and "rollout.vllm_url=http://127.0.0.1:9: no vLLM server answers" in proc.stderr
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+def _tiny_policy(seed: int = 0):
+    from llmtrain.models.build import build_model
+
+    cfg = compose(["model=tiny_llama"])
+    return build_model(cfg.model, seed).eval()
+
+
+def test_the_folder_written_for_a_server_has_an_untied_head_and_the_policys_logits(questions, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.checkpoint.export import write_policy
+    from llmtrain.models.build import build_tokenizer
+
+    cfg = compose(overrides(questions))
+    model = _tiny_policy()
+    engine = SimpleNamespace(full_state_dict=lambda: model.state_dict(), env=SimpleNamespace(is_main=True))
+    folder = write_policy(engine, cfg, build_tokenizer(cfg.model), tmp_path / "w", "model", [256])
+    config = json.loads((folder / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and model.config.tie_word_embeddings
+    loaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert loaded.lm_head.weight.data_ptr() != loaded.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([[5, 9, 3, 7, 100]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 256
+
+
+# ---- with vLLM ---------------------------------------------------------------------------------
+@needs_vllm
+def test_vllm_samples_with_the_policys_weights_before_and_after_a_sync(questions, tmp_path):
+    """The engine against the policy itself: greedy completions equal the hf engine's (llmtrain's
+    sampling loop on the same weights), sampled tokens' log-probs equal the policy's own, and
+    after the weights change (a step) the server samples with the new ones."""
+    from llmtrain.checkpoint.export import write_policy
+    from llmtrain.models.build import build_tokenizer
+    from llmtrain.rollout import build_sampler
+    from llmtrain.rollout.generate import sample_group
+
+    cfg = compose(overrides(questions, f"run_dir={tmp_path / 'run'}", "rollout.max_completion_length=12"))
+    tokenizer = build_tokenizer(cfg.model)
+    model = _tiny_policy()
+    engine = build_sampler(cfg, tokenizer, [256])
+    step = [0]
+    policy = SimpleNamespace(full_state_dict=lambda: model.state_dict(), env=SimpleNamespace(is_main=True),
+                             optimizer_step_count=lambda: step[0])
+    engine.publish = lambda directory, part: write_policy(policy, cfg, tokenizer, directory, part, [256])
+    prompts = [{"prompt_ids": list(tokenizer(f"What is {a}+{a}?")["input_ids"])} for a in (3, 17, 42)]
+    largest = []
+    try:
+        engine.check()
+        for version in range(2):
+            if version:
+                torch.manual_seed(5)
+                with torch.no_grad():  # an optimizer step's worth of change
+                    for p in model.parameters():
+                        p.add_(0.05 * torch.randn_like(p))
+                step[0] = 1
+            greedy = engine.sample(policy, prompts, [[None]] * len(prompts))
+            for sample, (completion,) in zip(prompts, greedy):
+                (ours,) = sample_group(model, sample["prompt_ids"], [None], engine.sampling, torch.device("cpu"))
+                assert completion.ids == ours.ids and completion.truncated == ours.truncated
+            sampled = engine.sample(policy, prompts, [[11, 12, 13]] * len(prompts))
+            for sample, group in zip(prompts, sampled):
+                for completion in group:
+                    ids = torch.tensor([sample["prompt_ids"] + completion.ids])
+                    with torch.no_grad():
+                        logits = model(ids).logits[0, len(sample["prompt_ids"]) - 1:-1] / cfg.rollout.temperature
+                    ours = torch.log_softmax(logits.double(), -1).gather(-1, ids[0, len(sample["prompt_ids"]):, None])
+                    largest.append(float((ours[:, 0] - torch.tensor(completion.logps, dtype=torch.float64)).abs().max()))
+            assert {len(set(tuple(c.ids) for c in group)) for group in sampled} != {1}  # seeds differ, completions too
+            assert engine.version == step[0]
+        print(f"largest |log-prob difference| vLLM vs policy over {len(largest)} completions: {max(largest):.2e}")
+        assert max(largest) <= 1e-3
+        process = engine.process
+    finally:
+        engine.close()
+    assert process.poll() is not None and not (tmp_path / "run" / "rollout-weights").exists()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_lora_on_two_ranks_and_full_fine_tuning_train_with_weights_in_sync(questions, tmp_path):
+    runs = {"lora": (2, ["+peft=lora", "peft.r=4", "+recipe=ddp"]), "full": (1, [])}
+    for name, (nproc, extra) in runs.items():
+        run_dir = tmp_path / name
+        assert_ok(run_cli(overrides(questions, f"run_dir={run_dir}", *extra), nproc=nproc, timeout=900))
+        rows = train_rows(run_dir, 5)
+        diffs = [r["rollout/logp_diff_max"] for r in rows]
+        print(name, "rollout/logp_diff_max per step:", [f"{d:.1e}" for d in diffs])
+        assert len(diffs) == 5 and max(diffs) <= 1e-3, diffs
+        assert rows[-1]["train/reward"] == rows[-1]["train/reward"]  # scored
+        assert not _servers_of(run_dir), "the vLLM server outlived its run"
+        assert "vLLM server up" in (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else True
+
+
+def _servers_of(run_dir: Path) -> list[int]:
+    """Pids of processes whose command line names the run's folder (its vLLM server)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if str(run_dir) in command and "vllm" in command:
+                found.append(int(entry.name))
+    return found
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_sigterm_stops_the_server_with_the_run(questions, tmp_path):
+    from conftest import subprocess_env
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(["python", "-m", "llmtrain", *overrides(questions, f"run_dir={run_dir}",
+                                                                    "trainer.max_steps=200")],
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not (
+            (run_dir / "metrics.jsonl").exists() and "train/loss" in (run_dir / "metrics.jsonl").read_text()):
+        time.sleep(1)
+    assert _servers_of(run_dir), "no vLLM server while training"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=300)
+    for _ in range(30):
+        if not _servers_of(run_dir):
+            break
+        time.sleep(1)
+    assert not _servers_of(run_dir), "the vLLM server outlived SIGTERM"
+    assert read_metrics(run_dir)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
