@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -200,26 +201,33 @@ def _servers_of(run_dir: Path) -> list[int]:
 
 @needs_vllm
 @pytest.mark.slow
-def test_sigterm_stops_the_server_with_the_run(questions, tmp_path):
+@pytest.mark.parametrize("ending", ["sigterm", "reward error"])
+def test_the_server_stops_with_the_run_on_sigterm_and_on_errors(questions, tmp_path, ending):
     from conftest import subprocess_env
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(["python", "-m", "llmtrain", *overrides(questions, f"run_dir={run_dir}",
-                                                                    "trainer.max_steps=200")],
-                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and not (
-            (run_dir / "metrics.jsonl").exists() and "train/loss" in (run_dir / "metrics.jsonl").read_text()):
-        time.sleep(1)
-    assert _servers_of(run_dir), "no vLLM server while training"
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=300)
+    extra = ["trainer.max_steps=200"] if ending == "sigterm" else [
+        f"reward.functions=[{FIXTURES}:raises_at_step_two]"]
+    log = tmp_path / "out.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "llmtrain", *overrides(questions, f"run_dir={run_dir}", *extra)],
+                                env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT)
+    if ending == "sigterm":
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not (
+                (run_dir / "metrics.jsonl").exists() and "train/loss" in (run_dir / "metrics.jsonl").read_text()):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(1)
+        assert _servers_of(run_dir), "no vLLM server while training"
+        proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=600) == (0 if ending == "sigterm" else 1), log.read_text()[-3000:]
+    if ending != "sigterm":
+        assert "reward function raises_at_step_two raised ValueError at step" in log.read_text()
     for _ in range(30):
         if not _servers_of(run_dir):
             break
         time.sleep(1)
-    assert not _servers_of(run_dir), "the vLLM server outlived SIGTERM"
-    assert read_metrics(run_dir)
+    assert not _servers_of(run_dir), f"the vLLM server outlived the run ({ending})"
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
