@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import FAST, assert_ok, read_metrics, run_cli, train_rows
+from conftest import FAST, assert_ok, run_cli, train_rows
 from llmtrain.common.errors import ConfigError
 from llmtrain.config.compose import compose
 from llmtrain.rollout.vllm_server import vllm_python
