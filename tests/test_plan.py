@@ -373,6 +373,10 @@ def test_grpo_plans_g_rows_a_prompt_its_reference_and_the_sampling_peak():
     tp = plan_recipe(make_cfg(grpo + ["+recipe=tp"]), 2)
     assert tp.sampling["KV cache of one group (4 x data.seq_len tokens)"] * 2 == ddp.sampling[
         "KV cache of one group (4 x data.seq_len tokens)"]
+    # rollout.engine=vllm: the server holds the KV cache; rank 0 holds the whole fp32 model three
+    # times while writing it for the server (Llama-3 8B: ddp.params is the fp32 model's bytes).
+    served = plan_recipe(make_cfg(grpo + ["+recipe=zero3", "rollout.engine=vllm"]), 2)
+    assert served.sampling == {"whole fp32 model x3 on rank 0 (gathered, rebuilt, written for vLLM)": 3 * ddp.params}
 
 
 def test_kv_cache_bytes_equal_what_transformers_cache_holds():

@@ -402,7 +402,11 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
             candidate.temporaries["logits and their gradient"] = 2 * tokens * outputs * 4
         if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps
             candidate.buffers["pipeline receive buffers (one per micro-batch)"] = accumulation * tokens * shape.hidden * 4
-        if online:
+        if online and cfg.rollout.engine == "vllm":
+            # The server holds its own weights and KV cache (another process, outside this plan);
+            # rank 0 gathers the whole fp32 state, rebuilds a model from it and copies it for the file.
+            candidate.sampling["whole fp32 model x3 on rank 0 (gathered, rebuilt, written for vLLM)"] = 3 * n * dims.tp * 4
+        elif online:
             if (r.engine == "deepspeed" and r.zero_stage == 3) or fsdp:
                 candidate.sampling["weights gathered whole for sampling"] = max(0, compute * n - candidate.params)
             candidate.sampling[f"KV cache of one group ({group} x data.seq_len tokens)"] = kv_cache_bytes(

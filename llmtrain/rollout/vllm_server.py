@@ -190,7 +190,7 @@ class VLLMEngine(RolloutEngine):
         for key in ("PYTHONPATH", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
             env.pop(key, None)  # the server is not a rank of this job
-        logfile = self.work / "vllm_server.log"
+        logfile = Path(str(self.cfg.run_dir)) / "vllm_server.log"  # kept after the weights' folder goes
         log.info("rollout: starting vLLM (%s) on port %d; its log: %s", command[0], port, logfile)
         with open(logfile, "ab") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
