@@ -69,13 +69,17 @@ def vllm_python(cfg: Any) -> Path:
 def server_command(cfg: Any, model_dir: Path, port: int) -> list[str]:
     """The server's command line: the policy's folder served as ``policy``, in the run's precision,
     at most ``data.seq_len`` tokens a sequence, log-probs of the processed distribution, no prefix
-    cache (weights change under it), LoRA on for a ``+peft`` run (rank rounded up to one vLLM
+    cache (weights change under it), no chunked prefill (see below), LoRA on for a ``+peft`` run (rank rounded up to one vLLM
     allows), seeded with ``trainer.seed``, then ``rollout.vllm_args``."""
     command = [str(vllm_python(cfg)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "bfloat16" if cfg.trainer.precision == "bf16" else "float32",
                "--max-model-len", str(int(cfg.data.seq_len)), "--logprobs-mode", "processed_logprobs",
-               "--no-enable-prefix-caching", "--seed", str(int(cfg.trainer.seed)), "--disable-uvicorn-access-log"]
+               "--no-enable-prefix-caching", "--seed", str(int(cfg.trainer.seed)), "--disable-uvicorn-access-log",
+               # vLLM 0.32 rewinds a seeded request's generator when a chunked prefill discards its
+               # token, which CPU generators cannot do ("CPU Generator does not use offset"): the
+               # engine dies under many concurrent seeded requests. Whole prefills avoid it.
+               "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(int(cfg.data.seq_len), 8192))]
     if cfg.get("peft") is not None:
         rank = next(r for r in LORA_RANKS if r >= int(cfg.peft.r))
         command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
