@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmtrain.common.errors import ConfigError
+from llmtrain.common.errors import ConfigError, import_object
 from llmtrain.rollout import rewards
-from llmtrain.rollout.engines import RolloutEngine, build_rollout_engine
+from llmtrain.rollout.engines import PolicySampler, RolloutEngine
 from llmtrain.rollout.generate import Sampling
 from llmtrain.rollout.rollout import Rollout, RewardError, score
+from llmtrain.rollout.vllm_server import VLLMEngine
 
-__all__ = ["Rollout", "RolloutEngine", "RewardError", "build_rewards", "build_sampler"]
+__all__ = ["Rollout", "RolloutEngine", "RewardError", "build_rewards", "build_rollout_engine", "build_sampler"]
+
+ENGINES: dict[str, type[RolloutEngine]] = {"hf": PolicySampler, "vllm": VLLMEngine}
 
 
 def build_rewards(cfg: Any, samples: list[dict], device: Any = "cpu") -> list[rewards.RewardFunction]:
@@ -63,3 +66,22 @@ def build_sampler(cfg: Any, tokenizer: Any, end_ids: list[int]) -> RolloutEngine
     sampling = Sampling(temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
                         max_new=int(r.max_completion_length), end_ids=frozenset(end_ids), stop=tuple(r.stop))
     return build_rollout_engine(cfg, tokenizer, sampling)
+
+
+def build_rollout_engine(cfg: Any, tokenizer: Any, sampling: Sampling) -> RolloutEngine:
+    """The engine ``rollout.engine`` names (see the module).
+
+    Raises:
+        ConfigError: an unknown name, or a ``module:Class`` that cannot be imported or is not a
+            :class:`RolloutEngine`.
+    """
+    spec = str(cfg.rollout.engine)
+    if spec in ENGINES:
+        return ENGINES[spec](cfg, tokenizer, sampling)
+    if ":" not in spec:
+        raise ConfigError(f"rollout.engine={spec!r} is neither a built-in engine ({', '.join(ENGINES)}) nor "
+                          "module:Class")
+    cls = import_object(spec, "rollout.engine", "importable.module:Class")
+    if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
+        raise ConfigError(f"rollout.engine={spec!r} is not a subclass of llmtrain.rollout.engines.RolloutEngine")
+    return cls(cfg, tokenizer, sampling)

@@ -20,7 +20,6 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable
 
-from llmtrain.common.errors import ConfigError, import_object
 from llmtrain.rollout.generate import Completion, Sampling, sample_group
 
 
@@ -63,31 +62,3 @@ class PolicySampler(RolloutEngine):
             model.eval()
             return [sample_group(model, list(sample["prompt_ids"]), row_seeds, self.sampling, policy.env.device,
                                  decode, policy.generation_autocast) for sample, row_seeds in zip(samples, seeds)]
-
-
-def _vllm_engine() -> type[RolloutEngine]:
-    from llmtrain.rollout.vllm_server import VLLMEngine
-
-    return VLLMEngine
-
-
-BUILT_IN: dict[str, Callable[[], type[RolloutEngine]]] = {"hf": lambda: PolicySampler, "vllm": _vllm_engine}
-
-
-def build_rollout_engine(cfg: Any, tokenizer: Any, sampling: Sampling) -> RolloutEngine:
-    """The engine ``rollout.engine`` names (see the module).
-
-    Raises:
-        ConfigError: an unknown name, or a ``module:Class`` that cannot be imported or is not a
-            :class:`RolloutEngine`.
-    """
-    spec = str(cfg.rollout.engine)
-    if spec in BUILT_IN:
-        return BUILT_IN[spec]()(cfg, tokenizer, sampling)
-    if ":" not in spec:
-        raise ConfigError(f"rollout.engine={spec!r} is neither a built-in engine ({', '.join(BUILT_IN)}) nor "
-                          "module:Class")
-    cls = import_object(spec, "rollout.engine", "importable.module:Class")
-    if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
-        raise ConfigError(f"rollout.engine={spec!r} is not a subclass of llmtrain.rollout.engines.RolloutEngine")
-    return cls(cfg, tokenizer, sampling)
