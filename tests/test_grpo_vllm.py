@@ -182,7 +182,7 @@ def test_lora_on_two_ranks_and_full_fine_tuning_train_with_weights_in_sync(quest
         assert len(diffs) == 5 and max(diffs) <= 1e-3, diffs
         assert rows[-1]["train/reward"] == rows[-1]["train/reward"]  # scored
         assert not _servers_of(run_dir), "the vLLM server outlived its run"
-        assert "vLLM server up" in (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else True
+        assert (run_dir / "vllm_server.log").stat().st_size > 0  # the server's log stays in the run folder
 
 
 def _servers_of(run_dir: Path) -> list[int]:

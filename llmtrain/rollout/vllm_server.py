@@ -169,8 +169,6 @@ class VLLMEngine(RolloutEngine):
     # ---- the server's life -------------------------------------------------------------------
     def _start(self, policy: Any) -> None:
         """Write the policy (collective), start the server on rank 0 and wait for it, share its URL."""
-        if self.own_server:
-            self.work.mkdir(parents=True, exist_ok=True)
         model_dir = self.work / "model"
         if self.own_server:
             self.publish(model_dir, "model")
@@ -246,8 +244,6 @@ class VLLMEngine(RolloutEngine):
             return
         started = time.perf_counter()
         folder = self.work / f"step_{step}"
-        if not self.own_server and policy.env.is_main:
-            folder.parent.mkdir(parents=True, exist_ok=True)
         self.publish(folder, "adapter" if self.lora else "model")
         error = ""
         if policy.env.is_main:
