@@ -143,7 +143,8 @@ class Rollout:
             batches.append(self._layout(rows))
             k += len(micro)
         reported = any(c.logps is not None for group in groups for c in group)
-        if not self.objective.on_policy or reported:  # μ > 1: the sampling policy's log-probs, kept for μ steps
+        if not self.objective.on_policy or reported:
+            # The sampling policy's log-probs: kept for μ > 1 steps, and compared with an engine's own.
             self._old_logps(batches)
         metrics = {**stats, "rollout/generation_s": sampled - started, "rollout/reward_s": scored - sampled}
         if reported:

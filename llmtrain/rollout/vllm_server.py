@@ -69,8 +69,8 @@ def vllm_python(cfg: Any) -> Path:
 def server_command(cfg: Any, model_dir: Path, port: int) -> list[str]:
     """The server's command line: the policy's folder served as ``policy``, in the run's precision,
     at most ``data.seq_len`` tokens a sequence, log-probs of the processed distribution, no prefix
-    cache (weights change under it), no chunked prefill (see below), LoRA on for a ``+peft`` run (rank rounded up to one vLLM
-    allows), seeded with ``trainer.seed``, then ``rollout.vllm_args``."""
+    cache (weights change under it), no chunked prefill (see below), LoRA on for a ``+peft`` run
+    (rank rounded up to one vLLM allows), seeded with ``trainer.seed``, then ``rollout.vllm_args``."""
     command = [str(vllm_python(cfg)), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "bfloat16" if cfg.trainer.precision == "bf16" else "float32",
@@ -161,7 +161,6 @@ class VLLMEngine(RolloutEngine):
         self.process: subprocess.Popen | None = None
         self.version: int | None = None  # the optimizer step whose weights the server holds
         self.model_name = SERVED_NAME
-        self.sync_s = 0.0
 
     def check(self) -> None:
         check_environment(self.cfg)
@@ -178,7 +177,7 @@ class VLLMEngine(RolloutEngine):
                 self._launch(model_dir)
             except VLLMServerError as err:
                 error = str(err)
-        self.url, error = next((u, e) for u, e in distributed.all_gather_objects((self.url, error)))
+        self.url, error = distributed.all_gather_objects((self.url, error))[0]  # rank 0's
         if error:
             self.close()
             raise VLLMServerError(error)
@@ -242,7 +241,6 @@ class VLLMEngine(RolloutEngine):
         due = self.version != step and (greedy or self.version < 0 or step - self.version >= self.sync_every)
         if not due:
             return
-        started = time.perf_counter()
         folder = self.work / f"step_{step}"
         self.publish(folder, "adapter" if self.lora else "model")
         error = ""
@@ -258,7 +256,6 @@ class VLLMEngine(RolloutEngine):
         self.model_name = f"policy-step{step}" if self.lora else SERVED_NAME
         if policy.env.is_main and previous is not None and previous >= 0:
             shutil.rmtree(self.work / f"step_{previous}", ignore_errors=True)
-        self.sync_s += time.perf_counter() - started
 
     def _load(self, folder: Path, step: int) -> None:
         """Rank 0: have the server load what :meth:`_sync` wrote."""
