@@ -59,7 +59,8 @@ from llmtrain.parallel.seeding import seed_everything, seed_streams
 from llmtrain.planning import flops
 from llmtrain.planning.auto import check_same_layout
 from llmtrain.planning.preflight import preflight
-from llmtrain.rollout import RewardError, Rollout, build_rewards, build_sampler
+from llmtrain.rollout import (RewardError, Rollout, build_environment, build_rewards, build_sampler,
+                              environment_reward)
 
 log = logging.getLogger("llmtrain")
 
@@ -381,12 +382,14 @@ class Trainer:
         if self.objective.needs_reference and o.get("precompute_reference") and self.resume_from is not None:
             reference.check_stored(self.run_dir, self.splits, self.t.eval_samples)
 
-    def _setup_online(self) -> tuple[Any, list] | None:
-        """An online objective's sampler and reward functions, each function tried on two prompts
-        before anything is written (:func:`llmtrain.rollout.build_rewards`); None for others.
+    def _setup_online(self) -> tuple[Any, list, Any] | None:
+        """An online objective's sampler, reward functions (each tried on two prompts before
+        anything is written: :func:`llmtrain.rollout.build_rewards`) and multi-turn environment
+        (or None); None for others.
 
         Raises:
-            ConfigError: a rollout engine or reward function that cannot be built or fails the try.
+            ConfigError: a rollout engine, reward function or environment that cannot be built,
+                or a reward function that fails the try.
         """
         if not self.objective.online:
             return None
@@ -401,7 +404,10 @@ class Trainer:
             functions = build_rewards(self.cfg, probe, self.env.device)
         except RewardError as err:
             raise ConfigError(f"reward.functions: {err}") from err.__cause__
-        return sampler, functions
+        environment = build_environment(self.cfg)
+        if environment is not None and environment.gives_rewards:  # one more function: weighted, logged
+            functions.append(environment_reward())
+        return sampler, functions, environment
 
     def _build_model(self):
         """The model with its initial weights (the policy, or its frozen reference copy)."""
@@ -485,10 +491,10 @@ class Trainer:
             source = data.StepBatches(self.micro_batches, self.accumulation, self.objective.prepare)
             return source, Evaluator(lambda: evaluate(self.engine, val_batches, self.env.device), t.eval_every,
                                      t.max_steps)
-        sampler, functions = self.online_parts
+        sampler, functions, environment = self.online_parts
         rollout = Rollout(self.cfg, self.engine, self.objective, sampler, self.micro_batches, self.tokenizer,
                           data.pad_id_of(self.tokenizer), functions, self.run_dir, self.env.is_main,
-                          lambda rows, step: self.tracker.log_table("completions", rows, step))
+                          lambda rows, step: self.tracker.log_table("completions", rows, step), environment)
         rollout.load_state_dict(self.rollout_state)
         self.checkpoints.rank_state["rollout"] = rollout.state_dict
         return rollout, Evaluator(lambda: rollout.evaluate(val_batches), t.eval_every, t.max_steps)

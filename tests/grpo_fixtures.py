@@ -75,3 +75,31 @@ class FixedCompletions(RolloutEngine):
                 group.append(Completion(ids, truncated=ids[-1] != EOS))
             out.append(group)
         return out
+
+
+class ScriptedCalculator(RolloutEngine):
+    """``rollout.engine=tests.grpo_fixtures:ScriptedCalculator`` with ``rollout.environment=calculator``:
+    plays the model's side of a calculator episode from the prompt "What is A+B?" (the byte
+    tokenizer's text). First turn: a ``<calc>`` call, malformed (``A plus B``) for one seed in
+    three; next turn, after the environment's ``<result>``: ``#### N`` and the end token, N the
+    result (wrong by one for odd seeds). A turn never ends past ``max_new`` tokens."""
+
+    def sample(self, policy, samples, seeds):
+        out = []
+        for sample, row in zip(samples, seeds):
+            text = self.tokenizer.decode(list(sample["prompt_ids"]), skip_special_tokens=True)
+            a, b = text.rsplit("What is ", 1)[1].split("?")[0].split("+")
+            group = []
+            for seed in row:
+                seed = 0 if seed is None else seed
+                if "<result>" not in text:
+                    turn = f"<calc>{a} plus {b}</calc>" if seed % 3 == 0 else f"<calc>{a}+{b}</calc>"
+                    ids = list(self.tokenizer(turn, add_special_tokens=False)["input_ids"])
+                else:
+                    result = text.rsplit("<result>", 1)[1].split("</result>")[0]
+                    answer = str(int(result) + seed % 2) if result.isdigit() else "0"
+                    ids = list(self.tokenizer(f"#### {answer}", add_special_tokens=False)["input_ids"]) + [EOS]
+                cut = ids[:self.sampling.max_new]
+                group.append(Completion(cut, truncated=len(cut) < len(ids)))
+            out.append(group)
+        return out

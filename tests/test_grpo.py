@@ -152,6 +152,10 @@ def questions(tmp_path):
     ("reward.functions=[]", "reward.functions is empty"),
     ("reward.weights=[1.0,2.0]", "reward.weights has 2 values for 1 reward.functions"),
     ("data.format=text", "data.columns: ['prompt'] are not fields of format text"),
+    ("rollout.max_turns=0", "rollout.max_turns=0 must be >= 1"),
+    ("rollout.max_staleness=-1", "rollout.max_staleness=-1 must be >= 0"),
+    ("objective.sampling_correction=clip", "objective.sampling_correction='clip' must be one of token_truncate"),
+    ("objective.sampling_correction_min=4.0", "objective.sampling_correction_min=4.0 / _max=3.0"),
 ])
 def test_bad_online_configs_are_refused_naming_the_field(questions, override, message):
     from conftest import make_cfg
@@ -190,6 +194,22 @@ def test_a_bad_reward_function_fails_before_anything_is_written(questions, tmp_p
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError, match=message):
         train(make_cfg(_grpo_overrides(questions, f"reward.functions=[{function}]", f"run_dir={run_dir}")))
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("environment,message", [
+    ("sandbox", "rollout.environment='sandbox' is neither a built-in environment (calculator) nor module:Class"),
+    ("tests.grpo_fixtures:odd_tokens", "is not a subclass of llmtrain.rollout.environments.Environment"),
+    ("no_such_module:Env", "rollout.environment='no_such_module:Env' cannot be imported"),
+])
+def test_a_bad_environment_fails_before_anything_is_written(questions, tmp_path, environment, message):
+    from conftest import make_cfg
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.trainer import train
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train(make_cfg(_grpo_overrides(questions, f"rollout.environment={environment}", f"run_dir={run_dir}")))
     assert not run_dir.exists()
 
 

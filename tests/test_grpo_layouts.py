@@ -26,10 +26,19 @@ from test_resume import launch, wait_for_step
 STEPS = 6
 TOL = 1e-5
 FIXTURES = "tests.grpo_fixtures"
+ASYNC = ["rollout.async_generation=true", "rollout.max_staleness=1"]
 RUNS = {"dapo": ["objective.loss_type=dapo"],
         "lora": ["+peft=lora", "peft.r=4", "objective.loss_type=grpo", "objective.beta=0.04",
-                 "objective.num_iterations=2"]}
-TWO_RANKS = {"dapo": ["ddp", "zero2", "zero3", "fsdp", "tp"], "lora": ["zero3", "fsdp"]}
+                 "objective.num_iterations=2"],
+        # Weight-independent completions, so the hand reference knows them; every step checkpointed
+        # (the weights that sampled and that train each step); rank 0 logs all its completions.
+        "async": ["objective.loss_type=dapo", *ASYNC, f"rollout.engine={FIXTURES}:FixedCompletions",
+                  "rollout.log_completions=16", "trainer.save_every=1", "trainer.keep_checkpoints=10"],
+        # Calculator episodes; the model's side scripted (a random model never closes a tag).
+        "tools": ["objective.loss_type=dapo", "rollout.environment=calculator", "reward.functions=[gsm8k]",
+                  f"rollout.engine={FIXTURES}:ScriptedCalculator", "data.seq_len=128", "rollout.max_completion_length=96"]}
+TWO_RANKS = {"dapo": ["ddp", "zero2", "zero3", "fsdp", "tp"], "lora": ["zero3", "fsdp"], "async": ["ddp"],
+             "tools": ["zero3"]}
 CASES = [(name, recipe) for name, recipes in TWO_RANKS.items() for recipe in recipes]
 
 
@@ -58,6 +67,9 @@ def overrides_of(name: str, questions: Path) -> list[str]:
 def runs(questions, tmp_path_factory) -> dict[str, Path]:
     one = {name: overrides_of(name, questions) + ["+recipe=ddp"] for name in RUNS}
     two = {f"{name}-{recipe}": overrides_of(name, questions) + [f"+recipe={recipe}"] for name, recipe in CASES}
+    # Asynchronous generation with staleness 0 is the synchronous run.
+    two["stale0-ddp"] = overrides_of("dapo", questions) + ["rollout.async_generation=true", "rollout.max_staleness=0",
+                                                            "+recipe=ddp"]
     out = {}
     for nproc, group in ((1, one), (2, two)):
         out.update(run_scenarios(group, nproc, tmp_path_factory.mktemp(f"grpo-{nproc}"), timeout=1500))
@@ -74,6 +86,8 @@ def test_two_ranks_sample_the_same_completions_and_equal_one_process(name, recip
     one, two = train_rows(runs[name], STEPS), train_rows(runs[f"{name}-{recipe}"], STEPS)
     mu = 2 if name == "lora" else 1
     for a, b in zip(one, two):
+        if name == "async":
+            assert b["rollout/staleness"] == float(a["step"] > 1)
         assert b["data/sample_digest"] == a["data/sample_digest"], f"step {a['step']}: other completions"
         for key in KEYS if (a["step"] - 1) % mu == 0 else KEYS[:3]:
             assert b[key] == pytest.approx(a[key], abs=TOL, rel=1e-5), f"step {a['step']} {key}"
@@ -122,3 +136,112 @@ def test_sigkill_inside_a_generation_batch_then_rerun_continues_exactly(runs, qu
     keys = ("train/loss", "train/grad_norm", "train/kl", "data/sample_digest")
     for a, b in zip(train_rows(runs["lora-zero3"], STEPS), train_rows(tmp_path, STEPS)):
         assert [b[k] for k in keys] == [a[k] for k in keys], f"step {a['step']}"  # bitwise
+
+
+@pytest.mark.slow
+def test_staleness_zero_is_the_synchronous_run_bit_for_bit(runs):
+    keys = ("train/loss", "train/grad_norm", "train/reward", "data/sample_digest", "train/entropy")
+    for a, b in zip(train_rows(runs["dapo-ddp"], STEPS), train_rows(runs["stale0-ddp"], STEPS)):
+        assert [b[k] for k in keys] == [a[k] for k in keys], f"step {a['step']}"
+        assert b["rollout/staleness"] == 0.0 and "train/importance_ratio/mean" not in b
+
+
+def _exported(checkpoint: Path, out: Path):
+    import torch
+    import transformers
+
+    from llmtrain.checkpoint.export import export_checkpoint
+
+    export_checkpoint(checkpoint, out)
+    return transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+
+
+@pytest.mark.slow
+def test_async_generation_loss_equals_truncated_importance_sampling_written_out(runs, questions, tmp_path):
+    """Step s trains on completions the weights after step s - 2 sampled, with the weights after
+    step s - 1: per token -A · min(π_{s-1} / π_{s-2}, 3) (the on-policy clipped surrogate's value
+    is -A; TIS: Yao et al. 2025), DAPO-normalised over the global batch's completion tokens. The
+    completions are :func:`grpo_fixtures.fixed_completion`; the weights are each checkpoint's
+    export; advantages are recomputed from the logged rewards by GRPO's formula."""
+    import torch
+
+    from conftest import make_cfg
+    from grpo_fixtures import fixed_completion
+    from llmtrain.data.prompts import render
+    from llmtrain.models.build import build_tokenizer
+
+    one, two = runs["async"], runs["async-ddp"]
+    cfg = make_cfg(overrides_of("async", questions) + ["+recipe=ddp"])
+    tokenizer = build_tokenizer(cfg.model)
+    ours = {r["step"]: r for r in train_rows(two, STEPS)}
+    models = {}
+    for step in (3, 4, 5):
+        for k in (step - 2, step - 1):
+            if k not in models:
+                models[k] = _exported(one / "checkpoints" / f"step_{k}", tmp_path / f"step_{k}")
+        lines = [json.loads(line) for line in (one / "completions" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(lines) == 16  # 4 prompts x G=4: the whole global batch
+        total, tokens, ratios = 0.0, 0, []
+        for start in range(0, 16, 4):
+            group = lines[start:start + 4]
+            rewards = torch.tensor([g["reward"] for g in group], dtype=torch.float64)
+            advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+            prompt_ids = render(group[0]["prompt"], tokenizer, str(cfg.data.template), "test")
+            for index, (line, advantage) in enumerate(zip(group, advantages.tolist())):
+                assert line["advantage"] == pytest.approx(advantage, abs=1e-6)
+                ids = fixed_completion(prompt_ids, index, 10)
+                assert len(ids) == line["tokens"]
+                sequence = torch.tensor([prompt_ids + ids])
+                p = len(prompt_ids)
+                logps = {}
+                with torch.no_grad():
+                    for k in (step - 2, step - 1):
+                        logits = models[k](sequence).logits[0, p - 1:-1].double()
+                        logps[k] = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+                ratio = torch.exp(logps[step - 1] - logps[step - 2])
+                ratios.append(ratio)
+                total += float((-advantage * ratio.clamp(max=3.0)).sum())
+                tokens += len(ids)
+        assert ours[step]["train/loss"] == pytest.approx(total / tokens, abs=TOL), f"step {step}"
+        assert ours[step]["train/importance_ratio/mean"] == pytest.approx(float(torch.cat(ratios).mean()), abs=TOL)
+        assert ours[step]["rollout/staleness"] == 1.0
+    assert any(abs(ours[s]["train/loss"]) > 1e-3 for s in (3, 4, 5))  # the weights moved: the correction bites
+
+
+@pytest.mark.slow
+def test_sigkill_with_a_batch_sampled_ahead_then_rerun_continues_exactly(runs, questions, tmp_path):
+    overrides = overrides_of("async", questions) + ["+recipe=ddp", f"run_dir={tmp_path}"]
+    proc = launch(overrides, nproc=2)
+    wait_for_step(proc, tmp_path, 4)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    saved = sorted(tmp_path.glob("checkpoints/step_*/rollout_rank_1.safetensors"))
+    assert saved, "no checkpoint holds the batch sampled ahead"
+    resumed = run_cli(overrides, nproc=2)
+    assert_ok(resumed)
+    assert "resuming from" in resumed.stdout + resumed.stderr
+    keys = ("train/loss", "train/grad_norm", "train/importance_ratio/mean", "data/sample_digest", "rollout/staleness")
+    for a, b in zip(train_rows(runs["async-ddp"], STEPS), train_rows(tmp_path, STEPS)):
+        assert [b[k] for k in keys] == [a[k] for k in keys], f"step {a['step']}"  # bitwise
+
+
+@pytest.mark.slow
+def test_calculator_episodes_are_recorded_turn_by_turn(runs):
+    rows = train_rows(runs["tools-zero3"], STEPS)
+    assert all(r["train/episodes/turns_mean"] == 2.0 and r["train/episodes/tool_calls_mean"] == 1.0 for r in rows)
+    # One seed in three writes a malformed call: a tool error, answered and logged, never a crash.
+    assert all(0 < r["train/episodes/tool_errors_mean"] < 1 for r in rows)
+    lines = [json.loads(line) for line in (runs["tools-zero3"] / "completions" / "step_1.jsonl").read_text().splitlines()]
+    roles = [[t["role"] for t in line["turns"]] for line in lines]
+    assert all(r == ["assistant", "tool", "assistant"] for r in roles)
+    for line in lines:
+        call, answer, final = (t["text"] for t in line["turns"])
+        assert line["completion"] == call + answer + final
+        if line["tool_errors"]:
+            assert "plus" in call and answer.startswith("<result>error:")
+        else:
+            a, b = call[len("<calc>"):-len("</calc>")].split("+")
+            assert answer == f"<result>{int(a) + int(b)}</result>\n"
+            assert line["rewards"]["gsm8k"] == float(final == f"#### {int(a) + int(b)}")
+    val = [r for r in read_metrics(runs["tools-zero3"]) if "val/reward" in r]
+    assert all(r["val/episodes/turns_mean"] == 2.0 for r in val)

@@ -492,6 +492,14 @@ class ObjectiveConfig:
         num_iterations: μ, optimizer steps per generation batch (its sampling log-probs kept).
         mask_truncated_completions: completions cut at ``rollout.max_completion_length`` carry
             no loss (DAPO section 3.3).
+        sampling_correction: where the completions' sampling (behaviour) policy may differ from
+            the policy the loss sees — ``rollout.async_generation`` (one or more steps old) and
+            ``rollout.engine=vllm`` (other kernels, ``rollout.sync_every``) — each token's surrogate
+            is weighted by w = π_old / π_behaviour (truncated importance sampling, Yao et al. 2025;
+            TRL 1.16's ``vllm_importance_sampling_mode``): ``token_truncate`` (w clipped to
+            [min, max]), ``token_mask`` (0 outside), ``sequence_truncate`` / ``sequence_mask`` (one w
+            per completion, of its summed log-ratio), or ``none``.
+        sampling_correction_max, sampling_correction_min: the bounds of w (min: none when unset).
     """
 
     name: str = "causal_lm"
@@ -515,6 +523,9 @@ class ObjectiveConfig:
     advantage_estimator: str = "grpo"
     num_iterations: int = 1
     mask_truncated_completions: bool = False
+    sampling_correction: str = "token_truncate"
+    sampling_correction_max: float = 3.0
+    sampling_correction_min: Optional[float] = None
 
 
 # objective=grpo's choices (llmtrain.objectives.grpo defines each).
@@ -522,6 +533,7 @@ GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 GRPO_IMPORTANCE_LEVELS = ("token", "sequence")
 GRPO_SCALE_REWARDS = ("group", "batch", "none")
 GRPO_ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+GRPO_SAMPLING_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
 
 
 @dataclass
@@ -548,6 +560,21 @@ class RolloutConfig:
         vllm_port: ``vllm``: the port of the server llmtrain starts (0: a free one).
         vllm_start_timeout_s: ``vllm``: seconds to wait for the server to answer ``/health``.
         vllm_args: ``vllm``: extra arguments to the server llmtrain starts.
+        async_generation: sample the generation batch of step k + ``max_staleness`` while step k
+            trains, with the weights of step k (one-step-off-policy RL, as verl's one-step-off
+            and TRL's async GRPO): the samples carry their sampling policy's log-probs and the loss
+            corrects for it (``objective.sampling_correction``). The ``vllm`` engine samples in
+            the background during the step; the ``hf`` engine shares the training process's
+            weights, so it samples before the step (off-policy the same way, no faster). A
+            checkpoint holds the batches already sampled (not re-sampled on resume: their
+            weights are gone by then). (``async`` is a Python keyword, hence the name.)
+        max_staleness: with ``async_generation``: optimizer steps between the weights that
+            sample a batch and the step that trains it (0: the synchronous run, bit for bit).
+        environment: multi-turn episodes with tools (:mod:`llmtrain.rollout.environments`):
+            ``calculator`` or ``module:Class`` of your own ``Environment``; "": single-turn
+            completions. An episode's turns and the environment's answers share
+            ``max_completion_length`` tokens; the answers carry no loss.
+        max_turns: with ``environment``: model turns an episode may have.
     """
 
     engine: str = "hf"
@@ -563,6 +590,10 @@ class RolloutConfig:
     vllm_port: int = 0
     vllm_start_timeout_s: float = 600.0
     vllm_args: List[str] = field(default_factory=list)
+    async_generation: bool = False
+    max_staleness: int = 1
+    environment: str = ""
+    max_turns: int = 4
 
 
 @dataclass

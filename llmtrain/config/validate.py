@@ -466,7 +466,8 @@ def validate_context_parallel(cfg: Any) -> None:
 PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo", "reward", "kto")
 # The objective fields each built-in objective reads (any other one must keep its default).
 GRPO_FIELDS = ("num_generations", "epsilon", "epsilon_high", "importance_sampling_level", "scale_rewards",
-               "advantage_estimator", "num_iterations", "mask_truncated_completions")
+               "advantage_estimator", "num_iterations", "mask_truncated_completions", "sampling_correction",
+               "sampling_correction_max", "sampling_correction_min")
 OBJECTIVE_FIELDS = {
     "all": ("beta", "loss_type", "label_smoothing", "gamma", "nll_on_prompt", "desirable_weight", "undesirable_weight",
             "margin_column", "center_coefficient", "reference", "precompute_reference", *GRPO_FIELDS),
@@ -568,7 +569,8 @@ def validate_online(cfg: Any, formats: set[str]) -> None:
     Raises:
         ConfigError: naming the field, its value and the fix.
     """
-    from llmtrain.config.schema import GRPO_ADVANTAGE_ESTIMATORS, GRPO_IMPORTANCE_LEVELS, GRPO_LOSS_TYPES, GRPO_SCALE_REWARDS
+    from llmtrain.config.schema import (GRPO_ADVANTAGE_ESTIMATORS, GRPO_IMPORTANCE_LEVELS, GRPO_LOSS_TYPES,
+                                        GRPO_SAMPLING_CORRECTIONS, GRPO_SCALE_REWARDS)
 
     o, d, r, ro, t = cfg.objective, cfg.data, cfg.recipe, cfg.rollout, cfg.trainer
     _require(formats == {"prompts"}, f"objective={o.name} samples completions of prompts: every source's format must "
@@ -578,13 +580,24 @@ def validate_online(cfg: Any, formats: set[str]) -> None:
     _require(o.loss_type in GRPO_LOSS_TYPES, f"objective.loss_type={o.loss_type!r} must be one of "
              f"{', '.join(GRPO_LOSS_TYPES)} for objective={o.name}")
     for key, allowed in (("importance_sampling_level", GRPO_IMPORTANCE_LEVELS), ("scale_rewards", GRPO_SCALE_REWARDS),
-                         ("advantage_estimator", GRPO_ADVANTAGE_ESTIMATORS)):
+                         ("advantage_estimator", GRPO_ADVANTAGE_ESTIMATORS),
+                         ("sampling_correction", GRPO_SAMPLING_CORRECTIONS)):
         _require(o[key] in allowed, f"objective.{key}={o[key]!r} must be one of {', '.join(allowed)}")
     _require(math.isfinite(o.beta) and o.beta >= 0, f"objective.beta={o.beta} must be >= 0 (0: no reference model)")
     _require(0 < o.epsilon < 1, f"objective.epsilon={o.epsilon} must be in (0, 1)")
     _require(o.epsilon_high is None or o.epsilon_high >= o.epsilon,
              f"objective.epsilon_high={o.epsilon_high} must be >= objective.epsilon={o.epsilon} (clip-higher)")
     _require(o.num_iterations >= 1, f"objective.num_iterations={o.num_iterations} must be >= 1")
+    low = o.sampling_correction_min
+    _require(o.sampling_correction_max > 0 and (low is None or 0 <= low < o.sampling_correction_max),
+             f"objective.sampling_correction_min={low} / _max={o.sampling_correction_max}: the importance weight's "
+             "bounds need 0 <= min < max (min unset: no lower bound)")
+    _require(ro.max_turns >= 1, f"rollout.max_turns={ro.max_turns} must be >= 1 (model turns per episode)")
+    _require(ro.max_staleness >= 0, f"rollout.max_staleness={ro.max_staleness} must be >= 0 (0: synchronous)")
+    _require(not ro.async_generation or o.num_iterations == 1,
+             f"rollout.async_generation=true with objective.num_iterations={o.num_iterations}: asynchronous "
+             "generation trains each batch once (its correction is against the sampling policy); set "
+             "objective.num_iterations=1 or rollout.async_generation=false")
     _require(o.reference in REFERENCE_KINDS, f"objective.reference={o.reference!r} must be one of "
              f"{', '.join(REFERENCE_KINDS)}")
     _require(o.reference != "adapters_disabled" or cfg.get("peft") is not None,

@@ -11,7 +11,14 @@ and carries per token:
 * ``old_logps``: log π_old of each completion token, the policy that sampled it, when it may
   differ from the current one (``num_iterations`` > 1); on-policy the current log-probs,
   detached, stand in (as TRL does);
-* ``ref_logps``: the reference policy's log-probs (``beta`` > 0).
+* ``ref_logps``: the reference policy's log-probs (``beta`` > 0);
+* ``behaviour_logps``: log π_behaviour of each completion token, the policy that actually sampled
+  it, where that may differ from π_old (asynchronous generation: weights one or more steps old;
+  vLLM: other kernels, weights up to ``sync_every - 1`` steps old). The surrogate is then weighted
+  per token by the truncated importance weight w = clip(π_old / π_behaviour, min, max) (TIS: Yao
+  et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"; TRL
+  1.16's ``vllm_importance_sampling_mode``, whose modes and bounds :class:`GRPO` takes as
+  ``sampling_correction``), before the KL term is added, as TRL does.
 
 Per token, with r = π_θ / π_old (token level), or exp of its masked mean log over the
 completion (sequence level, GSPO: Zheng et al. 2025, eq. 7), the clipped surrogate (PPO:
@@ -46,6 +53,7 @@ from llmtrain.common.labels import IGNORE_INDEX
 from llmtrain.config.schema import GRPO_ADVANTAGE_ESTIMATORS as ADVANTAGE_ESTIMATORS
 from llmtrain.config.schema import GRPO_IMPORTANCE_LEVELS as IMPORTANCE_LEVELS
 from llmtrain.config.schema import GRPO_LOSS_TYPES as LOSS_TYPES
+from llmtrain.config.schema import GRPO_SAMPLING_CORRECTIONS as SAMPLING_CORRECTIONS
 from llmtrain.config.schema import GRPO_SCALE_REWARDS as SCALE_REWARDS
 from llmtrain.objectives.base import LossSums, Objective
 from llmtrain.objectives.preference import completion_token_logps
@@ -106,7 +114,8 @@ class GRPO(Objective):
         ConfigError: an unknown ``loss_type``, importance level, reward scaling or estimator.
     """
 
-    carries = {"labels": IGNORE_INDEX, "completion_mask": 0.0, "advantages": 0.0, "old_logps": 0.0, "ref_logps": 0.0}
+    carries = {"labels": IGNORE_INDEX, "completion_mask": 0.0, "advantages": 0.0, "old_logps": 0.0, "ref_logps": 0.0,
+               "behaviour_logps": 0.0}
     reports_perplexity = False
     counted_unit = None
     online = True
@@ -125,10 +134,17 @@ class GRPO(Objective):
         self.estimator = str(get("advantage_estimator", "grpo"))
         self.num_generations = int(get("num_generations", 8))
         self.mask_truncated = bool(get("mask_truncated_completions", False))
+        self.correction = str(get("sampling_correction", "token_truncate"))
+        self.correction_max = float(get("sampling_correction_max", 3.0))
+        low = get("sampling_correction_min", None)
+        self.correction_min = float(low) if low is not None else None
+        # Whether batches carry a sampling policy other than π_old (set by setup from the rollout).
+        self.behaviour = False
         for value, allowed, key in ((self.loss_type, LOSS_TYPES, "loss_type"),
                                     (self.level, IMPORTANCE_LEVELS, "importance_sampling_level"),
                                     (self.scale_rewards, SCALE_REWARDS, "scale_rewards"),
-                                    (self.estimator, ADVANTAGE_ESTIMATORS, "advantage_estimator")):
+                                    (self.estimator, ADVANTAGE_ESTIMATORS, "advantage_estimator"),
+                                    (self.correction, SAMPLING_CORRECTIONS, "sampling_correction")):
             if value not in allowed:
                 raise ConfigError(f"objective.{key}={value!r} must be one of {', '.join(allowed)}")
         self.temperature = 1.0
@@ -157,16 +173,53 @@ class GRPO(Objective):
         return self.num_iterations == 1
 
     def setup(self, cfg: Any) -> None:
-        """Read the sampling temperature (the log-probs are the tempered distribution's) and
-        ``max_completion_length`` (``dr_grpo``'s constant) from the run's ``rollout`` section."""
+        """Read the sampling temperature (the log-probs are the tempered distribution's),
+        ``max_completion_length`` (``dr_grpo``'s constant) and whether the sampling policy may
+        differ from π_old (:meth:`samples_off_policy`) from the run's ``rollout`` section."""
         rollout = cfg.get("rollout") if cfg is not None else None
         if rollout is not None:
             self.temperature = float(rollout.temperature)
             self.max_completion_length = int(rollout.max_completion_length)
+            self.correct_sampling(self.samples_off_policy(rollout))
+
+    @staticmethod
+    def samples_off_policy(rollout: Any) -> bool:
+        """Whether ``rollout``'s completions may come from a policy other than π_old: generated
+        asynchronously (``max_staleness`` > 0), or by vLLM (other kernels, older weights)."""
+        return bool(rollout.async_generation and int(rollout.max_staleness) > 0) or str(rollout.engine) == "vllm"
+
+    def correct_sampling(self, on: bool) -> None:
+        """Weight the surrogate by π_old / π_behaviour (``behaviour_logps``) when ``on`` and
+        ``sampling_correction`` is not ``none``; its metrics join :attr:`metric_names`."""
+        self.behaviour = on and self.correction != "none"
+        if self.behaviour and "importance_ratio/mean" not in self.metric_names:
+            self.metric_names = (*self.metric_names[:-2], "importance_ratio/mean", "importance_ratio/corrected",
+                                 *self.metric_names[-2:])
+            unit = "_sequences" if self.correction.startswith("sequence") else "_tokens"
+            self.metric_denominators = {**self.metric_denominators, "importance_ratio/mean": unit,
+                                        "importance_ratio/corrected": unit}
+
+    def importance_weights(self, old: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The truncated importance weights of ``sampling_correction`` (TRL 1.16's
+        ``vllm_importance_sampling_mode``): ``(w, ratio, corrected)``, w ``[rows, seq]`` (token
+        modes) or ``[rows, 1]`` (sequence modes, of the summed log-ratio over ``mask``), the
+        uncorrected ratio π_old / π_behaviour and 1.0 where the bound changed it. All detached."""
+        diff = ((old - behaviour) * mask).detach()
+        if self.correction.startswith("sequence"):
+            diff = diff.sum(-1, keepdim=True)
+        ratio = torch.exp(diff)
+        low = self.correction_min if self.correction_min is not None else 0.0
+        outside = (ratio > self.correction_max) | (ratio < low)
+        if self.correction.endswith("truncate"):
+            weight = ratio.clamp(min=low, max=self.correction_max)
+        else:
+            weight = ratio.masked_fill(outside, 0.0)
+        return weight, ratio, outside.to(ratio.dtype)
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         shape = batch["input_ids"].shape
-        for key in ("completion_mask", "advantages", "old_logps", "ref_logps"):
+        for key in ("completion_mask", "advantages", "old_logps", "ref_logps", "behaviour_logps"):
             batch.setdefault(key, torch.zeros(shape, dtype=torch.float32))
         return batch
 
@@ -199,6 +252,12 @@ class GRPO(Objective):
         clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
         per_token = -torch.min(ratio * advantages, clipped * advantages)
         metrics: dict[str, torch.Tensor] = {}
+        if self.behaviour:
+            weight, behaviour_ratio, corrected = self.importance_weights(old, batch["behaviour_logps"], mask)
+            per_token = per_token * weight
+            unit = mask if weight.shape[-1] > 1 else (labels != IGNORE_INDEX).any(dim=1, keepdim=True).float()
+            metrics["importance_ratio/mean"] = (behaviour_ratio * unit).sum()
+            metrics["importance_ratio/corrected"] = (corrected * unit).sum()
         if self.beta:
             gap = batch["ref_logps"] - logps
             kl = (torch.exp(gap) - gap - 1) * ratio

@@ -14,11 +14,13 @@ from typing import Any
 from llmtrain.common.errors import ConfigError, import_object
 from llmtrain.rollout import rewards
 from llmtrain.rollout.engines import PolicySampler, RolloutEngine
+from llmtrain.rollout.environments import Environment, build_environment
 from llmtrain.rollout.generate import Sampling
 from llmtrain.rollout.rollout import Rollout, RewardError, score
 from llmtrain.rollout.vllm_server import VLLMEngine
 
-__all__ = ["Rollout", "RolloutEngine", "RewardError", "build_rewards", "build_rollout_engine", "build_sampler"]
+__all__ = ["Environment", "Rollout", "RolloutEngine", "RewardError", "build_environment", "build_rewards",
+           "build_rollout_engine", "build_sampler", "environment_reward"]
 
 ENGINES: dict[str, type[RolloutEngine]] = {"hf": PolicySampler, "vllm": VLLMEngine}
 
@@ -53,6 +55,13 @@ def build_rewards(cfg: Any, samples: list[dict], device: Any = "cpu") -> list[re
     score(functions, prompts, completions, ids, columns,
           "in the start-up check (2 prompts of the data, each with placeholder completions '' and '0')")
     return functions
+
+
+def environment_reward() -> rewards.RewardFunction:
+    """The multi-turn environment's summed reward of each episode as a reward function named
+    ``environment`` (weight 1; None where the environment gave none), read from the
+    ``environment_reward`` column the rollout adds for it."""
+    return rewards.RewardFunction("environment", lambda environment_reward, **_: list(environment_reward), 1.0)
 
 
 def build_sampler(cfg: Any, tokenizer: Any, end_ids: list[int]) -> RolloutEngine:

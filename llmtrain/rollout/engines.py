@@ -17,6 +17,7 @@ objective. The seam is :class:`RolloutEngine`'s one method; the rest of a genera
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,6 +27,10 @@ from llmtrain.rollout.generate import Completion, Sampling, sample_group
 class RolloutEngine(ABC):
     """Samples completions. ``cfg``: the run's config; ``tokenizer``: the policy's; ``sampling``:
     ``rollout``'s fields (:class:`~llmtrain.rollout.generate.Sampling`)."""
+
+    # Whether the engine samples from weights of its own (a server's), so that asynchronous
+    # generation can sample while the policy trains: :meth:`submit` returns before it is done.
+    overlaps = False
 
     def __init__(self, cfg: Any, tokenizer: Any, sampling: Sampling):
         self.cfg, self.tokenizer, self.sampling = cfg, tokenizer, sampling
@@ -51,6 +56,15 @@ class RolloutEngine(ABC):
         at the same time (a collective call where the weights are sharded), each with its own
         samples, possibly none.
         """
+
+    def submit(self, policy: Any, samples: list[dict], seeds: list[list[int | None]]) -> Future:
+        """:meth:`sample` started, its result a Future: an engine that :attr:`overlaps` sends the
+        policy's current weights (collective) and returns while its requests run; the default
+        samples now. The policy may train before the Future is read, so an engine that overlaps
+        must report each token's sampling log-probs (``Completion.logps``)."""
+        future: Future = Future()
+        future.set_result(self.sample(policy, samples, seeds))
+        return future
 
 
 class PolicySampler(RolloutEngine):

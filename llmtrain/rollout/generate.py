@@ -60,11 +60,19 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 @dataclass
 class Completion:
     """A sampled completion: its token ids, whether ``max_new`` cut it short, and (from engines
-    that report them) each token's log-prob under the sampling distribution."""
+    that report them) each token's log-prob under the sampling distribution. A multi-turn
+    episode (:mod:`llmtrain.rollout.environments`) also has ``env_mask`` (1 per token the model
+    wrote, 0 per token of the environment's answers), its model ``turns``, ``tool_calls``,
+    ``tool_errors`` and the environment's summed reward (``env_reward``, None: none given)."""
 
     ids: list[int]
     truncated: bool
     logps: list[float] | None = None
+    env_mask: list[int] | None = None
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_reward: float | None = None
 
 
 def cache_argument(model: torch.nn.Module) -> str:

@@ -17,6 +17,7 @@ import logging
 import math
 import time
 import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -27,13 +28,14 @@ from llmtrain.common.labels import IGNORE_INDEX
 from llmtrain.objectives.grpo import group_advantages, nanstd
 from llmtrain.parallel import distributed
 from llmtrain.rollout.engines import RolloutEngine
+from llmtrain.rollout.environments import Environment, run_episodes
 from llmtrain.rollout.generate import Completion, completion_seed
 from llmtrain.rollout.rewards import RewardFunction
 
 log = logging.getLogger("llmtrain")
 
 # The tensors of a training micro-batch that a checkpoint keeps for a pending generation batch.
-BATCH_KEYS = ("input_ids", "attention_mask", "labels", "completion_mask", "advantages", "old_logps")
+BATCH_KEYS = ("input_ids", "attention_mask", "labels", "completion_mask", "advantages", "old_logps", "behaviour_logps")
 
 
 @dataclass
@@ -45,6 +47,19 @@ class GenerationBatch:
     generation: int
     batches: list[dict[str, torch.Tensor]]
     metrics: dict[str, float]
+
+
+@dataclass
+class Sampled:
+    """A generation batch's completions before scoring: ``groups`` (one list per sample of
+    ``micro_batches``, flattened) or the :class:`~concurrent.futures.Future` of an engine sampling
+    them in the background, and ``sampled_at``, the optimizer steps done by the weights that
+    sample them (its staleness at step k is ``k - sampled_at``)."""
+
+    generation: int
+    sampled_at: int
+    micro_batches: list[list[dict]]
+    groups: "list[list[Completion]] | Future"
 
 
 class RewardError(RuntimeError):
@@ -99,37 +114,86 @@ class Rollout:
         run_dir, is_main: where rank 0 writes ``completions/step_N.jsonl``.
         on_completions: called on rank 0 with those records and the step (1-based) after each
             file is written (the trainer's tracker: a wandb table).
+        environment: multi-turn episodes' environment (:mod:`llmtrain.rollout.environments`),
+            None for single-turn completions; its rewards reach the functions as the
+            ``environment_reward`` column.
     """
 
     def __init__(self, cfg: Any, engine: Any, objective: Any, sampler: RolloutEngine, prompts: Iterator[dict],
                  tokenizer: Any, pad_id: int, functions: list[RewardFunction], run_dir: Path, is_main: bool,
-                 on_completions: Callable[[list[dict], int], None] | None = None):
+                 on_completions: Callable[[list[dict], int], None] | None = None, environment: Environment | None = None):
         self.cfg, self.engine, self.objective, self.sampler, self.prompts = cfg, engine, objective, sampler, prompts
         self.tokenizer, self.pad_id, self.functions = tokenizer, pad_id, functions
         self.run_dir, self.is_main, self.on_completions = run_dir, is_main, on_completions
         self.seed = cfg.trainer.seed
+        self.environment = environment
         self.group = objective.num_generations
         self.log_completions = int(cfg.rollout.log_completions)
         self.pending: GenerationBatch | None = None
+        rollout = cfg.rollout
+        self.asynchronous = bool(rollout.async_generation) and int(rollout.max_staleness) > 0
+        self.staleness = int(rollout.max_staleness) if self.asynchronous else 0
+        # Generation batches sampled ahead, by generation (asynchronous generation; else the one being made).
+        self.sampled: dict[int, Sampled] = {}
         self.warned_unscorable = False
 
     # ---- a training step -------------------------------------------------------------------
     def for_step(self, step: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
         """The host micro-batches of optimizer step ``step`` (0-based) and the metrics to log with
         it (empty on steps that reuse a generation batch). A new generation batch every
-        ``num_iterations`` steps reads ``accumulation`` prompt micro-batches. Collective call."""
+        ``num_iterations`` steps; with ``rollout.async_generation`` the batches of the next
+        ``max_staleness`` generations are sampled (or started) first, with this step's weights.
+        Each generation reads ``accumulation`` prompt micro-batches. Collective call."""
         generation = step // self.objective.num_iterations
-        if self.pending is None or self.pending.generation != generation:
-            prompts = [next(self.prompts)["prompts"] for _ in range(self.engine.accumulation_steps)]
-            self.pending = self._generate(generation, step, prompts)
-            return self.pending.batches, self.pending.metrics
-        return self.pending.batches, {}
-
-    def _generate(self, generation: int, step: int, micro_batches: list[list[dict]]) -> GenerationBatch:
+        if self.pending is not None and self.pending.generation == generation:
+            return self.pending.batches, {}
         started = time.perf_counter()
-        samples = [sample for micro in micro_batches for sample in micro]
-        groups = self._sample(samples, generation, greedy=False)
+        self._resolve()  # in-flight samples finish before new weights go to their engine
+        last = -(-int(self.cfg.trainer.max_steps) // self.objective.num_iterations) - 1
+        for g in range(generation, min(generation + self.staleness, max(last, generation)) + 1):
+            if g not in self.sampled:
+                self.sampled[g] = self._start(g, step)
+        entry = self.sampled.pop(generation)
+        self._resolve()
         sampled = time.perf_counter()
+        self.pending = self._finish(entry, step)
+        metrics = {**self.pending.metrics, "rollout/generation_s": sampled - started,
+                   "rollout/staleness": float(step - entry.sampled_at)}
+        return self.pending.batches, metrics
+
+    def _start(self, generation: int, step: int) -> "Sampled":
+        """Sample generation ``generation``'s completions with the current weights (optimizer
+        step ``step``): in the background where the engine can (asynchronous generation with
+        an engine that :attr:`~llmtrain.rollout.engines.RolloutEngine.overlaps`), else now; under
+        asynchronous generation each completion then gets its sampling log-probs from the
+        policy itself when the engine reports none."""
+        micro_batches = [next(self.prompts)["prompts"] for _ in range(self.engine.accumulation_steps)]
+        samples = [sample for micro in micro_batches for sample in micro]
+        seeds = self._seeds(samples, generation)
+        if self.asynchronous and self.sampler.overlaps and self.environment is None:
+            self.engine.train(False)
+            try:
+                future = self.sampler.submit(self.engine, samples, seeds)
+            finally:
+                self.engine.train(True)
+            return Sampled(generation, step, micro_batches, future)
+        groups = self._sample(samples, seeds)
+        if self.asynchronous and not all(c.logps is not None for group in groups for c in group):
+            self._behaviour_logps(micro_batches, groups)
+        return Sampled(generation, step, micro_batches, groups)
+
+    def _resolve(self) -> None:
+        """Wait for every sample in flight (its groups checked)."""
+        for entry in self.sampled.values():
+            if isinstance(entry.groups, Future):
+                entry.groups = self._checked(entry.groups.result(), self._seeds_shape(entry.micro_batches))
+
+    def _finish(self, entry: "Sampled", step: int) -> GenerationBatch:
+        """Score, weigh and lay out a sampled generation batch (see the module)."""
+        micro_batches, groups = entry.micro_batches, entry.groups
+        assert not isinstance(groups, Future)
+        samples = [sample for micro in micro_batches for sample in micro]
+        started = time.perf_counter()
         table = self._score(samples, groups, f"at step {step + 1}")
         rewards = self._weighted(table).view(len(samples), self.group)
         scored = time.perf_counter()
@@ -142,36 +206,70 @@ class Rollout:
                     for j, sample in enumerate(micro) for i, completion in enumerate(groups[k + j])]
             batches.append(self._layout(rows))
             k += len(micro)
-        reported = any(c.logps is not None for group in groups for c in group)
-        if not self.objective.on_policy or reported:
+        # The engine's own log-probs, to compare with the policy's: only when it sampled with these weights.
+        check = not self.asynchronous and any(c.logps is not None for group in groups for c in group)
+        if not self.objective.on_policy or check:
             # The sampling policy's log-probs: kept for μ > 1 steps, and compared with an engine's own.
             self._old_logps(batches)
-        metrics = {**stats, "rollout/generation_s": sampled - started, "rollout/reward_s": scored - sampled}
-        if reported:
+        metrics = {**stats, **self._episode_stats(groups, "train"), "rollout/reward_s": scored - started}
+        if check:
             metrics.update(self._logp_check(batches, micro_batches, groups))
         if self.is_main and self.log_completions:
-            self._write_completions(step + 1, samples, groups, table, rewards, advantages)
-        return GenerationBatch(generation, batches, metrics)
+            self._write_completions(entry.generation * self.objective.num_iterations + 1, samples, groups, table,
+                                    rewards, advantages)
+        return GenerationBatch(entry.generation, batches, metrics)
 
-    def _sample(self, samples: list[dict], generation: int, greedy: bool) -> list[list[Completion]]:
-        """Each sample's completions: G seeded ones (:func:`completion_seed` of the prompt's
-        record and CRC32, so the same prompt gets the same seeds on any layout), or one greedy."""
-        seeds: list[list[int | None]] = []
+    def _seeds(self, samples: list[dict], generation: int, greedy: bool = False) -> list[list[int | None]]:
+        """Each sample's seeds: G seeded ones (:func:`completion_seed` of the prompt's record and
+        CRC32, so the same prompt gets the same seeds on any layout), or one greedy (None)."""
+        if greedy:
+            return [[None] for _ in samples]
+        seeds = []
         for sample in samples:
-            if greedy:
-                seeds.append([None])
-                continue
             prompt = int(sample.get("record", 0)) * 2**32 + zlib.crc32(str(list(sample["prompt_ids"])).encode())
             seeds.append([completion_seed(self.seed, generation, prompt, k) for k in range(self.group)])
+        return seeds
+
+    def _seeds_shape(self, micro_batches: list[list[dict]]) -> list[int]:
+        return [self.group for micro in micro_batches for _ in micro]
+
+    def _behaviour_logps(self, micro_batches: list[list[dict]], groups: list[list[Completion]]) -> None:
+        """Each completion's log-probs under the weights that sampled it (now), from the policy
+        itself (for an engine that reports none), stored as the completion's ``logps``."""
+        batches, k = [], 0
+        for micro in micro_batches:
+            batches.append(self._layout([(sample, c, 0.0) for j, sample in enumerate(micro) for c in groups[k + j]]))
+            k += len(micro)
+        self._old_logps(batches)
+        k = 0
+        for micro, batch in zip(micro_batches, batches):
+            row = 0
+            for j, sample in enumerate(micro):
+                p = len(sample["prompt_ids"])
+                for completion in groups[k + j]:
+                    completion.logps = batch["old_logps"][row, p:p + len(completion.ids)].tolist()
+                    row += 1
+            k += len(micro)
+
+    def _sample(self, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
+        """The engine's completions of ``samples``, one per seed, in eval mode. Collective call."""
         self.engine.train(False)
         try:
-            groups = self.sampler.sample(self.engine, samples, seeds)
+            if self.environment is not None:
+                ro = self.cfg.rollout
+                groups = run_episodes(self.sampler, self.engine, self.environment, samples, seeds, int(ro.max_turns),
+                                      int(ro.max_completion_length), self.tokenizer)
+            else:
+                groups = self.sampler.sample(self.engine, samples, seeds)
         finally:
             self.engine.train(True)
-        wrong = [i for i, (group, row) in enumerate(zip(groups, seeds)) if len(group) != len(row)]
-        if len(groups) != len(samples) or wrong:
+        return self._checked(groups, [len(row) for row in seeds])
+
+    def _checked(self, groups: list[list[Completion]], sizes: list[int]) -> list[list[Completion]]:
+        wrong = [i for i, (group, size) in enumerate(zip(groups, sizes)) if len(group) != size]
+        if len(groups) != len(sizes) or wrong:
             raise RuntimeError(f"rollout.engine={self.cfg.rollout.engine} returned {len(groups)} groups for "
-                               f"{len(samples)} prompts (or a group of another size than its seeds)")
+                               f"{len(sizes)} prompts (or a group of another size than its seeds)")
         return groups
 
     def _score(self, samples: list[dict], groups: list[list[Completion]], where: str) -> torch.Tensor:
@@ -186,6 +284,8 @@ class Rollout:
                 ids.append(list(completion.ids))
                 for key in extra:
                     columns.setdefault(key, []).append(sample.get(key))
+                if self.environment is not None and self.environment.gives_rewards:
+                    columns.setdefault("environment_reward", []).append(completion.env_reward)
         return score(self.functions, prompts, completions, ids, columns, where)
 
     def _weighted(self, table: torch.Tensor) -> torch.Tensor:
@@ -201,6 +301,20 @@ class Rollout:
                         "repeated): they get advantage 0 and no reward in train/reward; make at least one function "
                         "score every completion", int(unscorable.sum()), len(table), self.engine.dp_rank)
         return rewards.masked_fill(unscorable, float("nan"))
+
+    def _episode_stats(self, groups: list[list[Completion]], prefix: str) -> dict[str, float]:
+        """Multi-turn episodes' means over every rank's episodes (one all-reduce): model turns,
+        tool calls and tool errors per episode, and the share of tool calls that failed."""
+        if self.environment is None:
+            return {}
+        episodes = [c for group in groups for c in group]
+        sums = torch.tensor([len(episodes), sum(c.turns for c in episodes), sum(c.tool_calls for c in episodes),
+                             sum(c.tool_errors for c in episodes)], dtype=torch.float64, device=self.engine.env.device)
+        n, turns, calls, errors = (distributed.all_reduce_sum(sums).cpu() / self.engine.dims.data_replicas).tolist()
+        n = max(n, 1.0)
+        return {f"{prefix}/episodes/turns_mean": turns / n, f"{prefix}/episodes/tool_calls_mean": calls / n,
+                f"{prefix}/episodes/tool_errors_mean": errors / n,
+                f"{prefix}/episodes/tool_error_rate": errors / calls if calls else 0.0}
 
     def _global_stats(self, table: torch.Tensor, rewards: torch.Tensor, groups: list[list[Completion]]) -> dict:
         """TRL's rollout metrics over every rank's completions (one all-reduce, one max): the
@@ -256,7 +370,8 @@ class Rollout:
                  "completion_mask": torch.zeros(shape, dtype=torch.float32),
                  "advantages": torch.zeros(shape, dtype=torch.float32),
                  "old_logps": torch.zeros(shape, dtype=torch.float32),
-                 "ref_logps": torch.zeros(shape, dtype=torch.float32)}
+                 "ref_logps": torch.zeros(shape, dtype=torch.float32),
+                 "behaviour_logps": torch.zeros(shape, dtype=torch.float32)}
         for i, (sample, completion, advantage) in enumerate(rows):
             p, c = len(sample["prompt_ids"]), len(completion.ids)
             batch["input_ids"][i, :p + c] = torch.tensor(list(sample["prompt_ids"]) + completion.ids)
@@ -264,7 +379,11 @@ class Rollout:
             batch["labels"][i, p:p + c] = torch.tensor(completion.ids)
             keep = not (completion.truncated and self.objective.mask_truncated)
             batch["completion_mask"][i, p:p + c] = float(keep)
+            if completion.env_mask is not None:  # the environment's tokens: context, no loss
+                batch["completion_mask"][i, p:p + c] *= torch.tensor(completion.env_mask, dtype=torch.float32)
             batch["advantages"][i, p:p + c] = advantage
+            if self.objective.behaviour and completion.logps is not None:
+                batch["behaviour_logps"][i, p:p + c] = torch.tensor(completion.logps, dtype=torch.float32)
         return batch
 
     @torch.no_grad()
@@ -292,6 +411,11 @@ class Rollout:
                     if completion.logps is not None and completion.ids:
                         ours = batch["old_logps"][row, p:p + len(completion.ids)].double()
                         diff = (ours - torch.tensor(completion.logps, dtype=torch.float64)).abs()
+                        if completion.env_mask is not None:  # the model's tokens only
+                            diff = diff[torch.tensor(completion.env_mask, dtype=torch.bool)]
+                            if not diff.numel():
+                                row += 1
+                                continue
                         largest, total, count = max(largest, float(diff.max())), total + float(diff.sum()), \
                             count + diff.numel()
                     row += 1
@@ -319,12 +443,25 @@ class Rollout:
                         "rewards": {f.name: (None if math.isnan(float(table[k, j])) else float(table[k, j]))
                                     for j, f in enumerate(self.functions)},
                         "reward": None if math.isnan(float(rewards[p, i])) else float(rewards[p, i]),
-                        "advantage": float(advantages[p, i])})
+                        "advantage": float(advantages[p, i]), **self._transcript(completion)})
                 k += 1
         (folder / f"step_{step}.jsonl").write_text("".join(json.dumps(r, default=str) + "\n" for r in rows),
                                                    encoding="utf-8")
         if self.on_completions is not None:
             self.on_completions(rows, step)
+
+    def _transcript(self, completion: Completion) -> dict:
+        """A multi-turn episode's turns for the completions file: ``{"turns": [{"role":
+        "assistant" | "tool", "text": ...}, ...], "tool_calls": n, "tool_errors": n}``."""
+        if completion.env_mask is None:
+            return {}
+        turns, start = [], 0
+        for end in range(1, len(completion.ids) + 1):
+            if end == len(completion.ids) or completion.env_mask[end] != completion.env_mask[start]:
+                turns.append({"role": "assistant" if completion.env_mask[start] else "tool",
+                              "text": self.tokenizer.decode(completion.ids[start:end], skip_special_tokens=True)})
+                start = end
+        return {"turns": turns, "tool_calls": completion.tool_calls, "tool_errors": completion.tool_errors}
 
     # ---- evaluation ---------------------------------------------------------------------------
     def evaluate(self, prompt_batches: list[dict]) -> dict[str, float]:
@@ -332,8 +469,9 @@ class Rollout:
         prompts with its standard error (the sample standard deviation over sqrt(prompts)), each
         function's mean, and the completions' mean length, as ``val/...``.
         Collective call."""
+        self._resolve()  # the engine may load new weights for this: nothing may be in flight
         samples = [sample for batch in prompt_batches for sample in batch["prompts"]]
-        groups = self._sample(samples, 0, greedy=True)
+        groups = self._sample(samples, self._seeds(samples, 0, greedy=True))
         table = self._score(samples, groups, "in the held-out evaluation") if samples else \
             torch.zeros(0, len(self.functions), dtype=torch.float64)
         rewards = torch.nan_to_num(self._weighted(table), nan=0.0)  # pass@1: an unscorable completion fails
@@ -352,30 +490,88 @@ class Rollout:
         for j, f in enumerate(self.functions):
             c = float(sums[4 + j])
             metrics[f"val/rewards/{f.name}/mean"] = float(sums[4 + fn + j]) / c if c else float("nan")
+        metrics.update(self._episode_stats(groups, "val"))
         return metrics
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state_dict(self, step: int) -> dict[str, torch.Tensor]:
-        """The pending generation batch when optimizer step ``step`` (done) leaves some of its
-        ``num_iterations`` steps to train (empty otherwise): this rank's micro-batches' tensors,
-        flat (``b{i}.{key}``), and the batch's index."""
+        """This rank's part of the rollout that optimizer step ``step`` (done) leaves to later steps
+        (empty when nothing is): the pending generation batch when ``num_iterations`` steps train
+        it and some are left (its micro-batches' tensors, flat: ``b{i}.{key}``, and its index),
+        and the generation batches asynchronous generation sampled ahead (``s{g}.*``: their
+        prompts as JSON, completions, sampling log-probs and the step that sampled them; waited
+        for if in flight). Ahead-sampled batches are kept, not re-sampled on resume: the weights
+        that sampled them are gone by then."""
         mu = self.objective.num_iterations
-        if self.pending is None or step % mu == 0 or step // mu != self.pending.generation:
-            return {}
-        flat = {"generation": torch.tensor([self.pending.generation])}
-        for i, batch in enumerate(self.pending.batches):
-            for key in BATCH_KEYS:
-                flat[f"b{i}.{key}"] = batch[key].contiguous()
+        flat: dict[str, torch.Tensor] = {}
+        if self.pending is not None and step % mu != 0 and step // mu == self.pending.generation:
+            flat["generation"] = torch.tensor([self.pending.generation])
+            for i, batch in enumerate(self.pending.batches):
+                for key in BATCH_KEYS:
+                    flat[f"b{i}.{key}"] = batch[key].contiguous()
+        self._resolve()
+        for g, entry in self.sampled.items():
+            flat.update(_flatten_sampled(entry, f"s{g}."))
         return flat
 
     def load_state_dict(self, flat: dict[str, torch.Tensor]) -> None:
-        """Restore what :meth:`state_dict` saved (nothing to do for an empty one)."""
+        """Restore what :meth:`state_dict` saved (nothing to do for an empty one); prompts of the
+        restored ahead-sampled batches are skipped in the prompt stream (they were read)."""
         if not flat:
             return
-        count = 1 + max(int(k.split(".")[0][1:]) for k in flat if k.startswith("b"))
-        batches = []
-        for i in range(count):
-            batch = {key: flat[f"b{i}.{key}"] for key in BATCH_KEYS}
-            batch["ref_logps"] = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-            batches.append(batch)
-        self.pending = GenerationBatch(int(flat["generation"][0]), batches, {})
+        if "generation" in flat:
+            count = 1 + max(int(k.split(".")[0][1:]) for k in flat if k.startswith("b"))
+            batches = []
+            for i in range(count):
+                batch = {key: flat[f"b{i}.{key}"] for key in BATCH_KEYS if f"b{i}.{key}" in flat}
+                for key in ("ref_logps", "behaviour_logps"):
+                    batch.setdefault(key, torch.zeros(batch["input_ids"].shape, dtype=torch.float32))
+                batches.append(batch)
+            self.pending = GenerationBatch(int(flat["generation"][0]), batches, {})
+        for g in sorted({int(k.split(".")[0][1:]) for k in flat if k.startswith("s")}):
+            self.sampled[g] = _unflatten_sampled(flat, f"s{g}.", g)
+            for _ in range(self.engine.accumulation_steps):
+                next(self.prompts)
+
+
+def _flatten_sampled(entry: Sampled, prefix: str) -> dict[str, torch.Tensor]:
+    """A :class:`Sampled` (groups resolved) as tensors under ``prefix`` (see
+    :meth:`Rollout.state_dict`)."""
+    completions = [c for group in entry.groups for c in group]
+    prompts = [[{k: v for k, v in sample.items()} for sample in micro] for micro in entry.micro_batches]
+    text = json.dumps({"micro_batches": prompts, "group_sizes": [len(g) for g in entry.groups]}, default=str)
+    return {prefix + "prompts_json": torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8),
+            prefix + "sampled_at": torch.tensor([entry.sampled_at], dtype=torch.int64),
+            prefix + "lengths": torch.tensor([len(c.ids) for c in completions], dtype=torch.int64),
+            prefix + "ids": torch.tensor([t for c in completions for t in c.ids], dtype=torch.int64),
+            prefix + "truncated": torch.tensor([c.truncated for c in completions], dtype=torch.uint8),
+            prefix + "has_logps": torch.tensor([c.logps is not None for c in completions], dtype=torch.uint8),
+            prefix + "logps": torch.tensor([v for c in completions for v in (c.logps if c.logps is not None
+                                                                            else [0.0] * len(c.ids))],
+                                           dtype=torch.float64),
+            # Multi-turn episodes: which tokens the model wrote, and the episode's counts and reward.
+            prefix + "env_mask": torch.tensor([v for c in completions for v in (c.env_mask if c.env_mask is not None
+                                                                                else [1] * len(c.ids))],
+                                              dtype=torch.uint8),
+            prefix + "episode": torch.tensor([[float(c.env_mask is not None), c.turns, c.tool_calls, c.tool_errors,
+                                               float("nan") if c.env_reward is None else c.env_reward]
+                                              for c in completions], dtype=torch.float64).reshape(-1, 5)}
+
+
+def _unflatten_sampled(flat: dict[str, torch.Tensor], prefix: str, generation: int) -> Sampled:
+    meta = json.loads(bytes(flat[prefix + "prompts_json"].tolist()).decode("utf-8"))
+    lengths, ids, logps = flat[prefix + "lengths"].tolist(), flat[prefix + "ids"].tolist(), flat[prefix + "logps"].tolist()
+    truncated, has = flat[prefix + "truncated"].tolist(), flat[prefix + "has_logps"].tolist()
+    masks, episodes = flat[prefix + "env_mask"].tolist(), flat[prefix + "episode"].tolist()
+    completions, at = [], 0
+    for n, cut, present, (multi, turns, calls, errors, reward) in zip(lengths, truncated, has, episodes):
+        completions.append(Completion(ids[at:at + n], bool(cut), logps[at:at + n] if present else None,
+                                      env_mask=masks[at:at + n] if multi else None, turns=int(turns),
+                                      tool_calls=int(calls), tool_errors=int(errors),
+                                      env_reward=None if math.isnan(reward) else reward))
+        at += n
+    groups, at = [], 0
+    for size in meta["group_sizes"]:
+        groups.append(completions[at:at + size])
+        at += size
+    return Sampled(generation, int(flat[prefix + "sampled_at"][0]), meta["micro_batches"], groups)

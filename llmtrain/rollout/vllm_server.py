@@ -40,7 +40,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +161,9 @@ class VLLMEngine(RolloutEngine):
         self.process: subprocess.Popen | None = None
         self.version: int | None = None  # the optimizer step whose weights the server holds
         self.model_name = SERVED_NAME
+        self.background: ThreadPoolExecutor | None = None  # the thread that waits on this rank's requests
+
+    overlaps = True
 
     def check(self) -> None:
         check_environment(self.cfg)
@@ -217,6 +220,9 @@ class VLLMEngine(RolloutEngine):
         """Stop the server this run started (its whole process group: the API server, its engine
         core and workers), and remove the weights written for it."""
         process, self.process = self.process, None
+        background, self.background = self.background, None
+        if background is not None:  # requests in flight fail once the server is gone; nobody reads them
+            background.shutdown(wait=False, cancel_futures=True)
         if process is not None and process.poll() is None:
             try:
                 os.killpg(process.pid, signal.SIGTERM)
@@ -270,8 +276,18 @@ class VLLMEngine(RolloutEngine):
 
     # ---- sampling ------------------------------------------------------------------------------
     def sample(self, policy: Any, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
+        return self.submit(policy, samples, seeds).result()
+
+    def submit(self, policy: Any, samples: list[dict], seeds: list[list[int | None]]) -> Future:
+        """Sends the weights when due (collective), then this rank's requests run in a background
+        thread: the returned Future's result is :meth:`sample`'s."""
         greedy = all(seed is None for row in seeds for seed in row)
         self._sync(policy, greedy)
+        if self.background is None:
+            self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-requests")
+        return self.background.submit(self._requests, samples, seeds)
+
+    def _requests(self, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
         jobs = [(i, j, list(sample["prompt_ids"]), seed) for i, (sample, row) in enumerate(zip(samples, seeds))
                 for j, seed in enumerate(row)]
         groups: list[list[Completion | None]] = [[None] * len(row) for row in seeds]
