@@ -288,7 +288,7 @@ class Trainer:
         batches = [{k: v.to(self.env.device) for k, v in b.items()} for b in host_batches]
         if self.reference is not None:
             for b in batches:
-                b["ref_logps"] = self.reference(b)
+                b[self.objective.reference_key] = self.reference(b)
         lr = self.engine.lr()
         self.watchdog.set("forward_backward")
         sums = forward_backward(self.engine, batches, lambda: self._local_scalars(digest))
@@ -393,6 +393,8 @@ class Trainer:
         """
         if not self.objective.online:
             return None
+        if hasattr(self.objective, "teacher_config"):
+            self._check_teacher()
         end_ids = data.end_token_ids(self.cfg.data, self.tokenizer)
         sampler = build_sampler(self.cfg, self.tokenizer, end_ids)
         sampler.check()
@@ -400,8 +402,13 @@ class Trainer:
         sampler.publish = lambda directory, part: write_policy(self.engine, self.cfg, self.tokenizer, directory, part,
                                                                end_ids)
         probe = [self.splits.train[i] for i in range(min(2, len(self.splits.train)))]
+        if getattr(self.objective, "lmbda", 1.0) < 1 and probe and "completion" not in probe[0]:
+            raise ConfigError(f"objective.lmbda={self.objective.lmbda}: the batches the student does not sample are the "
+                              "data's own completions, read from each record's 'completion' column, which the records "
+                              f"of data.path lack (theirs: {', '.join(k for k in probe[0] if k != 'prompt_ids')}); add "
+                              "it or set objective.lmbda=1")
         try:
-            functions = build_rewards(self.cfg, probe, self.env.device)
+            functions = build_rewards(self.cfg, probe, self.env.device) if self.cfg.reward.functions else []
         except RewardError as err:
             raise ConfigError(f"reward.functions: {err}") from err.__cause__
         environment = build_environment(self.cfg)
@@ -426,10 +433,42 @@ class Trainer:
                                  self.t.micro_batch_size, self.env.device, self.engine.dp_rank, self.dims.dp,
                                  self.run_dir, self.resume_from is not None, self.env.is_main, self.t.eval_samples)
             return None
+        if hasattr(self.objective, "teacher_config"):
+            return self._setup_teacher()
         self.phases.begin("reference", f"objective.reference={reference.reference_kind(self.cfg)}")
         # GRPO's log-probs are of temperature-scaled logits; the preference objectives' are plain.
         logps = getattr(self.objective, "token_logps", reference.completion_token_logps)
         return reference.build_reference(self.cfg, self.engine, self._build_model, logps)
+
+    def _setup_teacher(self):
+        """A distillation objective's frozen teacher, laid out like a reference copy, its
+        vocabulary checked against the student's with one tiny forward. Collective call.
+
+        Raises:
+            ConfigError: a teacher that cannot be found or laid out, or of another vocabulary.
+        """
+        teacher = self.objective.teacher_config()
+        self.phases.begin("teacher", f"objective.teacher={self.objective.teacher} (model source {teacher.source})")
+        forward = self.engine.frozen_copy(lambda: build_model(teacher, self.t.seed), teacher.source == "config")
+        if forward is None:
+            raise ConfigError(f"objective.teacher: the {type(self.engine).__name__} engine of recipe "
+                              f"{self.cfg.recipe.name} cannot lay out a frozen teacher; use a data-parallel, ZeRO or "
+                              "FSDP recipe")
+        return reference.LiveReference(forward, self.objective.teacher_outputs)
+
+    def _check_teacher(self) -> None:
+        """A distillation teacher that exists and shares the student's vocabulary (read from the
+        two model configs), before anything is written.
+
+        Raises:
+            ConfigError: naming the teacher and both vocabulary sizes.
+        """
+        teacher = self.objective.teacher_config()
+        width = model_config(teacher).vocab_size
+        if width != self.hf_config.vocab_size:
+            raise ConfigError(f"objective.teacher={self.objective.teacher!r} has {width} logits per token, the student "
+                              f"model {self.cfg.model.name} {self.hf_config.vocab_size}: distillation compares the two "
+                              "distributions token by token, so they need one tokenizer and vocabulary")
 
     def _setup_state(self) -> tuple[TrainState, dict | None]:
         """A fresh train state, or the resumed checkpoint's (and its RNG states) loaded into the
@@ -494,10 +533,18 @@ class Trainer:
         sampler, functions, environment = self.online_parts
         rollout = Rollout(self.cfg, self.engine, self.objective, sampler, self.micro_batches, self.tokenizer,
                           data.pad_id_of(self.tokenizer), functions, self.run_dir, self.env.is_main,
-                          lambda rows, step: self.tracker.log_table("completions", rows, step), environment)
+                          lambda rows, step: self.tracker.log_table("completions", rows, step), environment,
+                          self._held_out_divergence if hasattr(self.objective, "teacher_config") else None)
         rollout.load_state_dict(self.rollout_state)
         self.checkpoints.rank_state["rollout"] = rollout.state_dict
         return rollout, Evaluator(lambda: rollout.evaluate(val_batches), t.eval_every, t.max_steps)
+
+    def _held_out_divergence(self, batches: list[dict]) -> dict[str, float]:
+        """Distillation's held-out loss: the teacher's outputs on greedy completions of the
+        held-out prompts, then the objective's loss over them (``val/loss``: the per-token KL)."""
+        batches = [self.objective.prepare(b) for b in batches]
+        reference.annotate_batches(self.reference, self.engine, batches, self.env.device, self.objective.reference_key)
+        return evaluate(self.engine, batches, self.env.device)
 
     def _setup_flops(self) -> tuple[float, float | None]:
         """Model FLOPs per token (PaLM appendix B) at ``data.seq_len``, and the device's peak
@@ -627,6 +674,9 @@ class Trainer:
         if self.env.is_main:
             if "val/perplexity" in metrics:
                 detail = f"ppl {metrics['val/perplexity']:.2f}"
+            elif "val/teacher_kl" in metrics:
+                detail = (f"per-token reverse KL to the teacher on greedy completions of {metrics['val/prompts']} "
+                          f"held-out prompts, mean {metrics['val/completions/mean_length']:.1f} tokens")
             elif "val/rewards/accuracies" in metrics:
                 # Accuracy counts pairs whose chosen reward is strictly higher; with the policy still
                 # the reference every reward is 0: a tie, not a wrong answer.

@@ -185,6 +185,24 @@ def test_lora_on_two_ranks_and_full_fine_tuning_train_with_weights_in_sync(quest
         assert (run_dir / "vllm_server.log").stat().st_size > 0  # the server's log stays in the run folder
 
 
+@needs_vllm
+@pytest.mark.slow
+def test_asynchronous_generation_samples_the_next_batch_while_the_step_trains(questions, tmp_path):
+    """LoRA on 2 ranks, ``rollout.async_generation=true``: step k's batch was sampled by the
+    server with the weights of step k - 1 (staleness 1 from step 2), in the background while
+    step k - 1 trained; the first batch's importance ratio (π_θ0 over vLLM's own log-probs of
+    θ0's samples) is 1 within 1e-3 (fp32), later ones move with the weights, and the
+    correction's weights are reported every step."""
+    run_dir = tmp_path / "async"
+    assert_ok(run_cli(overrides(questions, f"run_dir={run_dir}", "+peft=lora", "peft.r=4", "+recipe=ddp",
+                                "rollout.async_generation=true"), nproc=2, timeout=900))
+    rows = train_rows(run_dir, 5)
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert rows[0]["train/importance_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
+    assert all(0 < r["train/importance_ratio/mean"] < 10 and "rollout/logp_diff_max" not in r for r in rows)
+    assert not _servers_of(run_dir), "the vLLM server outlived its run"
+
+
 def _servers_of(run_dir: Path) -> list[int]:
     """Pids of processes whose command line names the run's folder (its vLLM server)."""
     found = []

@@ -500,6 +500,13 @@ class ObjectiveConfig:
             [min, max]), ``token_mask`` (0 outside), ``sequence_truncate`` / ``sequence_mask`` (one w
             per completion, of its summed log-ratio), or ``none``.
         sampling_correction_max, sampling_correction_min: the bounds of w (min: none when unset).
+
+    On-policy distillation (``objective=distill``, :mod:`llmtrain.objectives.distill`; also reads
+    ``num_generations``, default 1, and ``mask_truncated_completions``):
+        teacher: the frozen teacher: a ``conf/model`` group name or a Hugging Face folder, with the
+            student's tokenizer.
+        lmbda: λ, the share of generation batches the student samples; the others are the data's
+            own ``completion`` column (GKD, Agarwal et al. 2024, section 3.2; TRL's ``lmbda``).
     """
 
     name: str = "causal_lm"
@@ -526,6 +533,8 @@ class ObjectiveConfig:
     sampling_correction: str = "token_truncate"
     sampling_correction_max: float = 3.0
     sampling_correction_min: Optional[float] = None
+    teacher: Optional[str] = None
+    lmbda: float = 1.0
 
 
 # objective=grpo's choices (llmtrain.objectives.grpo defines each).
@@ -575,6 +584,10 @@ class RolloutConfig:
             completions. An episode's turns and the environment's answers share
             ``max_completion_length`` tokens; the answers carry no loss.
         max_turns: with ``environment``: model turns an episode may have.
+        packing: the training micro-batches hold several sequences (prompt + completion) per
+            row, up to ``data.seq_len`` tokens, each attending to itself only (``position_ids``
+            from 0; a ``segment`` id per completion for the loss's per-completion means): no
+            padding to the longest completion. Equal to the padded layout up to float rounding.
     """
 
     engine: str = "hf"
@@ -594,6 +607,7 @@ class RolloutConfig:
     max_staleness: int = 1
     environment: str = ""
     max_turns: int = 4
+    packing: bool = False
 
 
 @dataclass

@@ -470,7 +470,8 @@ GRPO_FIELDS = ("num_generations", "epsilon", "epsilon_high", "importance_samplin
                "sampling_correction_max", "sampling_correction_min")
 OBJECTIVE_FIELDS = {
     "all": ("beta", "loss_type", "label_smoothing", "gamma", "nll_on_prompt", "desirable_weight", "undesirable_weight",
-            "margin_column", "center_coefficient", "reference", "precompute_reference", *GRPO_FIELDS),
+            "margin_column", "center_coefficient", "reference", "precompute_reference", *GRPO_FIELDS, "teacher",
+            "lmbda"),
     "causal_lm": (),
     "dpo": ("beta", "loss_type", "label_smoothing", "reference", "precompute_reference"),
     "simpo": ("beta", "gamma", "label_smoothing"),
@@ -478,8 +479,9 @@ OBJECTIVE_FIELDS = {
     "kto": ("beta", "desirable_weight", "undesirable_weight", "reference"),
     "reward": ("margin_column", "center_coefficient"),
     "grpo": ("beta", "loss_type", "reference", *GRPO_FIELDS),
+    "distill": ("teacher", "lmbda", "num_generations", "mask_truncated_completions"),
 }
-ONLINE_OBJECTIVES = ("grpo",)
+ONLINE_OBJECTIVES = ("grpo", "distill")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 REFERENCE_KINDS = ("auto", "copy", "adapters_disabled")
 
@@ -564,7 +566,7 @@ ROLLOUT_ENGINES = ("hf", "vllm")
 
 
 def validate_online(cfg: Any, formats: set[str]) -> None:
-    """``objective=grpo`` against its data, ``rollout``, ``reward`` and the recipe.
+    """``objective=grpo`` or ``distill`` against its data, ``rollout``, ``reward`` and the recipe.
 
     Raises:
         ConfigError: naming the field, its value and the fix.
@@ -575,23 +577,30 @@ def validate_online(cfg: Any, formats: set[str]) -> None:
     o, d, r, ro, t = cfg.objective, cfg.data, cfg.recipe, cfg.rollout, cfg.trainer
     _require(formats == {"prompts"}, f"objective={o.name} samples completions of prompts: every source's format must "
              f"be prompts (data=prompts, data.columns.prompt=COLUMN); the data has {', '.join(sorted(formats))}")
-    _require(o.num_generations >= 2, f"objective.num_generations={o.num_generations}: a group needs at least 2 "
-             "completions per prompt for a group-relative advantage")
-    _require(o.loss_type in GRPO_LOSS_TYPES, f"objective.loss_type={o.loss_type!r} must be one of "
-             f"{', '.join(GRPO_LOSS_TYPES)} for objective={o.name}")
-    for key, allowed in (("importance_sampling_level", GRPO_IMPORTANCE_LEVELS), ("scale_rewards", GRPO_SCALE_REWARDS),
-                         ("advantage_estimator", GRPO_ADVANTAGE_ESTIMATORS),
-                         ("sampling_correction", GRPO_SAMPLING_CORRECTIONS)):
-        _require(o[key] in allowed, f"objective.{key}={o[key]!r} must be one of {', '.join(allowed)}")
-    _require(math.isfinite(o.beta) and o.beta >= 0, f"objective.beta={o.beta} must be >= 0 (0: no reference model)")
-    _require(0 < o.epsilon < 1, f"objective.epsilon={o.epsilon} must be in (0, 1)")
-    _require(o.epsilon_high is None or o.epsilon_high >= o.epsilon,
-             f"objective.epsilon_high={o.epsilon_high} must be >= objective.epsilon={o.epsilon} (clip-higher)")
-    _require(o.num_iterations >= 1, f"objective.num_iterations={o.num_iterations} must be >= 1")
-    low = o.sampling_correction_min
-    _require(o.sampling_correction_max > 0 and (low is None or 0 <= low < o.sampling_correction_max),
-             f"objective.sampling_correction_min={low} / _max={o.sampling_correction_max}: the importance weight's "
-             "bounds need 0 <= min < max (min unset: no lower bound)")
+    if o.name == "distill":
+        _require(bool(o.teacher), "objective=distill needs objective.teacher: a conf/model group name (e.g. "
+                 "smollm2_135m) or a Hugging Face folder, with the student's tokenizer")
+        _require(0 <= o.lmbda <= 1, f"objective.lmbda={o.lmbda} must be in [0, 1] (the share of batches the student "
+                 "samples)")
+        _require(o.num_generations >= 1, f"objective.num_generations={o.num_generations} must be >= 1")
+    else:
+        _require(o.num_generations >= 2, f"objective.num_generations={o.num_generations}: a group needs at least 2 "
+                 "completions per prompt for a group-relative advantage")
+        _require(o.loss_type in GRPO_LOSS_TYPES, f"objective.loss_type={o.loss_type!r} must be one of "
+                 f"{', '.join(GRPO_LOSS_TYPES)} for objective={o.name}")
+        for key, allowed in (("importance_sampling_level", GRPO_IMPORTANCE_LEVELS), ("scale_rewards", GRPO_SCALE_REWARDS),
+                             ("advantage_estimator", GRPO_ADVANTAGE_ESTIMATORS),
+                             ("sampling_correction", GRPO_SAMPLING_CORRECTIONS)):
+            _require(o[key] in allowed, f"objective.{key}={o[key]!r} must be one of {', '.join(allowed)}")
+        _require(math.isfinite(o.beta) and o.beta >= 0, f"objective.beta={o.beta} must be >= 0 (0: no reference model)")
+        _require(0 < o.epsilon < 1, f"objective.epsilon={o.epsilon} must be in (0, 1)")
+        _require(o.epsilon_high is None or o.epsilon_high >= o.epsilon,
+                 f"objective.epsilon_high={o.epsilon_high} must be >= objective.epsilon={o.epsilon} (clip-higher)")
+        _require(o.num_iterations >= 1, f"objective.num_iterations={o.num_iterations} must be >= 1")
+        low = o.sampling_correction_min
+        _require(o.sampling_correction_max > 0 and (low is None or 0 <= low < o.sampling_correction_max),
+                 f"objective.sampling_correction_min={low} / _max={o.sampling_correction_max}: the importance weight's "
+                 "bounds need 0 <= min < max (min unset: no lower bound)")
     _require(ro.max_turns >= 1, f"rollout.max_turns={ro.max_turns} must be >= 1 (model turns per episode)")
     _require(ro.max_staleness >= 0, f"rollout.max_staleness={ro.max_staleness} must be >= 0 (0: synchronous)")
     _require(not ro.async_generation or o.num_iterations == 1,
@@ -605,7 +614,8 @@ def validate_online(cfg: Any, formats: set[str]) -> None:
     _require(r.pp == 1, f"objective={o.name} with recipe {r.name} (recipe.pp={r.pp}): sampling decodes a whole "
              "sequence token by token, which pipeline stages cannot do alone; use a data-parallel, ZeRO, FSDP or "
              "tensor-parallel recipe")
-    _require(not d.packing, f"objective={o.name} lays out its own micro-batches of completions: set data.packing=false")
+    _require(not d.packing, f"objective={o.name} lays out its own micro-batches of completions: set data.packing=false "
+             "(rollout.packing=true packs the completions)")
     _require(ro.engine in ROLLOUT_ENGINES or ":" in str(ro.engine),
              f"rollout.engine={ro.engine!r} must be one of {', '.join(ROLLOUT_ENGINES)} or module:Class (a "
              "llmtrain.rollout.engines.RolloutEngine)")
@@ -625,8 +635,8 @@ def validate_online(cfg: Any, formats: set[str]) -> None:
                  "with rollout.engine=vllm: vLLM loads adapters of Linear layers only; use rollout.engine=hf or drop "
                  "them")
         _require(int(p.r) <= 512, f"peft.r={p.r} with rollout.engine=vllm: vLLM serves LoRA ranks up to 512")
-    _require(bool(cfg.reward.functions), "reward.functions is empty: an online objective needs at least one reward "
-             "function, e.g. reward.functions=[gsm8k] or reward.functions=[my_module:my_reward]")
+    _require(bool(cfg.reward.functions) or o.name == "distill", "reward.functions is empty: an online objective needs "
+             "at least one reward function, e.g. reward.functions=[gsm8k] or reward.functions=[my_module:my_reward]")
     _require(not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.functions),
              f"reward.weights has {len(cfg.reward.weights)} values for {len(cfg.reward.functions)} reward.functions; "
              "give one weight per function (or none: 1 each)")

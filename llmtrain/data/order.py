@@ -225,6 +225,16 @@ def packed_samples(samples: Any, seq_len: int) -> Any:
 def sample_digest(batches: list[dict[str, torch.Tensor]]) -> float:
     """Order-free fingerprint of the samples in ``batches``: sum of CRC32s of their real tokens
     (``input_ids`` where ``attention_mask`` is set), so a step's digest summed over ranks says
-    which samples the global batch held, whatever their split."""
-    return float(sum(zlib.crc32(row[mask.bool()].numpy().tobytes())
-                     for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"])))
+    which samples the global batch held, whatever their split. Packed rows that say which
+    sequence each token is (``position_ids`` and ``segment``) count each sequence on its own, so
+    packing does not change the digest."""
+    total = 0
+    for b in batches:
+        segments = b["segment"] if "position_ids" in b and "segment" in b else None
+        for r, (row, mask) in enumerate(zip(b["input_ids"], b["attention_mask"].bool())):
+            if segments is None:
+                total += zlib.crc32(row[mask].numpy().tobytes())
+                continue
+            for segment in torch.unique(segments[r][mask]).tolist():
+                total += zlib.crc32(row[mask & (segments[r] == segment)].numpy().tobytes())
+    return float(total)

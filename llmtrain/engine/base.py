@@ -340,11 +340,15 @@ class Engine(ABC):
             dist.all_reduce(sums, group=self.context.group)
         return sums
 
-    def frozen_copy(self, build: Callable[[], torch.nn.Module]) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | None:
+    def frozen_copy(self, build: Callable[[], torch.nn.Module], from_config: bool | None = None
+                    ) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | None:
         """A frozen copy of the model (``build()`` makes it with its initial weights), laid out
-        like the policy (sharded where the policy is), for a preference objective's reference.
-        Returns its forward (``batch -> logits``, no gradients, the run's autocast), or None
-        where this engine cannot lay one out. Called after :meth:`setup`; collective call."""
+        like the policy (sharded where the policy is), for a preference objective's reference or
+        a distillation teacher (``build()`` then makes another model). ``from_config``: whether
+        ``build()`` makes a model from a config (its weights from the seed) rather than reading
+        pretrained weights; None: as the policy. Returns its forward (``batch -> logits``, no
+        gradients, the run's autocast), or None where this engine cannot lay one out. Called
+        after :meth:`setup`; collective call."""
         return None
 
     def model_init_context(self):

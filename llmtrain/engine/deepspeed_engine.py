@@ -212,7 +212,7 @@ class DeepSpeedEngine(Engine):
 
         set_z3_leaf_modules(model, sorted({type(block) for _, block in sparse_blocks(model)}, key=lambda c: c.__name__))
 
-    def frozen_copy(self, build):
+    def frozen_copy(self, build, from_config=None):
         """ZeRO-3: the copy is built partitioned and wrapped by a DeepSpeed engine without an
         optimizer (TRL's ``prepare_deepspeed`` for its reference model); ZeRO 0-2 hold whole
         weights on every rank, and so does the copy."""

@@ -136,14 +136,17 @@ class NativeEngine(Engine):
         if self.dims.tp > 1:
             self._check_tp_plan_runs()
 
-    def frozen_copy(self, build):
+    def frozen_copy(self, build, from_config=None):
         """The copy goes through the same ``parallelize`` (TP plan, FSDP2 shards) as the policy;
-        not for pipeline layouts (no preference objective runs there)."""
+        not for pipeline layouts (no preference objective runs there). A pretrained copy is read
+        whole, then sharded (only a config model starts on the meta device and is filled from
+        the seed)."""
         if self.dims.pp > 1:
             return None
         from llmtrain.parallel.parallelize import parallelize, tp_plan
 
-        with self.model_init_context():
+        meta = self.from_config if from_config is None else from_config
+        with self.model_init_context() if meta else contextlib.nullcontext():
             copy = build()
         if self.tied:
             copy.tie_weights()

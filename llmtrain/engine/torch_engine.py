@@ -39,7 +39,7 @@ class TorchEngine(Engine):
     def model(self) -> torch.nn.Module:
         return self._model
 
-    def frozen_copy(self, build):
+    def frozen_copy(self, build, from_config=None):
         return replicated_frozen_copy(build, self.env.device, self.cfg.trainer.precision)
 
     def accumulate(self, is_last_micro_batch: bool):

@@ -19,14 +19,16 @@ from typing import Any
 from llmtrain.common.errors import ConfigError, import_object
 from llmtrain.objectives.base import LossSums, Objective
 from llmtrain.objectives.causal_lm import CausalLM
+from llmtrain.objectives.distill import Distill
 from llmtrain.objectives.grpo import GRPO
 from llmtrain.objectives.preference import DPO, KTO, ORPO, PairObjective, Reward, SimPO
 
-__all__ = ["BUILT_IN", "CausalLM", "DPO", "GRPO", "KTO", "LossSums", "ORPO", "Objective", "PairObjective", "Reward", "SimPO",
+__all__ = ["BUILT_IN", "CausalLM", "DPO", "Distill", "GRPO", "KTO", "LossSums", "ORPO", "Objective", "PairObjective", "Reward", "SimPO",
            "build_objective"]
 
 BUILT_IN: dict[str, type[Objective]] = {"causal_lm": CausalLM, "dpo": DPO, "simpo": SimPO, "orpo": ORPO,
-                                        "reward": Reward, "kto": KTO, "grpo": GRPO}
+                                        "reward": Reward, "kto": KTO, "grpo": GRPO,
+                                        "distill": Distill}
 
 # Names the trainer logs under train/ and val/ itself: an objective's metric must not overwrite them.
 RESERVED_METRICS = frozenset({"loss", "perplexity", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tokens_seen",

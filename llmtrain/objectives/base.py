@@ -54,6 +54,8 @@ class Objective(ABC):
         online: the trainer samples the objective's batches from the policy (an online RL
             objective; :mod:`llmtrain.rollout`) instead of reading them from the data, which then
             holds prompts.
+        reference_key: the batch key the trainer puts the live reference's outputs under
+            (``ref_logps``; a distillation teacher's ``teacher_logps``).
     """
 
     def average(self, sums: dict[str, float], normaliser: float) -> dict[str, float]:
@@ -84,6 +86,8 @@ class Objective(ABC):
     label_logps_only: ClassVar[bool] = False
     # Whether batches are sampled from the policy (online RL) rather than read from the data.
     online: ClassVar[bool] = False
+    # The batch key the live reference's outputs go to (a distillation teacher's: its own).
+    reference_key: ClassVar[str] = "ref_logps"
 
     def __init__(self, cfg: Any = None):
         self.cfg = cfg

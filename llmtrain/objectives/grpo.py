@@ -115,10 +115,12 @@ class GRPO(Objective):
     """
 
     carries = {"labels": IGNORE_INDEX, "completion_mask": 0.0, "advantages": 0.0, "old_logps": 0.0, "ref_logps": 0.0,
-               "behaviour_logps": 0.0}
+               "behaviour_logps": 0.0, "segment": -1}
     reports_perplexity = False
     counted_unit = None
     online = True
+    # Whether reward.functions are required (their advantages are the loss's signal).
+    needs_rewards = True
 
     def __init__(self, cfg: Any = None):
         super().__init__(cfg)
@@ -199,15 +201,16 @@ class GRPO(Objective):
             self.metric_denominators = {**self.metric_denominators, "importance_ratio/mean": unit,
                                         "importance_ratio/corrected": unit}
 
-    def importance_weights(self, old: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> tuple[
-            torch.Tensor, torch.Tensor, torch.Tensor]:
+    def importance_weights(self, old: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor,
+                           segment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The truncated importance weights of ``sampling_correction`` (TRL 1.16's
-        ``vllm_importance_sampling_mode``): ``(w, ratio, corrected)``, w ``[rows, seq]`` (token
-        modes) or ``[rows, 1]`` (sequence modes, of the summed log-ratio over ``mask``), the
-        uncorrected ratio π_old / π_behaviour and 1.0 where the bound changed it. All detached."""
+        ``vllm_importance_sampling_mode``): ``(w, ratio, corrected)``, each ``[rows, seq]``: the
+        weight, the uncorrected ratio π_old / π_behaviour, and 1.0 where a bound changed it; per
+        token (token modes), or each completion's (sequence modes: of its log-ratio summed over
+        ``mask``, on every token of ``segment``'s completion). All detached."""
         diff = ((old - behaviour) * mask).detach()
         if self.correction.startswith("sequence"):
-            diff = diff.sum(-1, keepdim=True)
+            diff = per_completion(diff, segment, broadcast=True)
         ratio = torch.exp(diff)
         low = self.correction_min if self.correction_min is not None else 0.0
         outside = (ratio > self.correction_max) | (ratio < low)
@@ -221,13 +224,14 @@ class GRPO(Objective):
         shape = batch["input_ids"].shape
         for key in ("completion_mask", "advantages", "old_logps", "ref_logps", "behaviour_logps"):
             batch.setdefault(key, torch.zeros(shape, dtype=torch.float32))
+        batch.setdefault("segment", torch.arange(shape[0])[:, None].expand(shape).contiguous())
         return batch
 
     def normaliser(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The micro-batch's share of the global batch's normaliser (see the module): its
         completions (``grpo``), completion tokens (``dapo``), completions × ``max_completion_length``
         (``dr_grpo``), or 1 (``bnpo``: one token mean per micro-batch)."""
-        completions = (batch["labels"] != IGNORE_INDEX).any(dim=1).sum()
+        completions = completion_segments(batch)[1].sum()
         if self.loss_type == "grpo":
             return completions
         if self.loss_type == "dr_grpo":
@@ -242,20 +246,22 @@ class GRPO(Objective):
 
     def loss_sums(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossSums:
         labels, mask, advantages = batch["labels"], batch["completion_mask"], batch["advantages"]
+        segment, first = completion_segments(batch)
         logits = output.float() / self.temperature
         logps = completion_token_logps(logits, labels)
         old = logps.detach() if self.on_policy else batch["old_logps"]
         log_ratio = logps - old
-        if self.level == "sequence":
-            log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+        if self.level == "sequence":  # each completion's masked mean log-ratio, on each of its tokens
+            log_ratio = per_completion(log_ratio * mask, segment, broadcast=True) / per_completion(
+                mask, segment, broadcast=True).clamp(min=1.0)
         ratio = torch.exp(log_ratio)
         clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
         per_token = -torch.min(ratio * advantages, clipped * advantages)
         metrics: dict[str, torch.Tensor] = {}
         if self.behaviour:
-            weight, behaviour_ratio, corrected = self.importance_weights(old, batch["behaviour_logps"], mask)
+            weight, behaviour_ratio, corrected = self.importance_weights(old, batch["behaviour_logps"], mask, segment)
             per_token = per_token * weight
-            unit = mask if weight.shape[-1] > 1 else (labels != IGNORE_INDEX).any(dim=1, keepdim=True).float()
+            unit = first.float() if self.correction.startswith("sequence") else mask
             metrics["importance_ratio/mean"] = (behaviour_ratio * unit).sum()
             metrics["importance_ratio/corrected"] = (corrected * unit).sum()
         if self.beta:
@@ -265,24 +271,48 @@ class GRPO(Objective):
             metrics["kl"] = (kl.detach() * mask).sum()
         masked = per_token * mask
         if self.loss_type == "grpo":
-            loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
+            loss = (per_completion(masked, segment) / per_completion(mask, segment).clamp(min=1.0)).sum()
         elif self.loss_type == "bnpo":
             loss = masked.sum() / mask.sum().clamp(min=1.0)
         else:
             loss = masked.sum()
         with torch.no_grad():
-            rows = (labels != IGNORE_INDEX).any(dim=1).sum().to(torch.float32)
             metrics["entropy"] = (token_entropies(logits) * mask).sum()
-            weigh = mask
-            if self.level == "sequence":  # [rows, 1] ratios: one decision per completion, on its advantage
-                completion = (labels != IGNORE_INDEX).float()
-                advantages = (advantages * completion).sum(-1, keepdim=True) / completion.sum(-1, keepdim=True).clamp(min=1.0)
-                weigh = completion.amax(dim=1, keepdim=True)
+            # At sequence level one decision per completion (its ratio and advantage are the same
+            # on all its tokens): counted on its first token.
+            weigh = first.float() if self.level == "sequence" else mask
             low = ((ratio < 1 - self.epsilon) & (advantages < 0)).float()
             high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
             metrics["clip_ratio/low_mean"] = (low * weigh).sum()
             metrics["clip_ratio/high_mean"] = (high * weigh).sum()
             metrics["clip_ratio/region_mean"] = (torch.maximum(low, high) * weigh).sum()
             metrics["_tokens"] = mask.sum()
-            metrics["_sequences"] = rows
+            metrics["_sequences"] = first.sum().to(torch.float32)
         return LossSums(loss, metrics)
+
+
+def completion_segments(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which completion each token belongs to: ``(segment, first)``, int64 ``[rows, seq]`` ids
+    (the batch's ``segment`` where packed rows hold several completions, else the row; -1 off
+    the completions' tokens) and bool ``[rows, seq]``, True on each completion's first token."""
+    labels = batch["labels"]
+    completion = labels != IGNORE_INDEX
+    segment = batch.get("segment")
+    if segment is None:
+        segment = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(labels)
+    segment = segment.masked_fill(~completion, -1)
+    before = torch.nn.functional.pad(segment[:, :-1], (1, 0), value=-1)
+    return segment, completion & (segment != before)
+
+
+def per_completion(values: torch.Tensor, segment: torch.Tensor, broadcast: bool = False) -> torch.Tensor:
+    """``values`` ``[rows, seq]`` summed over each completion of ``segment``
+    (:func:`completion_segments`): ``[rows * seq]`` sums by id (0 for ids no token has; no host
+    sync for the number of completions), or with ``broadcast`` each token's completion's sum
+    ``[rows, seq]`` (0 off the completions). Differentiable."""
+    keep = segment >= 0
+    sums = torch.zeros(segment.numel(), dtype=values.dtype, device=values.device).index_add(
+        0, segment[keep], values[keep])
+    if not broadcast:
+        return sums
+    return torch.where(keep, sums[segment.clamp(min=0)], torch.zeros((), dtype=values.dtype, device=values.device))

@@ -85,8 +85,8 @@ def _adapters_off_forward(engine: Any) -> Callable[[dict[str, torch.Tensor]], to
 
 
 def annotate_batches(reference: Callable[[dict[str, torch.Tensor]], torch.Tensor], engine: Any,
-                     batches: list[dict[str, torch.Tensor]], device: torch.device) -> None:
-    """Fill each host batch's ``ref_logps`` from ``reference``, in eval mode. Ranks holding fewer
+                     batches: list[dict[str, torch.Tensor]], device: torch.device, key: str = "ref_logps") -> None:
+    """Fill each host batch's ``key`` (``ref_logps``) from ``reference``, in eval mode. Ranks holding fewer
     batches run the last one again (its result unused), so every rank makes the same number of
     forwards: ZeRO-3 and FSDP2 gather parameters collectively in each. Collective call."""
     most = int(distributed.all_reduce_max(torch.tensor(len(batches), device=device)))
@@ -98,7 +98,7 @@ def annotate_batches(reference: Callable[[dict[str, torch.Tensor]], torch.Tensor
                      "labels": torch.full((2, 2), -100, dtype=torch.long)}
         logps = reference({k: v.to(device) for k, v in batch.items()}).cpu()
         if j < len(batches):
-            batch["ref_logps"] = logps
+            batch[key] = logps
     engine.train(True)
 
 

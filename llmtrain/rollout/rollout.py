@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import time
 import zlib
 from concurrent.futures import Future
@@ -29,6 +30,7 @@ from llmtrain.objectives.grpo import group_advantages, nanstd
 from llmtrain.parallel import distributed
 from llmtrain.rollout.engines import RolloutEngine
 from llmtrain.rollout.environments import Environment, run_episodes
+from llmtrain.parallel.distributed import derived_seed
 from llmtrain.rollout.generate import Completion, completion_seed
 from llmtrain.rollout.rewards import RewardFunction
 
@@ -60,6 +62,7 @@ class Sampled:
     sampled_at: int
     micro_batches: list[list[dict]]
     groups: "list[list[Completion]] | Future"
+    on_policy: bool = True  # False: the data's own completions (distillation's λ < 1)
 
 
 class RewardError(RuntimeError):
@@ -117,22 +120,28 @@ class Rollout:
         environment: multi-turn episodes' environment (:mod:`llmtrain.rollout.environments`),
             None for single-turn completions; its rewards reach the functions as the
             ``environment_reward`` column.
+        held_out: the objective's held-out loss of micro-batches laid out from the greedy
+            completions (distillation's KL to the teacher); its metrics join the evaluation's.
+            Collective call.
     """
 
     def __init__(self, cfg: Any, engine: Any, objective: Any, sampler: RolloutEngine, prompts: Iterator[dict],
                  tokenizer: Any, pad_id: int, functions: list[RewardFunction], run_dir: Path, is_main: bool,
-                 on_completions: Callable[[list[dict], int], None] | None = None, environment: Environment | None = None):
+                 on_completions: Callable[[list[dict], int], None] | None = None, environment: Environment | None = None,
+                 held_out: Callable[[list[dict[str, torch.Tensor]]], dict[str, float]] | None = None):
         self.cfg, self.engine, self.objective, self.sampler, self.prompts = cfg, engine, objective, sampler, prompts
         self.tokenizer, self.pad_id, self.functions = tokenizer, pad_id, functions
         self.run_dir, self.is_main, self.on_completions = run_dir, is_main, on_completions
         self.seed = cfg.trainer.seed
         self.environment = environment
+        self.held_out = held_out
         self.group = objective.num_generations
         self.log_completions = int(cfg.rollout.log_completions)
         self.pending: GenerationBatch | None = None
         rollout = cfg.rollout
         self.asynchronous = bool(rollout.async_generation) and int(rollout.max_staleness) > 0
         self.staleness = int(rollout.max_staleness) if self.asynchronous else 0
+        self.packing = bool(rollout.packing)
         # Generation batches sampled ahead, by generation (asynchronous generation; else the one being made).
         self.sampled: dict[int, Sampled] = {}
         self.warned_unscorable = False
@@ -170,6 +179,9 @@ class Rollout:
         micro_batches = [next(self.prompts)["prompts"] for _ in range(self.engine.accumulation_steps)]
         samples = [sample for micro in micro_batches for sample in micro]
         seeds = self._seeds(samples, generation)
+        lmbda = float(getattr(self.objective, "lmbda", 1.0))
+        if lmbda < 1 and random.Random(derived_seed(self.seed, "lmbda", generation)).random() >= lmbda:
+            return Sampled(generation, step, micro_batches, self._data_completions(samples, seeds), on_policy=False)
         if self.asynchronous and self.sampler.overlaps and self.environment is None:
             self.engine.train(False)
             try:
@@ -181,6 +193,20 @@ class Rollout:
         if self.asynchronous and not all(c.logps is not None for group in groups for c in group):
             self._behaviour_logps(micro_batches, groups)
         return Sampled(generation, step, micro_batches, groups)
+
+    def _data_completions(self, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
+        """Each sample's own ``completion`` column (tokenized, ending with the end token, cut at
+        ``rollout.max_completion_length``), once per seed: a batch the policy did not sample."""
+        end = getattr(self.tokenizer, "eos_token_id", None)
+        end_ids = sorted(self.sampler.sampling.end_ids)
+        end = end if end is not None else (end_ids[0] if end_ids else None)
+        limit = int(self.cfg.rollout.max_completion_length)
+        groups = []
+        for sample, row in zip(samples, seeds):
+            ids = list(self.tokenizer(str(sample["completion"]), add_special_tokens=False)["input_ids"])
+            ids += [end] if end is not None else []
+            groups.append([Completion(ids[:limit], truncated=len(ids) > limit) for _ in row])
+        return groups
 
     def _resolve(self) -> None:
         """Wait for every sample in flight (its groups checked)."""
@@ -212,6 +238,8 @@ class Rollout:
             # The sampling policy's log-probs: kept for μ > 1 steps, and compared with an engine's own.
             self._old_logps(batches)
         metrics = {**stats, **self._episode_stats(groups, "train"), "rollout/reward_s": scored - started}
+        if float(getattr(self.objective, "lmbda", 1.0)) < 1:
+            metrics["rollout/on_policy"] = float(entry.on_policy)
         if check:
             metrics.update(self._logp_check(batches, micro_batches, groups))
         if self.is_main and self.log_completions:
@@ -243,12 +271,9 @@ class Rollout:
         self._old_logps(batches)
         k = 0
         for micro, batch in zip(micro_batches, batches):
-            row = 0
-            for j, sample in enumerate(micro):
-                p = len(sample["prompt_ids"])
-                for completion in groups[k + j]:
-                    completion.logps = batch["old_logps"][row, p:p + len(completion.ids)].tolist()
-                    row += 1
+            rows = [(sample, c) for j, sample in enumerate(micro) for c in groups[k + j]]
+            for (_, completion), logps in zip(rows, self._completion_logps(batch, rows)):
+                completion.logps = logps.tolist()
             k += len(micro)
 
     def _sample(self, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
@@ -292,6 +317,8 @@ class Rollout:
         """Each completion's reward: the weighted sum of its functions' values, None as 0, and NaN
         where every function returned None (unscorable: left out of its group's statistics, with
         advantage 0), as TRL 1.16."""
+        if not self.functions:  # distillation without rewards: nothing to weigh, nothing to warn about
+            return torch.zeros(len(table), dtype=torch.float64)
         weights = torch.tensor([f.weight for f in self.functions], dtype=torch.float64)
         rewards = torch.nan_to_num(table * weights, nan=0.0).sum(dim=1)
         unscorable = torch.isnan(table).all(dim=1)
@@ -360,10 +387,34 @@ class Rollout:
             metrics[f"train/rewards/{f.name}/std"] = math.sqrt(max(var, 0.0)) if c > 1 else float("nan")
         return metrics
 
+    def _placements(self, lengths: list[int]) -> list[tuple[int, int]]:
+        """Where each sequence (prompt + completion, of ``lengths`` tokens) of a micro-batch goes:
+        ``(row, offset)``. One per row, or with ``rollout.packing`` first fit, in order, into rows
+        of ``data.seq_len`` tokens (deterministic: the same sequences pack the same way)."""
+        if not self.packing:
+            return [(i, 0) for i in range(len(lengths))]
+        capacity = int(self.cfg.data.seq_len)
+        used: list[int] = []
+        out = []
+        for n in lengths:
+            row = next((r for r, taken in enumerate(used) if taken + n <= capacity), len(used))
+            if row == len(used):
+                used.append(0)
+            out.append((row, used[row]))
+            used[row] += n
+        return out
+
     def _layout(self, rows: list[tuple[dict, Completion, float]]) -> dict[str, torch.Tensor]:
-        """One training micro-batch: each row its prompt then its completion, right-padded."""
-        length = max(len(s["prompt_ids"]) + len(c.ids) for s, c, _ in rows)
-        shape = (len(rows), length)
+        """One training micro-batch: each row its prompt then its completion, right-padded; or
+        with ``rollout.packing`` several such sequences per row (:meth:`_placements`), each with
+        positions from 0 (``position_ids``: the model attends within each sequence only) and
+        its own ``segment`` id, padding one more sequence at the row's end."""
+        lengths = [len(s["prompt_ids"]) + len(c.ids) for s, c, _ in rows]
+        placements = self._placements(lengths)
+        used = [0] * (1 + max(r for r, _ in placements))
+        for (r, offset), n in zip(placements, lengths):
+            used[r] = max(used[r], offset + n)
+        shape = (len(used), max(used))
         batch = {"input_ids": torch.full(shape, self.pad_id, dtype=torch.long),
                  "attention_mask": torch.zeros(shape, dtype=torch.long),
                  "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.long),
@@ -371,20 +422,37 @@ class Rollout:
                  "advantages": torch.zeros(shape, dtype=torch.float32),
                  "old_logps": torch.zeros(shape, dtype=torch.float32),
                  "ref_logps": torch.zeros(shape, dtype=torch.float32),
-                 "behaviour_logps": torch.zeros(shape, dtype=torch.float32)}
-        for i, (sample, completion, advantage) in enumerate(rows):
+                 "behaviour_logps": torch.zeros(shape, dtype=torch.float32),
+                 "segment": torch.full(shape, -1, dtype=torch.long)}
+        for j, ((sample, completion, advantage), (i, at)) in enumerate(zip(rows, placements)):
             p, c = len(sample["prompt_ids"]), len(completion.ids)
-            batch["input_ids"][i, :p + c] = torch.tensor(list(sample["prompt_ids"]) + completion.ids)
-            batch["attention_mask"][i, :p + c] = 1
-            batch["labels"][i, p:p + c] = torch.tensor(completion.ids)
+            batch["input_ids"][i, at:at + p + c] = torch.tensor(list(sample["prompt_ids"]) + completion.ids)
+            batch["attention_mask"][i, at:at + p + c] = 1
+            batch["segment"][i, at:at + p + c] = j
+            start = at + p
+            batch["labels"][i, start:start + c] = torch.tensor(completion.ids)
             keep = not (completion.truncated and self.objective.mask_truncated)
-            batch["completion_mask"][i, p:p + c] = float(keep)
+            batch["completion_mask"][i, start:start + c] = float(keep)
             if completion.env_mask is not None:  # the environment's tokens: context, no loss
-                batch["completion_mask"][i, p:p + c] *= torch.tensor(completion.env_mask, dtype=torch.float32)
-            batch["advantages"][i, p:p + c] = advantage
+                batch["completion_mask"][i, start:start + c] *= torch.tensor(completion.env_mask, dtype=torch.float32)
+            batch["advantages"][i, start:start + c] = advantage
             if self.objective.behaviour and completion.logps is not None:
-                batch["behaviour_logps"][i, p:p + c] = torch.tensor(completion.logps, dtype=torch.float32)
+                batch["behaviour_logps"][i, start:start + c] = torch.tensor(completion.logps, dtype=torch.float32)
+        if self.packing:
+            positions = torch.zeros(shape, dtype=torch.long)
+            for (i, at), n in zip(placements, lengths):
+                positions[i, at:at + n] = torch.arange(n)
+            for i, end in enumerate(used):
+                positions[i, end:] = torch.arange(shape[1] - end)
+            batch["position_ids"] = positions
         return batch
+
+    def _completion_logps(self, batch: dict[str, torch.Tensor], rows: list[tuple[dict, Completion]]) -> list[
+            torch.Tensor]:
+        """Each completion's ``old_logps`` from a batch :meth:`_layout` made of ``rows`` (in order)."""
+        lengths = [len(s["prompt_ids"]) + len(c.ids) for s, c in rows]
+        return [batch["old_logps"][i, at + len(s["prompt_ids"]):at + len(s["prompt_ids"]) + len(c.ids)]
+                for (s, c), (i, at) in zip(rows, self._placements(lengths))]
 
     @torch.no_grad()
     def _old_logps(self, batches: list[dict[str, torch.Tensor]]) -> None:
@@ -404,21 +472,16 @@ class Rollout:
         as ``sampling/sampling_logp_difference``)."""
         largest, total, count, k = 0.0, 0.0, 0, 0
         for micro, batch in zip(micro_batches, batches):
-            row = 0
-            for j, sample in enumerate(micro):
-                p = len(sample["prompt_ids"])
-                for completion in groups[k + j]:
-                    if completion.logps is not None and completion.ids:
-                        ours = batch["old_logps"][row, p:p + len(completion.ids)].double()
-                        diff = (ours - torch.tensor(completion.logps, dtype=torch.float64)).abs()
-                        if completion.env_mask is not None:  # the model's tokens only
-                            diff = diff[torch.tensor(completion.env_mask, dtype=torch.bool)]
-                            if not diff.numel():
-                                row += 1
-                                continue
-                        largest, total, count = max(largest, float(diff.max())), total + float(diff.sum()), \
-                            count + diff.numel()
-                    row += 1
+            rows = [(sample, c) for j, sample in enumerate(micro) for c in groups[k + j]]
+            for (_, completion), ours in zip(rows, self._completion_logps(batch, rows)):
+                if completion.logps is None or not completion.ids:
+                    continue
+                diff = (ours.double() - torch.tensor(completion.logps, dtype=torch.float64)).abs()
+                if completion.env_mask is not None:  # the model's tokens only
+                    diff = diff[torch.tensor(completion.env_mask, dtype=torch.bool)]
+                if diff.numel():
+                    largest, total, count = max(largest, float(diff.max())), total + float(diff.sum()), \
+                        count + diff.numel()
             k += len(micro)
         device = self.engine.env.device
         sums = distributed.all_reduce_sum(torch.tensor([total, float(count)], dtype=torch.float64, device=device))
@@ -491,6 +554,14 @@ class Rollout:
             c = float(sums[4 + j])
             metrics[f"val/rewards/{f.name}/mean"] = float(sums[4 + fn + j]) / c if c else float("nan")
         metrics.update(self._episode_stats(groups, "val"))
+        if self.held_out is not None:
+            batches, k = [], 0
+            for batch in prompt_batches:
+                micro = batch["prompts"]
+                if micro:
+                    batches.append(self._layout([(s, g[0], 0.0) for s, g in zip(micro, groups[k:k + len(micro)])]))
+                k += len(micro)
+            metrics.update(self.held_out(batches))
         return metrics
 
     # ---- checkpoints -------------------------------------------------------------------------
@@ -541,7 +612,7 @@ def _flatten_sampled(entry: Sampled, prefix: str) -> dict[str, torch.Tensor]:
     prompts = [[{k: v for k, v in sample.items()} for sample in micro] for micro in entry.micro_batches]
     text = json.dumps({"micro_batches": prompts, "group_sizes": [len(g) for g in entry.groups]}, default=str)
     return {prefix + "prompts_json": torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8),
-            prefix + "sampled_at": torch.tensor([entry.sampled_at], dtype=torch.int64),
+            prefix + "sampled_at": torch.tensor([entry.sampled_at, int(entry.on_policy)], dtype=torch.int64),
             prefix + "lengths": torch.tensor([len(c.ids) for c in completions], dtype=torch.int64),
             prefix + "ids": torch.tensor([t for c in completions for t in c.ids], dtype=torch.int64),
             prefix + "truncated": torch.tensor([c.truncated for c in completions], dtype=torch.uint8),
@@ -574,4 +645,5 @@ def _unflatten_sampled(flat: dict[str, torch.Tensor], prefix: str, generation: i
     for size in meta["group_sizes"]:
         groups.append(completions[at:at + size])
         at += size
-    return Sampled(generation, int(flat[prefix + "sampled_at"][0]), meta["micro_batches"], groups)
+    sampled_at, on_policy = flat[prefix + "sampled_at"].tolist()
+    return Sampled(generation, sampled_at, meta["micro_batches"], groups, bool(on_policy))
