@@ -163,7 +163,8 @@ class Rollout:
             if g not in self.sampled:
                 self.sampled[g] = self._start(g, step)
         entry = self.sampled.pop(generation)
-        self._resolve()
+        if isinstance(entry.groups, Future):  # started in this call (the first step): wait for it alone
+            entry.groups = self._checked(entry.groups.result(), self._seeds_shape(entry.micro_batches))
         sampled = time.perf_counter()
         self.pending = self._finish(entry, step)
         metrics = {**self.pending.metrics, "rollout/generation_s": sampled - started,

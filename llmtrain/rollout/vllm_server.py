@@ -247,6 +247,9 @@ class VLLMEngine(RolloutEngine):
         due = self.version != step and (greedy or self.version < 0 or step - self.version >= self.sync_every)
         if not due:
             return
+        # Every rank's requests on the old weights are done (asynchronous generation leaves them in
+        # flight across the step) before rank 0 swaps the weights: not every layout's publish is collective.
+        distributed.barrier()
         folder = self.work / f"step_{step}"
         self.publish(folder, "adapter" if self.lora else "model")
         error = ""
