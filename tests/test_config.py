@@ -76,10 +76,12 @@ def test_every_group_option_composes_and_validates(group):
         overrides = [f"{group}={option}"]
         if group == "data" and option in ("preference", "kto"):
             overrides.append("objective=kto" if option == "kto" else "objective=dpo")  # preference objectives only
-        if group == "objective" and option not in ("causal_lm", "grpo"):
+        if group == "objective" and option not in ("causal_lm", "grpo", "distill"):
             overrides += ["data=preference", "data.path=/some/file"]  # objective=kto reads pairs too
         if (group, option) in (("objective", "grpo"), ("data", "prompts")):  # online RL: prompts and a reward
             overrides += ["objective=grpo", "data=prompts", "data.path=/some/file", "reward.functions=[gsm8k]"]
+        if (group, option) == ("objective", "distill"):  # prompts and a teacher
+            overrides += ["data=prompts", "data.path=/some/file", "objective.teacher=tiny_llama"]
         composed = make_cfg(overrides).data
         if group == "data" and composed.datasets:
             overrides += [f"data.datasets.{i}.path=/some/file" for i in range(len(composed.datasets))]

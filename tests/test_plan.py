@@ -398,3 +398,25 @@ def test_kv_cache_bytes_equal_what_transformers_cache_holds():
         cache = next(iter(cache.values()))
         held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         assert held == kv_cache_bytes(config, 3, 11, 4), model
+
+
+def test_distillation_plans_the_teacher_and_its_log_probs():
+    """objective=distill: the frozen teacher laid out like a reference copy (whole fp32 on DDP,
+    1/world of its working dtype under ZeRO-3 plus its small parameters), and its fp32 log-probs
+    of every micro-batch of the step (rows x seq x vocab x 4 bytes each)."""
+    from llmtrain.models.build import model_config
+    from llmtrain.planning.memory import model_shape, plan_recipe
+
+    distill = ["objective=distill", "objective.teacher=tiny_qwen2", "data=prompts", "data.path=/x", "data.seq_len=128",
+               "rollout.max_completion_length=64",
+               "trainer.micro_batch_size=2", "trainer.global_batch_size=8", "objective.num_generations=2"]
+    teacher = model_shape(model_config(make_cfg(["model=tiny_qwen2"]).model))
+    ddp = plan_recipe(make_cfg(distill + ["+recipe=ddp"]), 2)
+    assert ddp.buffers["frozen teacher model"] == 4 * teacher.total
+    # 8 prompts over 2 ranks in micro-batches of 2: accumulation 2; 2 prompts x G=2 = 4 rows.
+    assert ddp.buffers["teacher log-probs (the step's micro-batches)"] == 2 * 4 * 128 * teacher.vocab * 4
+    zero3 = plan_recipe(make_cfg(distill + ["+recipe=zero3"]), 2)
+    assert zero3.buffers["frozen teacher model"] == 4 * teacher.total // 2 + 4 * teacher.small_params * teacher.layers
+    grpo = plan_recipe(make_cfg(["objective=grpo", "data=prompts", "data.path=/x", "reward.functions=[gsm8k]",
+                                 "+recipe=ddp"]), 2)
+    assert not any("teacher" in name for name in grpo.buffers)

@@ -354,6 +354,11 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     rows = micro * (2 if pairs else group)
     frozen_copy = reference_kind(cfg) == "copy" and (
         (pairs and objective.name == "dpo" and not objective.precompute_reference) or (online and objective.beta > 0))
+    teacher = None
+    if online and objective.name == "distill" and objective.get("teacher"):
+        from llmtrain.objectives.distill import teacher_model_config
+
+        teacher = model_shape(model_config(teacher_model_config(str(objective.teacher))))
     chunk = t.get("loss_chunk_tokens", 0)
     local_seq = cfg.data.seq_len // dims.cp  # a context-parallel rank's share of each row
     acts = measure_activations(hf_config, rows, local_seq, t.precision, dims.tp,
@@ -390,6 +395,12 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
                 2 * rows * local_seq * shape.top_k * shape.hidden * compute)
         if frozen_copy:  # DPO's reference: the initial weights, frozen, laid out like the policy's
             candidate.buffers["frozen reference model"] = _reference_bytes(r, n, dims, compute, shape)
+        if teacher is not None:  # distillation: the teacher, frozen, laid out like a reference copy
+            candidate.buffers["frozen teacher model"] = _reference_bytes(r, teacher.total, dims, compute, teacher)
+            # Its log-probs of every micro-batch of the step wait on the device for the loss
+            # (rows x seq x vocab fp32 each), beside one teacher forward's logits.
+            candidate.buffers["teacher log-probs (the step's micro-batches)"] = accumulation * rows * local_seq * teacher.vocab * 4
+            candidate.temporaries["teacher logits of one forward"] = rows * local_seq * teacher.vocab * 4
         # The logits and their gradient, fp32, live on the last stage while the loss backpropagates.
         tokens = rows * local_seq
         # A reward model's head gives one score per token, not vocabulary logits.
