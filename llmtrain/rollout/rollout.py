@@ -8,6 +8,13 @@ deviation, the logged means) come from one all-reduce. A generation batch trains
 ``objective.num_iterations`` optimizer steps (μ, GRPO section 4.2): it is kept, with the policy's
 log-probs at sampling time, until then, and a checkpoint taken in between holds it
 (:meth:`Rollout.state_dict`), so a resume continues with the same completions.
+
+With ``rollout.async_generation`` the batches of the next ``max_staleness`` steps are sampled
+before (``hf``) or during (an engine that overlaps: vLLM) the step, with its weights; each
+completion keeps its sampling policy's log-probs for the objective's importance correction, and
+a checkpoint holds the batches sampled ahead. A multi-turn ``rollout.environment`` makes each
+completion an episode (:mod:`llmtrain.rollout.environments`); ``rollout.packing`` packs the
+training rows (:meth:`Rollout._layout`).
 """
 
 from __future__ import annotations
