@@ -393,7 +393,7 @@ class Trainer:
         """
         if not self.objective.online:
             return None
-        if hasattr(self.objective, "teacher_config"):
+        if self.objective.reference_model() is not None:
             self._check_teacher()
         end_ids = data.end_token_ids(self.cfg.data, self.tokenizer)
         sampler = build_sampler(self.cfg, self.tokenizer, end_ids)
@@ -433,7 +433,7 @@ class Trainer:
                                  self.t.micro_batch_size, self.env.device, self.engine.dp_rank, self.dims.dp,
                                  self.run_dir, self.resume_from is not None, self.env.is_main, self.t.eval_samples)
             return None
-        if hasattr(self.objective, "teacher_config"):
+        if self.objective.reference_model() is not None:
             return self._setup_teacher()
         self.phases.begin("reference", f"objective.reference={reference.reference_kind(self.cfg)}")
         # GRPO's log-probs are of temperature-scaled logits; the preference objectives' are plain.
@@ -441,20 +441,20 @@ class Trainer:
         return reference.build_reference(self.cfg, self.engine, self._build_model, logps)
 
     def _setup_teacher(self):
-        """A distillation objective's frozen teacher, laid out like a reference copy, its
-        vocabulary checked against the student's with one tiny forward. Collective call.
+        """The objective's own frozen reference model (distillation's teacher), laid out like a
+        reference copy. Collective call.
 
         Raises:
-            ConfigError: a teacher that cannot be found or laid out, or of another vocabulary.
+            ConfigError: an engine that cannot lay it out.
         """
-        teacher = self.objective.teacher_config()
+        teacher = self.objective.reference_model()
         self.phases.begin("teacher", f"objective.teacher={self.objective.teacher} (model source {teacher.source})")
         forward = self.engine.frozen_copy(lambda: build_model(teacher, self.t.seed), teacher.source == "config")
         if forward is None:
             raise ConfigError(f"objective.teacher: the {type(self.engine).__name__} engine of recipe "
                               f"{self.cfg.recipe.name} cannot lay out a frozen teacher; use a data-parallel, ZeRO or "
                               "FSDP recipe")
-        return reference.LiveReference(forward, self.objective.teacher_outputs)
+        return reference.LiveReference(forward, self.objective.reference_outputs)
 
     def _check_teacher(self) -> None:
         """A distillation teacher that exists and shares the student's vocabulary (read from the
@@ -463,7 +463,7 @@ class Trainer:
         Raises:
             ConfigError: naming the teacher and both vocabulary sizes.
         """
-        teacher = self.objective.teacher_config()
+        teacher = self.objective.reference_model()
         width = model_config(teacher).vocab_size
         if width != self.hf_config.vocab_size:
             raise ConfigError(f"objective.teacher={self.objective.teacher!r} has {width} logits per token, the student "
@@ -534,7 +534,7 @@ class Trainer:
         rollout = Rollout(self.cfg, self.engine, self.objective, sampler, self.micro_batches, self.tokenizer,
                           data.pad_id_of(self.tokenizer), functions, self.run_dir, self.env.is_main,
                           lambda rows, step: self.tracker.log_table("completions", rows, step), environment,
-                          self._held_out_divergence if hasattr(self.objective, "teacher_config") else None)
+                          self._held_out_divergence if self.objective.reference_model() is not None else None)
         rollout.load_state_dict(self.rollout_state)
         self.checkpoints.rank_state["rollout"] = rollout.state_dict
         return rollout, Evaluator(lambda: rollout.evaluate(val_batches), t.eval_every, t.max_steps)

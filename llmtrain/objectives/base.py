@@ -92,6 +92,18 @@ class Objective(ABC):
     def __init__(self, cfg: Any = None):
         self.cfg = cfg
 
+    def reference_model(self) -> Any | None:
+        """The model config of a frozen model other than the policy that the live reference runs
+        (distillation's teacher), or None: the reference, if any, is the policy's own
+        (:mod:`llmtrain.objectives.reference`). Its outputs go to :attr:`reference_key` through
+        :meth:`reference_outputs`."""
+        return None
+
+    def reference_outputs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """What the loss reads from :meth:`reference_model`'s logits (``[rows, seq, vocab]``):
+        defined by objectives that name such a model."""
+        raise NotImplementedError(f"objective {self.name!r} names no reference model")
+
     def setup(self, run_cfg: Any) -> None:
         """Read what the loss needs from other sections of the run's config (``run_cfg``), once,
         before training; the default reads nothing."""

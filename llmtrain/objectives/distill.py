@@ -100,11 +100,11 @@ class Distill(GRPO):
         policy-gradient surrogate, so which policy sampled them does not bias it."""
         self.behaviour = False
 
-    def teacher_config(self) -> Any:
+    def reference_model(self) -> Any:
         """The teacher's model config (:func:`teacher_model_config`)."""
         return teacher_model_config(self.teacher)
 
-    def teacher_outputs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def reference_outputs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """fp32 ``[rows, seq, vocab]``: at position t the teacher's tempered log-distribution over
         token t (from its logits at t - 1); 0 at t = 0."""
         logps = F.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
