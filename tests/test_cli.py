@@ -105,7 +105,7 @@ def test_help_explains_the_app_groups_recipes_and_fields():
     proc = run_cli(["--help"])
     assert_ok(proc)
     text = proc.stdout
-    for group in ("model", "data", "trainer", "tracker"):
+    for group in ("model", "data", "trainer", "tracker", "objective"):
         options = sorted(p.stem for p in (REPO / "conf" / group).glob("*.yaml"))
         assert f"{group}: {', '.join(options)}" in text, group
     recipes = sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))

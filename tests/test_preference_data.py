@@ -202,12 +202,6 @@ def test_reward_margin_column_reaches_the_loss(tmp_path):
     assert margins.tolist() != [0.0, 0.0, 0.0]
 
 
-def test_cli_help_lists_the_objective_group():
-    proc = run_cli(["--help"])
-    assert_ok(proc)
-    assert "objective: causal_lm, distill, dpo, grpo, kto, orpo, reward, simpo" in proc.stdout
-
-
 def test_reward_export_loads_as_a_classifier_and_scores_as_the_run_evaluated(tmp_path, caplog):
     """The export, read back by transformers alone (scripts/tools/reward_accuracy.py), scores the held-
     out pairs in the order the run's own final evaluation did; a causal LM export is refused."""
