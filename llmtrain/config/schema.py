@@ -234,6 +234,37 @@ class DataConfig(DataSourceConfig):
     weights: List[float] = field(default_factory=list)
 
 
+# trainer.optimizer's choices (built by llmtrain.engine.optimizers.build_optimizer).
+OPTIMIZERS = ("adamw", "adafactor", "muon")
+
+
+@dataclass
+class MuonConfig:
+    """``trainer.optimizer=muon`` (:class:`llmtrain.engine.optimizers.MuonWithAdamW`): Muon on the
+    hidden 2-D matrices, AdamW (``trainer.lr``, betas, eps) on embeddings, head, norms and biases.
+    ``lr``: Muon's learning rate (None: ``trainer.lr``); ``adjust_lr``: how it scales per matrix
+    shape, ``match_rms_adamw`` (0.2·√max(rows, cols): an AdamW-tuned lr and weight decay carry
+    over; Liu et al. 2025, §2.2) or ``original`` (√max(1, rows/cols), Jordan et al. 2024);
+    ``momentum``, ``nesterov``, ``ns_steps``: torch.optim.Muon's."""
+
+    lr: Optional[float] = None
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    adjust_lr: str = "match_rms_adamw"
+
+
+@dataclass
+class AdafactorConfig:
+    """``trainer.optimizer=adafactor`` (``torch.optim.Adafactor``; Shazeer & Stern 2018):
+    ``beta2_decay`` (the second moment's decay 1 - t^beta2_decay), ``eps1`` (None: the dtype's
+    eps) added to the squared gradient, ``eps2`` the floor of the parameter scale."""
+
+    beta2_decay: float = -0.8
+    eps1: Optional[float] = None
+    eps2: float = 1e-3
+
+
 @dataclass
 class TrainerConfig:
     """Optimisation and the loop's cadence.
@@ -292,6 +323,10 @@ class TrainerConfig:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
     weight_decay: float = 0.1
+    # adamw | adafactor | muon (llmtrain.engine.optimizers); their own fields in trainer.muon / trainer.adafactor.
+    optimizer: str = "adamw"
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    adafactor: AdafactorConfig = field(default_factory=AdafactorConfig)
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8

@@ -268,6 +268,27 @@ def validate_trainer(t: Any, r: Any) -> None:
                  f"trainer.preempt_signal={t.preempt_signal!r} must name a catchable signal (e.g. SIGUSR1)")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _require(t.precision in ("fp32", "bf16"), f"trainer.precision={t.precision!r} must be fp32 or bf16")
+    _validate_optimizer(t, r)
+
+
+def _validate_optimizer(t: Any, r: Any) -> None:
+    """``trainer.optimizer`` and its fields (:mod:`llmtrain.engine.optimizers`)."""
+    from llmtrain.config.schema import OPTIMIZERS
+
+    _require(t.optimizer in OPTIMIZERS, f"trainer.optimizer={t.optimizer!r} must be one of {', '.join(OPTIMIZERS)}")
+    _require(t.optimizer == "adamw" or r.engine != "deepspeed" or r.zero_stage == 0,
+             f"trainer.optimizer={t.optimizer} needs each parameter's matrix shape, which DeepSpeed's ZeRO-{r.zero_stage} "
+             "optimizer does not see (it steps flat 1-D partitions); use engine=torch, whose ZeRO stages are FSDP2 "
+             "shards that keep the shape, or trainer.optimizer=adamw")
+    m, a = t.muon, t.adafactor
+    _require(m.lr is None or m.lr > 0, f"trainer.muon.lr={m.lr} must be > 0 (or null: trainer.lr)")
+    _require(0 <= m.momentum < 1, f"trainer.muon.momentum={m.momentum} must be in [0, 1)")
+    _require(1 <= m.ns_steps < 100, f"trainer.muon.ns_steps={m.ns_steps} must be in [1, 100)")
+    _require(m.adjust_lr in ("match_rms_adamw", "original"),
+             f"trainer.muon.adjust_lr={m.adjust_lr!r} must be match_rms_adamw or original")
+    _require(a.beta2_decay <= 0, f"trainer.adafactor.beta2_decay={a.beta2_decay} must be <= 0")
+    _require(a.eps1 is None or a.eps1 >= 0, f"trainer.adafactor.eps1={a.eps1} must be >= 0 (or null)")
+    _require(a.eps2 >= 0, f"trainer.adafactor.eps2={a.eps2} must be >= 0")
 
 
 def validate_tracker(tr: Any) -> None:
@@ -371,7 +392,12 @@ def validate(cfg: Any, world_size: int) -> Layout:
              f"peft.target_parameters={list(p.target_parameters) if p is not None else []} with recipe.ep={cfg.recipe.ep}: "
              "adapters on expert tensors are not sharded over an ep group; use recipe.ep=1 (fsdp shards them), "
              "or adapt attention only (peft.target_parameters=[])")
-    return layout(cfg, world_size)
+    shape = layout(cfg, world_size)
+    _require(cfg.trainer.optimizer != "adafactor" or cfg.recipe.engine != "torch" or (shape.dp_shard == 1 and shape.tp == 1),
+             f"trainer.optimizer=adafactor with recipe {cfg.recipe.name} (dp_shard {shape.dp_shard}, tp {shape.tp}): "
+             "torch.optim.Adafactor's factored moments run on whole tensors, not FSDP2/TP shards (DTensor); use "
+             "trainer.optimizer=muon or adamw here, or a recipe that keeps whole parameters (ddp, pp)")
+    return shape
 
 
 def validate_expert_parallel(r: Any) -> None:

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 import llmtrain.parallel.distributed  # noqa: F401  (sets DS_ACCELERATOR=cpu without CUDA before deepspeed loads)
-from llmtrain.engine.base import (Engine, apply_schedule, build_adamw, clip_gradients, first_step_count, lr_lambda,
+from llmtrain.engine.base import (Engine, apply_schedule, clip_gradients, first_step_count, lr_lambda,
                                   model_inputs, param_groups, replicated_frozen_copy)
+from llmtrain.engine.optimizers import build_optimizer
 
 
 def communication_sizes(recipe: Any, hidden_size: int) -> dict[str, int]:
@@ -170,7 +171,7 @@ class DeepSpeedEngine(Engine):
         groups = param_groups(model, t.weight_decay)
         optimizer = None
         if "optimizer" not in self.ds_config:
-            optimizer = build_adamw(groups, t)
+            optimizer = build_optimizer(model, t)
         if self.dims.cp > 1:
             from torch.distributed.device_mesh import init_device_mesh
 

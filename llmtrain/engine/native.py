@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 import llmtrain.engine.dcp_state as dcp_state
-from llmtrain.engine.base import (Engine, advance_schedule_only, apply_schedule, autocast, build_adamw, build_scheduler,
-                                  first_step_count, model_inputs, param_groups)
+from llmtrain.engine.base import (Engine, advance_schedule_only, apply_schedule, autocast, build_scheduler,
+                                  first_step_count, model_inputs)
+from llmtrain.engine.optimizers import build_optimizer
 from llmtrain.models.build import initial_value
 
 
@@ -128,7 +129,7 @@ class NativeEngine(Engine):
         self.optimizers, self.schedulers = [], []
         foreach = False if self.dims.tp > 1 else None  # TP mixes DTensor and plain params
         for part in self.parts:
-            opt = build_adamw(param_groups(part, t.weight_decay), t, foreach=foreach)
+            opt = build_optimizer(part, t, foreach=foreach)
             self.optimizers.append(opt)
             self.schedulers.append(build_scheduler(opt, t))
         if self.dims.pp > 1:

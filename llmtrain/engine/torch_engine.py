@@ -9,8 +9,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import llmtrain.engine.dcp_state as dcp_state
-from llmtrain.engine.base import (Engine, advance_schedule_only, apply_schedule, autocast, build_adamw, build_scheduler,
-                                  clip_gradients, model_inputs, param_groups, replicated_frozen_copy)
+from llmtrain.engine.base import (Engine, advance_schedule_only, apply_schedule, autocast, build_scheduler,
+                                  clip_gradients, model_inputs, replicated_frozen_copy)
+from llmtrain.engine.optimizers import build_optimizer
 
 LEGACY_STATE = "state.pt"  # torch-engine checkpoints before DCP: {"model", "optimizer", "scheduler"}
 
@@ -32,7 +33,7 @@ class TorchEngine(Engine):
             # Gradients are views into DDP's all-reduce buckets: no second copy of every gradient
             # (4Ψ bytes in fp32) and no copy between them after each backward.
             self.wrapped = DistributedDataParallel(self._model, device_ids=device_ids, gradient_as_bucket_view=True)
-        self.optimizer = build_adamw(param_groups(self._model, t.weight_decay), t)
+        self.optimizer = build_optimizer(self._model, t)
         self.scheduler = build_scheduler(self.optimizer, t)
 
     @property

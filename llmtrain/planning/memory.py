@@ -20,6 +20,9 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   (up to ``max_live_parameters``, DeepSpeed's default 1e9 elements) and the prefetch bucket.
   Offload moves the optimizer state and master (and the parameter partition, and at stage 3
   the gradient partition, twice) to host memory.
+- Optimizer state: AdamW's 8n above is ``trainer.optimizer=adamw``'s; ``muon`` keeps 4 bytes per
+  hidden-matrix element and AdamW's 8 on the rest, plus (sharded layouts) the largest matrix's
+  update gathered whole; ``adafactor`` 4(rows + cols) per matrix (:func:`optimizer_state_per_param`).
 - Activations: bytes saved for backward per decoder layer (measured under FakeTensorMode on a
   layer with the tensor-parallel rank's share of heads and MLP width), times the stage's layers,
   plus the embedding and the loss (logits); with activation checkpointing, each layer keeps
@@ -85,6 +88,28 @@ class ModelShape:
     tp_plan_error: str | None
     experts_layer: int = 0  # routed-expert elements per decoder layer (mean over layers; 0 = dense)
     top_k: int = 0
+    # Optimizer state bytes per parameter, averaged over the model, per trainer.optimizer
+    # (:func:`optimizer_state_per_param`); the largest hidden matrix's elements (Muon gathers it whole).
+    optimizer_bytes: dict = field(default_factory=lambda: {"adamw": 8.0})
+    largest_matrix: int = 0
+
+
+def optimizer_state_per_param(model: torch.nn.Module) -> tuple[dict[str, float], int]:
+    """Optimizer state bytes per parameter of ``model`` (mean over its parameters) for each
+    ``trainer.optimizer``, and the elements of its largest Muon matrix: AdamW 8 (two fp32
+    moments); Muon 4 (one fp32 momentum) on the hidden matrices and AdamW's 8 on the rest
+    (:func:`llmtrain.engine.optimizers.muon_split`); Adafactor 4·(rows + cols) per matrix (its
+    factored second moment; Shazeer & Stern 2018, §3) and 4 per element of a vector."""
+    from llmtrain.engine.optimizers import muon_split
+
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    matrices, _ = muon_split(model)
+    in_muon = sum(p.numel() for p in matrices)
+    adafactor = sum(4 * (p.shape[-2] + p.shape[-1]) * (p.numel() // (p.shape[-2] * p.shape[-1])) if p.ndim >= 2
+                    else 4 * p.numel() for p in params)
+    per_param = {"adamw": 8.0, "muon": (4 * in_muon + 8 * (total - in_muon)) / total, "adafactor": adafactor / total}
+    return per_param, max((p.numel() for p in matrices), default=0)
 
 
 def model_shape(hf_config: Any, tp_override: dict | None = None) -> ModelShape:
@@ -115,6 +140,7 @@ def model_shape(hf_config: Any, tp_override: dict | None = None) -> ModelShape:
     embedding = model.base_model.embed_tokens.weight
     head = model.lm_head.weight
     tied = head is embedding
+    optimizer_bytes, largest_matrix = optimizer_state_per_param(model)
     return ModelShape(
         total=sum(p.numel() for p in model.parameters()), embedding=embedding.numel(),
         head=0 if tied else head.numel(), final_norm=sum(p.numel() for p in model.base_model.norm.parameters()),
@@ -124,7 +150,8 @@ def model_shape(hf_config: Any, tp_override: dict | None = None) -> ModelShape:
         embedding_tp=sharded(f"{prefix}.embed_tokens.weight"), head_tp=sharded("lm_head.weight"),
         small_params=sum(p.numel() for p in layer_params.values() if p.numel() <= 10 * hidden),
         hidden=hidden, vocab=hf_config.vocab_size, tp_plan_error=plan_error,
-        experts_layer=moe.routed_params // len(layers) if moe else 0, top_k=moe.top_k if moe else 0)
+        experts_layer=moe.routed_params // len(layers) if moe else 0, top_k=moe.top_k if moe else 0,
+        optimizer_bytes=optimizer_bytes, largest_matrix=largest_matrix)
 
 
 @dataclass(frozen=True)
@@ -250,6 +277,7 @@ class RankPlan:
     params: int = 0
     grads: int = 0
     optimizer: int = 0
+    optimizer_name: str = "adamw"
     master: int = 0
     activations: int = 0
     temporaries: dict[str, int] = field(default_factory=dict)  # during the step only
@@ -336,6 +364,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         plan.error = shape.tp_plan_error
         return plan
     plan.cp, plan.cp_style = dims.cp, r.cp_style
+    plan.optimizer_name = t.get("optimizer", "adamw")
     plan.degrees = f"dp {dims.dp_replicate}x{dims.dp_shard} tp {dims.tp} pp {dims.pp}" + (
         f" cp {dims.cp}" if dims.cp > 1 else "") + (f" ep {dims.ep}" if dims.ep > 1 else "")
     accumulation = plan.accumulation = lay.accumulation
@@ -387,7 +416,8 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         activations = in_flight * per_micro + (acts.per_layer if ckpt else 0)  # one layer recomputed
         candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={})
         _model_states(candidate, r, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
-                      communication_sizes(r, shape.hidden), experts_n=layers * shape.experts_layer)
+                      communication_sizes(r, shape.hidden), experts_n=layers * shape.experts_layer,
+                      optimizer=t.get("optimizer", "adamw"))
         if dims.ep > 1:
             # Dispatch and combine of one MoE layer: this rank's N k assignment rows sent and as
             # many received (uniform routing), in the compute dtype.
@@ -450,9 +480,11 @@ def _reference_bytes(r: Any, n: int, dims: Any, compute: int, shape: ModelShape)
 
 
 def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16: bool, shape: ModelShape,
-                  layer_n: int, embedding_n: int, head_n: int, sizes: dict[str, int], experts_n: int = 0) -> None:
+                  layer_n: int, embedding_n: int, head_n: int, sizes: dict[str, int], experts_n: int = 0,
+                  optimizer: str = "adamw") -> None:
     """Model-state bytes of a rank holding ``n`` parameters (``experts_n`` of them routed
-    experts). Expert parallelism (torch engine) stores the same 1/(dp_shard x cp) share of every
+    experts). ``optimizer``: ``trainer.optimizer``, whose state is ``shape.optimizer_bytes`` per
+    parameter. Expert parallelism (torch engine) stores the same 1/(dp_shard x cp) share of every
     expert (1/ep of the experts, each over dp_shard/ep ranks), but gathers only its ep share of a
     layer's experts: the FSDP units are a layer's dense part and its local experts."""
     if r.engine == "deepspeed":
@@ -463,7 +495,7 @@ def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16:
             plan.params += working * shape.small_params * shape.layers
         plan.grads = 4 * n // d if r.zero_stage >= 2 else 4 * n
         plan.grads_kept = r.zero_stage == 3  # stage 3's flat gradient partition; 1-2 free theirs
-        plan.master, plan.optimizer = 4 * n // d, 8 * n // d
+        plan.master, plan.optimizer = 4 * n // d, int(shape.optimizer_bytes[optimizer] * n) // d
         plan.temporaries["reduce bucket"] = 4 * sizes["reduce_bucket_size"]
         if r.zero_stage < 3:
             plan.temporaries["all-gather bucket"] = working * sizes["allgather_bucket_size"]
@@ -484,7 +516,10 @@ def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16:
             plan.params = 0
         return
     d = dims.dp_shard * dims.cp  # FSDP2 shards over dp_shard x cp (llmtrain.parallel.parallelize.fsdp_mesh)
-    plan.params, plan.grads, plan.optimizer = 4 * n // d, 4 * n // d, 8 * n // d
+    plan.params, plan.grads, plan.optimizer = 4 * n // d, 4 * n // d, int(shape.optimizer_bytes[optimizer] * n) // d
+    if optimizer == "muon" and (d > 1 or dims.tp > 1):
+        # Each sharded matrix's update is gathered whole (fp32) and orthogonalised in bf16.
+        plan.temporaries["Muon: the largest matrix's update gathered whole (fp32 + bf16)"] = 6 * shape.largest_matrix
     plan.grads_kept = d == 1 and dims.dp_replicate > 1 and dims.tp == dims.pp == 1  # DDP: buckets are the grads
     if plan.grads_kept and plan.accumulation > 1:
         # Under no_sync (every micro-batch but the last) autograd writes fresh gradients beside
@@ -544,7 +579,7 @@ def describe(plan: RankPlan) -> str:
     stage = "" if " pp 1 " in f"{plan.degrees} " else f"; binding rank: pipeline stage {plan.stage}"
     lines = [f"{plan.recipe} on {plan.world_size} ranks ({plan.degrees}; micro-batch {plan.micro_batch} x "
              f"accumulation {plan.accumulation}{'; activation checkpointing' if plan.checkpointing else ''}{stage})"]
-    rows = [("parameters", plan.params), ("gradients", plan.grads), ("optimizer state (AdamW)", plan.optimizer),
+    rows = [("parameters", plan.params), ("gradients", plan.grads), (f"optimizer state ({plan.optimizer_name})", plan.optimizer),
             ("fp32 master copy", plan.master), ("activations", plan.activations)]
     rows += sorted(plan.buffers.items(), key=lambda kv: -kv[1])
     rows += [(f"{name} (temporary)", value) for name, value in sorted(plan.temporaries.items(), key=lambda kv: -kv[1])]
