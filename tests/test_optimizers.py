@@ -119,8 +119,9 @@ def test_adafactor_is_torch_adafactor_with_decay_on_matrices_only():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["trainer.optimizer=sgd"], "trainer.optimizer='sgd' must be one of adamw, adafactor, muon"),
-    (["+recipe=zero2", "trainer.optimizer=muon"], "DeepSpeed's ZeRO-2 optimizer does not see"),
+    (["trainer.optimizer=sgd"], "trainer.optimizer='sgd' must be one of adamw, adamw_8bit, adafactor, muon"),
+    (["+recipe=zero2", "trainer.optimizer=muon"], "DeepSpeed's ZeRO-2 optimizer steps flat 1-D partitions"),
+    (["+recipe=zero1", "trainer.optimizer=adamw_8bit"], "adamw_8bit runs on the torch engine"),
     (["+recipe=zero3", "trainer.optimizer=adafactor"], "engine=torch"),
     (["+recipe=fsdp", "trainer.optimizer=adafactor"], "adafactor with recipe fsdp"),
     (["+recipe=tp", "engine=torch", "trainer.optimizer=adafactor"], "not FSDP2/TP shards"),
@@ -155,3 +156,31 @@ def test_planner_counts_the_state_the_optimizer_holds(name):
         fsdp = plan_recipe(make_cfg([f"trainer.optimizer={name}", "+recipe=fsdp"]), 2, model_config(cfg.model))
         assert fsdp.optimizer == pytest.approx(held / 2, rel=1e-6, abs=8)
         assert ("Muon: the largest matrix's update gathered whole (fp32 + bf16)" in fsdp.temporaries) == (name == "muon")
+
+
+def test_adamw_8bit_stores_two_bytes_a_parameter_and_tracks_adamw():
+    """torchao's AdamW8bit on a 512 x 512 matrix: 1 byte per element per moment plus an fp32 scale
+    per 256-element block and a 256-entry code table (2.04 bytes per parameter against AdamW's 8);
+    the planner counts the same; and 5 steps stay within 8-bit rounding of fp32 AdamW."""
+    from llmtrain.planning.memory import optimizer_state_per_param
+
+    t = make_cfg(["trainer.optimizer=adamw_8bit", "trainer.lr=0.01"]).trainer
+    models = [torch.nn.Sequential(torch.nn.Linear(512, 512, bias=False)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    start = models[0][0].weight.detach().clone()
+    low = build_optimizer(models[0], t)
+    full = torch.optim.AdamW(models[1].parameters(), lr=0.01, betas=(t.beta1, t.beta2), eps=t.eps,
+                             weight_decay=t.weight_decay)
+    for step in range(5):
+        x = torch.randn(16, 512, generator=torch.Generator().manual_seed(step))
+        for model, optimizer in zip(models, (low, full)):
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    weight = models[0][0].weight
+    bytes_held = sum(t.numel() * t.element_size() for moment in ("exp_avg", "exp_avg_sq")
+                     for t in (getattr(low.state[weight][moment], n) for n in ("codes", "scale", "qmap")))
+    assert bytes_held == 2 * (512 * 512 + 4 * 1024 + 4 * 256)
+    assert optimizer_state_per_param(models[0])[0]["adamw_8bit"] == pytest.approx(bytes_held / (512 * 512))
+    moved, diff = (models[1][0].weight - start).abs().mean(), (weight - models[1][0].weight).abs().mean()
+    assert moved > 0.02 and diff < 0.1 * moved, (float(moved), float(diff))

@@ -48,7 +48,8 @@ def test_without_the_slurm_extra_the_cli_runs_and_says_nothing_of_plugins(tmp_pa
     (["lm_eval"], "llmtrain", ["trainer.eval_tasks=[hh_local]"], "eval"),
     (["tensorboard"], "llmtrain", ["tracker.backends=[tensorboard]"], "tracking"),
     (["mlflow"], "llmtrain", ["tracker.backends=[mlflow]"], "tracking"),
-], ids=["slurm-launcher", "evaluate", "in-loop-eval", "tensorboard", "mlflow"])
+    (["torchao"], "llmtrain", ["trainer.optimizer=adamw_8bit"], "lowbit"),
+], ids=["slurm-launcher", "evaluate", "in-loop-eval", "tensorboard", "mlflow", "adamw-8bit"])
 def test_a_feature_whose_extra_is_missing_is_one_line_naming_it(tmp_path, hidden, module, args, extra):
     run_dir = tmp_path / "run"
     args = [str(tmp_path) if a == "RUN" else a for a in args]

@@ -49,7 +49,7 @@ class MissingExtra(LlmtrainError, ImportError):
 
 
 # The optional extras of pyproject.toml and what each installs.
-EXTRAS = {"eval": "lm-eval", "tracking": "tensorboard and mlflow", "slurm": "hydra-submitit-launcher and submitit"}
+EXTRAS = {"eval": "lm-eval", "lowbit": "torchao", "tracking": "tensorboard and mlflow", "slurm": "hydra-submitit-launcher and submitit"}
 
 
 def require_extra(module: str, extra: str, feature: str, instead: str = "") -> None:

@@ -235,7 +235,7 @@ class DataConfig(DataSourceConfig):
 
 
 # trainer.optimizer's choices (built by llmtrain.engine.optimizers.build_optimizer).
-OPTIMIZERS = ("adamw", "adafactor", "muon")
+OPTIMIZERS = ("adamw", "adamw_8bit", "adafactor", "muon")
 
 
 @dataclass
@@ -464,6 +464,12 @@ class RecipeConfig:
     # norms and the residual stream sharded along the sequence between the TP blocks.
     tp_sequence_parallel: bool = False
     compile: bool = False
+    # FP8 matmuls in the decoder's Linear layers (torchao float8 training; llmtrain.parallel.float8):
+    # fp8_recipe tensorwise | rowwise scaling; fp8_emulate: emulated float8 where the hardware has
+    # none (tests, CPUs; no speed-up).
+    fp8: bool = False
+    fp8_recipe: str = "tensorwise"
+    fp8_emulate: bool = False
     # +recipe=auto: llmtrain.plan picks the recipe (and micro-batch, activation checkpointing)
     # that fits device_memory ("80GiB"; None = the device's own) less memory_margin.
     auto: bool = False

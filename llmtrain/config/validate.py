@@ -277,9 +277,10 @@ def _validate_optimizer(t: Any, r: Any) -> None:
 
     _require(t.optimizer in OPTIMIZERS, f"trainer.optimizer={t.optimizer!r} must be one of {', '.join(OPTIMIZERS)}")
     _require(t.optimizer == "adamw" or r.engine != "deepspeed" or r.zero_stage == 0,
-             f"trainer.optimizer={t.optimizer} needs each parameter's matrix shape, which DeepSpeed's ZeRO-{r.zero_stage} "
-             "optimizer does not see (it steps flat 1-D partitions); use engine=torch, whose ZeRO stages are FSDP2 "
-             "shards that keep the shape, or trainer.optimizer=adamw")
+             f"trainer.optimizer={t.optimizer} runs on the torch engine: DeepSpeed's ZeRO-{r.zero_stage} optimizer steps "
+             "flat 1-D partitions, where Muon and Adafactor find no matrix (and 8-bit states are untested); use "
+             "engine=torch, whose ZeRO stages are FSDP2 shards that keep each parameter's shape, or "
+             "trainer.optimizer=adamw")
     m, a = t.muon, t.adafactor
     _require(m.lr is None or m.lr > 0, f"trainer.muon.lr={m.lr} must be > 0 (or null: trainer.lr)")
     _require(0 <= m.momentum < 1, f"trainer.muon.momentum={m.momentum} must be in [0, 1)")
@@ -382,6 +383,7 @@ def validate(cfg: Any, world_size: int) -> Layout:
     validate_sequence_parallel(cfg.recipe)
     validate_chunked_loss(cfg)
     validate_expert_parallel(cfg.recipe)
+    validate_fp8(cfg.recipe)
     objective = cfg.objective.get("target") or cfg.objective.get("name") or "causal_lm"
     _require(not cfg.model.moe_capacity_factor or objective not in PREFERENCE_OBJECTIVES,
              f"model.moe_capacity_factor={cfg.model.moe_capacity_factor} with objective={objective}: a pair's chosen row "
@@ -398,6 +400,21 @@ def validate(cfg: Any, world_size: int) -> Layout:
              "torch.optim.Adafactor's factored moments run on whole tensors, not FSDP2/TP shards (DTensor); use "
              "trainer.optimizer=muon or adamw here, or a recipe that keeps whole parameters (ddp, pp)")
     return shape
+
+
+def validate_fp8(r: Any) -> None:
+    """``recipe.fp8`` and its fields (what the hardware has is :mod:`llmtrain.planning.preflight`'s).
+
+    Raises:
+        ConfigError: an unknown ``fp8_recipe``; fp8 on the DeepSpeed engine or with tensor parallelism.
+    """
+    _require(r.fp8_recipe in ("tensorwise", "rowwise"), f"recipe.fp8_recipe={r.fp8_recipe!r} must be tensorwise or rowwise")
+    if not r.fp8:
+        return
+    _require(r.engine == "torch", f"recipe.fp8=true with recipe {r.name} (engine {r.engine}): FP8 training runs on the "
+             "torch engine (torchao's Float8Linear under DDP/FSDP2); use engine=torch")
+    _require(r.tp == 1, f"recipe.fp8=true with recipe.tp={r.tp}: float8 tensor-parallel styles are not wired in yet; "
+             "use recipe.tp=1 (FSDP2 shards float8 layers and all-gathers them in float8)")
 
 
 def validate_expert_parallel(r: Any) -> None:

@@ -460,7 +460,7 @@ class NativeEngine(Engine):
         return float(total.sqrt())
 
     def lr(self) -> float:
-        return self.optimizers[0].param_groups[0]["lr"]
+        return float(self.optimizers[0].param_groups[0]["lr"])  # torchao keeps lr as a tensor
 
     def optimizer_step_count(self) -> int:
         counts = {first_step_count(opt) for opt in self.optimizers}  # one optimizer per local stage

@@ -3,6 +3,11 @@
 - ``adamw``: ``torch.optim.AdamW`` (Loshchilov & Hutter, ICLR 2019), decay on matrices and
   embeddings only (:func:`llmtrain.engine.base.param_groups`). State: two fp32 moments, 8 bytes
   per trainable parameter.
+- ``adamw_8bit``: torchao's ``AdamW8bit`` (Dettmers et al., "8-bit Optimizers via Block-wise
+  Quantization", ICLR 2022): both moments stored as 8-bit codes with an fp32 scale per block of
+  256 elements (tensors under 4096 elements keep fp32 moments), ~2 bytes per parameter. The
+  quantization is blockwise over each rank's local shard; FSDP2 shards on row boundaries, so a
+  block of a shard is a block of the whole tensor wherever the shard's size is a multiple of 256.
 - ``adafactor``: ``torch.optim.Adafactor`` (Shazeer & Stern, ICML 2018): the second moment of a
   ``[rows, cols]`` matrix is kept as a row and a column vector (factored), no first moment, so
   its state is ``rows + cols`` floats per matrix, a full vector for 1-D tensors.
@@ -38,6 +43,15 @@ def build_optimizer(model: torch.nn.Module, trainer_cfg: Any, *, foreach: bool |
     name = t.get("optimizer", "adamw")
     if name == "adamw":
         return build_adamw(param_groups(model, t.weight_decay), t, foreach=foreach)
+    if name == "adamw_8bit":
+        import warnings
+
+        from torchao.optim import AdamW8bit
+
+        # torch.compile (which torchao's step uses) notes once that the state subclass has no
+        # cache hash: it only means the compiled step is not cached across processes.
+        warnings.filterwarnings("ignore", message="OptimState8bit does not implement _stable_hash_for_caching")
+        return AdamW8bit(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
     if name == "adafactor":
         from torch.distributed.tensor import DTensor
 

@@ -23,6 +23,10 @@ class TorchEngine(Engine):
     def setup(self, model: torch.nn.Module) -> None:
         t = self.cfg.trainer
         self._model = model.to(self.env.device)
+        if self.cfg.recipe.get("fp8"):
+            from llmtrain.parallel.float8 import apply_float8
+
+            apply_float8(self._model, self.cfg.recipe, sharded=False)
         self._install_chunked_head(self._model)
         self._install_router_monitors([self._model], self._model)
         if t.activation_checkpointing:
@@ -66,7 +70,7 @@ class TorchEngine(Engine):
         return norm
 
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        return float(self.optimizer.param_groups[0]["lr"])  # torchao keeps lr as a tensor
 
     def save_checkpoint(self, directory: Path, background: bool = False):
         # Distributed Checkpoint keyed by parameter name: DCP writes replicated tensors once,

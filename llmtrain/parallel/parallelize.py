@@ -1,5 +1,7 @@
 """Parallelize a Hugging Face decoder (or one pipeline stage of it), always in this order:
 
+0. float8 Linear layers (``recipe.fp8``; :mod:`llmtrain.parallel.float8`), a module swap that
+   keeps the parameters, so every step below sees the float8 layers,
 1. tensor parallel (DTensor; the model's own Hugging Face TP plan, without its expert entries:
    routed experts stay whole per TP rank), with a per-TP-rank random stream inside attention
    (dropout on head-sharded probabilities),
@@ -323,6 +325,10 @@ def parallelize(module: nn.Module, cfg: Any, mesh, dims, tp_plan_paths: dict[str
     dp_shard, tp`` (:class:`llmtrain.parallel.dims.ParallelDims`)."""
     r, t = cfg.recipe, cfg.trainer
     layers = decoder_layers(module)
+    if r.get("fp8"):
+        from llmtrain.parallel.float8 import apply_float8
+
+        apply_float8(module, r, sharded=dims.dp_cp > 1)
     if dims.tp > 1:
         apply_tp(module, tp_plan_paths, mesh["tp"], sequence_parallel=r.get("tp_sequence_parallel", False))
         apply_tp_rng(attention_modules(layers), mesh["tp"].get_local_rank())

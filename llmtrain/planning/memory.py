@@ -97,7 +97,8 @@ class ModelShape:
 def optimizer_state_per_param(model: torch.nn.Module) -> tuple[dict[str, float], int]:
     """Optimizer state bytes per parameter of ``model`` (mean over its parameters) for each
     ``trainer.optimizer``, and the elements of its largest Muon matrix: AdamW 8 (two fp32
-    moments); Muon 4 (one fp32 momentum) on the hidden matrices and AdamW's 8 on the rest
+    moments); 8-bit AdamW ~2.03 (torchao's ``AdamW8bit``: one byte a moment element, blockwise
+    scales; tensors under 4096 elements keep fp32 moments); Muon 4 (one fp32 momentum) on the hidden matrices and AdamW's 8 on the rest
     (:func:`llmtrain.engine.optimizers.muon_split`); Adafactor 4·(rows + cols) per matrix (its
     factored second moment; Shazeer & Stern 2018, §3) and 4 per element of a vector."""
     from llmtrain.engine.optimizers import muon_split
@@ -108,7 +109,12 @@ def optimizer_state_per_param(model: torch.nn.Module) -> tuple[dict[str, float],
     in_muon = sum(p.numel() for p in matrices)
     adafactor = sum(4 * (p.shape[-2] + p.shape[-1]) * (p.numel() // (p.shape[-2] * p.shape[-1])) if p.ndim >= 2
                     else 4 * p.numel() for p in params)
-    per_param = {"adamw": 8.0, "muon": (4 * in_muon + 8 * (total - in_muon)) / total, "adafactor": adafactor / total}
+    # torchao's AdamW8bit quantizes a tensor of >= 4096 elements in blocks of 256 (bitsandbytes'
+    # rule): per moment 1 byte an element, an fp32 scale a block and a 256-entry fp32 code table.
+    eight_bit = sum(2 * (p.numel() + 4 * p.numel() // 256 + 4 * 256) if p.numel() >= 4096 and p.numel() % 256 == 0
+                    else 8 * p.numel() for p in params)
+    per_param = {"adamw": 8.0, "adamw_8bit": eight_bit / total, "muon": (4 * in_muon + 8 * (total - in_muon)) / total,
+                 "adafactor": adafactor / total}
     return per_param, max((p.numel() for p in matrices), default=0)
 
 

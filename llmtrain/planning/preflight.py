@@ -117,6 +117,28 @@ def preflight_moe(cfg: Any) -> None:
              "whole rows; turn recipe.tp_sequence_parallel off (tp still runs)")
 
 
+def preflight_fp8(r: Any) -> None:
+    """``recipe.fp8=true`` needs torchao and float8 matmuls on this machine's device (CUDA
+    compute capability >= 8.9), unless ``recipe.fp8_emulate=true``.
+
+    Raises:
+        MissingExtra: torchao not installed; ConfigError: no float8 matmuls here, naming the fix.
+    """
+    if not r.fp8:
+        return
+    require_extra("torchao", "lowbit", "recipe.fp8=true", instead="or set recipe.fp8=false")
+    if r.fp8_emulate:
+        return
+    import torch
+
+    from llmtrain.parallel.float8 import fp8_support
+
+    problem = fp8_support(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    _require(problem is None, f"recipe.fp8=true needs float8 matmuls (CUDA compute capability >= 8.9: L4, L40S, H100, "
+             f"H200, B200) and {problem}; set recipe.fp8=false, or recipe.fp8_emulate=true to run the float8 "
+             "rounding emulated (for testing: no speed-up)")
+
+
 def preflight(cfg: Any) -> None:
     """Every machine check of ``cfg`` (a config :func:`llmtrain.config.validate.validate` accepted):
     :func:`preflight_data`, :func:`preflight_tracker`, and ``run_dir`` a folder that exists or
@@ -127,6 +149,9 @@ def preflight(cfg: Any) -> None:
     """
     preflight_data(cfg.data)
     preflight_tracker(cfg.tracker)
+    if cfg.trainer.optimizer == "adamw_8bit":
+        require_extra("torchao", "lowbit", "trainer.optimizer=adamw_8bit", instead="or use trainer.optimizer=adamw")
+    preflight_fp8(cfg.recipe)
     preflight_context_parallel(cfg)
     preflight_moe(cfg)
     run_dir = Path(str(cfg.run_dir)).expanduser().absolute()
