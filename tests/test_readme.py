@@ -168,8 +168,24 @@ def test_command_line(heading, command, tmp_path):
         cfg = make_cfg(job)
         if "..." in args:
             check_known_keys(cfg)  # the rest of the line is the reader's
+        elif "recipe.fp8=true" in job and "recipe.fp8_emulate=true" not in job and not _has_fp8_matmuls():
+            # A line for GPUs with FP8: the config is valid; this machine is refused in one line.
+            from llmtrain.common.errors import ConfigError
+            from llmtrain.config.validate import validate as validate_config
+
+            validate_config(cfg, world_size)
+            with pytest.raises(ConfigError, match="needs float8 matmuls"):
+                validate(cfg, world_size)
         else:
             validate(cfg, world_size)
+
+
+def _has_fp8_matmuls() -> bool:
+    import torch
+
+    from llmtrain.parallel.float8 import fp8_support
+
+    return torch.cuda.is_available() and fp8_support(torch.device("cuda")) is None
 
 
 def test_quick_start_lines_train_in_separate_run_dirs():
