@@ -124,6 +124,7 @@ def test_adafactor_is_torch_adafactor_with_decay_on_matrices_only():
     (["+recipe=zero1", "trainer.optimizer=adamw_8bit"], "adamw_8bit runs on the torch engine"),
     (["+recipe=zero3", "trainer.optimizer=adafactor"], "engine=torch"),
     (["+recipe=fsdp", "trainer.optimizer=adafactor"], "adafactor with recipe fsdp"),
+    (["+recipe=fsdp", "recipe.dp_shard=1", "recipe.cp=2", "trainer.optimizer=adafactor"], r"dp_shard 1, cp 2"),
     (["+recipe=tp", "engine=torch", "trainer.optimizer=adafactor"], "not FSDP2/TP shards"),
     (["trainer.muon.momentum=1.0"], "trainer.muon.momentum=1.0 must be in"),
     (["trainer.muon.ns_steps=0"], "trainer.muon.ns_steps=0"),

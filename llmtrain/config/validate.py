@@ -395,8 +395,11 @@ def validate(cfg: Any, world_size: int) -> Layout:
              "adapters on expert tensors are not sharded over an ep group; use recipe.ep=1 (fsdp shards them), "
              "or adapt attention only (peft.target_parameters=[])")
     shape = layout(cfg, world_size)
-    _require(cfg.trainer.optimizer != "adafactor" or cfg.recipe.engine != "torch" or (shape.dp_shard == 1 and shape.tp == 1),
-             f"trainer.optimizer=adafactor with recipe {cfg.recipe.name} (dp_shard {shape.dp_shard}, tp {shape.tp}): "
+    # FSDP2 shards over dp_shard x cp (llmtrain.parallel.parallelize.fsdp_mesh); TP makes DTensors too.
+    _require(cfg.trainer.optimizer != "adafactor" or cfg.recipe.engine != "torch"
+             or (shape.dp_shard * shape.cp == 1 and shape.tp == 1),
+             f"trainer.optimizer=adafactor with recipe {cfg.recipe.name} (dp_shard {shape.dp_shard}, cp {shape.cp}, "
+             f"tp {shape.tp}): "
              "torch.optim.Adafactor's factored moments run on whole tensors, not FSDP2/TP shards (DTensor); use "
              "trainer.optimizer=muon or adamw here, or a recipe that keeps whole parameters (ddp, pp)")
     return shape

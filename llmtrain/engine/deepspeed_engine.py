@@ -168,10 +168,8 @@ class DeepSpeedEngine(Engine):
         t = self.cfg.trainer
         if t.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        groups = param_groups(model, t.weight_decay)
-        optimizer = None
-        if "optimizer" not in self.ds_config:
-            optimizer = build_optimizer(model, t)
+        # With an optimizer section (offload) DeepSpeed builds its own AdamW over the groups.
+        optimizer = build_optimizer(model, t) if "optimizer" not in self.ds_config else None
         if self.dims.cp > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -186,7 +184,7 @@ class DeepSpeedEngine(Engine):
         schedule = lr_lambda(t)
         fp32_initial = self._fp32_initial_values(model)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, model_parameters=groups if optimizer is None else None,
+            model=model, optimizer=optimizer, model_parameters=param_groups(model, t.weight_decay) if optimizer is None else None,
             config=self.ds_config, dist_init_required=self.env.world_size > 1,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
         # Models built later (the export's fresh copy) must not be partitioned.

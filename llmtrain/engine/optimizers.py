@@ -52,15 +52,7 @@ def build_optimizer(model: torch.nn.Module, trainer_cfg: Any, *, foreach: bool |
         # cache hash: it only means the compiled step is not cached across processes.
         warnings.filterwarnings("ignore", message="OptimState8bit does not implement _stable_hash_for_caching")
         return AdamW8bit(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
-    if name == "adafactor":
-        from torch.distributed.tensor import DTensor
-
-        if any(isinstance(p, DTensor) for p in model.parameters()):
-            from llmtrain.common.errors import ConfigError
-
-            raise ConfigError("trainer.optimizer=adafactor: torch.optim.Adafactor's factored moments run on whole "
-                              "tensors, not FSDP2/TP shards (DTensor); use trainer.optimizer=muon or adamw with this "
-                              "recipe, or one that keeps whole parameters (ddp, pp)")
+    if name == "adafactor":  # whole tensors only: validation refuses FSDP2 and TP layouts
         a = t.adafactor
         return torch.optim.Adafactor(param_groups(model, t.weight_decay), lr=t.lr, beta2_decay=a.beta2_decay,
                                      eps=(a.eps1, a.eps2), foreach=foreach)

@@ -25,9 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-FP8_RECIPES = ("tensorwise", "rowwise")
-
-
 def fp8_support(device: torch.device) -> str | None:
     """Why ``device`` cannot run float8 matmuls natively (None when it can)."""
     if device.type == "cuda":

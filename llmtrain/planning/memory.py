@@ -22,7 +22,8 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   the gradient partition, twice) to host memory.
 - Optimizer state: AdamW's 8n above is ``trainer.optimizer=adamw``'s; ``muon`` keeps 4 bytes per
   hidden-matrix element and AdamW's 8 on the rest, plus (sharded layouts) the largest matrix's
-  update gathered whole; ``adafactor`` 4(rows + cols) per matrix (:func:`optimizer_state_per_param`).
+  update gathered whole; ``adamw_8bit`` ~2; ``adafactor`` 4(rows + cols) per matrix
+  (:func:`optimizer_state_per_param`).
 - Activations: bytes saved for backward per decoder layer (measured under FakeTensorMode on a
   layer with the tensor-parallel rank's share of heads and MLP width), times the stage's layers,
   plus the embedding and the loss (logits); with activation checkpointing, each layer keeps
@@ -423,7 +424,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={})
         _model_states(candidate, r, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
                       communication_sizes(r, shape.hidden), experts_n=layers * shape.experts_layer,
-                      optimizer=t.get("optimizer", "adamw"))
+                      optimizer=plan.optimizer_name)
         if dims.ep > 1:
             # Dispatch and combine of one MoE layer: this rank's N k assignment rows sent and as
             # many received (uniform routing), in the compute dtype.
