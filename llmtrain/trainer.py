@@ -17,6 +17,7 @@ loss_sums`` → ``Engine.backward``, then one all-reduce of the loss sums and :c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -36,6 +37,7 @@ from llmtrain.checkpoint.export import export_hf, write_policy
 from llmtrain.checkpoint.protocol import CheckpointManager, lock_run_dir, step_of
 from llmtrain.checkpoint.resume import check_resumable
 from llmtrain.checkpoint.state import TrainState, restore_rng
+from llmtrain.common import hardware
 from llmtrain.common.errors import ConfigError
 from llmtrain.config.compose import run_dir_of
 from llmtrain.config.validate import validate
@@ -44,7 +46,7 @@ from llmtrain.engine import build_engine
 from llmtrain.engine.base import check_optimizer_steps
 from llmtrain.evaluation import in_loop
 from llmtrain.evaluation.validation import Evaluator, evaluate
-from llmtrain.models import adapters, moe
+from llmtrain.models import adapters, moe, quantize
 from llmtrain.models.build import build_model, build_tokenizer, check_sequence_length, model_config
 from llmtrain.monitoring import console, goodput
 from llmtrain.monitoring.health import loss_spike, on_nonfinite, peak_memory_bytes
@@ -187,6 +189,11 @@ class Trainer:
 
     def __init__(self, cfg: Any):
         self.process_started = time.time()
+        # trainer.precision=auto becomes what this machine runs natively before anything reads it
+        # (config.yaml records the choice; the start-up line says why).
+        precision, self.precision_reason = hardware.resolve_precision(cfg.trainer.precision, hardware.default_device())
+        if precision != cfg.trainer.precision:
+            cfg.trainer.precision = precision
         # Read-only: the run uses exactly the composed config that `--cfg job --resolve` prints.
         OmegaConf.set_readonly(cfg, True)
         self.cfg, self.t = cfg, cfg.trainer
@@ -354,8 +361,12 @@ class Trainer:
         self.phases.begin("engine", engine_detail(self.cfg))  # DeepSpeed imports and loads (or builds) its ops here
         engine = build_engine(self.cfg, self.env, self.accumulation, self.dims, self.objective)
         self.phases.begin("model", model_detail(self.cfg.model))
-        with engine.model_init_context():
+        # A 4-bit base is quantized from whole weights: built outside the meta-device / zero.Init
+        # context, then sharded by the engine like any pretrained model.
+        quantized = quantize.is_quantized(self.cfg)
+        with engine.model_init_context() if not quantized else contextlib.nullcontext():
             model = self._build_model()
+            quantize.quantize_base(model, self.cfg)
             if self.partial:
                 adapters.apply(model, self.cfg)  # LoRA layers in place; frozen parameters marked
                 if self.objective.model_output == "scores":
@@ -588,12 +599,13 @@ class Trainer:
         if env.is_main:
             log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; objective %s; recipe %s "
                      "(engine %s, ZeRO %d) on %d rank(s) = dp %d (replicate %d x shard %d) x tp %d x pp %d%s%s; "
-                     "global batch %d = micro %d x accumulation %d x dp %d",
+                     "global batch %d = micro %d x accumulation %d x dp %d; precision %s (%s)",
                      cfg.model.name, num_parameters / 1e6, cfg.data.name, len(self.splits.train),
                      len(self.splits.val), self.objective.name, cfg.recipe.name, cfg.recipe.engine,
                      cfg.recipe.zero_stage, env.world_size, dims.dp, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp,
                      f" ({cfg.recipe.pp_schedule}, {cfg.recipe.pp_stages_per_rank} stage(s) per rank)" if dims.pp > 1
-                     else "", long_context_detail(cfg, dims), t.global_batch_size, t.micro_batch_size, self.accumulation, dims.dp)
+                     else "", long_context_detail(cfg, dims), t.global_batch_size, t.micro_batch_size, self.accumulation, dims.dp,
+                     t.precision, self.precision_reason)
             log.info("%s", data.describe(self.splits))
         if self.partial:
             log_trainable(self.engine, cfg, dims, env.is_main)

@@ -20,6 +20,8 @@ LORA = FAST + ["+peft=lora", "peft.r=4", "peft.alpha=8", "trainer.max_steps=6", 
                "trainer.global_batch_size=16", "trainer.micro_batch_size=4", "trainer.warmup_steps=2",
                "trainer.lr=5e-3", "trainer.export_merged=true"]
 RECIPES = {"ddp": ["+recipe=ddp"], "zero2": ["+recipe=zero2"], "zero3": ["+recipe=zero3"], "fsdp": ["+recipe=fsdp"]}
+# QLoRA (a 4-bit NF4 base, llmtrain.models.quantize) on the same recipes.
+QLORA = ["model.quantize=nf4"]
 # The output head trained in full next to the adapters (untied embeddings: tiny_qwen2).
 HEAD = ["model=tiny_qwen2", "peft.modules_to_save=[lm_head]"]
 
@@ -28,12 +30,14 @@ HEAD = ["model=tiny_qwen2", "peft.modules_to_save=[lm_head]"]
 def runs(tmp_path_factory):
     one = run_scenarios({"single": LORA + ["+recipe=ddp"],
                          "freeze": FAST + ["trainer.max_steps=2", "model.freeze=[model.embed_tokens.*]"],
-                         "head_single": LORA + HEAD + ["+recipe=ddp"]},
+                         "head_single": LORA + HEAD + ["+recipe=ddp"],
+                         "qlora_single": LORA + QLORA + ["+recipe=ddp"]},
                         1, tmp_path_factory.mktemp("lora-1"))
     # bf16 on DeepSpeed holds the frozen base in bf16 only: its exports must still be fp32-exact.
     two = run_scenarios({**{name: LORA + overrides for name, overrides in RECIPES.items()},
                          "zero2_bf16": LORA + ["+recipe=zero2", "trainer.precision=bf16"],
-                         "head_zero3": LORA + HEAD + ["+recipe=zero3"]}, 2,
+                         "head_zero3": LORA + HEAD + ["+recipe=zero3"],
+                         **{f"qlora_{name}": LORA + QLORA + overrides for name, overrides in RECIPES.items()}}, 2,
                         tmp_path_factory.mktemp("lora-2"))
     return {**one, **two}
 
@@ -42,9 +46,9 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("recipe", list(RECIPES) + [f"qlora_{name}" for name in RECIPES])
 def test_lora_on_two_ranks_matches_one_process(recipe, runs):
-    want, got = _losses(runs["single"]), _losses(runs[recipe])
+    want, got = _losses(runs["qlora_single" if recipe.startswith("qlora") else "single"]), _losses(runs[recipe])
     assert sorted(got) == list(range(1, 7))
     for step in got:
         assert abs(got[step] - want[step]) < 1e-5, (step, got[step], want[step])
@@ -78,10 +82,10 @@ def test_adapter_and_merged_exports_load_and_agree(recipe, runs):
     assert (_logits(merged) - untouched).abs().max() > 1e-3  # the adapter changed the model
 
 
-@pytest.mark.parametrize("recipe", ["single", "zero2", "zero3", "fsdp"])
+@pytest.mark.parametrize("recipe", ["single", "zero2", "zero3", "fsdp", "qlora_zero3", "qlora_fsdp"])
 def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(recipe, runs, tmp_path):
     engine_dir = runs[recipe] / "checkpoints" / "step_6" / "engine"
-    if recipe.startswith("zero"):
+    if "zero" in recipe:
         model_file = next(engine_dir.glob("*mp_rank_00_model_states.pt"))  # ZeRO-3: zero_pp_rank_0_...
         module = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
         names = set(module)
@@ -91,7 +95,7 @@ def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(recipe, ru
             inner = state.get("base_optimizer_state") or state.get("optimizer_state_dict")
             moments += sum(s["exp_avg"].numel() for s in inner["state"].values())
         # ZeRO-3 keeps module tensors as empty placeholders: the partitions live in the optimizer files.
-        trainable = sum(v.numel() for k, v in module.items() if ".lora_" in k) if recipe != "zero3" else None
+        trainable = sum(v.numel() for k, v in module.items() if ".lora_" in k) if not recipe.endswith("zero3") else None
     else:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -194,6 +198,29 @@ def test_freeze_patterns_must_match():
         adapters.apply(build_model(cfg.model, 0), cfg)
     with pytest.raises(ConfigError, match="froze every parameter"):
         adapters.apply(build_model(cfg.model, 0), make_cfg(["model.freeze=[*]"]))
+
+
+@pytest.mark.parametrize("recipe", ["qlora_single", "qlora_zero3", "qlora_fsdp"])
+def test_qlora_exports_merge_into_the_dequantized_base_and_load_in_plain_transformers(recipe, runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.models.build import build_model
+    from llmtrain.models.quantize import round_trip
+
+    run_dir = runs[recipe]
+    cfg = make_cfg(LORA + QLORA)
+    trained_on = round_trip(build_model(cfg.model, cfg.trainer.seed), cfg).state_dict()
+    initial = build_model(cfg.model, cfg.trainer.seed).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(run_dir / "adapter" / "base")
+    for name, tensor in base.state_dict().items():  # the base the run computed with: NF4, dequantized
+        assert torch.equal(tensor, trained_on[name]), name
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(trained_on[q_proj], initial[q_proj])  # quantized: not the initial weights
+    assert torch.equal(trained_on["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])  # kept
+    adapted = _logits(PeftModel.from_pretrained(base, run_dir / "adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "hf")  # plain transformers, no quantization library
+    torch.testing.assert_close(_logits(merged), adapted, rtol=0, atol=1e-4)
 
 
 def test_llmtrain_export_writes_the_adapter_or_the_merged_model_from_a_lora_checkpoint(runs, tmp_path):

@@ -34,11 +34,13 @@ def test_plan_is_within_bounds_of_what_two_ranks_hold(tmp_path):
     """Bytes held after the optimizer step within 10%, peak bytes saved for backward within
     30%, for a DeepSpeed, an FSDP2 and a pipeline recipe (the other five: the closing note),
     FSDP2 with each row split over cp=2 ranks (ring; Ulysses saves the same bytes and is in the
-    closing note) and tensor parallel with sequence parallelism. Measured, a rank at cp=2 saves
-    at most 0.55 x what it saves at cp=1 for the same rows."""
+    closing note) and tensor parallel with sequence parallelism; QLoRA's 4-bit base (adapters
+    trained, NF4 codes stored) on DDP and FSDP2. Measured, a rank at cp=2 saves at most 0.55 x
+    what it saves at cp=1 for the same rows."""
     from validate_plan import OVERRIDES, compare
 
-    specs = ["zero3", "fsdp", "pp", "fsdp@recipe.cp=2@recipe.cp_style=ring", "tp", "tp@recipe.tp_sequence_parallel=true"]
+    specs = ["zero3", "fsdp", "pp", "fsdp@recipe.cp=2@recipe.cp_style=ring", "tp", "tp@recipe.tp_sequence_parallel=true",
+             "ddp@+peft=qlora", "fsdp@+peft=qlora"]
     measured = {}
     for recipe, planned, held, planned_acts, acts, _, _ in compare(specs, OVERRIDES, tmp_path):
         assert abs(planned / held - 1) < 0.10, (recipe, planned, held)
@@ -46,6 +48,24 @@ def test_plan_is_within_bounds_of_what_two_ranks_hold(tmp_path):
         measured[recipe] = acts
     assert measured["fsdp@recipe.cp=2@recipe.cp_style=ring"] <= 0.55 * measured["fsdp"], measured
     assert measured["tp@recipe.tp_sequence_parallel=true"] < measured["tp"], measured
+
+
+def test_the_plan_counts_a_4bit_base_at_half_a_byte_per_weight_plus_scales():
+    from llmtrain.models.quantize import stored_bytes_per_weight
+    from llmtrain.planning.memory import _shape, adapter_elements, plan_recipe
+
+    lora, qlora = (plan_recipe(make_cfg(["+peft=" + p, "+recipe=ddp"]), 1) for p in ("lora", "qlora"))
+    cfg = make_cfg(["+peft=qlora"])
+    from llmtrain.models.build import model_config
+
+    shape = _shape(model_config(cfg.model), cfg.model)
+    linear = sum(i * o for _, i, o in shape.decoder_linears)
+    assert linear == 4 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 352)  # tiny_llama's decoder Linears
+    assert lora.params - qlora.params == pytest.approx(linear * (4 - stored_bytes_per_weight()), abs=2)
+    lora_n = adapter_elements(shape, cfg.peft)[0]
+    assert lora_n == 8 * 4 * (2 * 256 + 2 * 192 + 2 * 480 + 480)  # r x (in + out) per adapted Linear
+    assert lora.optimizer == qlora.optimizer == 8 * lora_n and lora.grads == 4 * lora_n  # adapters only
+    assert "NF4 weight dequantized for one matmul (fp32 + compute dtype)" in qlora.temporaries
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")

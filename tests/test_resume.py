@@ -66,7 +66,9 @@ KILL_RECIPES = ["ddp", "zero2", "zero3", "fsdp", "tp", "pp"]
 # LoRA runs (adapter-only checkpoints, the base rebuilt from its source on resume), with LoRA
 # dropout so the resumed random streams matter too.
 LORA_RUNS = {"lora_zero2": ["+recipe=zero2", "+peft=lora", "peft.dropout=0.1"],
-             "lora_fsdp": ["+recipe=fsdp", "+peft=lora", "peft.dropout=0.1"]}
+             "lora_fsdp": ["+recipe=fsdp", "+peft=lora", "peft.dropout=0.1"],
+             # QLoRA: the 4-bit base is quantized again from its source on resume, to the same codes.
+             "qlora_zero3": ["+recipe=zero3", "+peft=qlora", "peft.dropout=0.1"]}
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from llmtrain.checkpoint.state import read_state
 from llmtrain.common.errors import ResumeError
 from llmtrain.common.paths import follow_umask
 from llmtrain.common.safe_load import load_weights_only
-from llmtrain.models import adapters
+from llmtrain.models import adapters, quantize
 from llmtrain.models.build import build_tokenizer, canonical_name, model_config, resolve_gguf
 from llmtrain.monitoring import console
 
@@ -70,9 +70,11 @@ def trained_state(engine, cfg: Any) -> dict[str, torch.Tensor] | None:
     state = engine.full_state_dict()
     if not engine.env.is_main:
         return None
-    if adapters.is_partial(cfg) and cfg.recipe.engine == "deepspeed" and cfg.trainer.precision == "bf16":
-        # DeepSpeed holds frozen parameters in bf16 only (no fp32 master): export the trained
-        # tensors on the fp32 base rebuilt from its source, as users load it.
+    if adapters.is_partial(cfg) and (quantize.is_quantized(cfg) or (cfg.recipe.engine == "deepspeed"
+                                                                   and cfg.trainer.precision == "bf16")):
+        # DeepSpeed holds frozen parameters in bf16 only (no fp32 master), a QLoRA run its base in
+        # 4 bits: export the trained tensors on the fp32 base rebuilt from its source (for QLoRA,
+        # dequantized: the weights it trained on), as users load it.
         trainable = {n for n, p in engine.model.named_parameters(remove_duplicate=False) if p.requires_grad}
         state = adapters.whole_state({k: v for k, v in state.items() if k in trainable}, cfg)
     return state
@@ -201,7 +203,7 @@ def untrained_base(state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.
     trained = [k for k in base if any(k.startswith(f"{name}.") for name in names)]
     if not trained:
         return base
-    initial = build_model(cfg.model, cfg.trainer.seed).state_dict()
+    initial = quantize.round_trip(build_model(cfg.model, cfg.trainer.seed), cfg).state_dict()
     unknown = [k for k in trained if k not in initial]
     if unknown:
         raise RuntimeError(f"adapter export: peft.modules_to_save tensors {unknown[:5]} are not in the model rebuilt "

@@ -53,6 +53,9 @@ class ModelConfig:
     2021, eqs. 4-6) added per micro-batch; unset: the model config's ``router_aux_loss_coef``.
     ``moe_capacity_factor``: 0 = dropless; > 0 = each expert takes at most ``ceil(factor x
     tokens x k / E)`` assignments of a forward's tokens, the rest are dropped and counted.
+    ``quantize``: ``none``, or ``nf4``: the frozen base's Linear layers stored as 4-bit
+    NormalFloat with double-quantized scales (QLoRA; :mod:`llmtrain.models.quantize`), the head
+    and embeddings kept; needs ``+peft=lora`` (``+peft=qlora`` sets both).
     """
 
     name: str = MISSING
@@ -68,9 +71,11 @@ class ModelConfig:
     experts_implementation: Optional[str] = None
     router_aux_loss_coef: Optional[float] = None
     moe_capacity_factor: float = 0.0
+    quantize: str = "none"
 
 
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
+QUANTIZATIONS = ("none", "nf4")  # model.quantize (llmtrain.models.quantize)
 
 
 @dataclass
@@ -331,7 +336,9 @@ class TrainerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    precision: str = "fp32"
+    # auto: bf16 mixed precision where bf16 matmuls are native (CUDA >= 8.0, CPUs with AMX or
+    # AVX512-BF16; llmtrain.common.hardware), else fp32; fp32 / bf16 force one.
+    precision: str = "auto"
     activation_checkpointing: bool = False
     # > 0: the output layer and loss run over this many tokens at a time, recomputed in backward,
     # so the [tokens, vocab] logits never exist whole (llmtrain.models.chunked_loss); 0 = plain logits.

@@ -23,6 +23,7 @@ from llmtrain.config.schema import (
     FORMAT_COLUMNS,
     PIPELINE_SCHEDULES,
     PROCESS_GROUP_TIMEOUT_S,
+    QUANTIZATIONS,
     TP_STYLES,
     TRACKER_BACKENDS,
     ObjectiveConfig,
@@ -162,6 +163,7 @@ def validate_model(m: Any) -> None:
         _require(m.gguf_file is not None, "model.gguf_file must be set when model.source=gguf")
         _require(m.path is not None or m.gguf_package is not None,
                  "model.source=gguf needs model.path (folder of the file) or model.gguf_package")
+    _require(m.quantize in QUANTIZATIONS, f"model.quantize={m.quantize!r} must be one of {', '.join(QUANTIZATIONS)}")
     _require(m.tp_plan is None or OmegaConf.is_dict(m.tp_plan),
              f"model.tp_plan={m.tp_plan!r} must be a mapping {{module path: style}}")
     bad_styles = {k: v for k, v in (m.tp_plan or {}).items() if v not in TP_STYLES}
@@ -267,7 +269,7 @@ def validate_trainer(t: Any, r: Any) -> None:
         _require(str(t.preempt_signal) in signal.Signals.__members__ and t.preempt_signal not in ("SIGKILL", "SIGSTOP"),
                  f"trainer.preempt_signal={t.preempt_signal!r} must name a catchable signal (e.g. SIGUSR1)")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    _require(t.precision in ("fp32", "bf16"), f"trainer.precision={t.precision!r} must be fp32 or bf16")
+    _require(t.precision in ("auto", "fp32", "bf16"), f"trainer.precision={t.precision!r} must be auto, fp32 or bf16")
     _validate_optimizer(t, r)
 
 
@@ -384,6 +386,7 @@ def validate(cfg: Any, world_size: int) -> Layout:
     validate_chunked_loss(cfg)
     validate_expert_parallel(cfg.recipe)
     validate_fp8(cfg.recipe)
+    validate_quantize(cfg)
     objective = cfg.objective.get("target") or cfg.objective.get("name") or "causal_lm"
     _require(not cfg.model.moe_capacity_factor or objective not in PREFERENCE_OBJECTIVES,
              f"model.moe_capacity_factor={cfg.model.moe_capacity_factor} with objective={objective}: a pair's chosen row "
@@ -418,6 +421,21 @@ def validate_fp8(r: Any) -> None:
              "torch engine (torchao's Float8Linear under DDP/FSDP2); use engine=torch")
     _require(r.tp == 1, f"recipe.fp8=true with recipe.tp={r.tp}: float8 tensor-parallel styles are not wired in yet; "
              "use recipe.tp=1 (FSDP2 shards float8 layers and all-gathers them in float8)")
+
+
+def validate_quantize(cfg: Any) -> None:
+    """``model.quantize`` against what trains and the recipe (QLoRA: :mod:`llmtrain.models.quantize`).
+
+    Raises:
+        ConfigError: a 4-bit base without LoRA adapters, or with FP8 matmuls.
+    """
+    if cfg.model.quantize == "none":
+        return
+    _require(cfg.get("peft") is not None,
+             f"model.quantize={cfg.model.quantize} stores the frozen base in 4 bits, so only adapters can train: add "
+             "+peft=lora (or use +peft=qlora, which sets both)")
+    _require(not cfg.recipe.fp8, f"model.quantize={cfg.model.quantize} with recipe.fp8=true: the 4-bit base is "
+             "dequantized for each matmul, which float8 training does not convert; drop one of the two")
 
 
 def validate_expert_parallel(r: Any) -> None:

@@ -153,8 +153,8 @@ def summary(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) distinct parameters (``parameters()`` names a tied weight once), also
     under ZeRO-3 (``ds_numel``)."""
     trainable = total = 0
-    for param in model.parameters():
-        n = parameter_numel(param)
+    for name, param in model.named_parameters():
+        n = parameter_numel(param, name)
         total += n
         trainable += n if param.requires_grad else 0
     return trainable, total
@@ -219,13 +219,16 @@ def _file_digest(path: Path) -> str:
 
 def whole_state(trained: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
     """The whole model state of a partial checkpoint: the base rebuilt from the model's source
-    (``cfg`` as saved with the checkpoint), adapters injected, then the checkpoint's trainable
+    (``cfg`` as saved with the checkpoint; a ``model.quantize`` base quantized and dequantized
+    again, fp32), adapters injected, then the checkpoint's trainable
     tensors (``trained``, in-place names) put in.
 
     Raises:
         RuntimeError: ``trained`` names a tensor the rebuilt model does not have.
     """
-    model = apply(build_model(cfg.model, cfg.trainer.seed), cfg)
+    from llmtrain.models.quantize import round_trip
+
+    model = apply(round_trip(build_model(cfg.model, cfg.trainer.seed), cfg), cfg)
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
     unknown = sorted(set(trained) - set(state))
     if unknown:

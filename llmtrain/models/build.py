@@ -245,11 +245,17 @@ def initial_value(name: str, shape: torch.Size, seed: int, std: float) -> torch.
 
 
 def count_parameters(model: torch.nn.Module) -> int:
-    """Number of distinct parameters (tied weights counted once), also under ZeRO-3."""
-    return sum(parameter_numel(p) for p in model.parameters())
+    """Number of distinct parameters (tied weights counted once), also under ZeRO-3; a 4-bit
+    base's weights count as the weights they stand for."""
+    return sum(parameter_numel(p, name) for name, p in model.named_parameters())
 
 
-def parameter_numel(param: torch.Tensor) -> int:
+def parameter_numel(param: torch.Tensor, name: str = "") -> int:
     """Elements of the whole parameter, also when ZeRO-3 holds only a partition of it on this
-    rank (DeepSpeed's ``ds_numel``)."""
-    return int(getattr(param, "ds_numel", param.numel()))
+    rank (DeepSpeed's ``ds_numel``). A QLoRA layer's packed 4-bit codes (``name`` ending in
+    ``weight_nf4``, :mod:`llmtrain.models.quantize`) count as the weights they encode, two per byte."""
+    numel = int(getattr(param, "ds_numel", param.numel()))
+    return numel * param.element_size() * 2 if name.endswith(PACKED_NF4) else numel
+
+
+PACKED_NF4 = "weight_nf4"  # the name of llmtrain.models.quantize.NF4Linear's codes

@@ -93,6 +93,9 @@ class ModelShape:
     # (:func:`optimizer_state_per_param`); the largest hidden matrix's elements (Muon gathers it whole).
     optimizer_bytes: dict = field(default_factory=lambda: {"adamw": 8.0})
     largest_matrix: int = 0
+    # (name suffix, in, out) of every Linear layer in the decoder layers (not the head, not MoE
+    # routers): what LoRA adapts and QLoRA stores in 4 bits.
+    decoder_linears: tuple = ()
 
 
 def optimizer_state_per_param(model: torch.nn.Module) -> tuple[dict[str, float], int]:
@@ -158,7 +161,16 @@ def model_shape(hf_config: Any, tp_override: dict | None = None) -> ModelShape:
         small_params=sum(p.numel() for p in layer_params.values() if p.numel() <= 10 * hidden),
         hidden=hidden, vocab=hf_config.vocab_size, tp_plan_error=plan_error,
         experts_layer=moe.routed_params // len(layers) if moe else 0, top_k=moe.top_k if moe else 0,
-        optimizer_bytes=optimizer_bytes, largest_matrix=largest_matrix)
+        optimizer_bytes=optimizer_bytes, largest_matrix=largest_matrix,
+        decoder_linears=_decoder_linears(model, layers))
+
+
+def _decoder_linears(model: torch.nn.Module, layers: list) -> tuple:
+    from llmtrain.models.moe import sparse_blocks
+
+    routers = {id(block.gate) for _, block in sparse_blocks(model)}
+    return tuple((name.rsplit(".", 1)[-1], m.in_features, m.out_features) for layer in layers
+                 for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in routers)
 
 
 @dataclass(frozen=True)
@@ -422,9 +434,13 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
                      + (acts.outside if last else (acts.layer_input if not first else 0)))
         activations = in_flight * per_micro + (acts.per_layer if ckpt else 0)  # one layer recomputed
         candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={})
-        _model_states(candidate, r, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
-                      communication_sizes(r, shape.hidden), experts_n=layers * shape.experts_layer,
-                      optimizer=plan.optimizer_name)
+        if cfg.get("peft") is not None:  # LoRA / QLoRA: the base frozen (data-parallel recipes only)
+            _partial_model_states(candidate, cfg, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
+                                  communication_sizes(r, shape.hidden))
+        else:
+            _model_states(candidate, r, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
+                          communication_sizes(r, shape.hidden), experts_n=layers * shape.experts_layer,
+                          optimizer=plan.optimizer_name)
         if dims.ep > 1:
             # Dispatch and combine of one MoE layer: this rank's N k assignment rows sent and as
             # many received (uniform routing), in the compute dtype.
@@ -552,6 +568,64 @@ def _model_states(plan: RankPlan, r: Any, n: int, dims: Any, compute: int, bf16:
     if r.offload_params:
         plan.host += plan.params + plan.grads + plan.optimizer
         plan.params = plan.grads = plan.optimizer = 0
+
+
+def adapter_elements(shape: ModelShape, peft_cfg: Any) -> tuple[int, int]:
+    """(LoRA elements, elements of the adapted Linear weights) of a model: ``r x (in + out)``
+    per adapted Linear layer of the decoder (``peft.target_modules``: ``all-linear`` or name
+    suffixes)."""
+    targets = peft_cfg.target_modules
+    chosen = [(i, o) for name, i, o in shape.decoder_linears if targets == "all-linear" or name in list(targets)]
+    return sum(int(peft_cfg.r) * (i + o) for i, o in chosen), sum(i * o for i, o in chosen)
+
+
+def _partial_model_states(plan: RankPlan, cfg: Any, n: int, dims: Any, compute: int, bf16: bool, shape: ModelShape,
+                          layer_n: int, embedding_n: int, head_n: int, sizes: dict[str, int]) -> None:
+    """Model-state bytes of LoRA on a frozen base of ``n`` elements: gradients, master copy and
+    optimizer state for the adapters only (:func:`_model_states` on their elements), plus the
+    frozen base's storage: fp32 on the torch engine (FSDP2 shards it over dp_shard x cp), the
+    working dtype on DeepSpeed (ZeRO-3 partitions it), and with ``model.quantize=nf4`` every
+    decoder Linear weight at :func:`llmtrain.models.quantize.stored_bytes_per_weight` bytes
+    (QLoRA's NF4 codes and scales) with one layer's weight dequantized at a time."""
+    from llmtrain.models.quantize import stored_bytes_per_weight
+
+    r = cfg.recipe
+    lora_n, _ = adapter_elements(shape, cfg.peft)
+    _model_states(plan, r, lora_n, dims, compute, bf16, shape, layer_n, embedding_n, head_n, sizes,
+                  optimizer=plan.optimizer_name)
+    linear_n = sum(i * o for _, i, o in shape.decoder_linears)
+    quantized = linear_n if (cfg.model.get("quantize") or "none") == "nf4" else 0
+    deepspeed = r.engine == "deepspeed"
+    frozen_elt = (2 if bf16 else 4) if deepspeed else 4
+    base = int(quantized * stored_bytes_per_weight()) + (n - quantized) * frozen_elt
+    shards = dims.world_size if deepspeed and r.zero_stage == 3 else (1 if deepspeed else dims.dp_shard * dims.cp)
+    plan.params += base // shards
+    gathered_elt = frozen_elt if deepspeed else compute
+    per_layer_gathered = int(quantized / max(1, shape.layers) * stored_bytes_per_weight()) + (
+        layer_n - quantized // max(1, shape.layers)) * gathered_elt
+    if deepspeed and r.zero_stage == 3:
+        # ZeRO-3 keeps tensors of up to param_persistence_threshold elements whole on every rank:
+        # most adapter matrices (r x in, out x r) are that small.
+        threshold, rank = sizes["param_persistence_threshold"], int(cfg.peft.r)
+        targets = cfg.peft.target_modules
+        persistent = sum(m for name, i, o in shape.decoder_linears if targets == "all-linear" or name in list(targets)
+                         for m in (rank * i, rank * o) if m <= threshold)
+        plan.params += (2 if bf16 else 4) * (persistent - persistent // dims.world_size)
+        live = r.max_live_parameters if r.max_live_parameters is not None else 10**9
+        plan.temporaries["gathered parameters (max_live_parameters)"] = min(base, frozen_elt * live)
+    elif not deepspeed and shards > 1:
+        unit = max(per_layer_gathered, (embedding_n + shape.final_norm + head_n) * gathered_elt)
+        plan.temporaries.pop("FSDP all-gather (largest unit, current + prefetch)", None)
+        plan.temporaries.pop("FSDP unsharded parameters (kept forward to backward)", None)
+        if r.zero_stage == 3:
+            plan.temporaries["FSDP all-gather (largest unit, current + prefetch)"] = 2 * unit
+        else:
+            plan.temporaries["FSDP unsharded parameters (kept forward to backward)"] = base
+    if "FSDP reduce-scatter input (largest unit, fp32)" in plan.temporaries:  # the adapters' gradients only
+        plan.temporaries["FSDP reduce-scatter input (largest unit, fp32)"] = 4 * lora_n // max(1, shape.layers)
+    if quantized:
+        largest = max(i * o for _, i, o in shape.decoder_linears)
+        plan.temporaries["NF4 weight dequantized for one matmul (fp32 + compute dtype)"] = largest * (4 + compute)
 
 
 _SHAPE_CACHE: dict[str, ModelShape] = {}
