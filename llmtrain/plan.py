@@ -18,6 +18,7 @@ import sys
 import time
 
 from llmtrain.common.errors import ConfigError
+from llmtrain.common.hardware import default_device, resolve_precision
 from llmtrain.config.compose import compose
 from llmtrain.config.validate import parse_bytes
 from llmtrain.planning.auto import check_auto_overrides, choose, chosen_config, plan_all, with_fitting_batch
@@ -53,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as err:  # noqa: BLE001  (Hydra's and OmegaConf's composition errors)
             raise ConfigError(str(err).splitlines()[0]) from err
         r = cfg.recipe
+        if cfg.trainer.precision == "auto":
+            # A plan for devices elsewhere (device_memory given) assumes GPUs with bf16 tensor cores
+            # (compute capability >= 8.0); without, the run would be on this machine's kind.
+            cfg.trainer.precision = ("bf16" if r.device_memory is not None
+                                     else resolve_precision("auto", default_device())[0])
+            print(f"trainer.precision=auto planned as {cfg.trainer.precision}"
+                  + (" (GPUs of compute capability >= 8.0; set trainer.precision=fp32 for older ones)"
+                     if r.device_memory is not None else " (this machine's devices)"))
         if not 0 <= r.memory_margin < 1:
             raise ConfigError(f"margin={r.memory_margin} must be in [0, 1) (a fraction of device memory kept free)")
         device_memory = None if r.device_memory is None else parse_bytes(r.device_memory, "device_memory")

@@ -20,7 +20,10 @@ if SHARED_DATA.is_dir():
 # Small, fast settings shared by the multi-process tests (tiny model, short blocks). 327975 bytes:
 # the first 11 stdlib files whole, the text max_bytes=300000 read when it capped whole files.
 FAST = ["tracker=none", "tracker.report=false", "trainer.progress_bar=false", "data.max_bytes=327975", "data.seq_len=64",
-        "trainer.eval_every=0", "trainer.eval_samples=8"]
+        "trainer.eval_every=0", "trainer.eval_samples=8",
+        # Tests compare numbers against references computed in fp32: the default (auto) would pick
+        # bf16 on a CPU with AMX. Tests of bf16 and of auto say so after FAST.
+        "trainer.precision=fp32"]
 
 
 def subprocess_env() -> dict:
@@ -77,10 +80,12 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 
 
 def make_cfg(overrides: list[str]):
-    """Compose the shipped config in-process, as ``python -m llmtrain OVERRIDES`` would."""
+    """Compose the shipped config in-process, as ``python -m llmtrain OVERRIDES`` would, with
+    ``trainer.precision=fp32`` unless the overrides set it (as FAST pins it)."""
     from llmtrain.config.compose import compose
 
-    return compose(overrides)
+    pin = [] if any(o.startswith("trainer.precision=") for o in overrides) else ["trainer.precision=fp32"]
+    return compose(pin + list(overrides))
 
 
 @pytest.fixture(scope="session")

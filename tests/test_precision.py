@@ -149,3 +149,34 @@ def test_torch_engine_accumulates_bf16_micro_batch_gradients_in_fp32():
     error = float((accumulated - want).norm() / want.norm())
     one_rounding = float((want.to(torch.bfloat16).double() - want).norm() / want.norm())
     assert error < one_rounding / 100, (error, one_rounding)
+
+
+@pytest.mark.parametrize("flags,native", [({"fpu", "avx512f", "amx_bf16", "amx_tile"}, True), ({"avx512_bf16"}, True),
+                                          ({"avx2", "avx512f", "fma"}, False), (set(), False)])
+def test_auto_precision_reads_bf16_matmul_units_from_the_cpu_flags(flags, native):
+    from llmtrain.common.hardware import bf16_native
+
+    got, evidence = bf16_native(torch.device("cpu"), frozenset(flags))
+    assert got is native
+    assert ("amx_bf16" in evidence or "avx512_bf16" in evidence)
+
+
+def test_the_default_job_picks_what_the_machine_runs_natively_and_says_why(tmp_path):
+    # No trainer.precision override: the default (auto). This machine's own flags decide, read
+    # here independently of llmtrain.
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
+    found = [f for f in ("amx_bf16", "avx512_bf16") if f in flags]
+    overrides = [o for o in FAST if not o.startswith("trainer.precision")] + ["trainer.max_steps=2", f"run_dir={tmp_path}"]
+    proc = subprocess.run([sys.executable, "-m", "llmtrain", *overrides], capture_output=True, text=True,
+                          env=subprocess_env(), cwd=REPO, timeout=300)
+    assert_ok(proc)
+    chosen = "bf16" if found else "fp32"
+    assert "precision: " + chosen in (tmp_path / "config.yaml").read_text()  # the run records what it used
+    why = f"the CPU has {' and '.join(found)}" if found else "the CPU has neither amx_bf16 nor avx512_bf16"
+    assert f"precision {chosen} (trainer.precision=auto: {why})" in proc.stderr + proc.stdout
+    # An explicit choice wins, and is named as such.
+    forced = subprocess.run([sys.executable, "-m", "llmtrain", *overrides, "trainer.precision=fp32",
+                             f"run_dir={tmp_path / 'fp32'}"], capture_output=True, text=True, env=subprocess_env(),
+                            cwd=REPO, timeout=300)
+    assert_ok(forced)
+    assert "precision fp32 (trainer.precision=fp32)" in forced.stderr + forced.stdout

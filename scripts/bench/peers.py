@@ -34,7 +34,7 @@ SEQ_LEN, GLOBAL_BATCH = 128, 16
 OVERRIDES = ["model.architecture.hidden_size=256", "model.architecture.intermediate_size=688", "tracker=none",
              "trainer.progress_bar=false", "trainer.eval_every=0", "trainer.eval_samples=4", "trainer.export_hf=false",
              "data.max_bytes=600000", f"data.seq_len={SEQ_LEN}", f"trainer.global_batch_size={GLOBAL_BATCH}",
-             "trainer.micro_batch_size=8"]
+             "trainer.micro_batch_size=8", "trainer.precision=fp32"]  # HF Trainer's side runs fp32 too
 MODES = {"single": (1, []), "ddp": (2, ["+recipe=ddp"]), "zero3": (2, ["+recipe=zero3"])}
 
 
