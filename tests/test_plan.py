@@ -440,3 +440,17 @@ def test_distillation_plans_the_teacher_and_its_log_probs():
     grpo = plan_recipe(make_cfg(["objective=grpo", "data=prompts", "data.path=/x", "reward.functions=[gsm8k]",
                                  "+recipe=ddp"]), 2)
     assert not any("teacher" in name for name in grpo.buffers)
+
+
+def test_the_plan_counts_fp8_copies_and_the_float8_all_gather():
+    from llmtrain.planning.memory import plan_recipe
+
+    over = ["model=llama3_8b", "+recipe=fsdp", "trainer.precision=bf16", "trainer.micro_batch_size=1",
+            "data.seq_len=4096", "trainer.global_batch_size=8"]
+    plain, fp8 = (plan_recipe(make_cfg(over + extra), 8) for extra in ([], ["recipe.fp8=true"]))
+    copies = fp8.temporaries["FP8: float8 copies of the largest Linear's weight, input and output gradient"]
+    assert copies == 14336 * 4096 + 4096 * (4096 + 14336)  # Llama-3-8B's MLP matrix, one byte per element
+    # Tensorwise float8 all-gather: a layer's Linear weights at 1 byte instead of bf16's 2.
+    linear = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    gather = "FSDP all-gather (largest unit, current + prefetch)"
+    assert plain.temporaries[gather] - fp8.temporaries[gather] == 2 * linear

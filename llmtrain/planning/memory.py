@@ -441,6 +441,8 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
             _model_states(candidate, r, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
                           communication_sizes(r, shape.hidden), experts_n=layers * shape.experts_layer,
                           optimizer=plan.optimizer_name)
+        if r.get("fp8") and shape.decoder_linears:
+            _fp8_bytes(candidate, r, shape, rows * local_seq, compute, fsdp)
         if dims.ep > 1:
             # Dispatch and combine of one MoE layer: this rank's N k assignment rows sent and as
             # many received (uniform routing), in the compute dtype.
@@ -626,6 +628,21 @@ def _partial_model_states(plan: RankPlan, cfg: Any, n: int, dims: Any, compute: 
     if quantized:
         largest = max(i * o for _, i, o in shape.decoder_linears)
         plan.temporaries["NF4 weight dequantized for one matmul (fp32 + compute dtype)"] = largest * (4 + compute)
+
+
+def _fp8_bytes(plan: RankPlan, r: Any, shape: ModelShape, tokens: int, compute: int, fsdp: bool) -> None:
+    """What ``recipe.fp8`` (torchao's ``Float8Linear``, :mod:`llmtrain.parallel.float8`) adds or
+    saves: each float8 matmul casts its weight and input to one byte per element (e4m3) and, in
+    backward, the output gradient (e5m2); the largest decoder Linear's copies are the temporary.
+    Under FSDP2 with tensorwise scaling the decoder's Linear weights are all-gathered in float8
+    (1 byte instead of the compute dtype's), which shrinks the gathered unit."""
+    largest = max(((i * o, i, o) for _, i, o in shape.decoder_linears), key=lambda t: t[0])
+    plan.temporaries["FP8: float8 copies of the largest Linear's weight, input and output gradient"] = (
+        largest[0] + tokens * (largest[1] + largest[2]))
+    key = "FSDP all-gather (largest unit, current + prefetch)"
+    if fsdp and r.fp8_recipe == "tensorwise" and key in plan.temporaries:
+        linear_per_layer = sum(i * o for _, i, o in shape.decoder_linears) // max(1, shape.layers)
+        plan.temporaries[key] -= 2 * linear_per_layer * (compute - 1)
 
 
 _SHAPE_CACHE: dict[str, ModelShape] = {}
