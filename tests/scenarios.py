@@ -5,12 +5,17 @@ pays process start-up once per world size instead of once per run:
 
 SPEC.json: a list of ``[run_dir, [override, ...]]``; each run is exactly
 ``python -m llmtrain OVERRIDES run_dir=RUN_DIR`` (same composition, same ``train``).
+
+With ``LLMTRAIN_SCENARIO_TIMES=1`` rank 0 appends each run's wall seconds (``train()`` and the
+composition) to ``SPEC.times.jsonl`` beside the spec, to find which runs a module's launch spends on.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 from llmtrain.config.compose import compose
@@ -19,8 +24,17 @@ from llmtrain.trainer import train
 
 
 def main(spec_file: str) -> None:
+    timed = os.environ.get("LLMTRAIN_SCENARIO_TIMES") == "1" and os.environ.get("RANK", "0") == "0"
+    if timed:  # llmtrain's own lines too (its start-up phases), as ``python -m llmtrain`` prints them
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for run_dir, overrides in json.loads(Path(spec_file).read_text()):
+        started = time.perf_counter()
         train(compose(list(overrides) + [f"run_dir={run_dir}"]))
+        if timed:
+            with open(Path(spec_file).with_suffix(".times.jsonl"), "a", encoding="utf-8") as f:
+                f.write(json.dumps({"run": Path(run_dir).name, "s": round(time.perf_counter() - started, 2)}) + "\n")
     shutdown()
 
 
