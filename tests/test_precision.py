@@ -175,8 +175,7 @@ def test_the_default_job_picks_what_the_machine_runs_natively_and_says_why(tmp_p
     why = f"the CPU has {' and '.join(found)}" if found else "the CPU has neither amx_bf16 nor avx512_bf16"
     assert f"precision {chosen} (trainer.precision=auto: {why})" in proc.stderr + proc.stdout
     # An explicit choice wins, and is named as such.
-    forced = subprocess.run([sys.executable, "-m", "llmtrain", *overrides, "trainer.precision=fp32",
-                             f"run_dir={tmp_path / 'fp32'}"], capture_output=True, text=True, env=subprocess_env(),
-                            cwd=REPO, timeout=300)
-    assert_ok(forced)
-    assert "precision fp32 (trainer.precision=fp32)" in forced.stderr + forced.stdout
+    from llmtrain.common.hardware import resolve_precision
+
+    assert resolve_precision("fp32", torch.device("cpu")) == ("fp32", "trainer.precision=fp32")
+    assert resolve_precision("bf16", torch.device("cpu")) == ("bf16", "trainer.precision=bf16")

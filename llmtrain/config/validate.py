@@ -427,7 +427,7 @@ def validate_quantize(cfg: Any) -> None:
     """``model.quantize`` against what trains and the recipe (QLoRA: :mod:`llmtrain.models.quantize`).
 
     Raises:
-        ConfigError: a 4-bit base without LoRA adapters, or with FP8 matmuls.
+        ConfigError: a 4-bit base without LoRA adapters, with FP8 matmuls, or with a reference copy.
     """
     if cfg.model.quantize == "none":
         return
@@ -436,6 +436,10 @@ def validate_quantize(cfg: Any) -> None:
              "+peft=lora (or use +peft=qlora, which sets both)")
     _require(not cfg.recipe.fp8, f"model.quantize={cfg.model.quantize} with recipe.fp8=true: the 4-bit base is "
              "dequantized for each matmul, which float8 training does not convert; drop one of the two")
+    _require(cfg.objective.get("reference") != "copy",
+             f"objective.reference=copy with model.quantize={cfg.model.quantize}: the copy would be the full-precision "
+             "base while the policy starts from its 4-bit version; use objective.reference=adapters_disabled (the "
+             "4-bit base itself, the default with +peft)")
 
 
 def validate_expert_parallel(r: Any) -> None:
