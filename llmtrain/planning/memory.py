@@ -576,9 +576,14 @@ def adapter_elements(shape: ModelShape, peft_cfg: Any) -> tuple[int, int]:
     """(LoRA elements, elements of the adapted Linear weights) of a model: ``r x (in + out)``
     per adapted Linear layer of the decoder (``peft.target_modules``: ``all-linear`` or name
     suffixes)."""
-    targets = peft_cfg.target_modules
-    chosen = [(i, o) for name, i, o in shape.decoder_linears if targets == "all-linear" or name in list(targets)]
+    chosen = adapted_linears(shape, peft_cfg)
     return sum(int(peft_cfg.r) * (i + o) for i, o in chosen), sum(i * o for i, o in chosen)
+
+
+def adapted_linears(shape: ModelShape, peft_cfg: Any) -> list[tuple[int, int]]:
+    """(in, out) of each decoder Linear layer ``peft.target_modules`` adapts."""
+    targets = peft_cfg.target_modules
+    return [(i, o) for name, i, o in shape.decoder_linears if targets == "all-linear" or name in list(targets)]
 
 
 def _partial_model_states(plan: RankPlan, cfg: Any, n: int, dims: Any, compute: int, bf16: bool, shape: ModelShape,
@@ -609,9 +614,7 @@ def _partial_model_states(plan: RankPlan, cfg: Any, n: int, dims: Any, compute: 
         # ZeRO-3 keeps tensors of up to param_persistence_threshold elements whole on every rank:
         # most adapter matrices (r x in, out x r) are that small.
         threshold, rank = sizes["param_persistence_threshold"], int(cfg.peft.r)
-        targets = cfg.peft.target_modules
-        persistent = sum(m for name, i, o in shape.decoder_linears if targets == "all-linear" or name in list(targets)
-                         for m in (rank * i, rank * o) if m <= threshold)
+        persistent = sum(m for i, o in adapted_linears(shape, cfg.peft) for m in (rank * i, rank * o) if m <= threshold)
         plan.params += (2 if bf16 else 4) * (persistent - persistent // dims.world_size)
         live = r.max_live_parameters if r.max_live_parameters is not None else 10**9
         plan.temporaries["gathered parameters (max_live_parameters)"] = min(base, frozen_elt * live)
