@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             print(describe(plan))
         from llmtrain.models.adapters import is_partial
 
-        if is_partial(cfg):
-            print("note: the planner counts full training; with LoRA or model.freeze the frozen parameters carry no "
+        if is_partial(cfg) and cfg.get("peft") is None:  # LoRA and QLoRA are counted as they train
+            print("note: the planner counts full training; with model.freeze the frozen parameters carry no "
                   "gradient or optimizer state, so these figures are upper bounds")
         t = cfg.trainer
         print(f"\nevery recipe on {world_size} ranks (per rank; global batch {t.global_batch_size}, micro-batch "

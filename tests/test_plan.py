@@ -65,7 +65,9 @@ def test_the_plan_counts_a_4bit_base_at_half_a_byte_per_weight_plus_scales():
     lora_n = adapter_elements(shape, cfg.peft)[0]
     assert lora_n == 8 * 4 * (2 * 256 + 2 * 192 + 2 * 480 + 480)  # r x (in + out) per adapted Linear
     assert lora.optimizer == qlora.optimizer == 8 * lora_n and lora.grads == 4 * lora_n  # adapters only
-    assert "NF4 weight dequantized for one matmul (fp32 + compute dtype)" in qlora.temporaries
+    assert "one NF4 weight dequantized (fp32 + compute dtype)" in qlora.temporaries
+    tp = plan_recipe(make_cfg(["+peft=qlora", "+recipe=tp"]), 2)  # refused by the trainer: not valid here either
+    assert tp.error and "data-parallel recipes" in tp.error
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -23,7 +23,7 @@ import llmtrain.engine.dcp_state as dcp_state
 from llmtrain.engine.base import (Engine, advance_schedule_only, apply_schedule, autocast, build_scheduler,
                                   first_step_count, model_inputs)
 from llmtrain.engine.optimizers import build_optimizer
-from llmtrain.models.build import initial_value
+from llmtrain.models.build import initial_value, parameter_numel
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -479,7 +479,7 @@ class NativeEngine(Engine):
         seen: dict[str, int] = {}
         for part in self.parts:
             for name, p in part.named_parameters():
-                seen[name] = p.numel()  # DTensor numel is the global size
+                seen[name] = parameter_numel(p, name)  # DTensor numel is the global size; 4-bit codes as weights
         counts = [None] * self.env.world_size
         dist.all_gather_object(counts, seen)
         merged: dict[str, int] = {}

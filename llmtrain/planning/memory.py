@@ -59,7 +59,8 @@ from typing import Any
 import torch
 
 from llmtrain.config.validate import (ONLINE_OBJECTIVES, PREFERENCE_OBJECTIVES, validate_chunked_loss,
-                                      validate_context_parallel, validate_objective)
+                                      validate_context_parallel, validate_objective, validate_peft,
+                                      validate_quantize)
 from llmtrain.common.errors import ConfigError
 from llmtrain.parallel.context_parallel import check_model
 
@@ -364,6 +365,9 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
                     global_batch=cfg.trainer.global_batch_size)
     try:
         validate_objective(cfg)  # pairs refuse pipeline recipes (and reward models tp)
+        if cfg.get("peft") is not None:  # LoRA / QLoRA run on the data-parallel recipes only
+            validate_peft(cfg.peft, r)
+            validate_quantize(cfg)
         validate_context_parallel(cfg)
         validate_chunked_loss(cfg)
         lay = layout(cfg, world_size, micro_batch_size=micro)  # degrees, accumulation, pipeline micro-batches
@@ -630,7 +634,7 @@ def _partial_model_states(plan: RankPlan, cfg: Any, n: int, dims: Any, compute: 
         plan.temporaries["FSDP reduce-scatter input (largest unit, fp32)"] = 4 * lora_n // max(1, shape.layers)
     if quantized:
         largest = max(i * o for _, i, o in shape.decoder_linears)
-        plan.temporaries["NF4 weight dequantized for one matmul (fp32 + compute dtype)"] = largest * (4 + compute)
+        plan.temporaries["one NF4 weight dequantized (fp32 + compute dtype)"] = largest * (4 + compute)
 
 
 def _fp8_bytes(plan: RankPlan, r: Any, shape: ModelShape, tokens: int, compute: int, fsdp: bool) -> None:
