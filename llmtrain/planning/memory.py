@@ -598,22 +598,20 @@ def _partial_model_states(plan: RankPlan, cfg: Any, n: int, dims: Any, compute: 
     working dtype on DeepSpeed (ZeRO-3 partitions it), and with ``model.quantize=nf4`` every
     decoder Linear weight at :func:`llmtrain.models.quantize.stored_bytes_per_weight` bytes
     (QLoRA's NF4 codes and scales) with one layer's weight dequantized at a time."""
-    from llmtrain.models.quantize import stored_bytes_per_weight
+    from llmtrain.models.quantize import is_quantized, stored_bytes_per_weight
 
     r = cfg.recipe
     lora_n, _ = adapter_elements(shape, cfg.peft)
     _model_states(plan, r, lora_n, dims, compute, bf16, shape, layer_n, embedding_n, head_n, sizes,
                   optimizer=plan.optimizer_name)
     linear_n = sum(i * o for _, i, o in shape.decoder_linears)
-    quantized = linear_n if (cfg.model.get("quantize") or "none") == "nf4" else 0
+    quantized = linear_n if is_quantized(cfg) else 0
     deepspeed = r.engine == "deepspeed"
     frozen_elt = (2 if bf16 else 4) if deepspeed else 4
     base = int(quantized * stored_bytes_per_weight()) + (n - quantized) * frozen_elt
     shards = dims.world_size if deepspeed and r.zero_stage == 3 else (1 if deepspeed else dims.dp_shard * dims.cp)
     plan.params += base // shards
     gathered_elt = frozen_elt if deepspeed else compute
-    per_layer_gathered = int(quantized / max(1, shape.layers) * stored_bytes_per_weight()) + (
-        layer_n - quantized // max(1, shape.layers)) * gathered_elt
     if deepspeed and r.zero_stage == 3:
         # ZeRO-3 keeps tensors of up to param_persistence_threshold elements whole on every rank:
         # most adapter matrices (r x in, out x r) are that small.
@@ -623,6 +621,8 @@ def _partial_model_states(plan: RankPlan, cfg: Any, n: int, dims: Any, compute: 
         live = r.max_live_parameters if r.max_live_parameters is not None else 10**9
         plan.temporaries["gathered parameters (max_live_parameters)"] = min(base, frozen_elt * live)
     elif not deepspeed and shards > 1:
+        per_layer_gathered = int(quantized / max(1, shape.layers) * stored_bytes_per_weight()) + (
+            layer_n - quantized // max(1, shape.layers)) * gathered_elt
         unit = max(per_layer_gathered, (embedding_n + shape.final_norm + head_n) * gathered_elt)
         plan.temporaries.pop("FSDP all-gather (largest unit, current + prefetch)", None)
         plan.temporaries.pop("FSDP unsharded parameters (kept forward to backward)", None)
