@@ -225,9 +225,9 @@ class Trainer:
         self.tracker = self._setup_tracker()
         self._log_start()
         self.reference = self._setup_reference()
+        self.flops_per_token, self.peak = self._setup_flops()  # a probe, when it runs, is a start-up phase of its own
         phases.begin("data loader and validation batches")
         self.sampler, self.micro_batches = self._setup_data_loader()
-        self.flops_per_token, self.peak_tflops = self._setup_flops()
         self.batches, self.evaluator = self._setup_batches(self._setup_val_batches())
         self.summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(self.run_dir),
                                         "start_step": self.state.step}
@@ -557,12 +557,19 @@ class Trainer:
         reference.annotate_batches(self.reference, self.engine, batches, self.env.device, self.objective.reference_key)
         return evaluate(self.engine, batches, self.env.device)
 
-    def _setup_flops(self) -> tuple[float, float | None]:
-        """Model FLOPs per token (PaLM appendix B) at ``data.seq_len``, and the device's peak
-        TFLOP/s where it is known (MFU)."""
+    def _setup_flops(self) -> tuple[float, flops.Peak | None]:
+        """Model FLOPs per token (PaLM appendix B) at ``data.seq_len``, and the peak TFLOP/s per
+        device MFU is measured against (:func:`llmtrain.planning.flops.peak_tflops`: configured,
+        data sheet, or a matmul probe of this machine; collective on a CPU), said at start-up and
+        recorded in the timeline for the run report."""
         frozen, adapter = flops.partial_training_counts(self.engine.model) if self.partial else (0, 0)
-        return (flops.flops_per_token(self.hf_config, self.cfg.data.seq_len, frozen, adapter),
-                flops.peak_tflops(self.env.device, self.t.precision, self.t.peak_tflops))
+        peak = flops.peak_tflops(self.env.device, self.t.precision, self.t.peak_tflops,
+                                 announce=lambda detail: self.phases.begin("peak FLOP/s", detail))
+        if self.env.is_main and peak is not None:
+            log.info("MFU against %s", peak.describe())
+            goodput.timeline_event(self.run_dir, "peak_flops", tflops=peak.tflops, precision=peak.precision,
+                                   source=peak.source, detail=peak.detail)
+        return flops.flops_per_token(self.hf_config, self.cfg.data.seq_len, frozen, adapter), peak
 
     def _setup_val_batches(self) -> list[dict]:
         """This rank's share of the held-out batches, with what the objective adds (an online
@@ -652,7 +659,8 @@ class Trainer:
                    "memory/peak_bytes": max(memory), "memory/peak_rank": memory.index(max(memory)),
                    **{f"train/{name}": value for name, value in result.metrics.items() if not name.startswith("_")},
                    **result.source_metrics,
-                   **flops.achieved(tokens_per_s, self.flops_per_token, self.env.world_size, self.peak_tflops)}
+                   **flops.achieved(tokens_per_s, self.flops_per_token, self.env.world_size,
+                                     self.peak.tflops if self.peak else None)}
         metrics.update(self.checkpointer.stall_of_previous_step(result.step - 1))
         if len(self.splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed
             counts = self.sampler.source_counts((result.step - 1) // self.objective.steps_per_batch,

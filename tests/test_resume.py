@@ -355,9 +355,15 @@ def test_steps_report_the_largest_rank_memory_and_model_tflops(reference):
     per_token = flops_per_token(model_config(cfg.model), cfg.data.seq_len)
     rows = [r for r in reference.metrics(2, "ddp") if "train/loss" in r]
     assert {r["memory/peak_rank"] for r in rows} <= {0, 1} and all(r["memory/peak_bytes"] > 2**20 for r in rows)
-    for r in rows:  # 2 ranks: the global rate over 2 devices; no MFU on CPU without trainer.peak_tflops
+    # MFU on CPU too: against the peak the 2 ranks measured together by a matmul probe (or read
+    # from the machine's cache), which the timeline records.
+    from llmtrain.monitoring.report import read_jsonl
+
+    (peak,) = [e for e in read_jsonl(reference.run_dir(2, "ddp") / "timeline.jsonl") if e["event"] == "peak_flops"]
+    assert peak["source"] == "measured" and " thread(s) x 2 rank(s) on " in peak["detail"] and peak["tflops"] > 0
+    for r in rows:  # 2 ranks: the global rate over 2 devices
         assert r["perf/tflops_per_device"] == pytest.approx(r["train/tokens_per_s"] * per_token / 2 / 1e12)
-        assert "perf/mfu" not in r
+        assert r["perf/mfu"] == pytest.approx(r["perf/tflops_per_device"] / peak["tflops"])
 
 
 def test_kill_during_a_background_write_resumes_from_the_previous_checkpoint(reference, tmp_path):

@@ -306,9 +306,10 @@ class TrainerConfig:
     (fresh start; refuses a ``run_dir`` that already holds checkpoints), a checkpoint folder, or a
     step number of this run. ``preempt_signal``: besides SIGTERM and SIGINT, the signal that
     asks for a save-and-exit at the next step boundary (SLURM: ``--signal=USR1@120``).
-    ``peak_tflops``: one device's peak dense TFLOP/s for ``perf/mfu`` (0 = from the table of
-    accelerators in :mod:`llmtrain.planning.flops` by device name; CPUs report ``perf/tflops_per_device``
-    only).
+    ``peak_tflops``: one device's peak dense TFLOP/s (10^12 FLOP/s) at the run's precision, the
+    denominator of ``perf/mfu``; 0 = the data sheet of the device (the table in
+    :mod:`llmtrain.planning.flops`, by device name), else measured by a matmul probe on this
+    machine (CPUs, unknown GPUs; once per machine, cached in ``LLMTRAIN_CACHE/peak_flops.json``).
 
     ``eval_tasks``: lm-evaluation-harness tasks (``hh_local``, ``alpaca_local``, shipped in ``llmtrain/evaluation/tasks``,
     the YAML folders in ``eval_tasks_include``, or the harness's own) scored on the checkpoint

@@ -2,8 +2,8 @@
 
 Reads ``metrics.jsonl`` (required), ``config.yaml`` and ``timeline.jsonl`` (both optional) from a
 run directory and writes next to them ``report.png`` (loss, learning rate, grad norm, throughput
-and memory curves) and ``report.md`` (config summary, final figures, goodput breakdown, one row
-per process of the run). Times are in seconds, memory in GiB (2**30 bytes).
+and memory curves) and ``report.md`` (config summary, final figures with MFU and the peak it is
+measured against, goodput breakdown, one row per process of the run). Times are in seconds, memory in GiB (2**30 bytes).
 """
 
 from __future__ import annotations
@@ -407,7 +407,24 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return lines + ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
 
 
-def _markdown(run_dir: Path, records: list[dict], cfg, procs: list[dict] | None, title: str) -> str:
+def peak_of(events: list[dict]) -> str | None:
+    """The peak MFU is measured against, in words (``0.167 TFLOP/s fp32 per device (measured by
+    ...)``), from the timeline's ``peak_flops`` events (one per process); a resume that measured
+    against another peak adds it after ``; then``. None without such events (runs before they
+    were recorded)."""
+    said: list[str] = []
+    for ev in events:
+        tflops = ev.get("tflops")
+        if ev.get("event") != "peak_flops" or not isinstance(tflops, (int, float)) or isinstance(tflops, bool):
+            continue
+        text = f"{tflops:.3g} TFLOP/s {ev.get('precision', '')} per device ({ev.get('detail') or ev.get('source')})"
+        if not said or said[-1] != text:
+            said.append(text)
+    return "; then ".join(said) or None
+
+
+def _markdown(run_dir: Path, records: list[dict], cfg, procs: list[dict] | None, title: str,
+              mfu_peak: str | None = None) -> str:
     out = [f"# {title}", "", f"Run directory: `{run_dir}`", "", "## Config", ""]
     if cfg is None:
         out.append("_No readable `config.yaml` in the run directory._")
@@ -443,6 +460,7 @@ def _markdown(run_dir: Path, records: list[dict], cfg, procs: list[dict] | None,
         ["tokens/s (mean of last 10 logged steps)",
          _fmt(_mean(series(records, "train/tokens_per_s")[1][-10:]), ",.0f")],
         ["MFU (mean)", _fmt(100 * _mean(mfu) if mfu else None, ".1f") + (" %" if mfu else "")],
+        *([["MFU peak", mfu_peak]] if mfu_peak else []),
         ["TFLOP/s per device (mean)", _fmt(_mean(tflops), ".2f")],
         ["max peak memory", f"{peak['memory/peak_bytes'] / GIB:.2f} GiB (rank {_fmt(peak.get('memory/peak_rank'))})"
          if peak else "n/a"],
@@ -521,7 +539,8 @@ def write_report(run_dir: Path) -> tuple[Path, Path]:
             cfg = None
     timeline_path = run_dir / "timeline.jsonl"
     last_step = records[-1]["step"] if records else None
-    procs = processes(read_jsonl(timeline_path), last_step) if timeline_path.is_file() else None
+    events = read_jsonl(timeline_path)
+    procs = processes(events, last_step) if timeline_path.is_file() else None
     resumes = [p["from_step"] for p in procs or [] if isinstance(p["from_step"], int) and p["from_step"] > 0]
 
     name = OmegaConf.select(cfg, "name", default=None) if cfg is not None else None
@@ -530,7 +549,7 @@ def write_report(run_dir: Path) -> tuple[Path, Path]:
 
     png, md = run_dir / "report.png", run_dir / "report.md"
     # Both are rendered before either replaces the previous report: they never disagree.
-    text = _markdown(run_dir, records, cfg, procs, title)
+    text = _markdown(run_dir, records, cfg, procs, title, peak_of(events))
     png_tmp, md_tmp = png.with_name(png.name + ".tmp"), md.with_name(md.name + ".tmp")
     expert_load = None
     if (run_dir / "expert_load.json").is_file():

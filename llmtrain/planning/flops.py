@@ -2,7 +2,9 @@
 
 MFU follows Chowdhery et al., "PaLM" (2022), appendix B: the FLOPs the model needs per token,
 whatever the implementation recomputes (activation checkpointing does not count), times the
-tokens per second, over the accelerators' peak. For a mixture of experts the parameters are
+tokens per second, over the accelerators' peak (:func:`peak_tflops`: the user's figure, a data
+sheet's, or one measured on this machine by a matmul probe, which is how CPUs get MFU). Units:
+FLOPs per token, TFLOP/s (10^12 FLOP/s) per device, MFU a fraction. For a mixture of experts the parameters are
 those a token passes through (its *active* parameters: Fedus et al., "Switch Transformers",
 2021, section 2; DeepSeek-V3's and Qwen3's "activated parameters"): every dense weight, the
 router, shared experts, and k of the E routed experts per MoE layer.
@@ -10,11 +12,15 @@ router, shared experts, and k of the E routed experts per MoE layer.
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
+from llmtrain.common import hardware
 from llmtrain.models.build import parameter_numel
 
 # Dense peak TFLOP/s per device, by precision (vendor data sheets, without sparsity). fp32 runs on
@@ -35,19 +41,107 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 
 
-def peak_tflops(device: torch.device, precision: str, configured: float = 0.0) -> float | None:
-    """Peak dense TFLOP/s of one ``device`` at ``precision`` (``bf16``/``fp32``): ``configured``
-    when > 0 (``trainer.peak_tflops``), else the table entry matching the CUDA/ROCm device name,
-    else None (CPUs and unknown accelerators: MFU is not reported)."""
-    if configured > 0:
-        return float(configured)
+@dataclass(frozen=True)
+class Peak:
+    """The peak MFU is measured against: ``tflops`` (dense TFLOP/s of one device), the
+    ``precision`` it is for, ``source`` (``trainer.peak_tflops``, ``data sheet`` or
+    ``measured``) and ``detail`` (where the figure came from, in words, for the start-up line
+    and the run report)."""
+
+    tflops: float
+    precision: str
+    source: str
+    detail: str
+
+    def describe(self) -> str:
+        """E.g. ``0.0885 TFLOP/s fp32 per device (measured by a 2048x2048 matmul probe ...)``."""
+        return f"{self.tflops:.3g} TFLOP/s {self.precision} per device ({self.detail})"
+
+
+def data_sheet_tflops(device: torch.device, precision: str) -> tuple[str, float] | None:
+    """(table key, peak dense TFLOP/s) of the :data:`PEAK_TFLOPS` entry matching the CUDA/ROCm
+    device name of ``device``, else None (CPUs, accelerators the table lacks)."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(device)
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
         if re.search(re.escape(key), name, re.IGNORECASE):
-            return PEAK_TFLOPS[key][precision]
+            return key, PEAK_TFLOPS[key][precision]
     return None
+
+
+def peak_tflops(device: torch.device, precision: str, configured: float = 0.0,
+                announce: Callable[[str], None] | None = None,
+                probe: Callable[[torch.device, str, float | None], hardware.MatmulProbe] = hardware.probe_matmul_flops,
+                ) -> Peak | None:
+    """Peak dense TFLOP/s of one ``device`` at ``precision`` (``bf16``/``fp32``), the
+    denominator of MFU (PaLM, appendix B), and where it came from, in this order:
+
+    1. ``configured`` when > 0 (``trainer.peak_tflops``);
+    2. the vendor data sheet (:data:`PEAK_TFLOPS`, by CUDA/ROCm device name);
+    3. measured on this machine by a matmul probe (:func:`llmtrain.common.hardware.probe_matmul_flops`,
+       a second or two), cached per machine in ``LLMTRAIN_CACHE/peak_flops.json``: CPUs, and GPUs
+       the table lacks. ``announce`` is called (with what is measured) just before a probe runs.
+
+    One device on a CPU is one rank with the torch threads it trains with (torchrun gives each
+    of N local ranks ``OMP_NUM_THREADS=1``), credited with at most its share of the cores,
+    ``min(threads, cores / N)``: the N ranks' peaks then add up to the machine's, as their
+    ``perf/tflops_per_device`` add up to the run's. The probe counts CPU time against that share
+    (:func:`llmtrain.common.hardware.probe_matmul_flops`), so other processes on a busy machine
+    do not lower the figure that is cached for good. The N ranks probe together, after a
+    barrier, because that is what a training step gets: cores that share caches, memory
+    bandwidth and an all-core clock. Every rank then uses the mean over ranks (every node
+    assumed alike), which local rank 0 caches under the key of the thread and rank counts. All
+    ranks probe when any lacks the entry, so the call is collective on a CPU under
+    torch.distributed. GPUs probe each their own device (wall time), with no collective.
+
+    Returns:
+        :class:`Peak`, or None for a device type no rule covers (neither CPU nor CUDA/ROCm).
+    """
+    if configured > 0:
+        return Peak(float(configured), precision, "trainer.peak_tflops", f"trainer.peak_tflops={configured:g}")
+    sheet = data_sheet_tflops(device, precision)
+    if sheet is not None:
+        return Peak(sheet[1], precision, "data sheet", f"the {sheet[0]} data sheet, dense")
+    if device.type not in ("cpu", "cuda"):
+        return None
+    together = device.type == "cpu" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1) if together else 1
+    key = hardware.peak_cache_key(device, precision, local_ranks)
+    path = hardware.peak_cache_path()
+    entry = hardware.read_cached_peak(key, path)
+    missing = entry is None
+    if together:
+        flag = torch.tensor([float(missing)], dtype=torch.float64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        missing = bool(flag.item())
+    threads, cores, kind = torch.get_num_threads(), hardware.usable_cores(), "CPU" if device.type == "cpu" else "GPU"
+    share = min(threads, cores / local_ranks) if device.type == "cpu" else None
+    what = (f"{hardware.device_label(device)}, {precision}"
+            + (f", {threads} thread(s) x {local_ranks} rank(s) on {cores} core(s)" if device.type == "cpu" else ""))
+    if missing:
+        if announce is not None:
+            announce(f"a matmul probe of this {kind} ({what}); once per machine, cached in {path}")
+        if together:
+            dist.barrier()  # the ranks sharing the cores probe at the same time
+        found = probe(device, precision, share)
+        tflops, n = found.flops_per_s / 1e12, found.n
+    else:
+        tflops, n = float(entry["tflops"]), int(entry.get("n", 0))
+    if together:
+        figure = torch.tensor([tflops], dtype=torch.float64)
+        dist.all_reduce(figure)
+        tflops = figure.item() / dist.get_world_size()
+    if missing:
+        if int(os.environ.get("LOCAL_RANK") or 0) == 0:  # one writer per machine
+            hardware.write_cached_peak(key, hardware.peak_entry(tflops, n, found.wall_s), path)
+        if together:
+            dist.barrier()  # written before any rank returns: a next call anywhere reads it
+        detail = f"measured by a {n}x{n} matmul probe on this {kind} ({what}), cached in {path}"
+    else:
+        detail = (f"measured by a {n}x{n} matmul probe on this {kind} ({what}) on "
+                  f"{entry.get('measured_at', '?')}, read from {path}; delete the file to measure again")
+    return Peak(tflops, precision, "measured", detail)
 
 
 def parameter_counts(hf_config: Any) -> tuple[int, int]:
