@@ -91,6 +91,23 @@ def resolve_gguf(model_cfg: Any) -> tuple[str, str]:
     return folder, model_cfg.gguf_file
 
 
+def gguf_source(model_cfg: Any) -> tuple[str, dict[str, str]]:
+    """Where ``from_pretrained`` reads a ``model.source=gguf`` model, tokenizer or config from:
+    ``(folder, {})`` for the Hugging Face folder converted once from the GGUF file
+    (:func:`llmtrain.models.gguf_cache.cached_folder`, seconds instead of a minute), or
+    ``(gguf folder, {"gguf_file": name})`` when that cache is off (``LLMTRAIN_GGUF_CACHE=off``) or
+    not writable. Both give the same fp32 weights, config and tokenization.
+
+    Raises:
+        ModelSourceError: see :func:`resolve_gguf`; the conversion failed.
+    """
+    from llmtrain.models.gguf_cache import cached_folder
+
+    folder, file = resolve_gguf(model_cfg)
+    converted = cached_folder(Path(folder) / file)
+    return (str(converted), {}) if converted is not None else (folder, {"gguf_file": file})
+
+
 def _local_or_hub(field: str, value: str) -> str:
     # A value that looks like a path must exist: otherwise transformers would try the hub and
     # fail with a confusing "Repo id" error.
@@ -107,8 +124,8 @@ def build_tokenizer(model_cfg: Any):
     if model_cfg.tokenizer != "model":
         return AutoTokenizer.from_pretrained(_local_or_hub("model.tokenizer", model_cfg.tokenizer))
     if model_cfg.source == "gguf":
-        folder, file = resolve_gguf(model_cfg)
-        return AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        folder, extra = gguf_source(model_cfg)
+        return AutoTokenizer.from_pretrained(folder, **extra)
     if model_cfg.source == "pretrained":
         return AutoTokenizer.from_pretrained(_local_or_hub("model.path", model_cfg.path))
     raise ModelSourceError("model.tokenizer=model needs model.source=pretrained or gguf; "
@@ -151,8 +168,8 @@ def model_config(model_cfg: Any):
             raise ModelSourceError(f"model.architecture.model_type={model_type!r} is not a transformers model "
                                    f"type (e.g. llama, qwen2, mistral): {err}") from err
     if model_cfg.source == "gguf":
-        folder, file = resolve_gguf(model_cfg)
-        return AutoConfig.from_pretrained(folder, gguf_file=file)
+        folder, extra = gguf_source(model_cfg)
+        return AutoConfig.from_pretrained(folder, **extra)
     return AutoConfig.from_pretrained(_local_or_hub("model.path", model_cfg.path))
 
 
@@ -185,8 +202,8 @@ def build_model(model_cfg: Any, seed: int, head: str = "logits", pad_token_id: i
         model = auto.from_config(config, **kwargs)
         init_weights(model, seed)
     elif model_cfg.source == "gguf":
-        folder, file = resolve_gguf(model_cfg)
-        model = auto.from_pretrained(folder, gguf_file=file, **kwargs, **head_config)
+        folder, extra = gguf_source(model_cfg)
+        model = auto.from_pretrained(folder, **extra, **kwargs, **head_config)
     else:
         model = auto.from_pretrained(_local_or_hub("model.path", model_cfg.path), **kwargs, **head_config)
     if head == "scores" and model_cfg.source != "config":

@@ -47,6 +47,10 @@ class StartupPhases:
 def model_detail(model_cfg: Any) -> str:
     """What loading ``model`` does, for its start-up line."""
     if model_cfg.source == "gguf":
+        from llmtrain.models import gguf_cache
+
+        if gguf_cache.cache_root() is not None:  # converted by the tokenizer phase, if not by an earlier run
+            return f"model.source=gguf: {model_cfg.gguf_file} as converted once into {gguf_cache.cache_root()}"
         return f"model.source=gguf: reading and dequantizing {model_cfg.gguf_file or 'the GGUF file'}"
     if model_cfg.source == "pretrained":
         return f"model.source=pretrained: loading {model_cfg.path}"
