@@ -95,9 +95,11 @@ def _checksum(path: Path, kind: str) -> str:
     import xxhash
 
     digest = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
+    # One buffer, refilled: a fresh 16 MiB bytes object per read would fault in new pages each time.
+    buffer = memoryview(bytearray(1 << 24))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(buffer[:n])
     return digest.hexdigest()
 
 
@@ -415,6 +417,9 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an earlier interrupted save
             tmp.mkdir(parents=True)
         distributed.barrier()
+        from llmtrain.engine.dcp_state import hash_writes
+
+        hash_writes(tmp, hash_kind)  # the engine's big files are checksummed as they are written
         future = engine.save_checkpoint(tmp / ENGINE_DIR, background=background)
         self._write_small_files(tmp, state, config_yaml)
         if future is not None:
@@ -461,14 +466,30 @@ class CheckpointManager:
 
     def seal(self, tmp: Path, final: Path, hash_kind: str) -> None:
         """Every rank fsyncs and checksums its share of ``tmp``'s files (all written, after a
-        barrier); rank 0 writes the marker, renames ``tmp`` to ``final`` and prunes. Collective."""
+        barrier); rank 0 writes the marker, renames ``tmp`` to ``final`` and prunes. Collective.
+
+        A file the engine wrote through :func:`llmtrain.engine.dcp_state.hashed_open` was
+        checksummed from its bytes as they were written: its writer takes its checksum from
+        there (after checking the size on disk), with no second read. The other files are split
+        over the ranks and read (:func:`_share`)."""
+        from llmtrain.engine.dcp_state import take_written
+
         listing = sorted(p for p in tmp.rglob("*") if p.is_file())
+        hashed = take_written(tmp)
+        names: list[Any] = [sorted(hashed)]
+        if distributed.is_initialized():
+            names = [None] * self.env.world_size
+            dist.all_gather_object(names, sorted(hashed))
+        known = {rel for share in names for rel in share}
         mine = {}
-        for path in _share(listing, self.env.rank, self.env.world_size):
+        for path in [tmp / rel for rel in sorted(hashed)] + _share([p for p in listing if p.relative_to(tmp).as_posix()
+                                                                     not in known], self.env.rank, self.env.world_size):
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-            mine[path.relative_to(tmp).as_posix()] = {"bytes": path.stat().st_size,
-                                                     _HASH_KEYS[hash_kind]: _checksum(path, hash_kind)}
+            rel, size = path.relative_to(tmp).as_posix(), path.stat().st_size
+            written = hashed.get(rel)
+            digest = written[1] if written is not None and written[0] == size else _checksum(path, hash_kind)
+            mine[rel] = {"bytes": size, _HASH_KEYS[hash_kind]: digest}
         shares: list[Any] = [mine]
         if distributed.is_initialized():
             shares = [None] * self.env.world_size

@@ -370,8 +370,9 @@ class DeepSpeedEngine(Engine):
         # runs as its usage line says (`python zero_to_fp32.py . OUT`); the completion marker lists
         # it like any other file and still alone says which checkpoints are complete.
         # Frozen parameters (LoRA's base, model.freeze) come from the model's source on resume.
-        self.ds.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=True,
-                                exclude_frozen_parameters=self._partial)
+        with _hashed_saves(self.ds.checkpoint_engine):
+            self.ds.save_checkpoint(str(directory.parent), tag=directory.name, save_latest=True,
+                                    exclude_frozen_parameters=self._partial)
 
     def prepare_resume(self, directory: Path, saved_world_size: int) -> None:
         """On a world-size change, convert the ZeRO checkpoint to DeepSpeed's universal format
@@ -501,6 +502,32 @@ def checkpoint_safe_globals() -> list[Any]:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def _hashed_saves(checkpoint_engine):
+    """DeepSpeed's torch checkpoint engine writing each shard through
+    :func:`llmtrain.engine.dcp_state.hashed_open`, so the completion marker's checksums come from
+    the bytes as written instead of a second read of every shard. Other checkpoint engines
+    (Nebula, decoupled writers) are left as they are: their files are hashed by reading."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    from llmtrain.engine.dcp_state import hashed_open
+
+    # The legacy (non-zip) format writes storages straight to the file descriptor, past the hash.
+    if type(checkpoint_engine) is not TorchCheckpointEngine or not checkpoint_engine.zipfile_serialization:
+        yield
+        return
+
+    def save(state_dict, path):
+        with hashed_open(path, "wb") as f:
+            torch.save(state_dict, f)
+
+    checkpoint_engine.save = save
+    try:
+        yield
+    finally:
+        del checkpoint_engine.save  # the class's own method again
 
 
 def unsafe_checkpoint_file(directory: Path, rank: int = 0, world_size: int = 1) -> str | None:

@@ -1,27 +1,39 @@
 #!/usr/bin/env python
-"""Checkpoint throughput against plain ``torch.save`` / ``torch.load`` of the same tensors.
+"""Checkpoint throughput against plain ``torch.save`` / ``torch.load`` of the same state.
 
-Builds the configured model on one process with the chosen recipe, takes one optimizer step (so
-Adam state exists), then times, alternating, ``--rounds`` times each:
+Builds the configured model with the chosen recipe on one process, or on each of the ranks
+``torchrun`` starts, takes one optimizer step (so Adam state exists), then times, alternating,
+``--rounds`` times each:
 
 * llmtrain save: engine shards + RNG + marker (checksum of every file, fsync, atomic rename);
-* plain save: one ``torch.save`` of the model and optimizer state dicts, fsynced;
-* llmtrain resume: verify the marker (re-checksum) + engine load;
-* plain load: ``torch.load`` + ``load_state_dict`` of model and optimizer;
-* the training stall of a background save (``trainer.async_checkpoint=true``): the time until
-  ``save`` returns (state copied to host memory), and the write's total time.
+* plain save: on one process, one ``torch.save`` of the model and optimizer state dicts; on N
+  ranks, each rank ``torch.save``-s its own shard state into its own file (FSDP2: the local
+  shards of the model and optimizer state dicts; DeepSpeed: ``module.state_dict()`` and the ZeRO
+  optimizer's ``state_dict()``, which holds the rank's fp32 partition and Adam moments), fsynced:
+  what a DeepSpeed or FSDP2 user does without Distributed Checkpoint;
+* llmtrain resume: verify the marker (checksums) + engine load;
+* plain load: ``torch.load`` and copying the state into the live model and optimizer
+  (one process: ``load_state_dict``; N ranks: each rank its own file, copied into its shards);
+* the training stall of a background save (``trainer.async_checkpoint=true``, torch engine):
+  the time until ``save`` returns (state copied to host memory), and the write's total time.
 
-Prints bytes/s of each and the ratios in wall clock and CPU time, and the time a resume adds
-before the first step (verification + load). Example (≈25 M parameters):
+On N ranks every timed operation starts and ends with a barrier, so the wall time is the
+slowest rank's; CPU time is summed over the ranks. Prints the times, bytes/s and the
+ratios (plain time / llmtrain time, so above 1 is faster) in wall clock and CPU time, and the time a resume adds before the first step. Examples:
 
     python scripts/bench/checkpoint.py model.architecture.hidden_size=512 model.architecture.num_hidden_layers=8
-    python scripts/bench/checkpoint.py +recipe=zero2
+    python scripts/bench/checkpoint.py --smollm2                       # the 135 M shape, random init
+    torchrun --nproc_per_node 2 scripts/bench/checkpoint.py --smollm2 +recipe=fsdp
+    torchrun --nproc_per_node 2 scripts/bench/checkpoint.py --smollm2 +recipe=zero3
+    python scripts/bench/checkpoint.py --smollm2 --profile save        # cProfile of one save
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import statistics
 import tempfile
 import time
@@ -32,13 +44,14 @@ import benchlib  # noqa: F401,E402  (the checkout's llmtrain first on the path)
 import llmtrain.parallel.distributed as distributed  # noqa: E402  (before deepspeed)
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from llmtrain import data  # noqa: E402
-from llmtrain.checkpoint.protocol import CheckpointManager, HASHES, verify_collective
-from llmtrain.checkpoint.state import TrainState
+from llmtrain.checkpoint.protocol import CheckpointManager, HASHES, verify_collective  # noqa: E402
+from llmtrain.checkpoint.state import TrainState  # noqa: E402
 from llmtrain.config.layout import gradient_accumulation_steps  # noqa: E402
-from llmtrain.config.compose import register_configs
+from llmtrain.config.compose import register_configs  # noqa: E402
 from llmtrain.engine import build_engine  # noqa: E402
 from llmtrain.models.build import build_model, byte_tokenizer  # noqa: E402
 from llmtrain.objectives import build_objective  # noqa: E402
@@ -46,23 +59,70 @@ from llmtrain.parallel.dims import ParallelDims  # noqa: E402
 from llmtrain.common.paths import CONF_DIR  # noqa: E402
 from llmtrain.trainer import forward_backward  # noqa: E402
 
+# SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads / 3 KV heads, vocab 49152, tied
+# embeddings), built from config with random weights: 134.5 M parameters, no download.
+SMOLLM2_135M = ["model.architecture.hidden_size=576", "model.architecture.intermediate_size=1536",
+                "model.architecture.num_hidden_layers=30", "model.architecture.num_attention_heads=9",
+                "model.architecture.num_key_value_heads=3", "model.architecture.vocab_size=49152"]
+
 
 def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _local(value):
+    """``value`` with every DTensor replaced by this rank's shard (plain tensors: as they are)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_local(v) for v in value)
+    return value
+
+
+def _copy_into(live, saved) -> None:
+    """Copy every tensor of ``saved`` into the tensor at the same place of ``live``."""
+    if isinstance(live, torch.Tensor):
+        with torch.no_grad():
+            live.copy_(saved)
+    elif isinstance(live, dict):
+        for k, v in live.items():
+            _copy_into(v, saved[k])
+    elif isinstance(live, (list, tuple)):
+        for a, b in zip(live, saved):
+            _copy_into(a, b)
+
+
+def plain_state(engine) -> dict:
+    """This rank's model and optimizer state as the plain side saves it (see the module doc)."""
+    if hasattr(engine, "ds"):
+        return {"model": engine.ds.module.state_dict(), "optimizer": engine.ds.optimizer.state_dict()}
+    if hasattr(engine, "parts"):  # the native engine (FSDP2, TP, PP): model parts and their optimizers
+        return _local({"model": [part.state_dict() for part in engine.parts],
+                       "optimizer": [opt.state_dict() for opt in engine.optimizers]})
+    return _local({"model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict()})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--hash", choices=HASHES, default="xxh3")
+    parser.add_argument("--smollm2", action="store_true", help="SmolLM2-135M's shape (random init)")
+    parser.add_argument("--profile", choices=("save", "resume", "async"),
+                        help="instead of timing: cProfile one save / resume / background save (rank 0), top 25")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("config", overrides=["tracker=none"] + args.overrides)
+        cfg = compose("config", overrides=["tracker=none"] + (SMOLLM2_135M if args.smollm2 else []) + args.overrides)
     env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
-    dims = ParallelDims.from_recipe(cfg.recipe, 1)
-    engine = build_engine(cfg, env, gradient_accumulation_steps(cfg.trainer, 1), dims, build_objective(cfg.objective))
+    world = env.world_size
+    dims = ParallelDims.from_recipe(cfg.recipe, world)
+    engine = build_engine(cfg, env, gradient_accumulation_steps(cfg.trainer, dims.dp), dims,
+                          build_objective(cfg.objective))
     with engine.model_init_context():
         model = build_model(cfg.model, cfg.trainer.seed)
     engine.setup(model)
@@ -70,42 +130,69 @@ def main() -> None:
     batch = data.Collator(tok.pad_token_id)([{"input_ids": list(range(64)), "labels": list(range(64))}] * 2)
     forward_backward(engine, [batch])
     engine.step()
+    can_async = cfg.recipe.engine == "torch"
 
     kinds = ("save", "plain_save", "resume", "plain_load", "async_stall", "async_total")
     wall: dict[str, list[float]] = {k: [] for k in kinds}
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
 
     def timed(kind: str, fn):
+        distributed.barrier()
         w, c = time.perf_counter(), time.process_time()
         result = fn()
+        distributed.barrier()
         wall[kind].append(time.perf_counter() - w)
         cpu[kind].append(time.process_time() - c)
         return result
 
     def plain_save(path: Path) -> None:
         with open(path, "wb") as f:
-            torch.save({"model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict()}, f)
+            torch.save(plain_state(engine), f)
             f.flush()
             os.fsync(f.fileno())
 
     def plain_load(path: Path) -> None:
-        blob = torch.load(path, weights_only=False)
-        engine.model.load_state_dict(blob["model"])
-        engine.optimizer.load_state_dict(blob["optimizer"])
+        if world == 1 and hasattr(engine, "optimizer") and not hasattr(engine, "ds"):
+            blob = torch.load(path, weights_only=False)
+            engine.model.load_state_dict(blob["model"])
+            engine.optimizer.load_state_dict(blob["optimizer"])
+        else:
+            _copy_into(plain_state(engine), torch.load(path, weights_only=False))
 
     def resume(path: Path) -> None:
         assert verify_collective(path, env) is None
         manager.load(engine, path)
 
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
-        manager = CheckpointManager(Path(tmp) / "run", env, keep=1)
-        state = TrainState(step=1, consumed_samples=2, world_size=1, global_batch_size=2)
-        plain_file = Path(tmp) / "plain.pt"
+    base = Path(os.environ.get("BENCH_DIR", tempfile.gettempdir())) / f"bench-checkpoint-{os.environ.get('MASTER_PORT', os.getpid())}"
+    if env.is_main:
+        base.mkdir(parents=True, exist_ok=True)
+    distributed.barrier()
+    manager = CheckpointManager(base / "run", env, keep=1)
+    state = TrainState(step=1, consumed_samples=2, world_size=world, global_batch_size=2)
+    plain_file = base / f"plain_rank{env.rank}.pt"
+    try:
+        if args.profile:
+            saved = manager.save(engine, state, "", args.hash)
+            state.step = 2
+            profiler = cProfile.Profile()
+            distributed.barrier()
+            profiler.enable()
+            if args.profile == "save":
+                manager.save(engine, state, "", args.hash)
+            elif args.profile == "resume":
+                resume(saved)
+            else:
+                manager.save(engine, state, "", args.hash, background=True)
+                manager.finish_background()
+            profiler.disable()
+            if env.is_main:
+                pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+            return
         step = 0
         for r in range(args.rounds):
             # Alternate which of ours / plain runs first, so drifts of the shared box cancel.
-            order = ("ours", "plain") if r % 2 == 0 else ("plain", "ours")
-            for who in order:
+            for who in benchlib.alternating(("ours", "plain"), r):
                 if who == "plain":
                     timed("plain_save", lambda: plain_save(plain_file))
                     timed("plain_load", lambda: plain_load(plain_file))
@@ -115,28 +202,54 @@ def main() -> None:
                 saved = timed("save", lambda: manager.save(engine, state, "", args.hash))
                 ours_bytes = folder_bytes(saved)
                 timed("resume", lambda: resume(saved))
-                step += 1
-                state.step = step
-                w = time.perf_counter()
-                timed("async_stall", lambda: manager.save(engine, state, "", args.hash, background=True))
-                manager.finish_background()
-                wall["async_total"].append(time.perf_counter() - w)
+                if can_async:
+                    step += 1
+                    state.step = step
+                    w = time.perf_counter()
+                    timed("async_stall", lambda: manager.save(engine, state, "", args.hash, background=True))
+                    manager.finish_background()
+                    distributed.barrier()
+                    wall["async_total"].append(time.perf_counter() - w)
         plain_bytes = plain_file.stat().st_size
+    finally:
+        distributed.barrier()
+        if env.is_main:
+            import shutil
 
+            shutil.rmtree(base, ignore_errors=True)
+
+    if distributed.is_initialized():  # CPU time of all ranks; bytes of all ranks' plain files
+        for kind in kinds:
+            summed = torch.tensor(cpu[kind], dtype=torch.float64)
+            dist.all_reduce(summed)
+            cpu[kind] = summed.tolist()
+        total = torch.tensor([plain_bytes], dtype=torch.float64)
+        dist.all_reduce(total)
+        plain_bytes = int(total.item())
+    if not env.is_main:
+        return
     med = {k: statistics.median(v) for k, v in wall.items() if v}
     cmed = {k: statistics.median(v) for k, v in cpu.items() if v}
-    print(f"recipe {cfg.recipe.name}, model {sum(p.numel() for p in engine.model.parameters()) / 1e6:.1f} M parameters, "
-          f"checkpoint {ours_bytes / 2**20:.1f} MiB (plain file {plain_bytes / 2**20:.1f} MiB), checksum {args.hash}, "
+    # Full counts: ZeRO-3 partitions its parameters (ds_numel), FSDP2 shards them (DTensor numel).
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    print(f"recipe {cfg.recipe.name} x {world} process(es), model {params / 1e6:.1f} M parameters, "
+          f"checkpoint {ours_bytes / 2**20:.1f} MiB (plain files {plain_bytes / 2**20:.1f} MiB), checksum {args.hash}, "
           f"median of {args.rounds} alternating rounds")
+    # The ratio is speed on the same state: plain time / llmtrain time (above 1: llmtrain is faster).
+    # Byte rates are shown too; the files differ in size (DCP writes a tied weight under both names).
     for ours, plain, label in (("save", "plain_save", "save"), ("resume", "plain_load", "load")):
-        print(f"{label:5s} llmtrain {ours_bytes / med[ours] / 2**20:8.1f} MiB/s   plain {plain_bytes / med[plain] / 2**20:8.1f} MiB/s"
-              f"   ratio wall {(ours_bytes / med[ours]) / (plain_bytes / med[plain]):.2f}"
-              f"   ratio CPU time {(ours_bytes / cmed[ours]) / (plain_bytes / cmed[plain]):.2f}")
+        print(f"{label:5s} llmtrain {med[ours]:7.3f} s ({ours_bytes / med[ours] / 2**20:7.1f} MiB/s)   plain "
+              f"{med[plain]:7.3f} s ({plain_bytes / med[plain] / 2**20:7.1f} MiB/s)   ratio wall {med[plain] / med[ours]:.2f}"
+              f"   ratio CPU time {cmed[plain] / cmed[ours]:.2f} (CPU {cmed[ours]:.2f} s vs {cmed[plain]:.2f} s)")
     print(f"a resume adds {med['resume']:.3f} s before the first step (marker verification + load); plain load "
           f"{med['plain_load']:.3f} s")
-    print(f"training stall per save: synchronous {med['save']:.3f} s, trainer.async_checkpoint=true "
-          f"{med['async_stall']:.3f} s (the write then takes {med['async_total'] - med['async_stall']:.3f} s "
-          f"in the background)")
+    if can_async:
+        print(f"training stall per save: synchronous {med['save']:.3f} s, trainer.async_checkpoint=true "
+              f"{med['async_stall']:.3f} s (the write then takes {med['async_total'] - med['async_stall']:.3f} s "
+              f"in the background); stall ratio against plain save {med['plain_save'] / med['async_stall']:.2f} "
+              f"(CPU time {cmed['plain_save'] / cmed['async_stall']:.2f})")
+    else:
+        print(f"training stall per save: synchronous {med['save']:.3f} s (background saves need engine=torch)")
 
 
 if __name__ == "__main__":

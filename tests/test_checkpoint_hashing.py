@@ -1,0 +1,181 @@
+"""Checksums taken while a checkpoint is written (no second read of its files), the host copy
+background saves reuse, and the engine's DCP round trip around them. The references are
+independent: the file's bytes read back and hashed (the protocol's reader), torch's own
+``torch.load``, and the tensors the engine held when it saved."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmtrain.checkpoint.protocol import CheckpointManager, _checksum, verify
+from llmtrain.checkpoint.state import TrainState
+from llmtrain.engine import dcp_state
+from llmtrain.parallel.distributed import DistEnv
+
+ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+
+
+def _engine(seed: int):
+    from conftest import make_cfg
+    from llmtrain.engine.torch_engine import TorchEngine
+    from llmtrain.models.build import build_model
+    from llmtrain.objectives import CausalLM
+
+    engine = TorchEngine(make_cfg(["trainer.max_steps=10"]), ENV, accumulation_steps=1, objective=CausalLM())
+    engine.setup(build_model(engine.cfg.model, seed=seed))
+    return engine
+
+
+def _train_step(engine, scale: float) -> None:
+    for p in engine.model.parameters():
+        p.grad = torch.full_like(p, scale)
+    engine.step()
+
+
+def _snapshot(engine) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.clone() for k, v in engine.model.state_dict().items()}
+    for i, state in engine.optimizer.state_dict()["state"].items():
+        out.update({f"optim.{i}.{k}": v.clone() for k, v in state.items()})
+    return out
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("kind", ["xxh3", "sha256"])
+def test_checksums_taken_while_writing_equal_the_files_read_back(kind, tmp_path):
+    engine = _engine(1)
+    _train_step(engine, 0.5)
+    folder = tmp_path / "tmp-step"
+    dcp_state.hash_writes(folder, kind)
+    engine.save_checkpoint(folder / "engine")
+    written = dcp_state.take_written(folder)
+    # DCP's data file and its metadata (written as .metadata.tmp, then renamed) were hashed.
+    assert {"engine/__0_0.distcp", "engine/.metadata"} <= set(written)
+    for rel, (size, digest) in written.items():
+        assert size == (folder / rel).stat().st_size
+        assert digest == _checksum(folder / rel, kind), rel
+    assert dcp_state.take_written(folder) == {}  # taken once; the folder is forgotten
+
+
+def test_hashed_writer_matches_hashlib_and_follows_renames(tmp_path):
+    dcp_state.hash_writes(tmp_path, "sha256")
+    chunks = [b"abc" * 1000, torch.arange(7, dtype=torch.float32).numpy().tobytes(), b""]
+    with dcp_state.hashed_open(tmp_path / "f.tmp") as f:
+        for chunk in chunks:
+            f.write(memoryview(chunk))
+    with dcp_state.hashed_open(tmp_path / "gone") as f:
+        f.write(b"x")
+    fs = dcp_state._HashingFileSystem()
+    fs.rename(tmp_path / "f.tmp", tmp_path / "f.bin")  # as DCP renames .metadata.tmp
+    fs.rm_file(tmp_path / "gone")
+    written = dcp_state.take_written(tmp_path)
+    assert written == {"f.bin": (len(b"".join(chunks)), hashlib.sha256(b"".join(chunks)).hexdigest())}
+    with dcp_state.hashed_open(tmp_path / "h.bin") as f:
+        assert not hasattr(f, "digest")  # the folder is no longer registered: a plain file
+
+
+class _DCPEngine:
+    """The torch engine's save and load, as the protocol calls them."""
+
+    def __init__(self, engine, storage_writer=None):
+        self.engine, self.storage_writer = engine, storage_writer
+
+    def save_checkpoint(self, directory: Path, background: bool = False):
+        e = self.engine
+        writer = self.storage_writer(directory) if self.storage_writer else None
+        return dcp_state.save(directory, [e.model], [e.optimizer], e.scheduler, True, background, writer)
+
+    def load_checkpoint(self, directory: Path, saved_world_size: int) -> None:
+        self.engine.load_checkpoint(directory, saved_world_size)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_checkpoint_sealed_from_write_time_checksums_round_trips_and_catches_damage(background, tmp_path):
+    source = _engine(1)
+    _train_step(source, 0.5)
+    manager = CheckpointManager(tmp_path, ENV, keep=3)
+    state = TrainState(step=2, consumed_samples=2, global_batch_size=1)
+    path = manager.save(_DCPEngine(source), state, "x: 1\n", background=background) or manager.finish_background()
+    saved = _snapshot(source)
+    files = json.loads((path / "COMPLETE.json").read_text())["files"]
+    for rel, meta in files.items():  # every listed checksum is the file's own, read back
+        assert meta == {"bytes": (path / rel).stat().st_size, "xxh3_128": _checksum(path / rel, "xxh3")}, rel
+    assert verify(path) is None
+    target = _engine(2)
+    assert not torch.equal(next(target.model.parameters()), next(source.model.parameters()))
+    CheckpointManager(tmp_path, ENV, keep=3).load(_DCPEngine(target), path)
+    _assert_same(_snapshot(target), saved)
+    assert target.lr() == source.lr()
+    data = path / "engine" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    data.write_bytes(bytes(raw))
+    assert verify(path) == "checksum mismatch in engine/__0_0.distcp"
+    data.write_bytes(bytes(raw[:-10]))
+    assert verify(path).startswith("truncated file engine/__0_0.distcp")
+
+
+def test_background_saves_reuse_the_host_copy_and_write_the_current_values(tmp_path):
+    """The staging buffers outlive a save: the second background save must write step 2's
+    values, not step 1's left in them."""
+    source = _engine(1)
+    manager = CheckpointManager(tmp_path, ENV, keep=3)
+    paths, snapshots = [], []
+    for step in (1, 2):
+        _train_step(source, 0.5 * step)
+        snapshots.append(_snapshot(source))
+        assert manager.save(_DCPEngine(source), TrainState(step=step, global_batch_size=1), "x: 1\n",
+                            background=True) is None
+        staged = dcp_state._staging["state"]
+        paths.append(manager.finish_background())
+    assert staged is dcp_state._staging["state"]  # the same buffers both times
+    assert not torch.equal(snapshots[0]["model.model.embed_tokens.weight"],
+                           snapshots[1]["model.model.embed_tokens.weight"])
+    for path, expected in zip(paths, snapshots):
+        target = _engine(3)
+        manager.load(_DCPEngine(target), path)
+        _assert_same(_snapshot(target), expected)
+
+
+def test_a_checkpoint_of_the_previous_version_still_loads(tmp_path):
+    """Before this version the engine wrote through DCP's stock writer and the protocol hashed
+    every file by reading it back; such a checkpoint verifies and loads the same."""
+    import torch.distributed.checkpoint as dcp
+
+    source = _engine(1)
+    _train_step(source, 0.25)
+    path = CheckpointManager(tmp_path, ENV, keep=3).save(
+        _DCPEngine(source, storage_writer=lambda d: dcp.FileSystemWriter(str(d))), TrainState(step=4, global_batch_size=1),
+        "x: 1\n")
+    assert verify(path) is None
+    target = _engine(2)
+    CheckpointManager(tmp_path, ENV, keep=3).load(_DCPEngine(target), path)
+    _assert_same(_snapshot(target), _snapshot(source))
+
+
+def test_deepspeed_shards_are_hashed_as_torch_saves_them(tmp_path):
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    from llmtrain.engine.deepspeed_engine import _hashed_saves
+
+    engine = TorchCheckpointEngine()
+    engine.zipfile_serialization = True
+    state = {"weights": torch.randn(64, 8), "step": 3, "nested": {"m": torch.arange(5)}}
+    dcp_state.hash_writes(tmp_path, "xxh3")
+    with _hashed_saves(engine):
+        engine.save(state, str(tmp_path / "shard.pt"))
+    assert "save" not in vars(engine)  # the class's own method again
+    written = dcp_state.take_written(tmp_path)
+    assert written == {"shard.pt": ((tmp_path / "shard.pt").stat().st_size, _checksum(tmp_path / "shard.pt", "xxh3"))}
+    loaded = torch.load(tmp_path / "shard.pt", weights_only=True)
+    assert torch.equal(loaded["weights"], state["weights"]) and loaded["step"] == 3
+    assert torch.equal(loaded["nested"]["m"], state["nested"]["m"])
