@@ -99,10 +99,11 @@ class MatmulProbe:
     """What :func:`probe_matmul_flops` measured.
 
     ``flops_per_s``: the best timing's rate (FLOP/s), ``matmuls`` matmuls of side ``n`` in
-    ``seconds``; ``wall_seconds`` and ``cpu_seconds`` (the process's CPU time over all threads)
-    of that timing; ``cores``: the cores it counted (``seconds`` is the shorter of the wall time
-    and ``cpu_seconds / cores``, see :func:`probe_matmul_flops`); ``flops_done``: FLOPs of every
-    matmul the probe ran, warm-ups included; ``wall_s``: the probe's own wall time."""
+    ``seconds``, operands laid out as ``layout`` (:data:`LAYOUTS`); ``wall_seconds`` and
+    ``cpu_seconds`` (the process's CPU time over all threads) of that timing; ``cores``: the
+    cores it counted (``seconds`` is the shorter of the wall time and ``cpu_seconds / cores``,
+    see :func:`probe_matmul_flops`); ``flops_done``: FLOPs of every matmul the probe ran,
+    warm-ups included; ``wall_s``: the probe's own wall time."""
 
     flops_per_s: float
     n: int
@@ -113,6 +114,14 @@ class MatmulProbe:
     cores: float
     flops_done: float
     wall_s: float
+    layout: str = "NN"
+
+
+# Operand layouts (N: as stored, T: a transposed view), all of which training runs: a Linear's
+# forward is x @ W.T (NT), its input gradient g @ W (NN), its weight gradient g.T @ x (TN). Their
+# speeds can differ by far: bf16 emulated on Zen 3 runs TN at 43 GFLOP/s, NT at 18, NN at 2.
+LAYOUTS = {"NN": lambda a, b: (a, b), "NT": lambda a, b: (a, b.t()),
+           "TN": lambda a, b: (a.t(), b), "TT": lambda a, b: (a.t(), b.t())}
 
 
 def _sync(device: torch.device) -> None:
@@ -136,13 +145,14 @@ def probe_matmul_flops(device: torch.device, precision: str, cores: float | None
     with).
 
     Square matmuls of side ``min_n``, doubling up to ``max_n`` (default 4096 on CPU, 8192 on a
-    GPU, where smaller ones do not fill the device); at each size one warm-up (oneDNN's and
-    cuBLAS's kernel selection) and then ``repeats`` timings of enough back-to-back matmuls to
-    last ``target_s``. The next size is tried only while a warm-up and one timing of it (8 times
-    the current matmul's time each) fit in what is left of ``budget_s``, so a CPU that emulates
-    bf16 (about 1 GFLOP/s) stops at a small size instead of spending a minute. The result is the
-    best timing over all sizes: peak means the fastest rate seen, and larger sizes only help
-    (steady state), noise only hurts.
+    GPU, where smaller ones do not fill the device). At the first size each operand layout of
+    :data:`LAYOUTS` gets a warm-up (oneDNN's and cuBLAS's kernel selection) and one timing, and
+    the fastest is kept for the rest; every size then gets a warm-up and ``repeats`` timings of
+    enough back-to-back matmuls to last ``target_s``. The next size is tried only while a
+    warm-up and one timing of it (8 times the current matmul's time each) fit in what is left
+    of ``budget_s``, so a CPU that emulates bf16 stops at a small size instead of spending a
+    minute. The result is the best timing: peak means the fastest rate seen, and larger sizes
+    only help (steady state), noise only hurts.
 
     On a CPU a timing counts the time the threads had the cores: the shorter of its wall time and
     the process's CPU time over ``cores`` (default: its threads, at most :func:`usable_cores`).
@@ -167,33 +177,37 @@ def probe_matmul_flops(device: torch.device, precision: str, cores: float | None
     dtype, started = DTYPES[precision], time.perf_counter()
     deadline = started + budget_s
     best: MatmulProbe | None = None
-    done, n = 0.0, min_n
+    done, n, layouts = 0.0, min_n, list(LAYOUTS)
+
+    def timed(a: torch.Tensor, b: torch.Tensor, count: int) -> tuple[float, float]:
+        _sync(device)
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(count):
+            torch.mm(a, b)
+        _sync(device)
+        return time.perf_counter() - wall, time.process_time() - cpu
+
     while True:
-        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-
-        def timed(count: int) -> tuple[float, float]:
-            _sync(device)
-            wall, cpu = time.perf_counter(), time.process_time()
-            for _ in range(count):
-                torch.mm(a, b)
-            _sync(device)
-            return time.perf_counter() - wall, time.process_time() - cpu
-
-        one = timed(1)[0]  # warm-up: its time only sizes the timings
-        done += matmul_flops(n)
-        count = max(1, min(64, math.ceil(target_s / max(one, 1e-9))))
-        per_matmul = one
-        for i in range(repeats):
-            if i and time.perf_counter() + count * per_matmul > deadline:
-                break
-            wall, cpu = timed(count)
-            done += count * matmul_flops(n)
-            per_matmul = min(per_matmul, wall / count)
-            seconds = wall if device.type != "cpu" else min(wall, cpu / cores)
-            rate = count * matmul_flops(n) / max(seconds, 1e-12)
-            if best is None or rate > best.flops_per_s:
-                best = MatmulProbe(rate, n, count, seconds, wall, cpu, cores, 0.0, 0.0)
-        if 2 * n > max_n or time.perf_counter() + 2 * 8 * per_matmul > deadline:
+        square = [torch.randn(n, n, device=device, dtype=dtype) for _ in range(2)]
+        per_matmul = {}
+        for layout in layouts:
+            a, b = LAYOUTS[layout](*square)
+            one = timed(a, b, 1)[0]  # warm-up: its time only sizes the timings
+            done += matmul_flops(n)
+            count = max(1, min(64, math.ceil(target_s / max(one, 1e-9))))
+            per_matmul[layout] = one
+            for i in range(repeats if len(layouts) == 1 else 1):
+                if i and time.perf_counter() + count * per_matmul[layout] > deadline:
+                    break
+                wall, cpu = timed(a, b, count)
+                done += count * matmul_flops(n)
+                per_matmul[layout] = min(per_matmul[layout], wall / count)
+                seconds = wall if device.type != "cpu" else min(wall, cpu / cores)
+                rate = count * matmul_flops(n) / max(seconds, 1e-12)
+                if best is None or rate > best.flops_per_s:
+                    best = MatmulProbe(rate, n, count, seconds, wall, cpu, cores, 0.0, 0.0, layout)
+        layouts = [best.layout]
+        if 2 * n > max_n or time.perf_counter() + 2 * 8 * per_matmul[best.layout] > deadline:
             break
         n *= 2
     return dataclasses.replace(best, flops_done=done, wall_s=time.perf_counter() - started)
@@ -275,8 +289,9 @@ def write_cached_peak(key: str, entry: dict, path: Path | None = None) -> bool:
         return False
 
 
-def peak_entry(tflops: float, n: int, probe_s: float) -> dict:
+def peak_entry(tflops: float, n: int, layout: str, probe_s: float) -> dict:
     """The cache entry of a measurement made now: ``tflops`` (TFLOP/s per device), the probe's
-    matrix side ``n``, ``measured_at`` (UTC, ISO 8601) and the probe's wall seconds."""
-    return {"tflops": tflops, "n": n, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "probe_s": round(probe_s, 3)}
+    matrix side ``n`` and operand ``layout``, ``measured_at`` (UTC, ISO 8601) and the probe's
+    wall seconds."""
+    return {"tflops": tflops, "n": n, "layout": layout, "probe_s": round(probe_s, 3),
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}

@@ -125,21 +125,21 @@ def peak_tflops(device: torch.device, precision: str, configured: float = 0.0,
         if together:
             dist.barrier()  # the ranks sharing the cores probe at the same time
         found = probe(device, precision, share)
-        tflops, n = found.flops_per_s / 1e12, found.n
+        tflops, n, layout = found.flops_per_s / 1e12, found.n, found.layout
     else:
-        tflops, n = float(entry["tflops"]), int(entry.get("n", 0))
+        tflops, n, layout = float(entry["tflops"]), int(entry.get("n", 0)), str(entry.get("layout", "?"))
     if together:
         figure = torch.tensor([tflops], dtype=torch.float64)
         dist.all_reduce(figure)
         tflops = figure.item() / dist.get_world_size()
     if missing:
         if int(os.environ.get("LOCAL_RANK") or 0) == 0:  # one writer per machine
-            hardware.write_cached_peak(key, hardware.peak_entry(tflops, n, found.wall_s), path)
+            hardware.write_cached_peak(key, hardware.peak_entry(tflops, n, layout, found.wall_s), path)
         if together:
             dist.barrier()  # written before any rank returns: a next call anywhere reads it
-        detail = f"measured by a {n}x{n} matmul probe on this {kind} ({what}), cached in {path}"
+        detail = f"measured by a {n}x{n} matmul probe ({layout} layout) on this {kind} ({what}), cached in {path}"
     else:
-        detail = (f"measured by a {n}x{n} matmul probe on this {kind} ({what}) on "
+        detail = (f"measured by a {n}x{n} matmul probe ({layout} layout) on this {kind} ({what}) on "
                   f"{entry.get('measured_at', '?')}, read from {path}; delete the file to measure again")
     return Peak(tflops, precision, "measured", detail)
 
