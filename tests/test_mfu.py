@@ -95,7 +95,10 @@ def test_the_measured_peak_is_cached_per_machine_and_a_bad_cache_is_measured_aga
     flops.peak_tflops(CPU, "bf16", probe=probe)  # another precision: an entry of its own
     assert len(probe.calls) == 2 and set(json.loads(cache.read_text())) == {key, hardware.peak_cache_key(CPU, "bf16")}
 
-    for broken in ("{not json", "[1, 2]", json.dumps({key: {"tflops": -1.0}}), json.dumps({key: {"tflops": "fast"}})):
+    version = hardware.PROBE_VERSION
+    for broken in ("{not json", "[1, 2]", json.dumps({key: {"tflops": -1.0, "probe": version}}),
+                   json.dumps({key: {"tflops": "fast", "probe": version}}),
+                   json.dumps({key: {**entry, "probe": version - 1}})):  # an older probe's figure
         cache.write_text(broken)
         calls = len(probe.calls)
         peak = flops.peak_tflops(CPU, "fp32", probe=probe)

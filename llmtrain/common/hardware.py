@@ -86,6 +86,9 @@ def default_device() -> torch.device:
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PEAK_CACHE_NAME = "peak_flops.json"
 PROBE_BUDGET_S = 2.0
+# Raised whenever the probe measures differently: the cache's entries of another version are
+# measured again (version 2: the fastest of four operand layouts, CPU time over the cores).
+PROBE_VERSION = 2
 
 
 def matmul_flops(n: int) -> float:
@@ -260,9 +263,9 @@ def _read_entries(path: Path) -> dict:
 
 def read_cached_peak(key: str, path: Path | None = None) -> dict | None:
     """The cache entry ``key`` (``tflops``, ``n``, ``measured_at`` ...) when it holds a usable
-    figure (a positive finite ``tflops``), else None."""
+    figure (a positive finite ``tflops``) of this :data:`PROBE_VERSION`, else None."""
     entry = _read_entries(path or peak_cache_path()).get(key)
-    if not isinstance(entry, dict):
+    if not isinstance(entry, dict) or entry.get("probe") != PROBE_VERSION:
         return None
     tflops = entry.get("tflops")
     if isinstance(tflops, (int, float)) and not isinstance(tflops, bool) and math.isfinite(tflops) and tflops > 0:
@@ -291,7 +294,7 @@ def write_cached_peak(key: str, entry: dict, path: Path | None = None) -> bool:
 
 def peak_entry(tflops: float, n: int, layout: str, probe_s: float) -> dict:
     """The cache entry of a measurement made now: ``tflops`` (TFLOP/s per device), the probe's
-    matrix side ``n`` and operand ``layout``, ``measured_at`` (UTC, ISO 8601) and the probe's
-    wall seconds."""
-    return {"tflops": tflops, "n": n, "layout": layout, "probe_s": round(probe_s, 3),
+    matrix side ``n`` and operand ``layout``, the :data:`PROBE_VERSION`, ``measured_at`` (UTC,
+    ISO 8601) and the probe's wall seconds."""
+    return {"tflops": tflops, "n": n, "layout": layout, "probe": PROBE_VERSION, "probe_s": round(probe_s, 3),
             "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
