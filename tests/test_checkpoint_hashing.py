@@ -179,3 +179,17 @@ def test_deepspeed_shards_are_hashed_as_torch_saves_them(tmp_path):
     loaded = torch.load(tmp_path / "shard.pt", weights_only=True)
     assert torch.equal(loaded["weights"], state["weights"]) and loaded["step"] == 3
     assert torch.equal(loaded["nested"]["m"], state["nested"]["m"])
+
+
+def test_pruned_checkpoints_leave_at_once_and_are_deleted_in_the_background(tmp_path):
+    from test_checkpoint_protocol import FileEngine
+
+    manager = CheckpointManager(tmp_path, ENV, keep=1)
+    root = tmp_path / "checkpoints"
+    (root / ".deleting-step_1" / "engine").mkdir(parents=True)  # left by a process killed mid-delete
+    for step in (2, 3):
+        manager.save(FileEngine(), TrainState(step=step, global_batch_size=1), "x: 1\n")
+        assert [p.name for p in root.glob("step_*")] == [f"step_{step}"]  # step_2 left as step_3 sealed
+    assert manager.resolve("auto") == root / "step_3"
+    manager.finish_pruning()
+    assert sorted(p.name for p in root.iterdir()) == ["step_3"]

@@ -75,6 +75,7 @@ class Checkpointer:
         """Seal a background write still open (defensive: the last save is synchronous)."""
         if sealed := self.manager.finish_background():
             self._commit(sealed)
+        self.manager.finish_pruning()  # checkpoints pruned in the background are gone on return
 
     def _commit(self, sealed: Path) -> None:
         self.latest = str(sealed)
