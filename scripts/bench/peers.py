@@ -2,20 +2,36 @@
 """llmtrain against Hugging Face Trainer: the same model, data, global batch, optimizer and
 schedule, in three modes (1 process, DDP x 2, ZeRO-3 x 2), alternating order over rounds.
 
-Both sides train the tiny Llama widened to Ψ ≈ 3 M parameters on the same packed token blocks
-(llmtrain's data pipeline, ``data=stdlib``), global batch 16 of 128 tokens, AdamW (β = 0.9/0.95,
-weight decay 0.1, clipping 1.0), linear warmup then cosine decay to 0.1 × lr, fp32, no
-evaluation, logging or saving inside the timed steps. HF Trainer gets llmtrain's generated
-DeepSpeed JSON for ZeRO-3 (``llmtrain.engine.deepspeed_engine.deepspeed_config``), so both run
-the identical DeepSpeed configuration.
+Both sides train the tiny Llama widened to Ψ ≈ 3 M parameters (hidden 256, 4 layers, byte
+vocabulary of 320) on the same packed token blocks (llmtrain's data pipeline and collator),
+global batch 16 of 128 tokens, AdamW (β = 0.9/0.95, weight decay 0.1, clipping 1.0), linear
+warmup then cosine decay to 0.1 × lr, no evaluation, logging or saving inside the timed steps.
+
+Each side runs in its best documented configuration for this machine:
+
+- precision: ``--precision auto`` (default) is llmtrain's ``trainer.precision=auto`` rule
+  (bf16 where the CPU has AMX or AVX512-BF16, else fp32), applied to both sides: HF Trainer gets
+  ``bf16=True`` exactly when llmtrain runs bf16. ``--precision fp32`` / ``bf16`` force one.
+- HF Trainer: ``optim=adamw_torch_fused`` (its default), ``ddp_find_unused_parameters=False``
+  (its docs' advice for models without unused parameters; its default is True), llmtrain's
+  generated DeepSpeed JSON under ZeRO-3 (``llmtrain.engine.deepspeed_engine.deepspeed_config``),
+  so both run the identical DeepSpeed configuration. Batches in its padding-free format
+  (``position_ids`` per packed document, no ``attention_mask``, as ``DataCollatorWithFlattening``
+  emits), so the model attends within each document, as under llmtrain. ``--hf-optim`` and ``--hf-compile`` try others.
+- both: llmtrain's sample order (HF reads it sequentially), so both see the same blocks each
+  step; ``OMP_WAIT_POLICY=PASSIVE`` (what ``python -m llmtrain`` sets: OpenMP threads sleep
+  instead of spinning while they wait, which on a busy machine burns CPU time and wall alike).
 
 Measured on rank 0 between the start of step ``--warmup`` and the start of the last step: wall
 tokens/s, and tokens per CPU-second (``time.process_time`` of rank 0; the figure to trust on a
 shared machine). Each (framework, mode, round) is its own launch; the order of the two
-frameworks flips every round.
+frameworks flips every round. Both sides record every step's global mean loss; the script
+prints the largest per-step gap and the time to the same loss: steps until each side's loss
+first falls to the loss the slower-learning side ends at, times its measured seconds per step.
 
     python scripts/bench/peers.py --rounds 3
     python scripts/bench/peers.py --modes single --rounds 5 --steps 40
+    python scripts/bench/peers.py --modes single --rounds 1 --profile   # torch.profiler tables of both sides
 """
 
 from __future__ import annotations
@@ -34,11 +50,11 @@ SEQ_LEN, GLOBAL_BATCH = 128, 16
 OVERRIDES = ["model.architecture.hidden_size=256", "model.architecture.intermediate_size=688", "tracker=none",
              "trainer.progress_bar=false", "trainer.eval_every=0", "trainer.eval_samples=4", "trainer.export_hf=false",
              "data.max_bytes=600000", f"data.seq_len={SEQ_LEN}", f"trainer.global_batch_size={GLOBAL_BATCH}",
-             "trainer.micro_batch_size=8", "trainer.precision=fp32"]  # HF Trainer's side runs fp32 too
+             "trainer.micro_batch_size=8"]
 MODES = {"single": (1, []), "ddp": (2, ["+recipe=ddp"]), "zero3": (2, ["+recipe=zero3"])}
 
 
-def compose_cfg(mode: str, steps: int, run_dir: str):
+def compose_cfg(mode: str, steps: int, run_dir: str, precision: str = "fp32", extra: list[str] | None = None):
     from hydra import compose, initialize_config_dir
 
     from llmtrain.config.compose import register_configs
@@ -46,8 +62,8 @@ def compose_cfg(mode: str, steps: int, run_dir: str):
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("config", overrides=OVERRIDES + MODES[mode][1] + [f"trainer.max_steps={steps}",
-                                                                         f"run_dir={run_dir}"])
+        return compose("config", overrides=OVERRIDES + MODES[mode][1] + list(extra or []) + [
+            f"trainer.precision={precision}", f"trainer.max_steps={steps}", f"run_dir={run_dir}"])
 
 
 def tokens_per_s(starts: list[tuple[float, float]], warmup: int) -> tuple[float, float]:
@@ -57,17 +73,48 @@ def tokens_per_s(starts: list[tuple[float, float]], warmup: int) -> tuple[float,
     return tokens / (w1 - w0), tokens / (c1 - c0)
 
 
-def train_with_step_clock(cfg) -> tuple[dict, list[tuple[float, float]]]:
+class StepProfile:
+    """``torch.profiler`` over steps ``[warmup, last)`` when enabled: started and stopped at step
+    starts, so both sides' tables cover whole steps (forward, backward, optimizer, data)."""
+
+    def __init__(self, enabled: bool, warmup: int, steps: int):
+        self.enabled, self.warmup, self.steps, self.prof = enabled, warmup, steps, None
+
+    def at_step_start(self, index: int) -> None:
+        if not self.enabled:
+            return
+        import torch.profiler
+
+        if index == self.warmup:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.prof.start()
+        elif index == self.steps - 1 and self.prof is not None:
+            self.prof.stop()
+
+    def table(self) -> str | None:
+        if self.prof is None:
+            return None
+        return self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=44)
+
+
+def train_with_step_clock(cfg, on_step=None, losses: list[float] | None = None
+                          ) -> tuple[dict, list[tuple[float, float]]]:
     """``llmtrain.trainer.train(cfg)``, recording (wall, CPU) time at the start of every step:
-    (the run's summary, the clock readings). Also used by ``bench_overhead.py``."""
+    (the run's summary, the clock readings). ``on_step(index)`` is called at each step's start;
+    ``losses``, when given, gets every step's global mean loss. Also used by ``overhead.py``."""
     from llmtrain import trainer
 
     starts: list[tuple[float, float]] = []
     real = trainer.forward_backward
 
     def timed(engine, batches, *args):
+        if on_step is not None:
+            on_step(len(starts))
         starts.append((time.perf_counter(), time.process_time()))
-        return real(engine, batches, *args)
+        sums = real(engine, batches, *args)
+        if losses is not None:
+            losses.append(float(sums.loss))
+        return sums
 
     trainer.forward_backward = timed
     try:
@@ -76,23 +123,27 @@ def train_with_step_clock(cfg) -> tuple[dict, list[tuple[float, float]]]:
         trainer.forward_backward = real
 
 
-def run_llmtrain(mode: str, steps: int, warmup: int, run_dir: str) -> tuple[float, float]:
+def run_llmtrain(mode: str, steps: int, warmup: int, run_dir: str, opts: argparse.Namespace) -> dict:
     import llmtrain.parallel.distributed  # noqa: F401  (DS_ACCELERATOR before deepspeed)
 
-    _, starts = train_with_step_clock(compose_cfg(mode, steps, run_dir))
-    return tokens_per_s(starts, warmup)
+    prof = StepProfile(opts.profile, warmup, steps)
+    losses: list[float] = []
+    _, starts = train_with_step_clock(compose_cfg(mode, steps, run_dir, opts.precision, opts.llmtrain),
+                                      prof.at_step_start, losses)
+    return {"starts": starts, "losses": losses, "profile": prof.table()}
 
 
-def run_hf(mode: str, steps: int, warmup: int, run_dir: str) -> tuple[float, float]:
+def run_hf(mode: str, steps: int, warmup: int, run_dir: str, opts: argparse.Namespace) -> dict:
     import llmtrain.parallel.distributed  # noqa: F401
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from llmtrain import data
     from llmtrain.config.layout import gradient_accumulation_steps
+    from llmtrain.engine.base import lr_lambda
     from llmtrain.models.build import build_model, build_tokenizer
 
-    cfg = compose_cfg(mode, steps, run_dir)
+    cfg = compose_cfg(mode, steps, run_dir, opts.precision)
     t = cfg.trainer
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # before TrainingArguments: its DeepSpeed config reads the world size from the group
@@ -105,13 +156,16 @@ def run_hf(mode: str, steps: int, warmup: int, run_dir: str) -> tuple[float, flo
             deepspeed.init_distributed(dist_backend="gloo")
     tokenizer = build_tokenizer(cfg.model)
     splits = data.load_splits(cfg.data, tokenizer, t.seed)
+    order = splits.order(t.seed, cfg.data.shuffle)
 
     class Blocks(torch.utils.data.Dataset):
+        """llmtrain's sample order, read sequentially: step s holds the same 16 blocks on both sides."""
+
         def __len__(self):
-            return len(splits.train)
+            return steps * GLOBAL_BATCH
 
         def __getitem__(self, i):
-            return splits.train[i]
+            return splits.train[order[i]]
 
     ds_config = None
     if mode == "zero3":
@@ -125,40 +179,91 @@ def run_hf(mode: str, steps: int, warmup: int, run_dir: str) -> tuple[float, flo
         max_grad_norm=t.grad_clip, lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
         warmup_steps=t.warmup_steps, logging_strategy="no", save_strategy="no", eval_strategy="no", report_to=[],
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, seed=t.seed, deepspeed=ds_config,
-        disable_tqdm=True, ddp_backend="gloo" if world > 1 else None)
+        disable_tqdm=True, ddp_backend="gloo" if world > 1 else None, ddp_find_unused_parameters=False,
+        train_sampling_strategy="sequential",
+        bf16=opts.precision == "bf16", optim=opts.hf_optim, torch_compile=opts.hf_compile)
     starts: list[tuple[float, float]] = []
+    losses: list[float] = []
+    prof = StepProfile(opts.profile, warmup, steps)
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *_, **__):
+            prof.at_step_start(len(starts))
             starts.append((time.perf_counter(), time.process_time()))
+            losses.append(0.0)
+
+    class Recording(Trainer):
+        """HF Trainer as is, adding up each step's micro-batch losses (already divided by the
+        global batch's token count, times the world size: the all-reduced mean below undoes it),
+        on llmtrain's LR schedule: HF's warmup starts from lr 0 at step 0 ((s + 1) / warmup in
+        llmtrain), which would shift its loss curve by a step; after warmup the two are the same
+        cosine to 0.1 × lr."""
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if self.lr_scheduler is None:
+                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, lr_lambda(t))
+            return self.lr_scheduler
+
+        def training_step(self, *a, **k):
+            loss = super().training_step(*a, **k)
+            losses[-1] += float(loss)
+            return loss
+
+    collate = data.Collator(tokenizer.pad_token_id)
+
+    def padding_free(samples: list[dict]) -> dict[str, torch.Tensor]:
+        """llmtrain's collator in HF's padding-free format (what ``DataCollatorWithFlattening``
+        emits: ``position_ids`` restarting per document, no ``attention_mask``), so the model
+        keeps each packed document to itself, as it does under llmtrain (``model_inputs``)."""
+        batch = collate(samples)
+        batch.pop("attention_mask")
+        return batch
 
     model = build_model(cfg.model, t.seed)
-    Trainer(model=model, args=args, train_dataset=Blocks(), data_collator=data.Collator(tokenizer.pad_token_id),
-            callbacks=[Clock()]).train()
-    return tokens_per_s(starts, warmup)
+    Recording(model=model, args=args, train_dataset=Blocks(), data_collator=padding_free,
+              callbacks=[Clock()]).train()
+    if world > 1:
+        import torch.distributed as dist
+
+        summed = torch.tensor(losses, dtype=torch.float64)
+        dist.all_reduce(summed)
+        losses = (summed / world).tolist()
+    return {"starts": starts, "losses": losses, "profile": prof.table()}
 
 
-def child(framework: str, mode: str, steps: int, warmup: int) -> None:
+def child(framework: str, mode: str, steps: int, warmup: int, opts: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as run_dir:
-        result = (run_llmtrain if framework == "llmtrain" else run_hf)(mode, steps, warmup, run_dir)
+        got = (run_llmtrain if framework == "llmtrain" else run_hf)(mode, steps, warmup, run_dir, opts)
     if int(os.environ.get("RANK", "0")) == 0:
-        print("RESULT " + json.dumps({"wall": result[0], "cpu": result[1]}), flush=True)
+        wall, cpu = tokens_per_s(got["starts"], warmup)
+        timed = got["starts"][warmup:]
+        print("RESULT " + json.dumps({"wall": wall, "cpu": cpu, "losses": got["losses"],
+                                      "step_wall": (timed[-1][0] - timed[0][0]) / (len(timed) - 1),
+                                      "step_cpu": (timed[-1][1] - timed[0][1]) / (len(timed) - 1),
+                                      "profile": got["profile"]}), flush=True)
     from llmtrain.parallel.distributed import shutdown
 
     shutdown()
 
 
-def launch(framework: str, mode: str, steps: int, warmup: int) -> dict:
+def launch(framework: str, mode: str, opts: argparse.Namespace) -> dict:
     nproc = MODES[mode][0]
     cmd = ([sys.executable] if nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
-    out = subprocess.run(cmd + [__file__, "--child", framework, "--modes", mode, "--steps", str(steps),
-                                "--warmup", str(warmup)], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    passed = ["--precision", opts.precision, "--hf-optim", opts.hf_optim] + (["--hf-compile"] if opts.hf_compile else []) \
+        + (["--profile"] if opts.profile else []) + [f"--llmtrain={o}" for o in opts.llmtrain]
+    out = subprocess.run(cmd + [__file__, "--child", framework, "--modes", mode, "--steps", str(opts.steps),
+                                "--warmup", str(opts.warmup)] + passed, capture_output=True, text=True, cwd=REPO,
+                         env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONPATH": str(REPO)})
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         raise SystemExit(f"{framework} {mode} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def steps_to(losses: list[float], target: float) -> int:
+    """1-based count of steps until the loss first falls to ``target`` or below."""
+    return next(i + 1 for i, loss in enumerate(losses) if loss <= target + 1e-12)
 
 
 def main() -> None:
@@ -167,23 +272,61 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the measurement")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="both sides; auto = llmtrain's trainer.precision=auto rule for this machine")
+    parser.add_argument("--hf-optim", default="adamw_torch_fused", help="HF TrainingArguments.optim")
+    parser.add_argument("--hf-compile", action="store_true", help="HF TrainingArguments.torch_compile=True")
+    parser.add_argument("--llmtrain", action="append", default=[], metavar="OVERRIDE",
+                        help="an extra llmtrain override (repeatable), e.g. --llmtrain=recipe.compile=true")
+    parser.add_argument("--profile", action="store_true",
+                        help="print each side's torch.profiler table over the timed steps (slows both)")
     parser.add_argument("--child", choices=["llmtrain", "hf"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.modes[0], args.steps, args.warmup)
+        return child(args.child, args.modes[0], args.steps, args.warmup, args)
+    if args.precision == "auto":
+        import torch
+
+        from llmtrain.common.hardware import resolve_precision
+
+        args.precision, why = resolve_precision("auto", torch.device("cpu"))
+        print(f"precision {args.precision} ({why})")
     print(f"Ψ ≈ 3.0 M, global batch {GLOBAL_BATCH} x {SEQ_LEN} tokens, {args.steps} steps "
-          f"(timed from step {args.warmup}), median of {args.rounds} alternating rounds")
-    print(f"{'mode':7s} {'llmtrain tok/s':>15s} {'HF tok/s':>9s} {'ratio':>6s} {'llmtrain tok/CPU-s':>19s} "
-          f"{'HF tok/CPU-s':>13s} {'ratio':>6s}")
+          f"(timed from step {args.warmup}), {args.precision}, HF optim={args.hf_optim}"
+          f"{' torch_compile' if args.hf_compile else ''}, median of {args.rounds} alternating rounds")
+    rows = []
     for mode in args.modes:
         got: dict[str, list[dict]] = {"llmtrain": [], "hf": []}
         for r in range(args.rounds):
             for framework in (("llmtrain", "hf") if r % 2 == 0 else ("hf", "llmtrain")):
-                got[framework].append(launch(framework, mode, args.steps, args.warmup))
-        med = {f: {k: statistics.median(x[k] for x in v) for k in ("wall", "cpu")} for f, v in got.items()}
-        print(f"{mode:7s} {med['llmtrain']['wall']:15.0f} {med['hf']['wall']:9.0f} "
-              f"{med['llmtrain']['wall'] / med['hf']['wall']:6.2f} {med['llmtrain']['cpu']:19.0f} "
-              f"{med['hf']['cpu']:13.0f} {med['llmtrain']['cpu'] / med['hf']['cpu']:6.2f}", flush=True)
+                got[framework].append(launch(framework, mode, args))
+                if got[framework][-1]["profile"]:
+                    print(f"--- {framework} {mode}: torch.profiler over steps {args.warmup}..{args.steps - 1}\n"
+                          + got[framework][-1]["profile"], flush=True)
+        med = {f: {k: statistics.median(x[k] for x in v) for k in ("wall", "cpu", "step_wall", "step_cpu")}
+               for f, v in got.items()}
+        ours, theirs = got["llmtrain"][0]["losses"], got["hf"][0]["losses"]
+        gap = max(abs(a - b) for a, b in zip(ours, theirs))
+        target = max(ours[-1], theirs[-1])
+        reach = {"llmtrain": steps_to(ours, target), "hf": steps_to(theirs, target)}
+        to_loss = {f: {k: reach[f] * med[f][f"step_{k}"] for k in ("wall", "cpu")} for f in got}
+        rows.append((mode, med, gap, target, reach, to_loss))
+        print(f"{mode} per-step loss, llmtrain: {' '.join(f'{x:.4f}' for x in ours)}\n"
+              f"{mode} per-step loss, HF:       {' '.join(f'{x:.4f}' for x in theirs)}")
+        print(f"{mode}: llmtrain {med['llmtrain']['wall']:.0f} tok/s, {med['llmtrain']['cpu']:.0f} tok/CPU-s; "
+              f"HF {med['hf']['wall']:.0f} tok/s, {med['hf']['cpu']:.0f} tok/CPU-s; largest per-step loss gap "
+              f"{gap:.2g}; final loss {ours[-1]:.4f} vs {theirs[-1]:.4f}", flush=True)
+    print(f"\n{'mode':7s} {'wall ratio':>10s} {'CPU ratio':>9s} {'loss gap':>9s} {'target':>7s} "
+          f"{'steps (ours/HF)':>15s} {'to-loss wall s':>15s} {'to-loss CPU s':>14s} {'to-loss ratio (CPU)':>19s}")
+    for mode, med, gap, target, reach, to_loss in rows:
+        print(f"{mode:7s} {med['llmtrain']['wall'] / med['hf']['wall']:10.2f} "
+              f"{med['llmtrain']['cpu'] / med['hf']['cpu']:9.2f} {gap:9.2g} {target:7.4f} "
+              f"{reach['llmtrain']:>7d}/{reach['hf']:<7d} "
+              f"{to_loss['llmtrain']['wall']:7.1f}/{to_loss['hf']['wall']:<7.1f} "
+              f"{to_loss['llmtrain']['cpu']:6.1f}/{to_loss['hf']['cpu']:<7.1f} "
+              f"{to_loss['hf']['cpu'] / to_loss['llmtrain']['cpu']:19.2f}")
+    print("ratios are llmtrain ÷ HF tokens/s (higher: llmtrain faster); the to-loss ratio is HF's CPU seconds "
+          "to the target ÷ llmtrain's")
 
 
 if __name__ == "__main__":
