@@ -87,8 +87,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PEAK_CACHE_NAME = "peak_flops.json"
 PROBE_BUDGET_S = 2.0
 # Raised whenever the probe measures differently: the cache's entries of another version are
-# measured again (version 2: the fastest of four operand layouts, CPU time over the cores).
-PROBE_VERSION = 2
+# measured again (version 3: the fastest of four operand layouts, CPU time over the cores,
+# sizes from 512 up).
+PROBE_VERSION = 3
 
 
 def matmul_flops(n: int) -> float:
@@ -141,21 +142,23 @@ def usable_cores() -> int:
 
 
 def probe_matmul_flops(device: torch.device, precision: str, cores: float | None = None, max_n: int | None = None,
-                       min_n: int = 256, budget_s: float = PROBE_BUDGET_S, repeats: int = 3,
+                       min_n: int = 512, budget_s: float = PROBE_BUDGET_S, repeats: int = 3,
                        target_s: float = 0.02) -> MatmulProbe:
     """The peak dense matmul rate of one process on ``device`` at ``precision`` (``bf16`` or
     ``fp32``), with the torch threads it has now (``torch.get_num_threads()``: the ones it trains
     with).
 
-    Square matmuls of side ``min_n``, doubling up to ``max_n`` (default 4096 on CPU, 8192 on a
-    GPU, where smaller ones do not fill the device). At the first size each operand layout of
-    :data:`LAYOUTS` gets a warm-up (oneDNN's and cuBLAS's kernel selection) and one timing, and
-    the fastest is kept for the rest; every size then gets a warm-up and ``repeats`` timings of
-    enough back-to-back matmuls to last ``target_s``. The next size is tried only while a
-    warm-up and one timing of it (8 times the current matmul's time each) fit in what is left
-    of ``budget_s``, so a CPU that emulates bf16 stops at a small size instead of spending a
-    minute. The result is the best timing: peak means the fastest rate seen, and larger sizes
-    only help (steady state), noise only hurts.
+    Square matmuls of side ``min_n`` (512: smaller ones run below steady state, and a busy
+    machine's wall clock may leave no time for a larger one), doubling up to ``max_n`` (default
+    4096 on CPU, 8192 on a GPU, where smaller ones do not fill the device). First each operand
+    layout of :data:`LAYOUTS` gets a warm-up (oneDNN's and cuBLAS's kernel selection) and one
+    timing at side ``min(min_n, 256)``, and the fastest is kept for the rest; every size then
+    gets a warm-up and ``repeats`` timings of enough back-to-back matmuls to last ``target_s``.
+    The next size is tried only while a warm-up and one timing of it (the current matmul's time
+    times the cube of the size ratio, each) fit in what is left of ``budget_s``, so a CPU that
+    emulates bf16 stops at a small size instead of spending a minute. The result is the best
+    timing: peak means the fastest rate seen, and larger sizes only help (steady state), noise
+    only hurts.
 
     On a CPU a timing counts the time the threads had the cores: the shorter of its wall time and
     the process's CPU time over ``cores`` (default: its threads, at most :func:`usable_cores`).
@@ -180,7 +183,8 @@ def probe_matmul_flops(device: torch.device, precision: str, cores: float | None
     dtype, started = DTYPES[precision], time.perf_counter()
     deadline = started + budget_s
     best: MatmulProbe | None = None
-    done, n, layouts = 0.0, min_n, list(LAYOUTS)
+    # The layouts are compared at a small size (256 at most), where the slowest costs little.
+    done, n, layouts = 0.0, min(min_n, 256), list(LAYOUTS)
 
     def timed(a: torch.Tensor, b: torch.Tensor, count: int) -> tuple[float, float]:
         _sync(device)
@@ -209,10 +213,11 @@ def probe_matmul_flops(device: torch.device, precision: str, cores: float | None
                 rate = count * matmul_flops(n) / max(seconds, 1e-12)
                 if best is None or rate > best.flops_per_s:
                     best = MatmulProbe(rate, n, count, seconds, wall, cpu, cores, 0.0, 0.0, layout)
-        layouts = [best.layout]
-        if 2 * n > max_n or time.perf_counter() + 2 * 8 * per_matmul[best.layout] > deadline:
+        selecting, layouts = len(layouts) > 1, [best.layout]
+        grown = max(2 * n, min_n) if selecting else 2 * n
+        if grown > max_n or time.perf_counter() + 2 * (grown / n) ** 3 * per_matmul[best.layout] > deadline:
             break
-        n *= 2
+        n = grown
     return dataclasses.replace(best, flops_done=done, wall_s=time.perf_counter() - started)
 
 
