@@ -56,10 +56,12 @@ def run(mode: str, args, out: Path, index: int) -> dict:
         if match and "ready_s" not in result:
             result["ready_s"] = time.perf_counter() - started
             result["ready_cpu_s"] = _cpu_s(proc.pid)
-            result["phases"] = {name: float(s) for name, s in re.findall(r"([\w -]+?) ([\d.]+) s", match.group(2))}
+            result["phases"] = {name.strip(): float(s) for name, s in
+                                (part.rsplit(" ", 2)[:2] for part in match.group(2).split(", "))}
         if "step 1/" in line and "step1_s" not in result:
             result["step1_s"] = time.perf_counter() - started
     _, status, usage = os.wait4(proc.pid, 0)
+    (out / f"{index}-{mode}.log").write_text("".join(log))
     result["total_s"] = time.perf_counter() - started
     result["total_cpu_s"] = usage.ru_utime + usage.ru_stime
     if status != 0 or "ready_s" not in result:

