@@ -564,7 +564,7 @@ class Trainer:
         recorded in the timeline for the run report."""
         frozen, adapter = flops.partial_training_counts(self.engine.model) if self.partial else (0, 0)
         peak = flops.peak_tflops(self.env.device, self.t.precision, self.t.peak_tflops,
-                                 announce=lambda detail: self.phases.begin("peak FLOP/s", detail))
+                                 announce=lambda detail: self.phases.begin("peak flops probe", detail))
         if self.env.is_main and peak is not None:
             log.info("MFU against %s", peak.describe())
             goodput.timeline_event(self.run_dir, "peak_flops", tflops=peak.tflops, precision=peak.precision,
