@@ -257,7 +257,7 @@ def validate_trainer(t: Any, r: Any) -> None:
     _require(0 <= t.hang_timeout_s < PROCESS_GROUP_TIMEOUT_S,
              f"trainer.hang_timeout_s={t.hang_timeout_s} must be >= 0 (0 = no hang watchdog) and below the process "
              f"group's timeout of {PROCESS_GROUP_TIMEOUT_S:.0f} s, which would otherwise end a hung job first")
-    _require(t.peak_tflops >= 0, f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (0 = from the device name)")
+    _require(t.peak_tflops >= 0, f"trainer.peak_tflops={t.peak_tflops} must be >= 0 (0 = a GPU data sheet, else a matmul probe of this machine)")
     _require(t.checkpoint_hash in ("xxh3", "sha256"), f"trainer.checkpoint_hash={t.checkpoint_hash!r} must be xxh3 or sha256")
     _require(not (t.async_checkpoint and r.engine == "deepspeed"),
              "trainer.async_checkpoint=true needs engine=torch: llmtrain does not yet drive DeepSpeed's background "
