@@ -269,3 +269,14 @@ def test_concurrent_builders_leave_one_valid_entry(tmp_path):
     assert len(log.read_text().split()) == 1, "more than one process converted"
     assert gguf_cache.is_complete(root / key, key)
     assert sorted(p.name for p in root.iterdir()) == sorted([key, f"{key}.lock"])
+
+
+def test_unwritable_cache_falls_back_to_the_gguf_file(tmp_path, caplog):
+    """A cache folder that cannot be created (here: below a plain file) gives None and a warning
+    naming the variable, so the caller reads the GGUF file and the run goes on."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    (tmp_path / "plain-file").write_text("")
+    with caplog.at_level("WARNING", logger="llmtrain"):
+        assert gguf_cache.cached_folder(gguf, root=tmp_path / "plain-file" / "cache") is None
+    assert gguf_cache.ENV in caplog.text and "model.gguf" in caplog.text

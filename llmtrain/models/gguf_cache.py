@@ -92,7 +92,7 @@ def cached_folder(gguf_path: str | Path, root: Path | None = None) -> Path | Non
     """The Hugging Face folder converted from the GGUF file at ``gguf_path``, converting it first
     when no complete entry exists (see the module docstring). Returns None when the cache is off
     (``root`` None and ``LLMTRAIN_GGUF_CACHE=off``) or its folder cannot be written (a warning
-    says why): the caller then reads the GGUF file itself.
+    says why: read-only, full): the caller then reads the GGUF file itself.
 
     Raises:
         ModelSourceError: the conversion failed (its error output is quoted).
@@ -112,9 +112,9 @@ def cached_folder(gguf_path: str | Path, root: Path | None = None) -> Path | Non
         try:
             root.mkdir(parents=True, exist_ok=True)
             _build(gguf_path, root, key)
-        except PermissionError as err:
-            log.warning("GGUF cache %s is not writable (%s): reading %s directly; set %s to a writable folder, "
-                        "or %s=off", root, err, gguf_path.name, ENV, ENV)
+        except OSError as err:  # read-only, full or foreign folder: the run goes on without the cache
+            log.warning("GGUF cache %s cannot be written (%s): reading %s directly; set %s to a writable folder "
+                        "with about 4x the file's size free, or %s=off", root, err, gguf_path.name, ENV, ENV)
             return None
     _memo[memo_key] = entry
     return entry
