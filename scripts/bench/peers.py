@@ -17,9 +17,11 @@ Each side runs in its best documented configuration for this machine:
   generated DeepSpeed JSON under ZeRO-3 (``llmtrain.engine.deepspeed_engine.deepspeed_config``),
   so both run the identical DeepSpeed configuration. Batches in its padding-free format
   (``position_ids`` per packed document, no ``attention_mask``, as ``DataCollatorWithFlattening``
-  emits), so the model attends within each document, as under llmtrain. ``--hf-optim`` and ``--hf-compile`` try others.
+  emits), so the model attends within each document, as under llmtrain. ``--hf-optim`` and
+  ``--hf-compile`` try others.
 - both: llmtrain's sample order (HF reads it sequentially), so both see the same blocks each
-  step; ``OMP_WAIT_POLICY=PASSIVE`` (what ``python -m llmtrain`` sets: OpenMP threads sleep
+  step; llmtrain's LR schedule (HF's own warmup starts at lr 0, one step behind); so the
+  per-step losses agree to float rounding (4e-07 over 20 steps); ``OMP_WAIT_POLICY=PASSIVE`` (what ``python -m llmtrain`` sets: OpenMP threads sleep
   instead of spinning while they wait, which on a busy machine burns CPU time and wall alike).
 
 Measured on rank 0 between the start of step ``--warmup`` and the start of the last step: wall
