@@ -93,7 +93,7 @@ def test_8b_depth_search_against_a_linear_planner():
     bench = {b.name: b for b in gpu.BENCHES}["8b-fsdp"]
     layers, note = gpu.fit_layers(bench, gpu.REAL, 1, Path("/nonexistent"), int(30e9), plan)
     assert layers == 24  # zero3: 26 x 1.2e9 = 31.2e9 > 30e9 >= 24 x 1.2e9
-    assert note.startswith("24 of 32 layers") and "fsdp 29.8 GiB" in note and "zero3 35.8 GiB" in note
+    assert note.startswith("24 of 32 layers") and "fsdp 29.80 GiB" in note and "zero3 35.76 GiB" in note
     assert gpu.fit_layers(bench, gpu.REAL, 1, Path("/nonexistent"), int(40e9), plan) == (32, "")
     layers, note = gpu.fit_layers(bench, gpu.REAL, 1, Path("/nonexistent"), int(1e9), plan)
     assert layers is None and "not even 2 layers" in note

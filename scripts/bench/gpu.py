@@ -1,34 +1,36 @@
 #!/usr/bin/env python
 """The first benchmark to run on a GPU machine: one line per configuration with tokens/s per GPU,
-MFU, peak memory against the memory planner's estimate, and the steps measured, in about 8
-minutes on one H200. No network: models are built from config with random weights
-(``model.source=config``) and read the Python standard library's source files (``data=stdlib``).
+MFU, peak memory against the memory planner's estimate, and the steps measured, within 8 minutes
+on one H200. No network: models are built from config with random weights (``model.source=config``)
+and read the Python standard library's source files (``data=stdlib``).
 
-    bash scripts/bench/gpu.sh                     # 1 GPU, the whole table (~8 min on an H200)
-    bash scripts/bench/gpu.sh --nproc 8           # 8 GPUs of one node (torchrun): adds ring/Ulysses cp
-    bash scripts/bench/gpu.sh --dry-run           # the same code path on CPU, tiny shapes (~30 s)
+    bash scripts/bench/gpu.sh                     # 1 GPU, the whole table (--budget-s 450: under 8 min)
+    bash scripts/bench/gpu.sh --nproc 8           # 8 GPUs of one node (torchrun): ring/Ulysses cp run too
+    bash scripts/bench/gpu.sh --dry-run           # the same code path on CPU, tiny shapes
+    python scripts/bench/gpu.py --list            # the configurations
     python scripts/bench/gpu.py --only 1b-fsdp,8b-fsdp --steps 20
 
-Configurations (``--list`` prints them): a Llama-3.2-1B shape (hidden 2048, intermediate 8192,
-16 layers, 32 heads, 8 KV heads, vocabulary 128256, tied embeddings; 1.24 B parameters) at 4096
-tokens a row, micro-batch 4, on FSDP2 (``+recipe=fsdp``) and DeepSpeed ZeRO-3 (``+recipe=zero3``),
-with ``recipe.compile`` on and off and with ``recipe.fp8=true``; a Llama-3-8B shape (hidden 4096,
-intermediate 14336, 32/8 heads, vocabulary 128256) at 4096 tokens, micro-batch 1, activation
-checkpointing, with as many of its 32 layers as the planner fits in the device's memory less
-``recipe.memory_margin`` (AdamW keeps 16 bytes a parameter on FSDP2, 18 on ZeRO-3: all 32 layers
-need ~150 GiB on one GPU, so the line says how many layers ran and why); and the 1B shape at 32768
-tokens a row (activation checkpointing, the loss 4096 tokens at a time): one row per GPU, and with
-``--nproc`` >= 2 each row split over every GPU by ring and by Ulysses context parallelism.
+Configurations: a Llama-3.2-1B shape (hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV
+heads, vocabulary 128256, tied embeddings; 1.24 B parameters) at 4096 tokens a row, micro-batch 4,
+on FSDP2 (``+recipe=fsdp``) and DeepSpeed ZeRO-3 (``+recipe=zero3``), with ``recipe.compile`` on
+and off and with ``recipe.fp8=true``; a Llama-3-8B shape (hidden 4096, intermediate 14336, 32/8
+heads, vocabulary 128256) at 4096 tokens, micro-batch 1, activation checkpointing, with as many
+of its 32 layers (stepping down by 2) as the planner fits on both recipes within the device's
+memory less ``recipe.memory_margin`` (AdamW keeps 16 bytes a parameter on FSDP2 and 18 on ZeRO-3:
+all 32 layers plan at 129 and 144 GiB on one GPU, so the line says how many layers ran and why);
+and the 1B shape at 32768 tokens a row (activation checkpointing, the loss 4096 tokens at a
+time): one row per GPU, and with ``--nproc`` >= 2 each row split over every GPU by ring and by
+Ulysses context parallelism (on 1 GPU they print why they do not run).
 
 Every configuration runs in one worker process (under torchrun for ``--nproc`` > 1) that calls
 llmtrain's own ``Trainer`` in-process one configuration after another, as ``tests/scenarios.py``
 does, so start-up is paid once. The worker reports each configuration to ``OUT/progress.jsonl``;
 this process prints the lines, and kills and restarts the worker (with the configurations not yet
 run) when one configuration passes its timeout or the worker dies, so one hang or crash costs one
-line. A configuration llmtrain refuses before start-up (FP8 without float8 matmuls, ``compile`` on
-DeepSpeed) or that needs more processes is printed as ``skipped`` with the reason; one that fails
-as ``error`` with its exception in one line. Nothing is checkpointed (the benchmark drops the
-final save: Llama-3-8B's would be ~100 GB) and nothing is exported.
+line. A configuration llmtrain refuses before start-up (FP8 without float8 matmuls, ``compile``
+on DeepSpeed: its own checks and messages) or that needs more processes is printed as
+``skipped`` with the reason; one that fails as ``error`` with its exception in one line. Nothing
+is checkpointed (the benchmark drops the final save: Llama-3-8B's would be ~100 GB) or exported.
 
 Columns: tokens/s/GPU and MFU are medians of ``train/tokens_per_s`` (over the world size) and
 ``perf/mfu`` from the run's ``metrics.jsonl`` over the steps after ``--warmup`` (compilation and
@@ -36,12 +38,13 @@ allocator warm-up fall in those); ``peak`` is ``memory/peak_bytes`` (CUDA's allo
 the busiest rank; on CPU the process's peak RSS, which includes the interpreter and every earlier
 configuration of the process: not comparable with the plan); ``plan`` is
 ``llmtrain.planning.memory.plan_recipe``'s per-rank total for that configuration and ``peak/plan``
-their ratio; ``steps`` is measured/run; ``wall`` is the configuration's seconds including
-start-up.
+their ratio; ``steps`` is measured/run; ``wall`` is the configuration's seconds including its
+checks, plans and start-up. ``OUT/results.json`` has every row (and each configuration's CPU
+seconds), ``OUT/worker*.log`` llmtrain's own log lines.
 
 ``--dry-run`` (alias ``--cpu-dry``) runs exactly this on CPU with tiny shapes (hidden 64, 2-4
-layers, 64-token rows, 128 for the long ones, 3 steps) and gloo: the configurations the CPU cannot
-run (FP8, ``compile`` unless ``--dry-compile``) print their skip reason from the same checks.
+layers, 64-token rows, 128 for the long ones, 2 steps) and gloo: the configurations the CPU cannot
+run (FP8, and ``compile`` unless ``--dry-compile``) print their skip reason from the same checks.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ REAL = Sizes(shapes={"1b": Shape("Llama-3.2-1B shape", 2048, 8192, 16, 32, 8, 12
 DRY = Sizes(shapes={"1b": Shape("tiny 1B stand-in", 64, 176, 2, 4, 2, 320, True),
                     "8b": Shape("tiny 8B stand-in", 64, 224, 4, 4, 2, 320, False)},
             seq=64, long_seq=128, micro={"1b": 2, "8b": 1}, loss_chunk=32, max_bytes=100_000,
-            steps=3, warmup=1, timeout_s={"1b": 60, "8b": 60, "long": 60, "compile": 60})
+            steps=2, warmup=1, timeout_s={"1b": 60, "8b": 60, "long": 60, "compile": 60})
 
 
 @dataclass(frozen=True)
@@ -217,10 +220,10 @@ def fit_layers(bench: Bench, sizes: Sizes, nproc: int, run_dir: Path, budget: in
             if layers == full:
                 return layers, ""
             return layers, (f"{layers} of {full} layers: the planner puts all {full} at "
-                            + ", ".join(f"{r} {n / GIB:.1f} GiB" for r, n in first_need.items())
-                            + f" > {budget / GIB:.1f} GiB a rank")
-    return None, (f"not even 2 layers fit {budget / GIB:.1f} GiB a rank (the planner, {full} layers: "
-                  + ", ".join(f"{r} {n / GIB:.1f} GiB" for r, n in (first_need or {}).items()) + ")")
+                            + ", ".join(f"{r} {_fmt_bytes(n)}" for r, n in first_need.items())
+                            + f" > {_fmt_bytes(budget)} a rank")
+    return None, (f"not even 2 layers fit {_fmt_bytes(budget)} a rank (the planner, {full} layers: "
+                  + ", ".join(f"{r} {_fmt_bytes(n)}" for r, n in (first_need or {}).items()) + ")")
 
 
 def _emit(progress: Path, record: dict) -> None:
@@ -252,8 +255,8 @@ def measure(run_dir: Path, warmup: int, world_size: int) -> dict:
 
 CP_ON_ONE = ("context parallel splits each row over the processes: 1 process has nothing to split (run with "
              "--nproc 2 or more); 1b-32k-fsdp is the single-device 32k run")
-COMPILE_ON_CPU = ("recipe.compile on CPU compiles C++ for every graph (minutes on 2 cores): the dry run skips it "
-                  "unless --dry-compile (tests/test_recipes.py covers compile on CPU)")
+COMPILE_ON_CPU = ("recipe.compile on CPU builds C++ kernels with inductor (tens of seconds on 2 cores until its "
+                  "cache is warm): the dry run skips it unless --dry-compile")
 
 
 _FITTED: dict[tuple[str, ...], tuple[int | None, str]] = {}
@@ -270,7 +273,7 @@ def run_bench(bench: Bench, sizes: Sizes, spec: dict, device_budget: int) -> dic
     nproc, out = spec["nproc"], Path(spec["out"])
     run_dir = out / bench.name
     row: dict = {"name": bench.name, "status": "ok", "note": ""}
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     if bench.cp_style and nproc < 2:  # before llmtrain's checks, which would only say the degrees do not divide
         return {**row, "status": "skipped", "note": CP_ON_ONE}
     layers = None
@@ -291,8 +294,17 @@ def run_bench(bench: Bench, sizes: Sizes, spec: dict, device_budget: int) -> dic
         return {**row, "status": "skipped", "note": COMPILE_ON_CPU}
     try:
         row["plan_bytes"] = plan_bytes(overrides, nproc)
+        if row["plan_bytes"] > device_budget and not bench.checkpointing:  # e.g. the 1B lines on an 80 GB GPU
+            without = row["plan_bytes"]
+            overrides = [o.replace("activation_checkpointing=false", "activation_checkpointing=true") for o in overrides]
+            row["plan_bytes"] = plan_bytes(overrides, nproc)
+            row["note"] = (row["note"] + "; " if row["note"] else "") + (
+                f"activation checkpointing: the planner puts it at {_fmt_bytes(without)} without, over "
+                f"{_fmt_bytes(device_budget)}" + ("" if row["plan_bytes"] <= device_budget
+                                                  else f", and {_fmt_bytes(row['plan_bytes'])} with it"))
     except Exception as err:  # noqa: BLE001  (a configuration the planner cannot model still trains)
         row["note"] = (row["note"] + "; " if row["note"] else "") + f"no plan: {_one_line(err)}"
+    row["before_train_s"] = time.perf_counter() - started  # checks and plans (diagnostics in results.json)
     try:
         _train(compose(overrides))
         row.update(measure(run_dir, sizes.warmup, nproc))
@@ -301,15 +313,39 @@ def run_bench(bench: Bench, sizes: Sizes, spec: dict, device_budget: int) -> dic
     finally:
         import gc
 
+        if bench.compile:
+            torch._dynamo.reset()
+        _release_deepspeed_globals()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()  # the trainer reads the allocator's peak: per configuration
-        if bench.compile:
-            torch._dynamo.reset()
-    row["wall_s"] = time.perf_counter() - started
+            row["left_allocated_bytes"] = torch.cuda.memory_allocated()
+            if row["left_allocated_bytes"] > device_budget // 100:  # the next configurations would plan wrong
+                row["note"] = (row["note"] + "; " if row["note"] else "") + (
+                    f"{_fmt_bytes(row['left_allocated_bytes'])} still allocated after it (later lines have less memory)")
+    row["wall_s"], row["cpu_s"] = time.perf_counter() - started, time.process_time() - cpu
     return row
+
+
+def _release_deepspeed_globals() -> None:
+    """Drop what DeepSpeed (0.19) keeps of a finished ZeRO-3 model after ``engine.destroy()``: the
+    root module stays on ``parameter_offload.FWD_MODULE_STACK`` and, with every submodule, in the
+    class-level ``lru_cache`` of ``PartitionedParameterCoordinator.__params_to_release``, which
+    would hold its parameters and optimizer state (22 GB for the 1B shape) on the GPU through
+    every later configuration of this process."""
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None:
+        offload.FWD_MODULE_STACK.clear()
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    if coordinator is not None:
+        method = getattr(coordinator.PartitionedParameterCoordinator,
+                         "_PartitionedParameterCoordinator__params_to_release", None)
+        # instrument_w_nvtx wraps the lru_cache without functools.wraps: it is in the closure
+        for cell in getattr(method, "__closure__", None) or ():
+            if hasattr(cell.cell_contents, "cache_clear"):
+                cell.cell_contents.cache_clear()
 
 
 def _train(cfg) -> None:
@@ -439,7 +475,7 @@ def _launch(spec_file: Path, nproc: int, dry: bool, log) -> subprocess.Popen:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 10)):
         if proc.poll() is not None:
             return
         try:
@@ -466,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the configurations and exit")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per configuration (12; dry 3)")
     parser.add_argument("--warmup", type=int, default=None, help="first steps left out of the medians (4; dry 1)")
-    parser.add_argument("--budget-s", type=float, default=480.0,
+    parser.add_argument("--budget-s", type=float, default=450.0,
                         help="seconds for the whole table; configurations not started by then are listed as not run")
     parser.add_argument("--timeout-s", type=float, default=None,
                         help="seconds per configuration, start-up included (default: 90 for 1B and 32k, 150 for 8B and "
@@ -517,12 +553,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {key}: {shape.label}: hidden {shape.hidden}, intermediate {shape.intermediate}, {shape.layers} layers, "
               f"{shape.heads}/{shape.kv_heads} heads, vocabulary {shape.vocab}, micro-batch {sizes.micro[key]} x "
               f"{sizes.seq} tokens; long-context rows {sizes.long_seq} tokens")
-    watch, attempt, header_done = Watch(), 0, False
+    watch, attempt, header = Watch(), 0, [HEADER]
+    if args.dry:
+        header.append("(CPU: peak is the process's peak RSS, interpreter and earlier configurations included; "
+                      "peak/plan means something on GPUs only)")
     remaining = list(todo)
-    while remaining:
-        spent = time.monotonic() - started
-        if spent >= args.budget_s:
-            break
+
+    def show(row: dict) -> None:
+        """Print ``row`` (the table's header first) and count its configuration done."""
+        if row["name"] not in remaining:  # its row came in after the configuration was killed as timed out
+            return
+        while header:
+            print(header.pop(0), flush=True)
+        print(format_row(row), flush=True)
+        watch.rows[row["name"]] = row
+        remaining.remove(row["name"])
+
+    while remaining and time.monotonic() - started < args.budget_s:
         attempt += 1
         spec_file = out / f"spec{attempt}.json"
         spec_file.write_text(json.dumps({"todo": remaining, "nproc": args.nproc, "out": str(out), "dry": args.dry,
@@ -532,17 +579,9 @@ def main(argv: list[str] | None = None) -> int:
         log_path = out / f"worker{attempt}.log"
         with open(log_path, "w") as log:
             proc, before = _launch(spec_file, args.nproc, args.dry, log), len(remaining)
-            launched = time.monotonic()
             while True:
                 for row in _read_progress(out / "progress.jsonl", watch):
-                    if not header_done:
-                        print(HEADER, flush=True)
-                        header_done = True
-                        if args.dry:
-                            print("(CPU: peak is the process's peak RSS, interpreter and earlier configurations "
-                                  "included; peak/plan means something on GPUs only)", flush=True)
-                    print(format_row(row), flush=True)
-                    remaining.remove(row["name"])
+                    show(row)
                 if "fatal" in watch.info:
                     _stop(proc)
                     print(f"gpu.py: error: {watch.info['fatal']}", file=sys.stderr)
@@ -558,31 +597,28 @@ def main(argv: list[str] | None = None) -> int:
                     _stop(proc)
                     why = (f"timeout: passed {timeout[current]:.0f} s" if not over_budget
                            else f"timeout: the {args.budget_s:.0f} s budget ran out")
-                    row = {"name": current, "status": "error", "note": f"{why} (log: {log_path})"}
-                    watch.rows[current], watch.current = row, None
-                    print(format_row(row), flush=True)
-                    remaining.remove(current)
+                    watch.current = None
+                    show({"name": current, "status": "error", "note": f"{why} (log: {log_path})"})
                     break
                 if proc.poll() is not None:
-                    _read_progress(out / "progress.jsonl", watch)  # rows written just before the exit
+                    for row in _read_progress(out / "progress.jsonl", watch):  # written just before the exit
+                        show(row)
                     if watch.current:
-                        row = {"name": watch.current, "status": "error",
-                               "note": f"the worker exited with status {proc.returncode}: {_tail(log_path)}"}
-                        print(format_row(row), flush=True)
-                        remaining.remove(watch.current)
-                        watch.current = None
+                        current, watch.current = watch.current, None
+                        show({"name": current, "status": "error",
+                              "note": f"the worker exited with status {proc.returncode}: {_tail(log_path)}"})
                     elif len(remaining) == before:  # it ended without starting one: a relaunch would too
                         print(f"gpu.py: error: the worker exited with status {proc.returncode} before starting "
                               f"a configuration: {_tail(log_path)}", file=sys.stderr)
                         return 1
                     break
-                if now - launched > 60 + args.budget_s:  # a worker that never starts a configuration
+                if over_budget and not current:  # between configurations when the budget ran out
                     _stop(proc)
                     break
                 time.sleep(0.2)
-    for name in remaining:
-        print(format_row({"name": name, "status": "skipped",
-                          "note": f"not run: the {args.budget_s:.0f} s budget was spent (--only {name} runs it)"}))
+    for name in list(remaining):
+        show({"name": name, "status": "skipped",
+              "note": f"not run: the {args.budget_s:.0f} s budget was spent (--only {name} runs it)"})
     results = [watch.rows[n] for n in todo if n in watch.rows]
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"total {time.monotonic() - started:.0f} s; rows in {out / 'results.json'}, logs in {out}/worker*.log")
