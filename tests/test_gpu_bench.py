@@ -97,3 +97,16 @@ def test_8b_depth_search_against_a_linear_planner():
     assert gpu.fit_layers(bench, gpu.REAL, 1, Path("/nonexistent"), int(40e9), plan) == (32, "")
     layers, note = gpu.fit_layers(bench, gpu.REAL, 1, Path("/nonexistent"), int(1e9), plan)
     assert layers is None and "not even 2 layers" in note
+
+
+def test_timeout_hint_names_a_stale_deepspeed_op_build(tmp_path):
+    """A worker killed while DeepSpeed builds its ops leaves torch's extension lock behind: the
+    timeout line says where; a worker killed anywhere else gets no hint."""
+    building = ("2026-12-03 13:50:32,486 llmtrain start-up: engine (DeepSpeed ZeRO-3; compiled ops cached in "
+                "/cache/torch_extensions/py311-x; this first run with these versions compiles them (1-2 min, once)) ...\n")
+    log = tmp_path / "worker1.log"
+    log.write_text("2026-12-03 13:50:28,863 llmtrain start-up: process group ...\n" + building)
+    assert "delete the stale 'lock' files under /cache/torch_extensions/py311-x " in gpu._op_build_hint(log)
+    log.write_text(building + "2026-12-03 13:52:00,000 llmtrain start-up: model (model.source=config) ...\n")
+    assert gpu._op_build_hint(log) == ""
+    assert gpu._op_build_hint(tmp_path / "missing.log") == ""

@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -489,6 +490,16 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
+def _op_build_hint(log_path: Path) -> str:
+    """What to do when the killed worker was building DeepSpeed's ops: torch's extension builder
+    leaves its ``lock`` file behind, and every later run waits on it for ever."""
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    phases = [line for line in text.splitlines() if "llmtrain start-up:" in line]  # the last is where it stopped
+    found = re.search(r"compiled ops cached in (\S+?);.*compiles them", phases[-1]) if phases else None
+    return (f"; it was building DeepSpeed's ops: delete the stale 'lock' files under {found.group(1)} before the "
+            "next run" if found else "")
+
+
 def _tail(path: Path) -> str:
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()] if path.is_file() else []
     return " ".join(lines[-1].split())[:200] if lines else "(no output)"
@@ -599,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
                     why = (f"timeout: passed {timeout[current]:.0f} s" if not over_budget
                            else f"timeout: the {args.budget_s:.0f} s budget ran out")
                     watch.current = None
-                    show({"name": current, "status": "error", "note": f"{why} (log: {log_path})"})
+                    show({"name": current, "status": "error", "note": f"{why} (log: {log_path}){_op_build_hint(log_path)}"})
                     break
                 if proc.poll() is not None:
                     for row in _read_progress(out / "progress.jsonl", watch):  # written just before the exit
