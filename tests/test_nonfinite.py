@@ -91,26 +91,29 @@ def test_skip_is_refused_on_deepspeed():
 
 def test_spike_factor_skips_losses_above_the_running_mean_of_healthy_steps(tmp_path):
     # A finite loss above spike_factor x the running mean of healthy losses (EMA, weight 0.1,
-    # from the 10th healthy step on) is treated as a bad step. An LR ramping to 1.0 makes the
+    # from the 10th healthy step on) is treated as a bad step. An LR ramping to 0.3 makes the
     # loss jump about after step 10; which steps are spikes is recomputed here from the log.
     run = [o for o in FAST if not o.startswith("data.max_bytes")] + [
         # 327975: the bytes the first 11 stdlib files hold, which max_bytes=100000 read when it capped
         # whole files; the spikes below were counted on that text.
-        "data.max_bytes=327975", "trainer.lr=1.0", "trainer.warmup_steps=25", "trainer.grad_clip=0",
-        "trainer.max_steps=25", "trainer.nonfinite=skip", "trainer.max_skipped_steps=25", "trainer.spike_factor=1.3",
+        "data.max_bytes=327975", "trainer.lr=0.3", "trainer.warmup_steps=25", "trainer.grad_clip=0",
+        "trainer.max_steps=25", "trainer.nonfinite=skip", "trainer.max_skipped_steps=25", "trainer.spike_factor=1.2",
         f"run_dir={tmp_path}"]
     proc = run_cli(run)
     assert proc.returncode == 0, proc.stderr[-3000:]
     logged = [r for r in read_metrics(tmp_path) if "train/loss" in r]
     ema, healthy, predicted = 0.0, 0, []
     for r in logged:
-        spike = healthy >= 10 and r["train/loss"] > 1.3 * ema
+        spike = healthy >= 10 and r["train/loss"] > 1.2 * ema
         predicted.append(int(spike))
         if not spike:
             ema = r["train/loss"] if not healthy else 0.9 * ema + 0.1 * r["train/loss"]
             healthy += 1
     assert [r.get("train/skipped_update", 0) for r in logged] == predicted
-    assert 0 < sum(predicted) < 10, predicted  # the case exercises both outcomes
+    # Which steps spike depends on the CPU's matmul rounding (lr 1.0 with factor 1.3 gave 1-9 spikes on
+    # an AMX CPU and none on a Zen 3 one); lr 0.3 with 1.2 spiked at 14 of the last 15 steps on the
+    # latter, so at least one spike is robust, and the first 10 steps are healthy by the rule.
+    assert any(predicted), predicted
     assert "loss spike: train loss" in proc.stdout + proc.stderr
     state = json.loads((tmp_path / "checkpoints" / "step_25" / "trainer_state.json").read_text())
     assert (state["loss_ema_steps"], state["skipped_updates"]) == (healthy, sum(predicted))
