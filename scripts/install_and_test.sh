@@ -5,4 +5,7 @@ cd "$(dirname "$0")/.."
 # The tests start several processes on the same cores: one OpenMP thread each (as CI does).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 LLMTRAIN_EXTRAS="[dev,tracking]" . scripts/setup_venv.sh
-python -m pytest -q "$@"
+# Two pytest-xdist workers, a test file each at a time (its module fixtures run once): one-process
+# tests run side by side, a test that starts several processes has the cores to itself
+# (tests/conftest.py: machine_alone). LLMTRAIN_TEST_WORKERS=0 runs in this process alone.
+python -m pytest -q -n "${LLMTRAIN_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,76 @@ FAST = ["tracker=none", "tracker.report=false", "trainer.progress_bar=false", "d
         # Tests compare numbers against references computed in fp32: the default (auto) would pick
         # bf16 on a CPU with AMX. Tests of bf16 and of auto say so after FAST.
         "trainer.precision=fp32"]
+
+
+# ------------------------------------------------------------ sharing the cores between workers
+# The suite runs as two pytest-xdist workers on 2 cores (README: ``pytest -n 2``), with one
+# OpenMP thread per process: two one-process tests then use both cores where one left the
+# second idle. A test that starts several processes (a 2-rank launch fills both cores, a
+# GRPO launch takes 7-10 GB a rank) or that times its own processes (kills at a step, hang
+# timeouts) has the machine to itself: it holds an exclusive lock on a file both workers
+# open, every other test holds it shared. Exclusive holders: ``run_cli`` with ``nproc`` > 1 and
+# ``run_scenarios`` (for the launch), tests marked ``slow`` (for the test) and modules marked
+# ``slow`` with ``pytestmark`` (for the module: their module fixtures launch too). Without
+# xdist there is one worker and no lock.
+_NO_LOCK, _SHARED, _EXCLUSIVE = 0, 1, 2
+
+
+class _CoreLock:
+    """A flock held shared or exclusive, never lowered by a nested request."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.mode = _NO_LOCK
+
+    @contextlib.contextmanager
+    def hold(self, mode: int):
+        before = self.mode
+        self._set(max(mode, before))
+        try:
+            yield
+        finally:
+            self._set(before)
+
+    def _set(self, mode: int) -> None:
+        if mode != self.mode:
+            # Linux converts a flock by dropping it first: two workers upgrading at once cannot
+            # deadlock, one of them waits for the other's launch.
+            fcntl.flock(self.fd, {_NO_LOCK: fcntl.LOCK_UN, _SHARED: fcntl.LOCK_SH, _EXCLUSIVE: fcntl.LOCK_EX}[mode])
+            self.mode = mode
+
+
+_core_lock = None
+if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
+    _core_lock = _CoreLock(Path(tempfile.gettempdir()) / f"llmtrain-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}.lock")
+
+
+def machine_alone():
+    """Context: no other test runs on this machine's cores meanwhile (under xdist)."""
+    return _core_lock.hold(_EXCLUSIVE) if _core_lock else contextlib.nullcontext()
+
+
+def _module_marked_slow(module) -> bool:
+    marks = getattr(module, "pytestmark", [])
+    return any(m.name == "slow" for m in (marks if isinstance(marks, list) else [marks]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_cores(request):
+    if _core_lock and _module_marked_slow(request.module):
+        with machine_alone():
+            yield
+    else:
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _test_cores(request):
+    if _core_lock:
+        with _core_lock.hold(_EXCLUSIVE if request.node.get_closest_marker("slow") else _SHARED):
+            yield
+    else:
+        yield
 
 
 def subprocess_env() -> dict:
@@ -49,8 +122,9 @@ def run_cli(overrides: list[str], nproc: int = 1, launcher: str = "torchrun", ti
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines=1",
                f"--num_processes={nproc}", "--main_process_port=0", "--mixed_precision=no",
                "--dynamo_backend=no", "-m", "llmtrain"]
-    return subprocess.run(cmd + overrides, capture_output=True, text=True, timeout=timeout,
-                          env=env or subprocess_env(), cwd=cwd or REPO)
+    with machine_alone() if nproc > 1 else contextlib.nullcontext():
+        return subprocess.run(cmd + overrides, capture_output=True, text=True, timeout=timeout,
+                              env=env or subprocess_env(), cwd=cwd or REPO)
 
 
 def run_scenarios(runs: dict[str, list[str]], nproc: int, root: Path, timeout: int = 900) -> dict[str, Path]:
@@ -60,7 +134,8 @@ def run_scenarios(runs: dict[str, list[str]], nproc: int, root: Path, timeout: i
     (root / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(REPO / "tests" / "scenarios.py"), str(root / "spec.json")]
-    assert_ok(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=REPO))
+    with machine_alone():
+        assert_ok(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=REPO))
     return {name: root / name for name in runs}
 
 

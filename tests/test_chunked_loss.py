@@ -119,6 +119,7 @@ def _tp_worker(rank: int, world: int, port: int, out: dict) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_vocabulary_sharded_over_tensor_parallel_ranks_equals_whole():
     import socket
 

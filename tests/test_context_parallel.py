@@ -184,6 +184,7 @@ def _attention_errors(rank: int, world: int, style: str, packed: bool) -> dict[s
             "dv": float((vl.grad - vr.grad[:, :, idx]).abs().max())}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_over_split_rows_equals_whole_row_sdpa(world):
     """Every style (Ulysses; ring on the CPU flash kernel and on plain ops), unpacked and packed

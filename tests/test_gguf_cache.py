@@ -22,6 +22,9 @@ import torch
 
 from llmtrain.models import gguf_cache
 
+# The machine to itself under xdist (conftest.machine_alone): converts SmolLM2 in 3 processes at once and checks the shared cache's root.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = ["Name three primary colors.", "  leading spaces, tabs\tand\nnewlines", "naïve café — 東京 🙂",
            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "def f(x):\n    return x ** 2  # square",

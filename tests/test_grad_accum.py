@@ -85,6 +85,7 @@ def _worker(rank: int, world: int, micro: int, rendezvous: str, out: str) -> Non
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro", [1, 2])
 def test_two_ranks_equal_one_big_batch(tmp_path, micro):
     out = str(tmp_path / "grads.pt")

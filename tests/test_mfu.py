@@ -15,6 +15,9 @@ from conftest import FAST, make_cfg, read_metrics
 from llmtrain.common import hardware
 from llmtrain.planning import flops
 
+# The machine to itself under xdist (conftest.machine_alone): measures the machine's peak FLOP/s.
+pytestmark = pytest.mark.slow
+
 CPU = torch.device("cpu")
 # Small sizes and budgets: the real probe, in well under a second per call.
 SMALL = functools.partial(hardware.probe_matmul_flops, min_n=64, max_n=256, budget_s=0.5)

@@ -22,6 +22,9 @@ import torch
 
 from conftest import FAST, REPO, assert_ok, read_metrics, run_cli, run_scenarios, subprocess_env
 
+# The machine to itself under xdist (conftest.machine_alone): kills runs at a step and times launches of 2 ranks.
+pytestmark = pytest.mark.slow
+
 STEPS = 8
 # max_bytes=8000 gives 123 training blocks of 64 tokens: a resume at step 4 (192 samples consumed)
 # lands in the middle of the second epoch, and the 8 steps (384 samples) reach into the fourth.

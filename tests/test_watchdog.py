@@ -17,6 +17,9 @@ import pytest
 
 from conftest import FAST, REPO, assert_ok, make_cfg, read_metrics, subprocess_env
 
+# The machine to itself under xdist (conftest.machine_alone): its hang timeouts time 2-rank launches.
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 HANG_S = 10
 # A checkpoint every 2 steps: step_4 exists when rank 1 stalls at the start of step 5.
