@@ -35,8 +35,8 @@ FAST = ["tracker=none", "tracker.report=false", "trainer.progress_bar=false", "d
 # second idle. A test that starts several processes (a 2-rank launch fills both cores, a
 # GRPO launch takes 7-10 GB a rank) or that times its own processes (kills at a step, hang
 # timeouts) has the machine to itself: it holds an exclusive lock on a file both workers
-# open, every other test holds it shared. Exclusive holders: ``run_cli`` with ``nproc`` > 1 and
-# ``run_scenarios`` (for the launch), tests marked ``slow`` (for the test) and modules marked
+# open, every other test holds it shared. Exclusive holders: ``run_cli`` and ``run_scenarios``
+# with ``nproc`` > 1 (for the launch), tests marked ``slow`` (for the test) and modules marked
 # ``slow`` with ``pytestmark`` (for the module: their module fixtures launch too). Without
 # xdist there is one worker and no lock.
 _NO_LOCK, _SHARED, _EXCLUSIVE = 0, 1, 2
@@ -74,6 +74,14 @@ if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
 def machine_alone():
     """Context: no other test runs on this machine's cores meanwhile (under xdist)."""
     return _core_lock.hold(_EXCLUSIVE) if _core_lock else contextlib.nullcontext()
+
+
+def cores_for(nproc: int):
+    """Context for a launch of ``nproc`` processes: the machine alone for several, else a
+    share of it (a module fixture launches before its first test takes one)."""
+    if not _core_lock:
+        return contextlib.nullcontext()
+    return _core_lock.hold(_EXCLUSIVE if nproc > 1 else _SHARED)
 
 
 def _module_marked_slow(module) -> bool:
@@ -122,7 +130,7 @@ def run_cli(overrides: list[str], nproc: int = 1, launcher: str = "torchrun", ti
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines=1",
                f"--num_processes={nproc}", "--main_process_port=0", "--mixed_precision=no",
                "--dynamo_backend=no", "-m", "llmtrain"]
-    with machine_alone() if nproc > 1 else contextlib.nullcontext():
+    with cores_for(nproc):
         return subprocess.run(cmd + overrides, capture_output=True, text=True, timeout=timeout,
                               env=env or subprocess_env(), cwd=cwd or REPO)
 
@@ -134,7 +142,7 @@ def run_scenarios(runs: dict[str, list[str]], nproc: int, root: Path, timeout: i
     (root / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(REPO / "tests" / "scenarios.py"), str(root / "spec.json")]
-    with machine_alone():
+    with cores_for(nproc):
         assert_ok(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=REPO))
     return {name: root / name for name in runs}
 
