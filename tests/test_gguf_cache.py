@@ -22,9 +22,6 @@ import torch
 
 from llmtrain.models import gguf_cache
 
-# The machine to itself under xdist (conftest.machine_alone): converts SmolLM2 in 3 processes at once and checks the shared cache's root.
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = ["Name three primary colors.", "  leading spaces, tabs\tand\nnewlines", "naïve café — 東京 🙂",
            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "def f(x):\n    return x ** 2  # square",
@@ -92,6 +89,7 @@ def gguf_reads(monkeypatch):
     return calls
 
 
+@pytest.mark.slow  # reads the shared cache's root: no other test converts meanwhile (conftest.machine_alone)
 def test_entry_is_complete_and_keyed_by_content_and_versions(converted):
     import transformers
 
@@ -253,6 +251,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 3 processes (conftest.machine_alone)
 def test_concurrent_builders_leave_one_valid_entry(tmp_path):
     """Three processes ask for the same entry at once: one converts, all get the same complete
     folder, nothing temporary is left."""

@@ -22,9 +22,6 @@ import torch
 
 from conftest import FAST, REPO, assert_ok, read_metrics, run_cli, run_scenarios, subprocess_env
 
-# The machine to itself under xdist (conftest.machine_alone): kills runs at a step and times launches of 2 ranks.
-pytestmark = pytest.mark.slow
-
 STEPS = 8
 # max_bytes=8000 gives 123 training blocks of 64 tokens: a resume at step 4 (192 samples consumed)
 # lands in the middle of the second epoch, and the 8 steps (384 samples) reach into the fourth.
@@ -183,6 +180,7 @@ def wandb_history(run_dir: Path, key: str) -> list[tuple[int, float]]:
     return rows
 
 
+@pytest.mark.slow  # a 2-rank launch it kills or signals (conftest.machine_alone)
 @pytest.mark.parametrize("recipe", KILL_RECIPES + list(LORA_RUNS))
 def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path, request):
     overrides = COMMON + LORA_RUNS.get(recipe, [f"+recipe={recipe}"]) + [f"run_dir={tmp_path}"]
@@ -301,6 +299,7 @@ def test_a_rerun_names_the_unfinished_process_and_the_steps_it_redoes(tmp_path):
     assert goodput.unfinished_process(tmp_path / "never-ran") is None
 
 
+@pytest.mark.slow  # a 2-rank launch it kills or signals (conftest.machine_alone)
 def test_sigkill_of_a_packed_mixture_continues_exactly_and_counts_sources(mixture, reference, tmp_path):
     overrides = COMMON + mixture + [f"run_dir={tmp_path}"]
     proc = launch(overrides, nproc=2)
@@ -432,6 +431,7 @@ def test_sigterm_saves_exits_zero_and_continues_exactly(reference, tmp_path):
     assert per_step(tmp_path) == reference(1, "ddp")
 
 
+@pytest.mark.slow  # a 2-rank launch it kills or signals (conftest.machine_alone)
 def test_preempt_signal_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}", "trainer.save_every=0"]
     proc = launch(overrides, nproc=2)
@@ -498,6 +498,7 @@ def test_resume_with_other_settings_is_refused_naming_them(tmp_path):
     assert metrics[5]["train/lr"] == pytest.approx(expected, rel=1e-12)
 
 
+@pytest.mark.slow  # a 2-rank launch it kills or signals (conftest.machine_alone)
 def test_orphaned_workers_die_with_their_launcher(tmp_path):
     import psutil
 

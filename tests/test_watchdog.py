@@ -17,9 +17,6 @@ import pytest
 
 from conftest import FAST, REPO, assert_ok, make_cfg, read_metrics, subprocess_env
 
-# The machine to itself under xdist (conftest.machine_alone): its hang timeouts time 2-rank launches.
-pytestmark = pytest.mark.slow
-
 STEPS = 6
 HANG_S = 10
 # A checkpoint every 2 steps: step_4 exists when rank 1 stalls at the start of step 5.
@@ -39,6 +36,7 @@ def stalled_env() -> dict:
     return env
 
 
+@pytest.mark.slow  # hang timeouts timing a 2-rank launch (conftest.machine_alone)
 def test_a_stalled_rank_is_named_every_rank_dumps_its_stacks_and_the_job_exits(tmp_path):
     run_dir, log_file = tmp_path / "run", tmp_path / "out.log"
     with open(log_file, "w") as out:
@@ -75,6 +73,7 @@ def test_a_stalled_rank_is_named_every_rank_dumps_its_stacks_and_the_job_exits(t
     assert LATE in (hang_dir / "report.txt").read_text()
 
 
+@pytest.mark.slow  # hang timeouts timing a 2-rank launch (conftest.machine_alone)
 def test_torchrun_max_restarts_resumes_a_hung_job_from_its_last_checkpoint(tmp_path):
     run_dir, env = tmp_path / "run", stalled_env()
     # torchrun's agent shares its rendezvous store with the workers by default, and a restarted
