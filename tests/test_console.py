@@ -37,7 +37,13 @@ def test_library_progress_bars_only_on_rank_0_at_a_terminal(is_main, on_terminal
     import transformers.modeling_gguf_pytorch_utils as gguf_loading
     import transformers.utils.logging
 
+    import huggingface_hub.utils
+
     gguf_tqdm = gguf_loading.tqdm
+    # An earlier in-process run in this worker may have turned the bars off: start from on.
+    huggingface_hub.utils.enable_progress_bars()
+    datasets.enable_progress_bars()
+    transformers.utils.logging.enable_progress_bar()
     try:
         console.configure_library_output(is_main, on_terminal)
         assert datasets.is_progress_bar_enabled() == bars
@@ -45,6 +51,7 @@ def test_library_progress_bars_only_on_rank_0_at_a_terminal(is_main, on_terminal
         # Both ranks drew the GGUF dequantization bar into the log before.
         assert gguf_loading.tqdm([1, 2]).disable == (not bars)
     finally:
+        huggingface_hub.utils.enable_progress_bars()
         datasets.enable_progress_bars()
         transformers.utils.logging.enable_progress_bar()
         gguf_loading.tqdm = gguf_tqdm
