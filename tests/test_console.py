@@ -39,7 +39,11 @@ def test_library_progress_bars_only_on_rank_0_at_a_terminal(is_main, on_terminal
 
     import huggingface_hub.utils
 
+    import functools
+
     gguf_tqdm = gguf_loading.tqdm
+    if isinstance(gguf_tqdm, functools.partial):  # wrapped by an earlier run in this process
+        gguf_loading.tqdm = gguf_tqdm.func
     # An earlier in-process run in this worker may have turned the bars off: start from on.
     huggingface_hub.utils.enable_progress_bars()
     datasets.enable_progress_bars()
