@@ -37,7 +37,7 @@ FAST = ["tracker=none", "tracker.report=false", "trainer.progress_bar=false", "d
 # timeouts) has the machine to itself: it holds an exclusive lock on a file both workers
 # open, every other test holds it shared. Exclusive holders: ``run_cli`` and ``run_scenarios``
 # with ``nproc`` > 1 (for the launch), tests marked ``slow`` (for the test) and modules marked
-# ``slow`` with ``pytestmark`` (for the module: their module fixtures launch too). Without
+# ``slow`` with ``pytestmark`` (for the whole module, module fixtures included). Without
 # xdist there is one worker and no lock.
 _NO_LOCK, _SHARED, _EXCLUSIVE = 0, 1, 2
 
@@ -71,17 +71,20 @@ if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
     _core_lock = _CoreLock(Path(tempfile.gettempdir()) / f"llmtrain-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}.lock")
 
 
+def _holding(mode: int):
+    """Context holding the workers' core lock in ``mode`` (nothing without xdist)."""
+    return _core_lock.hold(mode) if _core_lock else contextlib.nullcontext()
+
+
 def machine_alone():
     """Context: no other test runs on this machine's cores meanwhile (under xdist)."""
-    return _core_lock.hold(_EXCLUSIVE) if _core_lock else contextlib.nullcontext()
+    return _holding(_EXCLUSIVE)
 
 
 def cores_for(nproc: int):
     """Context for a launch of ``nproc`` processes: the machine alone for several, else a
     share of it (a module fixture launches before its first test takes one)."""
-    if not _core_lock:
-        return contextlib.nullcontext()
-    return _core_lock.hold(_EXCLUSIVE if nproc > 1 else _SHARED)
+    return _holding(_EXCLUSIVE if nproc > 1 else _SHARED)
 
 
 def _module_marked_slow(module) -> bool:
@@ -91,19 +94,13 @@ def _module_marked_slow(module) -> bool:
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_cores(request):
-    if _core_lock and _module_marked_slow(request.module):
-        with machine_alone():
-            yield
-    else:
+    with _holding(_EXCLUSIVE if _module_marked_slow(request.module) else _NO_LOCK):
         yield
 
 
 @pytest.fixture(autouse=True)
 def _test_cores(request):
-    if _core_lock:
-        with _core_lock.hold(_EXCLUSIVE if request.node.get_closest_marker("slow") else _SHARED):
-            yield
-    else:
+    with _holding(_EXCLUSIVE if request.node.get_closest_marker("slow") else _SHARED):
         yield
 
 

@@ -33,13 +33,12 @@ def test_progress_is_silent_when_disabled(caplog):
 @pytest.mark.parametrize("is_main,on_terminal,bars", [(True, True, True), (False, True, False),
                                                       (True, False, False), (False, False, False)])
 def test_library_progress_bars_only_on_rank_0_at_a_terminal(is_main, on_terminal, bars):
+    import functools
+
     import datasets
+    import huggingface_hub.utils
     import transformers.modeling_gguf_pytorch_utils as gguf_loading
     import transformers.utils.logging
-
-    import huggingface_hub.utils
-
-    import functools
 
     gguf_tqdm = gguf_loading.tqdm
     if isinstance(gguf_tqdm, functools.partial):  # wrapped by an earlier run in this process
