@@ -162,6 +162,31 @@ def test_a_checkpoint_of_the_previous_version_still_loads(tmp_path):
     _assert_same(_snapshot(target), _snapshot(source))
 
 
+@pytest.mark.parametrize("older", [False, True], ids=["tied-once", "tied-twice-before"])
+def test_a_tied_embedding_is_written_once_and_every_reader_gets_both_names(older, tmp_path, monkeypatch):
+    """tiny_llama ties ``lm_head.weight`` to ``model.embed_tokens.weight``: the checkpoint holds
+    the tensor once (DCP's own metadata is the reference), a resume ties it again, and the whole
+    model read back for export has both names equal to the source model's ``state_dict()``. A
+    checkpoint from before (both names written) loads the same."""
+    import torch.distributed.checkpoint as dcp
+
+    if older:
+        monkeypatch.setattr(dcp_state, "_aliases", lambda part: {})
+    source = _engine(1)
+    assert source.model.lm_head.weight is source.model.model.embed_tokens.weight
+    _train_step(source, 0.25)
+    path = CheckpointManager(tmp_path, ENV, keep=3).save(_DCPEngine(source), TrainState(step=4, global_batch_size=1), "x: 1\n")
+    monkeypatch.undo()
+    stored = dcp.FileSystemReader(str(path / "engine")).read_metadata().state_dict_metadata
+    assert ("model.lm_head.weight" in stored) is older and "model.model.embed_tokens.weight" in stored
+    target = _engine(2)
+    CheckpointManager(tmp_path, ENV, keep=3).load(_DCPEngine(target), path)
+    assert target.model.lm_head.weight is target.model.model.embed_tokens.weight
+    _assert_same(_snapshot(target), _snapshot(source))
+    whole = dcp_state.consolidated_model(path / "engine")
+    _assert_same(whole, dict(source.model.state_dict()))
+
+
 def test_deepspeed_shards_are_hashed_as_torch_saves_them(tmp_path):
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
