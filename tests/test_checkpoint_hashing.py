@@ -187,6 +187,39 @@ def test_a_tied_embedding_is_written_once_and_every_reader_gets_both_names(older
     _assert_same(whole, dict(source.model.state_dict()))
 
 
+def test_the_mapped_reader_loads_what_dcps_own_reader_loads(tmp_path, monkeypatch):
+    """The resume's reader against DCP's stock ``FileSystemReader`` on the same files: every
+    tensor equal to what was saved (non-contiguous, bf16, integer, empty, objects), with one
+    ``torch.load`` per distinct tensor layout instead of one per item."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"a": torch.randn(64, 32), "b": torch.randn(64, 32), "c": torch.randn(64, 32),
+             "transposed": torch.randn(7, 5).t(), "half": torch.randn(9).bfloat16(),
+             "int": torch.arange(12).view(3, 4), "empty": torch.zeros(0, 3), "object": {"x": 1}}
+    quiet = dcp_state._single_process_is_intended
+    with quiet():
+        dcp.save(state, checkpoint_id=str(tmp_path), storage_writer=dcp_state.writer(tmp_path))
+
+    def blank():
+        return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"x": 0} for k, v in state.items()}
+
+    stock, mapped = blank(), blank()
+    unpickled = []
+    real_load = torch.load
+    with quiet():
+        dcp.load(stock, checkpoint_id=str(tmp_path))
+        monkeypatch.setattr(torch, "load", lambda *a, **k: unpickled.append(1) or real_load(*a, **k))
+        dcp.load(mapped, checkpoint_id=str(tmp_path), storage_reader=dcp_state._MappedReader(str(tmp_path)))
+    monkeypatch.undo()
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(mapped[name], value) and torch.equal(stock[name], value), name
+    assert mapped["object"] == stock["object"] == {"x": 1}
+    # One per distinct layout: a's (b and c, the same layout, are mapped), the transposed, bf16,
+    # integer and empty tensors'. DCP's stock reader unpickles all 8.
+    assert len(unpickled) == 5
+
+
 def test_deepspeed_shards_are_hashed_as_torch_saves_them(tmp_path):
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 

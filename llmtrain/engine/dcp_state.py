@@ -188,6 +188,79 @@ def writer(directory: Path, cls=None) -> "dcp.FileSystemWriter":
     return made
 
 
+class _MappedReader(dcp.FileSystemReader):
+    """DCP's file reader that copies each tensor straight from the memory-mapped file into its
+    target, where DCP's stock reader reads every item into a fresh buffer and ``torch.load``-s it
+    (a zip archive and a ``weights_only`` unpickling per item: SmolLM2-135M holds 1,089) before
+    copying it into the target. That was 1.0 s of a 1.4 s load on one process.
+
+    The files are DCP's own (each item a ``torch.save`` archive), so any DCP tool still reads
+    them. An item's tensor is described by its archive's ``data.pkl``, whose bytes are the same
+    for every item of one dtype, shape and strides: the first item with given ``data.pkl`` bytes
+    is read by ``torch.load(weights_only=True)`` as DCP reads it, which gives the layout; the
+    others with the same bytes are viewed at their ``data/0`` record's offset in the mapping.
+    An item that is not a single-storage tensor archive in this machine's byte order, or that
+    went through a storage transform, is left to DCP's reader."""
+
+    def read_data(self, plan, planner):
+        import dataclasses
+        import mmap
+        import sys
+
+        from torch.distributed._shard._utils import narrow_tensor_by_index
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.distributed.checkpoint.utils import _create_file_view
+
+        rest, per_file = [], {}
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+                rest.append(req)
+            else:
+                per_file.setdefault(info.relative_path, []).append(req)
+        layouts: dict[bytes, tuple] = {}
+        for relative_path, reqs in per_file.items():
+            with open(self.fs.concat_path(self.path, relative_path), "rb") as file, \
+                    mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                for req in reqs:
+                    info = self.storage_data[req.storage_index]
+                    view = _create_file_view(file, info.offset, info.length)
+                    archive = torch._C.PyTorchFileReader(view)
+                    if (sorted(r for r in archive.get_all_records() if r.startswith("data/")) != ["data/0"]
+                            or archive.get_record("byteorder") != sys.byteorder.encode()):
+                        rest.append(req)
+                        continue
+                    key, flat = archive.get_record("data.pkl"), None
+                    if key in layouts:
+                        dtype, size, stride, storage_offset, nbytes = layouts[key]
+                        start = info.offset + archive.get_record_offset("data/0")
+                        with warnings.catch_warnings():  # read-only mapping: the view is only read
+                            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                            flat = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=start)
+                        tensor = flat.view(dtype).as_strided(size, stride, storage_offset)
+                    else:
+                        view.seek(0)
+                        tensor = torch.load(view, map_location="cpu", weights_only=True)
+                        nbytes = tensor.untyped_storage().nbytes()
+                        if nbytes and nbytes == archive.get_record_size("data/0"):
+                            layouts[key] = (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset(), nbytes)
+                    try:
+                        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                        target = planner.resolve_tensor(req).detach()
+                        if target.size() != tensor.size():
+                            raise RuntimeError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, "
+                                               f"model needs {tuple(target.size())}")
+                        target.copy_(tensor)
+                    finally:
+                        del tensor, flat  # the mapping closes only once no view into it is left
+                    planner.commit_tensor(req, target)
+        if rest:
+            return super().read_data(dataclasses.replace(plan, items=rest), planner)
+        done = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+
 def is_dcp_checkpoint(directory: Path) -> bool:
     return (directory / METADATA).is_file()
 
@@ -373,7 +446,7 @@ def load(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.O
     state, hyper, _ = _state(parts, optimizers)
     try:
         with _single_process_is_intended(), _one_thread():
-            dcp.load(state, checkpoint_id=str(directory))
+            dcp.load(state, checkpoint_id=str(directory), storage_reader=_MappedReader(str(directory)))
     except Exception as err:  # DCP raises CheckpointException wrapping per-rank errors
         raise ResumeError(f"checkpoint {directory.parent} does not fit this model/optimizer: {err}") from err
     with _one_thread():
