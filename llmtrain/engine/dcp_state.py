@@ -17,6 +17,7 @@ import os
 import threading
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -289,23 +290,34 @@ def _aliases(part: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> tuple[dict, dict, dict]:
-    """(the state DCP saves and loads, the optimizer hyperparameters it leaves out, {alias: name}
-    of the tied weights it holds once).
+class _State(NamedTuple):
+    """What :func:`save` writes and :func:`load` reads, built from the live parts."""
+
+    tensors: dict  # {"model": ..., "optimizer": ...}: what DCP saves and loads
+    hyper: dict  # the optimizer hyperparameters left out (_HYPERPARAMETERS)
+    aliases: dict  # {alias: name} of the tied weights held once
+    owned: list[set[str]]  # each part's model-state names in ``tensors["model"]``
+
+
+def _state(parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> _State:
+    """The state of ``parts`` and their ``optimizers`` as DCP sees it.
 
     A tied weight is written and read under its first name only: writing it under both (DCP
     would) costs the embedding again, 108 MiB of SmolLM2-135M's 1.6 GiB, on every save and load."""
     model: dict = {}
     optim: dict = {}
     aliases: dict = {}
+    owned = []
     for part, opt in zip(parts, optimizers):
         own = _model_state(part)
         mine = {alias: name for alias, name in _aliases(part).items() if alias in own and name in own}
-        model.update({k: v for k, v in own.items() if k not in mine})
+        kept = {k: v for k, v in own.items() if k not in mine}
+        model.update(kept)
+        owned.append(set(kept))
         aliases.update(mine)
         optim.update(get_optimizer_state_dict(part, opt, options=OPTIONS))
     hyper = {k: optim.pop(k) for k in [k for k in optim if k.startswith(_HYPERPARAMETERS)]}
-    return {"model": model, "optimizer": optim}, hyper, aliases
+    return _State({"model": model, "optimizer": optim}, hyper, aliases, owned)
 
 
 _checkpoint_group = None
@@ -396,9 +408,10 @@ def save(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.O
     Files go through :func:`writer` (checksummed as written) unless ``storage_writer`` is given.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    state, _, aliases = _state(parts, optimizers)
-    if aliases:  # for readers of the whole checkpoint (consolidated_model); a resume does not need it
-        state[_ALIASES] = aliases
+    built = _state(parts, optimizers)
+    state = built.tensors
+    if built.aliases:  # for readers of the whole checkpoint (consolidated_model); a resume does not need it
+        state = {**state, _ALIASES: built.aliases}
     future = None
     with _single_process_is_intended():
         if background:
@@ -443,22 +456,23 @@ def load(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.O
     from llmtrain.common.errors import ResumeError
 
     # A checkpoint from before tied weights were written once holds the alias too; it is not read.
-    state, hyper, _ = _state(parts, optimizers)
+    built = _state(parts, optimizers)
+    state = built.tensors
     try:
         with _single_process_is_intended(), _one_thread():
             dcp.load(state, checkpoint_id=str(directory), storage_reader=_MappedReader(str(directory)))
     except Exception as err:  # DCP raises CheckpointException wrapping per-rank errors
         raise ResumeError(f"checkpoint {directory.parent} does not fit this model/optimizer: {err}") from err
     with _one_thread():
-        for part, opt in zip(parts, optimizers):
+        for part, opt, own in zip(parts, optimizers, built.owned):
             # DCP loaded in place where the state dict's tensor is the parameter itself (plain
             # tensors, FSDP2's sharded DTensors): copying it onto itself again would cost a pass
             # over the weights. The others (copies the state dict made) are set.
             live = {_storage(p) for p in part.parameters()}
-            own = {k for k in _model_state(part) if k in state["model"]}
             rest = {k: state["model"][k] for k in own if _storage(state["model"][k]) not in live}
-            set_model_state_dict(part, rest, options=LOAD_OPTIONS)
-            set_optimizer_state_dict(part, opt, optim_state_dict={**state["optimizer"], **hyper}, options=OPTIONS)
+            if rest:
+                set_model_state_dict(part, rest, options=LOAD_OPTIONS)
+            set_optimizer_state_dict(part, opt, optim_state_dict={**state["optimizer"], **built.hyper}, options=OPTIONS)
     saved = torch.load(directory / "scheduler.pt", weights_only=True)
     for scheduler in schedulers:
         scheduler.load_state_dict(saved)
