@@ -232,7 +232,7 @@ class _MappedReader(dcp.FileSystemReader):
                         rest.append(req)
                         continue
                     key, flat = archive.get_record("data.pkl"), None
-                    if key in layouts:
+                    if key in layouts and archive.get_record_size("data/0") == layouts[key][-1]:
                         dtype, size, stride, storage_offset, nbytes = layouts[key]
                         start = info.offset + archive.get_record_offset("data/0")
                         with warnings.catch_warnings():  # read-only mapping: the view is only read
