@@ -195,7 +195,9 @@ def test_the_mapped_reader_loads_what_dcps_own_reader_loads(tmp_path, monkeypatc
 
     state = {"a": torch.randn(64, 32), "b": torch.randn(64, 32), "c": torch.randn(64, 32),
              "transposed": torch.randn(7, 5).t(), "half": torch.randn(9).bfloat16(),
-             "int": torch.arange(12).view(3, 4), "empty": torch.zeros(0, 3), "object": {"x": 1}}
+             "int": torch.arange(12).view(3, 4), "empty": torch.zeros(0, 3), "object": {"x": 1},
+             # Same pickle for both, and the conjugate bit lives in it: never mapped
+             "conj1": torch.randn(4, 3, dtype=torch.complex64).conj(), "conj2": torch.randn(4, 3, dtype=torch.complex64).conj()}
     quiet = dcp_state._single_process_is_intended
     with quiet():
         dcp.save(state, checkpoint_id=str(tmp_path), storage_writer=dcp_state.writer(tmp_path))
@@ -216,8 +218,23 @@ def test_the_mapped_reader_loads_what_dcps_own_reader_loads(tmp_path, monkeypatc
             assert torch.equal(mapped[name], value) and torch.equal(stock[name], value), name
     assert mapped["object"] == stock["object"] == {"x": 1}
     # One per distinct layout: a's (b and c, the same layout, are mapped), the transposed, bf16,
-    # integer and empty tensors'. DCP's stock reader unpickles all 8.
-    assert len(unpickled) == 5
+    # integer and empty tensors', and both conjugated ones. DCP's stock reader unpickles all 10.
+    assert len(unpickled) == 7
+
+
+def test_a_checkpoint_of_another_shape_is_a_resume_error_naming_the_checkpoint(tmp_path):
+    from conftest import make_cfg
+    from llmtrain.common.errors import ResumeError
+    from llmtrain.engine.torch_engine import TorchEngine
+    from llmtrain.models.build import build_model
+    from llmtrain.objectives import CausalLM
+
+    path = CheckpointManager(tmp_path, ENV, keep=3).save(_DCPEngine(_engine(1)), TrainState(step=1, global_batch_size=1), "x: 1\n")
+    wider = TorchEngine(make_cfg(["trainer.max_steps=10", "model.architecture.intermediate_size=384"]), ENV,
+                        accumulation_steps=1, objective=CausalLM())
+    wider.setup(build_model(wider.cfg.model, seed=1))
+    with pytest.raises(ResumeError, match="does not fit this model"):
+        dcp_state.load(path / "engine", [wider.model], [wider.optimizer], [wider.scheduler])
 
 
 def test_deepspeed_shards_are_hashed_as_torch_saves_them(tmp_path):

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -221,45 +222,63 @@ class _MappedReader(dcp.FileSystemReader):
                 per_file.setdefault(info.relative_path, []).append(req)
         layouts: dict[bytes, tuple] = {}
         for relative_path, reqs in per_file.items():
-            with open(self.fs.concat_path(self.path, relative_path), "rb") as file, \
-                    mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                for req in reqs:
-                    info = self.storage_data[req.storage_index]
-                    view = _create_file_view(file, info.offset, info.length)
-                    archive = torch._C.PyTorchFileReader(view)
-                    if (sorted(r for r in archive.get_all_records() if r.startswith("data/")) != ["data/0"]
-                            or archive.get_record("byteorder") != sys.byteorder.encode()):
-                        rest.append(req)
-                        continue
-                    key, flat = archive.get_record("data.pkl"), None
-                    if key in layouts and archive.get_record_size("data/0") == layouts[key][-1]:
-                        dtype, size, stride, storage_offset, nbytes = layouts[key]
-                        start = info.offset + archive.get_record_offset("data/0")
-                        with warnings.catch_warnings():  # read-only mapping: the view is only read
-                            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                            flat = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=start)
-                        tensor = flat.view(dtype).as_strided(size, stride, storage_offset)
-                    else:
-                        view.seek(0)
-                        tensor = torch.load(view, map_location="cpu", weights_only=True)
-                        nbytes = tensor.untyped_storage().nbytes()
-                        if nbytes and nbytes == archive.get_record_size("data/0"):
-                            layouts[key] = (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset(), nbytes)
+            with open(self.fs.concat_path(self.path, relative_path), "rb") as file:
+                mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+                try:
+                    for req in reqs:
+                        info = self.storage_data[req.storage_index]
+                        view = _create_file_view(file, info.offset, info.length)
+                        archive = torch._C.PyTorchFileReader(view)
+                        if (sorted(r for r in archive.get_all_records() if r.startswith("data/")) != ["data/0"]
+                                or not archive.has_record("byteorder")
+                                or archive.get_record("byteorder") != sys.byteorder.encode()):
+                            rest.append(req)
+                            continue
+                        tensor = _mapped_or_loaded(archive, view, mapped, info.offset, layouts)
+                        try:
+                            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                            target = planner.resolve_tensor(req).detach()
+                            if target.size() != tensor.size():
+                                raise RuntimeError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, "
+                                                   f"model needs {tuple(target.size())}")
+                            target.copy_(tensor)
+                        finally:
+                            del tensor  # the mapping closes only once no view into it is left
+                        planner.commit_tensor(req, target)
+                finally:
                     try:
-                        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-                        target = planner.resolve_tensor(req).detach()
-                        if target.size() != tensor.size():
-                            raise RuntimeError(f"{req.storage_index.fqn}: stored {tuple(tensor.size())}, "
-                                               f"model needs {tuple(target.size())}")
-                        target.copy_(tensor)
-                    finally:
-                        del tensor, flat  # the mapping closes only once no view into it is left
-                    planner.commit_tensor(req, target)
+                        mapped.close()
+                    except BufferError:  # a view is still held by an error on its way up: let that error out
+                        pass
         if rest:
             return super().read_data(dataclasses.replace(plan, items=rest), planner)
         done = torch.futures.Future()
         done.set_result(None)
         return done
+
+
+def _mapped_or_loaded(archive, view, mapped, start: int, layouts: dict[bytes, tuple]) -> torch.Tensor:
+    """The tensor of one ``torch.save`` archive at byte ``start`` of the ``mapped`` file: a view
+    into the mapping when an archive with the same ``data.pkl`` bytes was loaded before (its
+    layout in ``layouts``), else ``torch.load(weights_only=True)`` of the archive, whose layout is
+    then kept. Only plain tensors' layouts are kept: a conjugate or negative bit, a quantizer or a
+    subclass is part of the pickle, not of the bytes, and is left to ``torch.load``."""
+    key = archive.get_record("data.pkl")
+    layout = layouts.get(key)
+    if layout is not None and archive.get_record_size("data/0") == layout[-1]:
+        dtype, size, stride, storage_offset, nbytes = layout
+        with warnings.catch_warnings():  # read-only mapping: the view is only read
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            flat = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes,
+                                    offset=start + archive.get_record_offset("data/0"))
+        return flat.view(dtype).as_strided(size, stride, storage_offset)
+    view.seek(0)
+    tensor = torch.load(view, map_location="cpu", weights_only=True)
+    nbytes = tensor.untyped_storage().nbytes()
+    if (type(tensor) is torch.Tensor and not tensor.is_conj() and not tensor.is_neg() and not tensor.is_quantized
+            and nbytes and nbytes == archive.get_record_size("data/0")):
+        layouts[key] = (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset(), nbytes)
+    return tensor
 
 
 def is_dcp_checkpoint(directory: Path) -> bool:
@@ -461,7 +480,7 @@ def load(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.O
     try:
         with _single_process_is_intended(), _one_thread():
             dcp.load(state, checkpoint_id=str(directory), storage_reader=_MappedReader(str(directory)))
-    except Exception as err:  # DCP raises CheckpointException wrapping per-rank errors
+    except (Exception, CheckpointException) as err:  # DCP's CheckpointException (per-rank errors) is a BaseException
         raise ResumeError(f"checkpoint {directory.parent} does not fit this model/optimizer: {err}") from err
     with _one_thread():
         for part, opt, own in zip(parts, optimizers, built.owned):
