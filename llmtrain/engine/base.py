@@ -121,7 +121,7 @@ def build_adamw(groups: list[dict], trainer_cfg: Any, **options: Any) -> torch.o
     params = [p for group in groups for p in group["params"]]
     if options.get("foreach") is None and params and all(
             p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params):
-        options = {**options, "foreach": None, "fused": True}
+        options = {**options, "fused": True}
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **options)
 
 
