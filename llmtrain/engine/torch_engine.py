@@ -31,6 +31,12 @@ class TorchEngine(Engine):
         self._install_router_monitors([self._model], self._model)
         if t.activation_checkpointing:
             self._model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.recipe.compile:
+            # Per decoder layer, after activation checkpointing and before DDP: the order and the
+            # granularity of the mesh engine's ``parallelize``, so a recipe compiles alike on both.
+            from llmtrain.parallel.parallelize import apply_compile, decoder_layers
+
+            apply_compile(decoder_layers(self._model))
         self.wrapped = self._model
         if self.env.world_size > 1:
             device_ids = [self.env.local_rank] if self.env.device.type == "cuda" else None
