@@ -334,10 +334,9 @@ def validate_recipe(r: Any, engine: Optional[str] = None) -> None:
     if r.engine == "deepspeed":
         degrees = {k: r[k] for k in ("dp_replicate", "dp_shard") if r[k] not in (None, -1)}
         degrees.update({k: r[k] for k in ("tp", "pp") if r[k] != 1})
-        _require(not degrees and not r.compile,
-                 f"{', '.join(f'recipe.{k}={v}' for k, v in degrees.items()) or 'recipe.compile'}"
-                 " needs engine=torch (the DeepSpeed engine shards over every rank with ZeRO and has no "
-                 "tensor or pipeline parallelism here)")
+        _require(not degrees, f"{', '.join(f'recipe.{k}={v}' for k, v in degrees.items())} needs engine=torch (the "
+                              "DeepSpeed engine shards over every rank with ZeRO and has no tensor or pipeline "
+                              "parallelism here)")
     else:
         _require(r.offload_params == r.offload_optimizer,
                  f"recipe.offload_optimizer={r.offload_optimizer}, recipe.offload_params={r.offload_params}: FSDP2 "

@@ -187,6 +187,13 @@ class DeepSpeedEngine(Engine):
             model=model, optimizer=optimizer, model_parameters=param_groups(model, t.weight_decay) if optimizer is None else None,
             config=self.ds_config, dist_init_required=self.env.world_size > 1,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
+        if self.cfg.recipe.compile:
+            # Per decoder layer and after initialize (ZeRO-3's gather hooks are installed by then),
+            # as accelerate's regional compilation does under DeepSpeed; the torch engines compile
+            # the same layers.
+            from llmtrain.parallel.parallelize import apply_compile, decoder_layers
+
+            apply_compile(decoder_layers(self.ds.module))
         # Models built later (the export's fresh copy) must not be partitioned.
         self._hf_ds_config = None
         if self._partial:

@@ -136,7 +136,7 @@ class Bench:
 BENCHES = [
     Bench("1b-fsdp", "1b", "fsdp", what="FSDP2, bf16, eager"),
     Bench("1b-zero3", "1b", "zero3", what="DeepSpeed ZeRO-3, bf16"),
-    Bench("1b-zero3-compile", "1b", "zero3", compile=True, what="ZeRO-3 compiled (llmtrain refuses it: a check)"),
+    Bench("1b-zero3-compile", "1b", "zero3", compile=True, what="DeepSpeed ZeRO-3, bf16, torch.compile per layer"),
     Bench("1b-fsdp-compile", "1b", "fsdp", compile=True, what="FSDP2, bf16, torch.compile per layer"),
     Bench("1b-fsdp-fp8-compile", "1b", "fsdp", compile=True, fp8=True,
           what="FSDP2, float8 Linear layers (torchao, tensorwise), compiled"),

@@ -18,7 +18,8 @@ Each side runs in its best documented configuration for this machine:
   so both run the identical DeepSpeed configuration. Batches in its padding-free format
   (``position_ids`` per packed document, no ``attention_mask``, as ``DataCollatorWithFlattening``
   emits), so the model attends within each document, as under llmtrain. ``--hf-optim`` and
-  ``--hf-compile`` try others.
+  ``--hf-compile`` try others; ``--compile`` compiles both (HF ``torch_compile=True``, llmtrain
+  ``recipe.compile=true``: each decoder layer, on every engine).
 - both: llmtrain's sample order (HF reads it sequentially), so both see the same blocks each
   step; llmtrain's LR schedule (HF's own warmup starts at lr 0, one step behind); so the
   per-step losses agree to float rounding (4e-07 over 20 steps); ``OMP_WAIT_POLICY=PASSIVE`` (what ``python -m llmtrain`` sets: OpenMP threads sleep
@@ -33,6 +34,7 @@ first falls to the loss the slower-learning side ends at, times its measured sec
 
     python scripts/bench/peers.py --rounds 3
     python scripts/bench/peers.py --modes single --rounds 5 --steps 40
+    python scripts/bench/peers.py --compile --rounds 3 --steps 30 --warmup 8   # both sides torch.compile'd
     python scripts/bench/peers.py --modes single --rounds 1 --profile   # torch.profiler tables of both sides
 """
 
@@ -278,12 +280,17 @@ def main() -> None:
                         help="both sides; auto = llmtrain's trainer.precision=auto rule for this machine")
     parser.add_argument("--hf-optim", default="adamw_torch_fused", help="HF TrainingArguments.optim")
     parser.add_argument("--hf-compile", action="store_true", help="HF TrainingArguments.torch_compile=True")
+    parser.add_argument("--compile", action="store_true",
+                        help="both sides compiled: HF torch_compile=True and llmtrain recipe.compile=true")
     parser.add_argument("--llmtrain", action="append", default=[], metavar="OVERRIDE",
                         help="an extra llmtrain override (repeatable), e.g. --llmtrain=recipe.compile=true")
     parser.add_argument("--profile", action="store_true",
                         help="print each side's torch.profiler table over the timed steps (slows both)")
     parser.add_argument("--child", choices=["llmtrain", "hf"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.compile:
+        args.hf_compile = True
+        args.llmtrain = [*args.llmtrain, "recipe.compile=true"]
     if args.child:
         return child(args.child, args.modes[0], args.steps, args.warmup, args)
     if args.precision == "auto":
