@@ -134,6 +134,37 @@ def test_a_pickle_payload_in_a_deepspeed_file_is_refused_and_never_runs(tmp_path
     assert not marker.exists()
 
 
+def test_deepspeed_reads_its_files_through_the_weights_only_loader_on_resume(tmp_path):
+    # What DeepSpeed's own checkpoint engine gets inside a same-size resume: the payload is
+    # refused by torch's weights_only unpickler even if the earlier check were skipped; the
+    # tensors come back equal (mapped from a zip file; read from a legacy-format one), and the
+    # engine's own load is back afterwards.
+    import pickle
+
+    import llmtrain.parallel.distributed  # noqa: F401  (DS_ACCELERATOR before deepspeed)
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from llmtrain.engine.deepspeed_engine import _weights_only_loads
+
+    state = {"optimizer_state_dict": {"exp_avg": torch.arange(6.0).view(2, 3).t(), "zero_stage": ZeroStageEnum.weights},
+             "ds_version": "0.19"}
+    torch.save(state, tmp_path / "zip.pt")
+    torch.save(state, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    marker = tmp_path / "payload-ran"
+    torch.save({"optimizer_state_dict": {"x": Payload(marker)}}, tmp_path / "crafted.pt")
+    engine = TorchCheckpointEngine()
+    with _weights_only_loads(engine):
+        for name in ("zip.pt", "legacy.pt"):
+            got = engine.load(str(tmp_path / name), map_location=torch.device("cpu"))
+            torch.testing.assert_close(got["optimizer_state_dict"]["exp_avg"], state["optimizer_state_dict"]["exp_avg"],
+                                       rtol=0, atol=0)
+            assert got["optimizer_state_dict"]["zero_stage"] is ZeroStageEnum.weights
+        with pytest.raises(pickle.UnpicklingError, match="exec"):
+            engine.load(str(tmp_path / "crafted.pt"), map_location="cpu")
+    assert not marker.exists()
+    assert "load" not in vars(engine)  # the class's own method again
+
+
 # One process, torch engine, dropout on (the RNG streams matter), a checkpoint every 2 steps.
 RESUME = FAST + ["trainer.max_steps=4", "trainer.save_every=2", "trainer.global_batch_size=8",
                  "trainer.micro_batch_size=4", "model.architecture.attention_dropout=0.1", "trainer.export_hf=false"]
