@@ -57,6 +57,7 @@ from llmtrain.monitoring.watchdog import Watchdog
 from llmtrain.objectives import Objective, build_objective, reference
 from llmtrain.parallel import distributed
 from llmtrain.parallel.dims import ParallelDims
+from llmtrain.parallel.parallelize import compiled_graphs
 from llmtrain.parallel.seeding import seed_everything, seed_streams
 from llmtrain.planning import flops
 from llmtrain.planning.auto import check_same_layout
@@ -662,6 +663,8 @@ class Trainer:
                    **flops.achieved(tokens_per_s, self.flops_per_token, self.env.world_size,
                                      self.peak.tflops if self.peak else None)}
         metrics.update(self.checkpointer.stall_of_previous_step(result.step - 1))
+        if self.cfg.recipe.compile:
+            metrics["perf/compiled_graphs"] = compiled_graphs()
         if len(self.splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed
             counts = self.sampler.source_counts((result.step - 1) // self.objective.steps_per_batch,
                                                 len(self.splits.names))

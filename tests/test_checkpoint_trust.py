@@ -165,6 +165,28 @@ def test_deepspeed_reads_its_files_through_the_weights_only_loader_on_resume(tmp
     assert "load" not in vars(engine)  # the class's own method again
 
 
+def test_optimizer_state_loaded_from_a_mapped_file_gets_memory_of_its_own(tmp_path):
+    # torch's Optimizer.load_state_dict keeps a CPU fp32 moment as the very tensor it was given,
+    # so after a mapped DeepSpeed load it would stay a view of the checkpoint file (kept open,
+    # its space not freed when pruned) unless the engine copies it out.
+    from llmtrain.engine.deepspeed_engine import _own_optimizer_state
+
+    param = torch.nn.Parameter(torch.randn(4, 3))
+    optimizer = torch.optim.AdamW([param], lr=0.1)
+    param.grad = torch.randn(4, 3)
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "optim.pt")
+    mapped = torch.load(tmp_path / "optim.pt", mmap=True, weights_only=True)
+    fresh = torch.optim.AdamW([param], lr=0.1)
+    fresh.load_state_dict(mapped)
+    moment = fresh.state[param]["exp_avg"]
+    assert moment.data_ptr() == mapped["state"][0]["exp_avg"].data_ptr()  # the premise: still the mapped tensor
+    _own_optimizer_state(fresh)
+    for key, value in fresh.state[param].items():
+        assert value.data_ptr() != mapped["state"][0][key].data_ptr(), key
+        torch.testing.assert_close(value, optimizer.state[param][key], rtol=0, atol=0)
+
+
 # One process, torch engine, dropout on (the RNG streams matter), a checkpoint every 2 steps.
 RESUME = FAST + ["trainer.max_steps=4", "trainer.save_every=2", "trainer.global_batch_size=8",
                  "trainer.micro_batch_size=4", "model.architecture.attention_dropout=0.1", "trainer.export_hf=false"]

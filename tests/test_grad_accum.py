@@ -82,16 +82,32 @@ def test_compiled_decoder_layers_equal_one_big_batch():
     # full-batch reference, up to inductor's fused rounding.
     from torch._dynamo.utils import counters
 
+    from llmtrain.parallel.parallelize import compiled_graphs
+
     torch._dynamo.reset()
     counters.clear()
-    got = engine_grads(0, 1, 4, "recipe.compile=true")
-    assert counters["frames"]["ok"] >= 1 and counters["inductor"]["fxgraph_cache_miss"] + \
-        counters["inductor"]["fxgraph_cache_hit"] >= 1, dict(counters)
-    want = reference_grads()
-    assert got.keys() == want.keys()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
-    torch._dynamo.reset()
+    try:
+        got = engine_grads(0, 1, 4, "recipe.compile=true")
+        assert counters["frames"]["ok"] >= 1 and counters["inductor"]["fxgraph_cache_miss"] + \
+            counters["inductor"]["fxgraph_cache_hit"] >= 1, dict(counters)
+        assert compiled_graphs() >= 1
+        want = reference_grads()
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compile_on_a_model_without_decoder_layers_names_the_knob():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.parallel.parallelize import decoder_layers
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    with pytest.raises(ConfigError, match="'gpt2' keeps no decoder layers.*recipe.compile"):
+        decoder_layers(gpt2)
 
 
 def _worker(rank: int, world: int, micro: int, rendezvous: str, out: str) -> None:

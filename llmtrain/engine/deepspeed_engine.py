@@ -413,9 +413,11 @@ class DeepSpeedEngine(Engine):
                 "weights_only=False); they passed a weights_only=True check against DeepSpeed's own checkpoint "
                 "classes first. Load only checkpoints you trust", source)
         weight_decays = [group["weight_decay"] for group in self.ds.optimizer.param_groups]
-        with _weights_only_loads(self.ds.checkpoint_engine):
+        with _weights_only_loads(self.ds.checkpoint_engine) as mapped:
             path, _ = self.ds.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
                                               load_lr_scheduler_states=True, load_module_strict=not self._partial)
+        if mapped:
+            _own_optimizer_state(getattr(self.ds.optimizer, "optimizer", self.ds.optimizer))
         if universal:
             # DeepSpeed 0.19's ZeRO-3 universal load copies param group 0's hyperparameters into
             # every group, which would decay norms and biases; the recipe's values are the truth.
@@ -546,11 +548,13 @@ def _weights_only_loads(checkpoint_engine):
     is mapped from the file rather than read into fresh memory first (DeepSpeed copies it into
     its partitions anyway; 810 MB per rank at 135 M under ZeRO-3). A legacy-format file (no zip
     archive, so nothing to map) is read without ``mmap``. Other checkpoint engines are left alone.
-    Covers ``load_checkpoint`` of the same world size; the universal loader opens its files itself."""
+    Covers ``load_checkpoint`` of the same world size; the universal loader opens its files itself.
+    Yields the list of the files it mapped (filled as DeepSpeed loads them)."""
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
+    mapped: list[str] = []
     if type(checkpoint_engine) is not TorchCheckpointEngine:
-        yield
+        yield mapped
         return
     allowed = checkpoint_safe_globals()
 
@@ -558,22 +562,38 @@ def _weights_only_loads(checkpoint_engine):
         with torch.serialization.safe_globals(allowed):
             with open(path, "rb") as f:
                 mappable = torch.serialization._is_zipfile(f)
+            if mappable:
+                mapped.append(str(path))
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mappable)
 
     checkpoint_engine.load = load
     try:
-        yield
+        yield mapped
     finally:
         del checkpoint_engine.load  # the class's own method again
+
+
+def _own_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give each CPU tensor of ``optimizer.state`` memory of its own. torch's
+    ``Optimizer.load_state_dict`` keeps a loaded tensor as it is when its dtype and device already
+    match the parameter's, so after a mapped load the Adam moments (ZeRO-1/2 and offload: on the
+    CPU) would stay views of the checkpoint file: a pruned checkpoint's space would not come back
+    until the process exits (``.nfs*`` files on NFS), and a file damaged under a running job
+    would fault it. The copy costs what the first step's copy-on-write would have."""
+    for param_state in optimizer.state.values():
+        for key, value in param_state.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                param_state[key] = value.clone()
 
 
 def unsafe_checkpoint_file(directory: Path, rank: int = 0, world_size: int = 1) -> str | None:
     """Why DeepSpeed's loaders must not open ``directory``, or None: each torch file (``*.pt``,
     recursively; this rank's share, every ``world_size``-th by name) must load with
     ``torch.load(weights_only=True)`` and :func:`checkpoint_safe_globals`. The tensor data is
-    memory-mapped, not read. DeepSpeed's own loaders (``load_checkpoint``, ``zero_to_fp32``,
-    ``ds_to_universal``) unpickle with ``weights_only=False``; a file that passes this check holds
-    nothing they could run."""
+    memory-mapped, not read. DeepSpeed's ``zero_to_fp32``, ``ds_to_universal`` and universal
+    loader unpickle with ``weights_only=False`` (its ``load_checkpoint`` of the same world size
+    reads through :func:`_weights_only_loads`); a file that passes this check holds nothing they
+    could run."""
     import pickle
 
     from llmtrain.common.safe_load import load_weights_only, unpickling_reason
@@ -612,6 +632,6 @@ def check_checkpoint_files(directory: Path, env=None) -> None:
         dist.all_gather_object(problems, problem)
         problem = next((p for p in problems if p), None)
     if problem:
-        raise ResumeError(f"refusing DeepSpeed checkpoint {directory}: {problem}. DeepSpeed's loaders unpickle their "
-                          "files (code in them would run); load only checkpoints you trust, e.g. one you wrote "
+        raise ResumeError(f"refusing DeepSpeed checkpoint {directory}: {problem}. DeepSpeed's export and universal "
+                          "loaders unpickle their files (code in them would run); load only checkpoints you trust, e.g. one you wrote "
                           "yourself (trainer.resume=<step or path>)")

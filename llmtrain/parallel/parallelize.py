@@ -254,6 +254,16 @@ def apply_compile(layers: list[nn.Module]) -> None:
         layer.compile(fullgraph=False)
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile's front end (dynamo) has captured in this process so far (its own
+    ``unique_graphs`` counter; 0 before any compiled call). A count that keeps rising over the
+    steps means recompiles, e.g. on a new sequence length each step."""
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return int(dynamo.counters["stats"]["unique_graphs"]) if dynamo is not None else 0
+
+
 def apply_fsdp(module: nn.Module, layers: list[nn.Module], dp_mesh, reshard_after_forward: bool,
                offload: bool, param_dtype: torch.dtype | None = None,
                experts: tuple[list[nn.Module], Any] | None = None) -> None:
@@ -312,10 +322,20 @@ def fsdp_mesh(mesh, dims):
 
 
 def decoder_layers(module: nn.Module) -> list[nn.Module]:
-    """The decoder layers inside ``module`` (a causal LM or a pipeline stage)."""
-    from llmtrain.parallel.pipeline import base_model
+    """The decoder layers inside ``module`` (a causal LM or a pipeline stage).
 
-    layers = base_model(module).layers
+    Raises:
+        ConfigError: the model keeps its layers elsewhere than ``<base_model_prefix>.layers``
+            (GPT-2's ``transformer.h``, OPT's ``decoder.layers``), so a per-layer recipe knob
+            (compile, FSDP2, tensor parallel) has nothing to apply to.
+    """
+    body = getattr(module, getattr(module, "base_model_prefix", ""), None)
+    layers = getattr(body, "layers", None)
+    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
+        model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+        raise ConfigError(f"model type {model_type!r} keeps no decoder layers at <base model>.layers, which "
+                          "recipe.compile, FSDP2 and tensor parallel apply per layer; use a Llama-style decoder "
+                          "(Llama, Qwen2, Mistral, ...) or set recipe.compile=false with a ddp/zero recipe")
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 

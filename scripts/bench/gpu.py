@@ -27,8 +27,8 @@ llmtrain's own ``Trainer`` in-process one configuration after another, as ``test
 does, so start-up is paid once. The worker reports each configuration to ``OUT/progress.jsonl``;
 this process prints the lines, and kills and restarts the worker (with the configurations not yet
 run) when one configuration passes its timeout or the worker dies, so one hang or crash costs one
-line. A configuration llmtrain refuses before start-up (FP8 without float8 matmuls, ``compile``
-on DeepSpeed: its own checks and messages) or that needs more processes is printed as
+line. A configuration llmtrain refuses before start-up (FP8 without float8 matmuls: its own
+checks and messages) or that needs more processes is printed as
 ``skipped`` with the reason; one that fails as ``error`` with its exception in one line. Nothing
 is checkpointed (the benchmark drops the final save: Llama-3-8B's would be ~100 GB) or exported.
 
