@@ -190,7 +190,8 @@ def test_a_tied_embedding_is_written_once_and_every_reader_gets_both_names(older
 def test_the_mapped_reader_loads_what_dcps_own_reader_loads(tmp_path, monkeypatch):
     """The resume's reader against DCP's stock ``FileSystemReader`` on the same files: every
     tensor equal to what was saved (non-contiguous, bf16, integer, empty, objects), with one
-    ``torch.load`` per distinct tensor layout instead of one per item."""
+    ``torch.load`` onto the meta device (no data read) per distinct tensor layout instead of one
+    data-reading load per item."""
     import torch.distributed.checkpoint as dcp
 
     state = {"a": torch.randn(64, 32), "b": torch.randn(64, 32), "c": torch.randn(64, 32),
@@ -210,16 +211,71 @@ def test_the_mapped_reader_loads_what_dcps_own_reader_loads(tmp_path, monkeypatc
     real_load = torch.load
     with quiet():
         dcp.load(stock, checkpoint_id=str(tmp_path))
-        monkeypatch.setattr(torch, "load", lambda *a, **k: unpickled.append(1) or real_load(*a, **k))
+        monkeypatch.setattr(torch, "load", lambda *a, **k: unpickled.append(str(k.get("map_location"))) or real_load(*a, **k))
         dcp.load(mapped, checkpoint_id=str(tmp_path), storage_reader=dcp_state._MappedReader(str(tmp_path)))
     monkeypatch.undo()
     for name, value in state.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(mapped[name], value) and torch.equal(stock[name], value), name
     assert mapped["object"] == stock["object"] == {"x": 1}
-    # One per distinct layout: a's (b and c, the same layout, are mapped), the transposed, bf16,
-    # integer and empty tensors', and both conjugated ones. DCP's stock reader unpickles all 10.
-    assert len(unpickled) == 7
+    # The layout of each distinct pickle, on meta: a's (b and c, the same layout, are mapped), the
+    # transposed, bf16 and integer tensors', and the conjugated ones' (one pickle). Read with
+    # their data: both conjugated ones (the bit lives in the pickle); the object through DCP's
+    # own bytes path; the empty tensor has no item. DCP's stock reader reads all 9 with their data.
+    assert sorted(unpickled) == ["None"] + ["cpu"] * 2 + ["meta"] * 5, " ".join(unpickled)
+
+
+def _archive(tensor) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return buffer.getvalue()
+
+
+def test_the_central_directory_parser_agrees_with_torchs_zip_reader(tmp_path):
+    # _StoredZip reads an item's records in place; torch's own reader (PyTorchFileReader) is the
+    # reference: the same records, bytes, data offsets and sizes, for items at odd offsets of one
+    # file, and for an item whose end record defers to its zip64 record (as one over 4 GiB does).
+    import mmap
+    import struct
+
+    from torch.distributed.checkpoint.utils import _create_file_view
+
+    items = [_archive(t) for t in (torch.randn(5, 3), torch.randn(300, 70).t(), torch.arange(10, dtype=torch.bfloat16),
+                                   torch.tensor(3), torch.zeros(0))]
+    as_zip64 = bytearray(items[0])
+    struct.pack_into("<HHII", as_zip64, len(as_zip64) - 14, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF)
+    items.append(bytes(as_zip64))
+    path, spans, at = tmp_path / "items", [], 7
+    path.write_bytes(b"x" * 7 + b"".join(items))
+    for item in items:
+        spans.append((at, len(item)))
+        at += len(item)
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        for start, length in spans:
+            ours = dcp_state._StoredZip(mapped, start, length)
+            torchs = torch._C.PyTorchFileReader(_create_file_view(file, start, length))
+            assert sorted(ours.get_all_records()) == sorted(torchs.get_all_records())
+            for name in torchs.get_all_records():
+                assert ours.get_record(name) == torchs.get_record(name), name
+                assert ours.get_record_offset(name) == torchs.get_record_offset(name), name
+                assert ours.get_record_size(name) == torchs.get_record_size(name), name
+            del ours
+        # Not a stored archive where the reader looks (a compressed one, a truncated one, no
+        # archive at all): ValueError, and torch's reader takes the item.
+        import io
+        import zipfile
+
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as packed:
+            packed.writestr("archive/data.pkl", b"x" * 100)
+        for bad in (buffer.getvalue(), items[0][:-30], b"not an archive at all" * 3):
+            bad_path = tmp_path / "bad"
+            bad_path.write_bytes(bad)
+            with open(bad_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                with pytest.raises(ValueError):
+                    dcp_state._StoredZip(m, 0, len(bad))
 
 
 def test_a_checkpoint_of_another_shape_is_a_resume_error_naming_the_checkpoint(tmp_path):

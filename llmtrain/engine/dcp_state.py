@@ -199,8 +199,9 @@ class _MappedReader(dcp.FileSystemReader):
     The files are DCP's own (each item a ``torch.save`` archive), so any DCP tool still reads
     them. An item's tensor is described by its archive's ``data.pkl``, whose bytes are the same
     for every item of one dtype, shape and strides: the first item with given ``data.pkl`` bytes
-    is read by ``torch.load(weights_only=True)`` as DCP reads it, which gives the layout; the
-    others with the same bytes are viewed at their ``data/0`` record's offset in the mapping.
+    is unpickled by ``torch.load(weights_only=True)`` as DCP does, onto the meta device (no data
+    read), which gives the layout; every item is then viewed at its ``data/0`` record's offset in
+    the mapping, found from the archive's central directory (:class:`_StoredZip`).
     An item that is not a single-storage tensor archive in this machine's byte order, or that
     went through a storage transform, is left to DCP's reader."""
 
@@ -220,7 +221,7 @@ class _MappedReader(dcp.FileSystemReader):
                 rest.append(req)
             else:
                 per_file.setdefault(info.relative_path, []).append(req)
-        layouts: dict[bytes, tuple] = {}
+        layouts: dict[bytes, tuple | None] = {}
         for relative_path, reqs in per_file.items():
             with open(self.fs.concat_path(self.path, relative_path), "rb") as file:
                 mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
@@ -228,7 +229,10 @@ class _MappedReader(dcp.FileSystemReader):
                     for req in reqs:
                         info = self.storage_data[req.storage_index]
                         view = _create_file_view(file, info.offset, info.length)
-                        archive = torch._C.PyTorchFileReader(view)
+                        try:
+                            archive = _StoredZip(mapped, info.offset, info.length)
+                        except ValueError:  # not a plain stored archive: torch's own zip reader decides
+                            archive = torch._C.PyTorchFileReader(view)
                         if (sorted(r for r in archive.get_all_records() if r.startswith("data/")) != ["data/0"]
                                 or not archive.has_record("byteorder")
                                 or archive.get_record("byteorder") != sys.byteorder.encode()):
@@ -257,14 +261,96 @@ class _MappedReader(dcp.FileSystemReader):
         return done
 
 
-def _mapped_or_loaded(archive, view, mapped, start: int, layouts: dict[bytes, tuple]) -> torch.Tensor:
+class _StoredZip:
+    """The records of one uncompressed zip archive (a ``torch.save`` item: ``data.pkl``,
+    ``byteorder``, ``data/0``, ...) at bytes ``[start, start + length)`` of ``mapped``, read from
+    its central directory in place: the part of ``torch._C.PyTorchFileReader``'s interface
+    :class:`_MappedReader` uses, without its dozens of small reads through a Python file view per
+    item (0.13 s of a 0.75 s SmolLM2-135M load on one process). Names are given without the
+    archive's folder prefix, as torch's reader gives them. Layout: PKWARE APPNOTE.TXT 6.3,
+    sections 4.3.7 (local header), 4.3.12 (central directory), 4.3.14-16 (zip64 and the end record).
+
+    Raises:
+        ValueError: anything but a plain archive of stored (uncompressed) records that lie inside
+            the item: the caller then hands the item to torch's reader.
+    """
+
+    def __init__(self, mapped, start: int, length: int) -> None:
+        import struct
+
+        end = start + length
+        if length < 22 or mapped[end - 22:end - 18] != b"PK\x05\x06":  # no end record there (or a comment)
+            raise ValueError("no end-of-central-directory record at the item's end")
+        count, cd_size, cd_offset = struct.unpack_from("<HII", mapped, end - 12)
+        if count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
+            if mapped[end - 42:end - 38] != b"PK\x06\x07":
+                raise ValueError("zip64 end record without its locator")
+            (z64,) = struct.unpack_from("<Q", mapped, end - 34)
+            if z64 + 56 > length or mapped[start + z64:start + z64 + 4] != b"PK\x06\x06":
+                raise ValueError("zip64 end record outside the item")
+            count, cd_size, cd_offset = struct.unpack_from("<QQQ", mapped, start + z64 + 32)
+        self._mapped, self._records = mapped, {}
+        at = start + cd_offset
+        for _ in range(count):
+            if at + 46 > end or mapped[at:at + 4] != b"PK\x01\x02":
+                raise ValueError("damaged central directory")
+            method, = struct.unpack_from("<H", mapped, at + 10)
+            size, usize, name_len, extra_len, comment_len = struct.unpack_from("<IIHHH", mapped, at + 20)
+            local, = struct.unpack_from("<I", mapped, at + 42)
+            if method != 0 or size != usize or 0xFFFFFFFF in (size, local):
+                raise ValueError("a compressed or zip64-sized record")
+            name = bytes(mapped[at + 46:at + 46 + name_len]).decode()
+            at += 46 + name_len + extra_len + comment_len
+            header = start + local
+            if local + 30 > length or mapped[header:header + 4] != b"PK\x03\x04":
+                raise ValueError("a record's local header is outside the item")
+            local_name, local_extra = struct.unpack_from("<HH", mapped, header + 26)
+            data = local + 30 + local_name + local_extra
+            if data + size > length:
+                raise ValueError("a record runs past the item's end")
+            self._records[name.split("/", 1)[-1]] = (data, size)
+        self._start = start
+
+    def get_all_records(self) -> list[str]:
+        return list(self._records)
+
+    def has_record(self, name: str) -> bool:
+        return name in self._records
+
+    def get_record(self, name: str) -> bytes:
+        offset, size = self._records[name]
+        return bytes(self._mapped[self._start + offset:self._start + offset + size])
+
+    def get_record_offset(self, name: str) -> int:
+        """Bytes from the archive's start to the record's data."""
+        return self._records[name][0]
+
+    def get_record_size(self, name: str) -> int:
+        return self._records[name][1]
+
+
+def _mapped_or_loaded(archive, view, mapped, start: int, layouts: dict[bytes, tuple | None]) -> torch.Tensor:
     """The tensor of one ``torch.save`` archive at byte ``start`` of the ``mapped`` file: a view
-    into the mapping when an archive with the same ``data.pkl`` bytes was loaded before (its
-    layout in ``layouts``), else ``torch.load(weights_only=True)`` of the archive, whose layout is
-    then kept. Only plain tensors' layouts are kept: a conjugate or negative bit, a quantizer or a
-    subclass is part of the pickle, not of the bytes, and is left to ``torch.load``."""
+    into the mapping at its ``data/0`` record, laid out as its ``data.pkl`` says. The first
+    archive with given ``data.pkl`` bytes is loaded onto the meta device
+    (``torch.load(weights_only=True)``, which then reads no data) for the layout, kept in
+    ``layouts`` for the others. Only plain tensors' layouts are kept: a conjugate or negative
+    bit, a quantizer or a subclass is part of the pickle, not of the bytes, and such an archive
+    is read by ``torch.load`` onto the CPU."""
     key = archive.get_record("data.pkl")
-    layout = layouts.get(key)
+    if key not in layouts:
+        # The layout alone: on the meta device torch.load reads data.pkl and not the data.
+        view.seek(0)
+        try:
+            meta = torch.load(view, map_location="meta", weights_only=True)
+        except Exception:  # noqa: BLE001 - anything it cannot place on meta is torch.load's to read below
+            meta = None
+        plain = (type(meta) is torch.Tensor and not meta.is_conj() and not meta.is_neg() and not meta.is_quantized
+                 and meta.untyped_storage().nbytes() == archive.get_record_size("data/0") > 0)
+        # None: archives with this pickle are torch.load's to read, without asking again.
+        layouts[key] = (meta.dtype, meta.size(), meta.stride(), meta.storage_offset(),
+                        meta.untyped_storage().nbytes()) if plain else None
+    layout = layouts[key]
     if layout is not None and archive.get_record_size("data/0") == layout[-1]:
         dtype, size, stride, storage_offset, nbytes = layout
         with warnings.catch_warnings():  # read-only mapping: the view is only read
@@ -273,12 +359,7 @@ def _mapped_or_loaded(archive, view, mapped, start: int, layouts: dict[bytes, tu
                                     offset=start + archive.get_record_offset("data/0"))
         return flat.view(dtype).as_strided(size, stride, storage_offset)
     view.seek(0)
-    tensor = torch.load(view, map_location="cpu", weights_only=True)
-    nbytes = tensor.untyped_storage().nbytes()
-    if (type(tensor) is torch.Tensor and not tensor.is_conj() and not tensor.is_neg() and not tensor.is_quantized
-            and nbytes and nbytes == archive.get_record_size("data/0")):
-        layouts[key] = (tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset(), nbytes)
-    return tensor
+    return torch.load(view, map_location="cpu", weights_only=True)
 
 
 def is_dcp_checkpoint(directory: Path) -> bool:
