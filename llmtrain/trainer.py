@@ -217,6 +217,8 @@ class Trainer:
         self.objective.setup(cfg)
         self._check_data_for_objective()
         self.online_parts = self._setup_online()
+        # Dynamo's count is per process: another run earlier in it (a sweep, a test) is not ours.
+        self.graphs_before = compiled_graphs()
         self.engine = self._setup_engine()
         phases.begin("train state")
         self.state, rng = self._setup_state()
@@ -664,7 +666,7 @@ class Trainer:
                                      self.peak.tflops if self.peak else None)}
         metrics.update(self.checkpointer.stall_of_previous_step(result.step - 1))
         if self.cfg.recipe.compile:
-            metrics["perf/compiled_graphs"] = compiled_graphs()
+            metrics["perf/compiled_graphs"] = compiled_graphs() - self.graphs_before
         if len(self.splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed
             counts = self.sampler.source_counts((result.step - 1) // self.objective.steps_per_batch,
                                                 len(self.splits.names))

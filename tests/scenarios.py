@@ -31,6 +31,11 @@ def main(spec_file: str) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for run_dir, overrides in json.loads(Path(spec_file).read_text()):
         started = time.perf_counter()
+        if "recipe.compile=true" in overrides and "torch._dynamo" in sys.modules:
+            # A run of its own process starts with no compiled graphs; without this, a compiled
+            # run would reuse the previous run's graphs of the same layer class (runs compiling
+            # only torchao's optimizer step keep them: recompiling those is all this would add).
+            sys.modules["torch._dynamo"].reset()
         train(compose(list(overrides) + [f"run_dir={run_dir}"]))
         if timed:
             with open(Path(spec_file).with_suffix(".times.jsonl"), "a", encoding="utf-8") as f:

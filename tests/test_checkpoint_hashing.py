@@ -265,17 +265,28 @@ def test_the_central_directory_parser_agrees_with_torchs_zip_reader(tmp_path):
         # Not a stored archive where the reader looks (a compressed one, a truncated one, no
         # archive at all): ValueError, and torch's reader takes the item.
         import io
+        import warnings
         import zipfile
 
         buffer = io.BytesIO()
         with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as packed:
             packed.writestr("archive/data.pkl", b"x" * 100)
-        for bad in (buffer.getvalue(), items[0][:-30], b"not an archive at all" * 3):
+        twice, mixed = io.BytesIO(), io.BytesIO()
+        with zipfile.ZipFile(twice, "w") as archive, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # zipfile warns of the duplicate name it writes
+            archive.writestr("archive/data/0", b"\0" * 8)
+            archive.writestr("archive/data/0", b"\1" * 8)
+        with zipfile.ZipFile(mixed, "w") as archive:
+            archive.writestr("archive/data.pkl", b"x")
+            archive.writestr("other/data/0", b"\0" * 8)
+        for bad in (buffer.getvalue(), twice.getvalue(), mixed.getvalue(), items[0][:-30], b"not an archive at all" * 3):
             bad_path = tmp_path / "bad"
             bad_path.write_bytes(bad)
             with open(bad_path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
                 with pytest.raises(ValueError):
                     dcp_state._StoredZip(m, 0, len(bad))
+                with pytest.raises(ValueError):  # an item said to run past the file's end
+                    dcp_state._StoredZip(m, 1, len(bad))
 
 
 def test_a_checkpoint_of_another_shape_is_a_resume_error_naming_the_checkpoint(tmp_path):

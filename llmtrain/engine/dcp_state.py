@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import io
 import os
+import struct
 import threading
 import warnings
 from pathlib import Path
@@ -271,26 +272,33 @@ class _StoredZip:
     sections 4.3.7 (local header), 4.3.12 (central directory), 4.3.14-16 (zip64 and the end record).
 
     Raises:
-        ValueError: anything but a plain archive of stored (uncompressed) records that lie inside
-            the item: the caller then hands the item to torch's reader.
+        ValueError: anything but a plain archive of stored (uncompressed) records, all in one
+            folder, each named once, that lie inside the item (and the item inside the file):
+            the caller then hands the item to torch's reader.
     """
 
     def __init__(self, mapped, start: int, length: int) -> None:
-        import struct
+        if start < 0 or length < 22 or start + length > len(mapped):
+            raise ValueError("the item lies outside the file")
+        self._mapped, self._start, self._records = mapped, start, {}
+        try:
+            self._read_directory(start, length)
+        except (struct.error, UnicodeDecodeError) as err:
+            raise ValueError(f"damaged archive: {err}") from err
 
-        end = start + length
-        if length < 22 or mapped[end - 22:end - 18] != b"PK\x05\x06":  # no end record there (or a comment)
+    def _read_directory(self, start: int, length: int) -> None:
+        mapped, end = self._mapped, start + length
+        if mapped[end - 22:end - 18] != b"PK\x05\x06":  # no end record there (or a comment)
             raise ValueError("no end-of-central-directory record at the item's end")
         count, cd_size, cd_offset = struct.unpack_from("<HII", mapped, end - 12)
         if count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_offset == 0xFFFFFFFF:
-            if mapped[end - 42:end - 38] != b"PK\x06\x07":
+            if length < 42 or mapped[end - 42:end - 38] != b"PK\x06\x07":
                 raise ValueError("zip64 end record without its locator")
             (z64,) = struct.unpack_from("<Q", mapped, end - 34)
             if z64 + 56 > length or mapped[start + z64:start + z64 + 4] != b"PK\x06\x06":
                 raise ValueError("zip64 end record outside the item")
             count, cd_size, cd_offset = struct.unpack_from("<QQQ", mapped, start + z64 + 32)
-        self._mapped, self._records = mapped, {}
-        at = start + cd_offset
+        at, prefix = start + cd_offset, None
         for _ in range(count):
             if at + 46 > end or mapped[at:at + 4] != b"PK\x01\x02":
                 raise ValueError("damaged central directory")
@@ -299,7 +307,12 @@ class _StoredZip:
             local, = struct.unpack_from("<I", mapped, at + 42)
             if method != 0 or size != usize or 0xFFFFFFFF in (size, local):
                 raise ValueError("a compressed or zip64-sized record")
-            name = bytes(mapped[at + 46:at + 46 + name_len]).decode()
+            folder, slash, name = bytes(mapped[at + 46:at + 46 + name_len]).decode().partition("/")
+            # torch's reader wants every record in one folder and reads the first of two equal
+            # names: anything else is left to it rather than guessed at.
+            if not slash or prefix not in (None, folder) or name in self._records:
+                raise ValueError("records outside one folder, or a name twice")
+            prefix = folder
             at += 46 + name_len + extra_len + comment_len
             header = start + local
             if local + 30 > length or mapped[header:header + 4] != b"PK\x03\x04":
@@ -308,8 +321,7 @@ class _StoredZip:
             data = local + 30 + local_name + local_extra
             if data + size > length:
                 raise ValueError("a record runs past the item's end")
-            self._records[name.split("/", 1)[-1]] = (data, size)
-        self._start = start
+            self._records[name] = (data, size)
 
     def get_all_records(self) -> list[str]:
         return list(self._records)

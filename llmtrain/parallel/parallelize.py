@@ -256,8 +256,9 @@ def apply_compile(layers: list[nn.Module]) -> None:
 
 def compiled_graphs() -> int:
     """Graphs torch.compile's front end (dynamo) has captured in this process so far (its own
-    ``unique_graphs`` counter; 0 before any compiled call). A count that keeps rising over the
-    steps means recompiles, e.g. on a new sequence length each step."""
+    ``unique_graphs`` counter, which ``torch._dynamo.reset()`` does not clear; 0 before any
+    compiled call). A count that keeps rising over the steps means recompiles, e.g. on a new
+    sequence length each step."""
     import sys
 
     dynamo = sys.modules.get("torch._dynamo.utils")
@@ -331,7 +332,7 @@ def decoder_layers(module: nn.Module) -> list[nn.Module]:
     """
     body = getattr(module, getattr(module, "base_model_prefix", ""), None)
     layers = getattr(body, "layers", None)
-    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
+    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
         model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
         raise ConfigError(f"model type {model_type!r} keeps no decoder layers at <base model>.layers, which "
                           "recipe.compile, FSDP2 and tensor parallel apply per layer; use a Llama-style decoder "
