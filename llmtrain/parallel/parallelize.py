@@ -330,8 +330,12 @@ def decoder_layers(module: nn.Module) -> list[nn.Module]:
             (GPT-2's ``transformer.h``, OPT's ``decoder.layers``), so a per-layer recipe knob
             (compile, FSDP2, tensor parallel) has nothing to apply to.
     """
-    body = getattr(module, getattr(module, "base_model_prefix", ""), None)
-    layers = getattr(body, "layers", None)
+    from llmtrain.parallel.pipeline import base_model
+
+    try:
+        layers = base_model(module).layers
+    except AttributeError:  # no base model under its prefix, or no .layers in it
+        layers = None
     if not isinstance(layers, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
         model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
         raise ConfigError(f"model type {model_type!r} keeps no decoder layers at <base model>.layers, which "
