@@ -55,3 +55,17 @@ def test_deepspeed_ops_link_when_the_environment_path_has_a_space(tmp_path, monk
     assert (linked / "libc10.so").read_text() == "stand-in"
     ds_engine._link_torch_libs_without_spaces()  # the next rank finds the link in place
     assert Path(cpp_extension.TORCH_LIB_PATH) == linked
+
+
+def test_deepspeed_on_cpu_skips_building_its_inference_all_reduce_op(monkeypatch):
+    # DeepSpeed's init_distributed JIT-built deepspeed_shm_comm (~90 s of g++ on a machine's
+    # first DeepSpeed launch) for inference_all_reduce, which training never calls.
+    import llmtrain.parallel.distributed  # noqa: F401  (DS_ACCELERATOR=cpu before deepspeed loads)
+    import deepspeed
+    from deepspeed.comm.torch import build_shm_op
+
+    import llmtrain.engine.deepspeed_engine as ds_engine
+
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", True)  # as probed with g++ here
+    ds_engine._skip_inference_all_reduce_op(deepspeed)
+    assert build_shm_op() is None  # DeepSpeed's own builder call now declines, before compiling

@@ -97,7 +97,7 @@ def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict
 
 
 def _link_torch_libs_without_spaces() -> None:
-    """Let DeepSpeed JIT-build its CPU ops (shared-memory all-reduce, CPU Adam) when the Python
+    """Let DeepSpeed JIT-build its CPU ops (CPU Adam for ZeRO offload) when the Python
     environment lives under a path with a space.
 
     ``torch.utils.cpp_extension`` quotes include paths but writes ``-L<torch/lib>`` unquoted into
@@ -124,6 +124,23 @@ def _link_torch_libs_without_spaces() -> None:
     cpp_extension.TORCH_LIB_PATH = str(link)
 
 
+def _skip_inference_all_reduce_op(deepspeed) -> None:
+    """On DeepSpeed's CPU accelerator, do not JIT-build its shared-memory all-reduce op.
+
+    ``deepspeed.init_distributed`` builds ``deepspeed_shm_comm`` (``build_shm_op`` in
+    ``deepspeed/comm/torch.py``) whenever its op table calls it compatible: about 90 s of g++ on a
+    machine's first DeepSpeed launch. The op serves only ``inference_all_reduce`` (AutoTP
+    inference), which falls back to ``torch.distributed.all_reduce`` without it; training's
+    collectives go through the torch process group either way. DeepSpeed keeps the op table as a
+    module attribute so that edits to it persist (``deepspeed/ops/__init__.py``): mark the op
+    unavailable there. Other accelerators have no such builder and are left alone.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 class DeepSpeedEngine(Engine):
     """Wraps ``deepspeed.initialize``. DeepSpeed averages gradients over data-parallel ranks and
     (by default) divides by the accumulation steps; backward passes ``scale_wrt_gas=False`` and
@@ -145,6 +162,7 @@ class DeepSpeedEngine(Engine):
         with stdout_to_debug_log("deepspeed"):
             import deepspeed
 
+            _skip_inference_all_reduce_op(deepspeed)
             # Adopt the existing torch process group; zero.Init reads the world size from it.
             deepspeed.init_distributed(dist_backend=env.backend)
 
