@@ -132,10 +132,12 @@ def run_cli(overrides: list[str], nproc: int = 1, launcher: str = "torchrun", ti
                               env=env or subprocess_env(), cwd=cwd or REPO)
 
 
-def run_scenarios(runs: dict[str, list[str]], nproc: int, root: Path, timeout: int = 900) -> dict[str, Path]:
+def run_scenarios(runs: dict[str, list[str]], nproc: int, root: Path, timeout: int = 900,
+                  envs: dict[str, dict[str, str]] | None = None) -> dict[str, Path]:
     """Train every ``name -> overrides`` run in one torchrun launch of ``nproc`` processes
-    (``tests/scenarios.py``); returns ``name -> run_dir`` (under ``root``)."""
-    spec = [[str(root / name), overrides] for name, overrides in runs.items()]
+    (``tests/scenarios.py``), each with the environment variables ``envs[name]`` (if any) set for
+    it alone; returns ``name -> run_dir`` (under ``root``)."""
+    spec = [[str(root / name), overrides, (envs or {}).get(name, {})] for name, overrides in runs.items()]
     (root / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(REPO / "tests" / "scenarios.py"), str(root / "spec.json")]

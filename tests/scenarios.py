@@ -3,8 +3,9 @@ pays process start-up once per world size instead of once per run:
 
     torchrun --standalone --nproc_per_node N tests/scenarios.py SPEC.json
 
-SPEC.json: a list of ``[run_dir, [override, ...]]``; each run is exactly
-``python -m llmtrain OVERRIDES run_dir=RUN_DIR`` (same composition, same ``train``).
+SPEC.json: a list of ``[run_dir, [override, ...]]`` or ``[run_dir, [override, ...], {VAR: value}]``;
+each run is exactly ``VAR=value python -m llmtrain OVERRIDES run_dir=RUN_DIR`` (same composition,
+same ``train``; the variables are set for that run only).
 
 With ``LLMTRAIN_SCENARIO_TIMES=1`` rank 0 appends each run's wall seconds (``train()`` and the
 composition) to ``SPEC.times.jsonl`` beside the spec, to find which runs a module's launch spends on.
@@ -29,14 +30,24 @@ def main(spec_file: str) -> None:
         import logging
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    for run_dir, overrides in json.loads(Path(spec_file).read_text()):
+    for run_dir, overrides, *env in json.loads(Path(spec_file).read_text()):
         started = time.perf_counter()
+        env = env[0] if env else {}
+        before = {name: os.environ.get(name) for name in env}
         if "recipe.compile=true" in overrides and "torch._dynamo" in sys.modules:
             # A run of its own process starts with no compiled graphs; without this, a compiled
             # run would reuse the previous run's graphs of the same layer class (runs compiling
             # only torchao's optimizer step keep them: recompiling those is all this would add).
             sys.modules["torch._dynamo"].reset()
-        train(compose(list(overrides) + [f"run_dir={run_dir}"]))
+        os.environ.update(env)
+        try:
+            train(compose(list(overrides) + [f"run_dir={run_dir}"]))
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         if timed:
             with open(Path(spec_file).with_suffix(".times.jsonl"), "a", encoding="utf-8") as f:
                 f.write(json.dumps({"run": Path(run_dir).name, "s": round(time.perf_counter() - started, 2)}) + "\n")

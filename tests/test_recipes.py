@@ -16,11 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FAST, assert_ok, read_metrics, run_cli, run_scenarios, subprocess_env
+from conftest import FAST, assert_ok, read_metrics, run_scenarios, subprocess_env
 from llmtrain.checkpoint.export import consolidated_state_dict
 
 RECIPES = ["ddp", "zero1", "zero2", "zero3", "zero3_offload"]
-ENGINE = {"ddp": "torch"}
 COMMON = FAST + ["trainer.max_steps=6", "trainer.save_every=4", "trainer.global_batch_size=16",
                  "trainer.micro_batch_size=4", "trainer.warmup_steps=2"]
 
@@ -168,42 +167,74 @@ def test_two_process_recipe_matches_plain_single_process(recipe, reference):
         torch.testing.assert_close(exported[name], base[name], rtol=0, atol=1e-4, msg=name)
 
 
+# Every resume of a step-4 checkpoint on another world size or layout: name -> (saved run, its
+# world size, engine that saved it, resumed recipe, resumed world size). The resumes of each world
+# size train in one launch (the ``resumed`` fixture), after the launches that saved.
 # ddp is left out: torch-engine checkpoints (DCP) across world sizes and layouts are covered by
-# test_resume_across_a_layout_change below. zero1 too: DeepSpeed saves, converts and loads ZeRO
-# stages 1 and 2 with the same code (stage_1_and_2.py, ds_to_universal), and zero2 stays in.
-# zero3 is resumed 2 -> 1; zero3_offload covers stage 3 the other way.
-@pytest.mark.parametrize("recipe,saved_on,resumed_on", [("zero2", 2, 1), ("zero2", 1, 2), ("zero3", 2, 1),
-                                                        ("zero3_offload", 2, 1), ("zero3_offload", 1, 2)])
-def test_resume_on_another_world_size(recipe, saved_on, resumed_on, reference, tmp_path):
-    assert_resumes_exactly(reference(recipe, saved_on), ENGINE.get(recipe, "deepspeed"), recipe, resumed_on, tmp_path)
+# the layout changes (tp 2 -> one rank, pp 2 -> FSDP dp 2, pp 2 x tp 2 x dp 2 -> tp 2: DCP
+# reshards). zero1 too: DeepSpeed saves, converts and loads ZeRO stages 1 and 2 with the same
+# code (stage_1_and_2.py, ds_to_universal), and zero2 stays in. zero3 is resumed 2 -> 1;
+# zero3_offload covers stage 3 the other way.
+RESUMES = {
+    "zero2_2_to_1": ("zero2", 2, "deepspeed", "zero2", 1), "zero2_1_to_2": ("zero2", 1, "deepspeed", "zero2", 2),
+    "zero3_2_to_1": ("zero3", 2, "deepspeed", "zero3", 1),
+    "zero3_offload_2_to_1": ("zero3_offload", 2, "deepspeed", "zero3_offload", 1),
+    "zero3_offload_1_to_2": ("zero3_offload", 1, "deepspeed", "zero3_offload", 2),
+    "tp_to_ddp": ("tp", 2, "torch", "ddp", 1), "pp_to_fsdp": ("pp", 2, "torch", "fsdp", 2),
+    "3d_to_tp": ("3d", 8, "torch", "tp", 2),
+}
 
 
-def assert_resumes_exactly(source: Path, saved_engine: str, recipe: str, nproc: int, tmp_path: Path) -> None:
-    """Resume ``source``'s step-4 checkpoint with ``recipe`` on ``nproc`` processes."""
+@pytest.fixture(scope="module")
+def resumed(runs, tmp_path_factory):
+    """``name -> run_dir`` of a ``RESUMES`` run, each writing the model as loaded to
+    ``run_dir.with_suffix('.loaded.pt')`` (``LLMTRAIN_DUMP_AFTER_LOAD``)."""
+    cache: dict = {}
+
+    def get(name: str) -> Path:
+        nproc = RESUMES[name][4]
+        if nproc not in cache:
+            root = tmp_path_factory.mktemp(f"resumed-{nproc}")
+            group, envs = {}, {}
+            for key, (saved, nsaved, _, recipe, resumed_on) in RESUMES.items():
+                if resumed_on == nproc:
+                    checkpoint = runs(nsaved)[saved] / "checkpoints" / "step_4"
+                    group[key] = COMMON + [f"+recipe={recipe}", f"trainer.resume={checkpoint}"]
+                    envs[key] = {"LLMTRAIN_DUMP_AFTER_LOAD": str(root / f"{key}.loaded.pt")}
+            cache[nproc] = run_scenarios(group, nproc, root, envs=envs)
+        return cache[nproc][name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", [n for n in RESUMES if not n.endswith(("_to_ddp", "_to_fsdp", "_to_tp"))])
+def test_resume_on_another_world_size(name, runs, resumed):
+    assert_resumes_exactly(name, runs, resumed)
+
+
+def assert_resumes_exactly(name: str, runs, resumed) -> None:
+    """``RESUMES[name]``: the model right after loading is exactly the saved one, and training
+    continues as the saved run did."""
+    saved, nsaved, saved_engine = RESUMES[name][:3]
+    source, run = runs(nsaved)[saved], resumed(name)
     checkpoint = source / "checkpoints" / "step_4"
-    env = subprocess_env()
-    env["LLMTRAIN_DUMP_AFTER_LOAD"] = str(tmp_path / "loaded.pt")
-    proc = run_cli(COMMON + [f"+recipe={recipe}", f"run_dir={tmp_path / 'run'}", f"trainer.resume={checkpoint}"],
-                   nproc=nproc, env=env)
-    assert_ok(proc)
 
     # (a) The model right after loading is exactly the saved one.
     saved = consolidated_state_dict(checkpoint, saved_engine)
-    loaded = torch.load(tmp_path / "loaded.pt")
+    loaded = torch.load(run.with_suffix(".loaded.pt"))
     assert saved.keys() <= loaded.keys()
-    for name in saved:
-        assert torch.equal(saved[name].float(), loaded[name]), name
+    for key in saved:
+        assert torch.equal(saved[key].float(), loaded[key]), key
 
     # (b) Training continues with the same global samples (the data position is kept); losses
     # agree to rounding, and step 6 depends on the optimizer state (Adam moments, step count)
     # restored at step 4.
-    want, got = steps(source), steps(tmp_path / "run")
+    want, got = steps(source), steps(run)
     assert sorted(got) == [5, 6]
     for step in (5, 6):
         assert got[step]["data/sample_digest"] == want[step]["data/sample_digest"]
         assert got[step]["train/samples_seen"] == want[step]["train/samples_seen"]
         assert abs(got[step]["train/loss"] - want[step]["train/loss"]) < 1e-5, (step, got[step], want[step])
-
 
 
 def assert_same_run(got_dir: Path, want_dir: Path, atol: float = 1e-5) -> None:
@@ -277,10 +308,10 @@ def test_zero_recipe_on_the_torch_engine_matches_deepspeed(recipe, runs):
     assert_same_run(runs(2)[f"{recipe}_torch"], runs(2)[recipe])
 
 
-@pytest.mark.parametrize("saved,nsaved,recipe,nproc", [("tp", 2, "ddp", 1), ("pp", 2, "fsdp", 2), ("3d", 8, "tp", 2)])
-def test_resume_across_a_layout_change(saved, nsaved, recipe, nproc, runs, tmp_path):
+@pytest.mark.parametrize("name", ["tp_to_ddp", "pp_to_fsdp", "3d_to_tp"])
+def test_resume_across_a_layout_change(name, runs, resumed):
     """tp 2 -> one rank, pp 2 -> FSDP dp 2, pp 2 x tp 2 x dp 2 -> tp 2: DCP reshards."""
-    assert_resumes_exactly(runs(nsaved)[saved], "torch", recipe, nproc, tmp_path)
+    assert_resumes_exactly(name, runs, resumed)
 
 
 def test_token_weighted_objective_reference_on_one_process(runs):
