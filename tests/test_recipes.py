@@ -402,8 +402,14 @@ def test_fp8_trains_within_float8_rounding_of_bf16_and_fsdp_matches_one_process(
     assert abs(fp8[1]["train/loss"] - bf16[1]["train/loss"]) > 1e-5  # the layers did run in float8
     assert fp8[6]["train/loss"] < fp8[1]["train/loss"] - 0.5
     # Tensorwise scales are the whole tensor's absolute maximum on every layout (FSDP2 all-reduces
-    # it across shards and all-gathers the weights in float8). DDP rounds as one process does;
+    # it across shards and all-gathers the weights in float8). DDP rounds as one process does:
+    # its first three steps equal one process's to 1e-6. A gradient one fp32 ulp apart (seen on an
+    # AVX-512 CPU at step 3's backward, not on an AVX2 one) can then round a weight to the other
+    # neighbouring float8 value, so the later steps get FSDP2's bound (measured 3e-4 at step 5).
     # FSDP2 also computes the ops outside the float8 matmuls (norms, attention, embedding) on its
     # bf16 param_dtype copy where one process keeps fp32 weights under autocast (measured 9e-4).
-    assert_same_run(runs(2)["fp8_ddp"], runs(1)["fp8_1"], atol=1e-6)
+    assert_same_run(runs(2)["fp8_ddp"], runs(1)["fp8_1"], atol=5e-3)
+    ddp, one = steps(runs(2)["fp8_ddp"]), steps(runs(1)["fp8_1"])
+    for step in (1, 2, 3):
+        assert abs(ddp[step]["train/loss"] - one[step]["train/loss"]) < 1e-6, step
     assert_same_run(runs(2)["fp8_fsdp"], runs(1)["fp8_1"], atol=5e-3)
