@@ -764,9 +764,7 @@ class Trainer:
             goodput.timeline_event(self.run_dir, "end", step=self.state.step,
                                    reason="preempted" if "preempted_at" in summary else "finished")
             self._write_expert_load()
-            from llmtrain.monitoring.report import write_report_or_warn  # matplotlib: imported when a run ends
-
-            if self.cfg.tracker.report and (png := write_report_or_warn(self.run_dir)):
+            if self.cfg.tracker.report and (png := _write_report_or_warn(self.run_dir)):
                 summary["report"] = png
                 closing.append(f"run report: {png} and {Path(png).with_suffix('.md')}")
                 self.tracker.log_files([self.run_dir / "report.png", self.run_dir / "report.md"])  # MLflow, wandb
@@ -786,6 +784,13 @@ class Trainer:
         """Stop what an online objective's rollout engine started (a vLLM server); idempotent."""
         if getattr(self, "online_parts", None):
             self.online_parts[0].close()
+
+
+def _write_report_or_warn(run_dir: Path) -> str | None:
+    # matplotlib (about 0.5 s) is imported only by runs that write a report, and only when they end.
+    from llmtrain.monitoring.report import write_report_or_warn
+
+    return write_report_or_warn(run_dir)
 
 
 def train(cfg: Any) -> dict[str, Any]:

@@ -60,6 +60,25 @@ def test_library_progress_bars_only_on_rank_0_at_a_terminal(is_main, on_terminal
         gguf_loading.tqdm = gguf_tqdm
 
 
+def test_datasets_bars_are_off_when_it_is_imported_after_the_run_configured_output():
+    # A run on already tokenized data does not import datasets (0.5 s); its bars are switched off
+    # through the variable datasets reads at import, and a user's own setting keeps priority.
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    probe = ("import sys; from llmtrain.monitoring import console; console.configure_library_output(False, False); "
+             "imported = 'datasets' in sys.modules; import datasets; print(imported, datasets.is_progress_bar_enabled())")
+    for user_setting, expected in ((None, "False False"), ("0", "False True")):
+        env = subprocess_env()
+        env.pop("HF_DATASETS_DISABLE_PROGRESS_BARS", None)
+        if user_setting is not None:
+            env["HF_DATASETS_DISABLE_PROGRESS_BARS"] = user_setting
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == expected.split(), out.stderr
+
+
 def test_log_lines_print_once_beside_the_bar_on_a_terminal(capsys):
     # On a TTY every message logged during training appeared twice (a tqdm handler on both the
     # llmtrain logger and the root logger it propagates to).

@@ -51,13 +51,15 @@ def configure_library_output(is_main: bool, on_terminal: bool) -> None:
     import os
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # read when MLflow transfers
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
+    else:  # read when datasets is imported: a run on already tokenized data never pays its 0.5 s import
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
-    import datasets
     import huggingface_hub.utils
     import transformers.modeling_gguf_pytorch_utils as gguf_loading
     import transformers.utils.logging
 
-    datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     huggingface_hub.utils.disable_progress_bars()
     # GGUF dequantization draws a plain tqdm bar that ignores transformers' switch above.
