@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -52,11 +53,18 @@ class _CoreLock:
     @contextlib.contextmanager
     def hold(self, mode: int):
         before = self.mode
+        requested, test = time.time(), os.environ.get("PYTEST_CURRENT_TEST", "")
         self._set(max(mode, before))
+        acquired = time.time()
         try:
             yield
         finally:
             self._set(before)
+            if _LOCK_LOG and mode > before:
+                # Where the suite's wall clock goes: a launch holding the machine alone is serial.
+                with open(_LOCK_LOG, "a") as log:
+                    log.write(f"{os.environ.get('PYTEST_XDIST_WORKER', '')}\t{mode}\t{requested:.2f}\t{acquired:.2f}"
+                              f"\t{time.time():.2f}\t{test}\n")
 
     def _set(self, mode: int) -> None:
         if mode != self.mode:
@@ -66,6 +74,7 @@ class _CoreLock:
             self.mode = mode
 
 
+_LOCK_LOG = os.environ.get("LLMTRAIN_TEST_LOCK_LOG")  # a path: each hold's request, grant and release times
 _core_lock = None
 if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
     _core_lock = _CoreLock(Path(tempfile.gettempdir()) / f"llmtrain-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}.lock")
