@@ -33,21 +33,30 @@ FAST = ["tracker=none", "tracker.report=false", "trainer.progress_bar=false", "d
 # ------------------------------------------------------------ sharing the cores between workers
 # The suite runs as two pytest-xdist workers on 2 cores (README: ``pytest -n 2``), with one
 # OpenMP thread per process: two one-process tests then use both cores where one left the
-# second idle. A test that starts several processes (a 2-rank launch fills both cores, a
-# GRPO launch takes 7-10 GB a rank) or that times its own processes (kills at a step, hang
-# timeouts) has the machine to itself: it holds an exclusive lock on a file both workers
-# open, every other test holds it shared. Exclusive holders: ``run_cli`` and ``run_scenarios``
-# with ``nproc`` > 1 (for the launch), tests marked ``slow`` (for the test) and modules marked
-# ``slow`` with ``pytestmark`` (for the whole module, module fixtures included). Without
-# xdist there is one worker and no lock.
-_NO_LOCK, _SHARED, _EXCLUSIVE = 0, 1, 2
+# second idle. Two locks on files both workers open decide what runs beside what:
+# - a one-process test holds the core lock shared;
+# - a 2-rank launch (``run_cli`` and ``run_scenarios`` with ``nproc=2``) holds the launch lock
+#   exclusive and the core lock shared: never two launches at once (four ranks on two cores),
+#   but a one-process test beside it. A launch leaves a core idle much of the time (torchrun's
+#   start, one rank waiting on the other's collective): with the machine to itself, launches
+#   held it 70% of the suite's wall clock while the CPUs ran 1.4 cores on average;
+# - the machine alone (core lock exclusive): launches of more than 2 ranks, memory-heavy ones
+#   (``run_scenarios(..., alone=True)``: a GRPO launch takes 7-10 GB a rank), tests that time
+#   their own processes (kills at a step, hang timeouts: marked ``slow``, for the test) and
+#   modules marked ``slow`` with ``pytestmark`` (the whole module, module fixtures included).
+# Without xdist there is one worker and no lock. Levels only rise within a nested hold.
+_NO_LOCK, _SHARED, _LAUNCH, _EXCLUSIVE = 0, 1, 2, 3
+# mode -> (core lock, launch lock)
+_FLOCKS = {_NO_LOCK: (fcntl.LOCK_UN, fcntl.LOCK_UN), _SHARED: (fcntl.LOCK_SH, fcntl.LOCK_UN),
+           _LAUNCH: (fcntl.LOCK_SH, fcntl.LOCK_EX), _EXCLUSIVE: (fcntl.LOCK_EX, fcntl.LOCK_UN)}
 
 
 class _CoreLock:
-    """A flock held shared or exclusive, never lowered by a nested request."""
+    """The workers' two flocks (cores, launches), held in one of the modes above, never lowered
+    by a nested request."""
 
-    def __init__(self, path: Path):
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    def __init__(self, core_path: Path, launch_path: Path):
+        self.fds = [os.open(path, os.O_RDWR | os.O_CREAT, 0o644) for path in (core_path, launch_path)]
         self.mode = _NO_LOCK
 
     @contextlib.contextmanager
@@ -67,21 +76,32 @@ class _CoreLock:
                               f"\t{time.time():.2f}\t{test}\n")
 
     def _set(self, mode: int) -> None:
-        if mode != self.mode:
-            # Linux converts a flock by dropping it first: two workers upgrading at once cannot
-            # deadlock, one of them waits for the other's launch.
-            fcntl.flock(self.fd, {_NO_LOCK: fcntl.LOCK_UN, _SHARED: fcntl.LOCK_SH, _EXCLUSIVE: fcntl.LOCK_EX}[mode])
-            self.mode = mode
+        if mode == self.mode:
+            return
+        (core_now, launch_now), (core, launch) = _FLOCKS[self.mode], _FLOCKS[mode]
+        core_fd, launch_fd = self.fds
+        # The launch lock is released before the core lock changes and taken after it: a worker
+        # waiting for the launch lock holds the core lock shared, so taking the core lock while
+        # holding the launch lock could wait on that worker. Linux converts a flock by dropping
+        # it first: two workers upgrading the core lock at once cannot deadlock either.
+        if launch != launch_now and launch_now != fcntl.LOCK_UN:
+            fcntl.flock(launch_fd, fcntl.LOCK_UN)
+        if core != core_now:
+            fcntl.flock(core_fd, core)
+        if launch != launch_now and launch != fcntl.LOCK_UN:
+            fcntl.flock(launch_fd, launch)
+        self.mode = mode
 
 
 _LOCK_LOG = os.environ.get("LLMTRAIN_TEST_LOCK_LOG")  # a path: each hold's request, grant and release times
 _core_lock = None
 if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
-    _core_lock = _CoreLock(Path(tempfile.gettempdir()) / f"llmtrain-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}.lock")
+    _lock_files = Path(tempfile.gettempdir()) / f"llmtrain-tests-{os.environ['PYTEST_XDIST_TESTRUNUID']}"
+    _core_lock = _CoreLock(_lock_files.with_suffix(".lock"), _lock_files.with_suffix(".launch.lock"))
 
 
 def _holding(mode: int):
-    """Context holding the workers' core lock in ``mode`` (nothing without xdist)."""
+    """Context holding the workers' locks in ``mode`` (nothing without xdist)."""
     return _core_lock.hold(mode) if _core_lock else contextlib.nullcontext()
 
 
@@ -90,10 +110,13 @@ def machine_alone():
     return _holding(_EXCLUSIVE)
 
 
-def cores_for(nproc: int):
-    """Context for a launch of ``nproc`` processes: the machine alone for several, else a
-    share of it (a module fixture launches before its first test takes one)."""
-    return _holding(_EXCLUSIVE if nproc > 1 else _SHARED)
+def cores_for(nproc: int, alone: bool = False):
+    """Context for a launch of ``nproc`` processes: a share of the cores for one; for 2, no other
+    launch but a one-process test beside it; the machine alone for more, or when ``alone``
+    (a launch that needs the memory); a module fixture launches before its first test takes one."""
+    if alone or nproc > 2:
+        return _holding(_EXCLUSIVE)
+    return _holding(_LAUNCH if nproc == 2 else _SHARED)
 
 
 def _module_marked_slow(module) -> bool:
@@ -142,15 +165,16 @@ def run_cli(overrides: list[str], nproc: int = 1, launcher: str = "torchrun", ti
 
 
 def run_scenarios(runs: dict[str, list[str]], nproc: int, root: Path, timeout: int = 900,
-                  envs: dict[str, dict[str, str]] | None = None) -> dict[str, Path]:
+                  envs: dict[str, dict[str, str]] | None = None, alone: bool = False) -> dict[str, Path]:
     """Train every ``name -> overrides`` run in one torchrun launch of ``nproc`` processes
     (``tests/scenarios.py``), each with the environment variables ``envs[name]`` (if any) set for
-    it alone; returns ``name -> run_dir`` (under ``root``)."""
+    it alone; returns ``name -> run_dir`` (under ``root``). ``alone``: the launch needs the
+    machine's memory, no one-process test runs beside it (:func:`cores_for`)."""
     spec = [[str(root / name), overrides, (envs or {}).get(name, {})] for name, overrides in runs.items()]
     (root / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(REPO / "tests" / "scenarios.py"), str(root / "spec.json")]
-    with cores_for(nproc):
+    with cores_for(nproc, alone):
         assert_ok(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=REPO))
     return {name: root / name for name in runs}
 

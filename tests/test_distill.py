@@ -59,7 +59,7 @@ def runs(questions, tmp_path_factory) -> dict[str, Path]:
            "lambda0": student(questions, teacher, "objective.lmbda=0", "rollout.log_completions=8")}
     out = run_scenarios(one, 1, root, timeout=1500)
     two = {f"sampled-{recipe}": student(questions, teacher, f"+recipe={recipe}") for recipe in ("zero3", "fsdp")}
-    out.update(run_scenarios(two, 2, tmp_path_factory.mktemp("distill-2"), timeout=1500))
+    out.update(run_scenarios(two, 2, tmp_path_factory.mktemp("distill-2"), timeout=1500, alone=True))  # rollouts' memory
     return out
 
 

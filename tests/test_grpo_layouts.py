@@ -75,7 +75,8 @@ def runs(questions, tmp_path_factory) -> dict[str, Path]:
                                                             "+recipe=ddp"]
     out = {}
     for nproc, group in ((1, one), (2, two)):
-        out.update(run_scenarios(group, nproc, tmp_path_factory.mktemp(f"grpo-{nproc}"), timeout=1500))
+        out.update(run_scenarios(group, nproc, tmp_path_factory.mktemp(f"grpo-{nproc}"), timeout=1500,
+                                 alone=nproc > 1))  # 7-10 GB a rank
     return out
 
 
