@@ -61,16 +61,22 @@ def test_library_progress_bars_only_on_rank_0_at_a_terminal(is_main, on_terminal
 
 
 def test_datasets_bars_are_off_when_it_is_imported_after_the_run_configured_output():
-    # A run on already tokenized data does not import datasets (0.5 s); its bars are switched off
-    # through the variable datasets reads at import, and a user's own setting keeps priority.
+    # A run on already tokenized data does not import datasets (0.5 s): its bars are switched
+    # off when llmtrain first imports it, and can be switched on again (an environment variable
+    # would have made that impossible for the rest of the process, and leaked into children).
     import subprocess
     import sys
 
     from conftest import subprocess_env
 
-    probe = ("import sys; from llmtrain.monitoring import console; console.configure_library_output(False, False); "
-             "imported = 'datasets' in sys.modules; import datasets; print(imported, datasets.is_progress_bar_enabled())")
-    for user_setting, expected in ((None, "False False"), ("0", "False True")):
+    probe = ("import os, sys, warnings; from llmtrain.monitoring import console; "
+             "console.configure_library_output(False, False); imported = 'datasets' in sys.modules; "
+             "from llmtrain.common import lazy_datasets; datasets = lazy_datasets.module(); "
+             "off = not datasets.is_progress_bar_enabled(); warnings.simplefilter('ignore'); "
+             "datasets.enable_progress_bars(); "
+             "print(imported, off, datasets.is_progress_bar_enabled(), 'HF_DATASETS_DISABLE_PROGRESS_BARS' in os.environ)")
+    # A user's own HF_DATASETS_DISABLE_PROGRESS_BARS=0 keeps priority, as datasets documents.
+    for user_setting, expected in ((None, "False True True False"), ("0", "False False True True")):
         env = subprocess_env()
         env.pop("HF_DATASETS_DISABLE_PROGRESS_BARS", None)
         if user_setting is not None:

@@ -113,7 +113,9 @@ def _on_main_first(build: Callable[[], Any]) -> Any:
 def text_documents(src: Any, key: str):
     """The documents of a text source as a ``datasets.Dataset`` with one ``text`` column: one per
     plain file, or one per record's text column (record files, ``save_to_disk``, Hub)."""
-    import datasets
+    from llmtrain.common import lazy_datasets
+
+    datasets = lazy_datasets.module()
 
     path = Path(str(src.path)).expanduser() if src.path is not None else None
     files = source_files(src, key) if path is None or (path.exists() and not (
@@ -372,7 +374,9 @@ def encode_instruction(rec: dict, tokenizer: Any, seq_len: int, use_chat: bool) 
     """
     from types import SimpleNamespace
 
-    import datasets
+    from llmtrain.common import lazy_datasets
+
+    datasets = lazy_datasets.module()
 
     cfg = SimpleNamespace(template="chat" if use_chat else "alpaca", datasets=[], seq_len=seq_len,
                           truncation="right", num_proc=1)

@@ -206,7 +206,9 @@ def packed_samples(samples: Any, seq_len: int) -> Any:
     """Rows of packed samples (``input_ids``, ``labels``, ``position_ids``) as a
     ``datasets.Dataset``. Positions restart at 0 for each sample, and each sample's first label is
     -100, as it is unpacked (no token predicts across a sample boundary)."""
-    import datasets
+    from llmtrain.common import lazy_datasets
+
+    datasets = lazy_datasets.module()
 
     all_ids, all_labels = samples["input_ids"], samples["labels"]
     out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}

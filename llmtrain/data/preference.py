@@ -280,7 +280,9 @@ def encode_examples(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: 
     Raises:
         DataError: a malformed record (names file, record and field), or fewer than 2 examples left.
     """
-    import datasets
+    from llmtrain.common import lazy_datasets
+
+    datasets = lazy_datasets.module()
 
     seq_len, drop_long, max_prompt = data_cfg.seq_len, data_cfg.truncation == "drop", data_cfg.max_prompt_tokens
     counts = {"records": len(records), "dropped_no_target": 0, "truncated": 0, "dropped_too_long": 0,

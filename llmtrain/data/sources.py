@@ -277,7 +277,9 @@ def load_records(src: Any, key: str):
     Raises:
         DataError: missing/empty/malformed files, an unreachable Hub, a missing split.
     """
-    import datasets
+    from llmtrain.common import lazy_datasets
+
+    datasets = lazy_datasets.module()
 
     path = Path(str(src.path)).expanduser()
     if path.is_dir() and is_saved_dataset(path):
@@ -338,8 +340,9 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
 def load_hub(src: Any, key: str):
     """A Hub dataset ``src.path`` (``subset``, ``split``, ``revision``): the cached copy when there
     is one, else a download. Offline, a single error says how to bring the data here."""
-    import datasets
-    import datasets.config
+    from llmtrain.common import lazy_datasets
+
+    datasets = lazy_datasets.module()
     import huggingface_hub.constants
 
     kwargs = {"name": src.subset, "split": src.split, "revision": src.revision, "cache_dir": str(DATASETS_CACHE)}

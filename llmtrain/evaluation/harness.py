@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 from llmtrain.checkpoint.protocol import MARKER, step_dirs, step_of, verify
 from llmtrain.checkpoint.state import STATE_FILE, read_state
+from llmtrain.common import lazy_datasets
 from llmtrain.common.errors import ConfigError, DataError
 from llmtrain.common.paths import CACHE_DIR
 from llmtrain.monitoring.console import quiet_library_warnings
@@ -149,6 +150,7 @@ def task_manager(tasks: list[str], include: list[str], metadata: dict[str, Any] 
     Raises:
         ConfigError: a task is known to neither (the local ones are listed).
     """
+    lazy_datasets.module()  # the harness imports datasets: its bars as the run set them
     from lm_eval.tasks import TaskManager
 
     local = TaskManager(include_path=include, include_defaults=False, metadata=metadata)
@@ -329,6 +331,7 @@ def evaluate(source: EvalSource, tasks: list[str], include: list[str] | None = N
     Raises:
         ConfigError, DataError: as :func:`check_tasks`, :func:`model_folder`.
     """
+    lazy_datasets.module()  # the harness imports datasets: its bars as the run set them
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 

@@ -52,7 +52,9 @@ def _data_file(names: tuple[str, ...], data_dir: str | None = None, data_file: s
 
 
 def _dataset(rows: list[dict], where: Path) -> dict[str, Any]:
-    import datasets
+    from llmtrain.common import lazy_datasets
+
+    datasets = lazy_datasets.module()
 
     if not rows:
         raise DataError(f"{where}: no documents")

@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Iterator
 
+from llmtrain.common import lazy_datasets
+
 log = logging.getLogger("llmtrain")
 
 
@@ -51,10 +53,7 @@ def configure_library_output(is_main: bool, on_terminal: bool) -> None:
     import os
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # read when MLflow transfers
-    if "datasets" in sys.modules:
-        sys.modules["datasets"].disable_progress_bars()
-    else:  # read when datasets is imported: a run on already tokenized data never pays its 0.5 s import
-        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    lazy_datasets.bars_off()  # without importing datasets (0.5 s) where the run does not need it
 
     import huggingface_hub.utils
     import transformers.modeling_gguf_pytorch_utils as gguf_loading
