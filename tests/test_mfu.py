@@ -63,11 +63,12 @@ def test_bad_probe_arguments_name_the_argument():
 
 def test_bf16_is_measured_faster_than_fp32_exactly_where_it_is_native():
     # hardware.bf16_native reads the CPU flags (AMX / AVX512-BF16); the probe times the matmuls.
-    # Native bf16 runs faster than fp32: AMX about 9x, AVX512-BF16 without AMX up to 2x by its
-    # instruction width (2.3-3.3x measured alone, 1.93x in a CI run beside another test), so the
-    # bound is 1.3x. Emulated bf16 runs below fp32 even in its fastest layout (Zen 3: 38 against
-    # 137 GFLOP/s), which is why trainer.precision=auto keeps such CPUs in fp32. Each precision is
-    # probed twice, alternating, and its best kept, so a neighbour's burst hits both sides.
+    # Native bf16 runs faster than fp32: AMX about 9x; AVX512-BF16 without AMX about 2x (its dot
+    # product does two bf16 multiply-adds per fp32 lane; 2.3-3.3x measured here, 1.93x in one CI
+    # run with the machine to itself, as this module has it), so the bound is 1.3x. Emulated bf16
+    # runs below fp32 even in its fastest layout (Zen 3: 38 against 137 GFLOP/s), which is why
+    # trainer.precision=auto keeps such CPUs in fp32. Each precision is probed twice, alternating,
+    # and its best kept, so a burst of other load hits both sides.
     probe = functools.partial(hardware.probe_matmul_flops, max_n=1024, budget_s=1.0)
     rounds = [(probe(CPU, "fp32").flops_per_s, probe(CPU, "bf16").flops_per_s) for _ in range(2)]
     fp32, bf16 = max(r[0] for r in rounds), max(r[1] for r in rounds)
