@@ -37,9 +37,10 @@ FAST = ["tracker=none", "tracker.report=false", "trainer.progress_bar=false", "d
 # - a one-process test holds the core lock shared;
 # - a 2-rank launch (``run_cli`` and ``run_scenarios`` with ``nproc=2``) holds the launch lock
 #   exclusive and the core lock shared: never two launches at once (four ranks on two cores),
-#   but a one-process test beside it. A launch leaves a core idle much of the time (torchrun's
-#   start, one rank waiting on the other's collective): with the machine to itself, launches
-#   held it 70% of the suite's wall clock while the CPUs ran 1.4 cores on average;
+#   but a one-process test beside it. With the machine to themselves, launches held it 65% of
+#   the suite's wall clock while the CPUs ran 1.45 cores on average; sharing took the suite
+#   from 38 min 13 s to 37 min 42 s (the two ranks keep both cores busier than that average
+#   suggested: most of the serial time left is the ``slow`` tests below);
 # - the machine alone (core lock exclusive): launches of more than 2 ranks, memory-heavy ones
 #   (``run_scenarios(..., alone=True)``: a GRPO launch takes 7-10 GB a rank), tests that time
 #   their own processes (kills at a step, hang timeouts: marked ``slow``, for the test) and
