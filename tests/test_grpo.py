@@ -426,7 +426,7 @@ def test_reasoning_gym_prompts_carry_answers_the_gsm8k_reward_checks(tmp_path):
 
 
 def test_bf16_runs_sample_from_bf16_weights_and_get_their_fp32_weights_back():
-    """``bf16_weights`` (the sampling loop of one process and DDP under ``precision=bf16``): inside,
+    """``bf16_weights`` (the sampling loop of tensor parallel without FSDP under ``precision=bf16``): inside,
     the model computes as a bf16 copy of itself does (an independent ``.to(bfloat16)``); after, every
     parameter is the same fp32 tensor with the same values (the optimizer's master weights)."""
     import copy

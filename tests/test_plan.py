@@ -456,3 +456,24 @@ def test_the_plan_counts_fp8_copies_and_the_float8_all_gather():
     linear = 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336
     gather = "FSDP all-gather (largest unit, current + prefetch)"
     assert plain.temporaries[gather] - fp8.temporaries[gather] == 2 * linear
+
+
+def test_bf16_ddp_plans_its_weight_casts_and_a_bf16_reference_unless_it_keeps_autocast():
+    """Under bf16 the torch engine's DDP computes on bf16 casts of its weights (2 bytes a
+    parameter while a micro-batch's graph lives) and casts its frozen DPO reference to bf16 (half
+    the fp32 copy); with recipe.fp8 or recipe.compile it keeps autocast and neither applies."""
+    from llmtrain.planning.memory import plan_recipe
+
+    pairs = ["data=preference", "data.path=/x", "model=llama3_8b", "data.seq_len=512", "trainer.micro_batch_size=2",
+             "objective=dpo", "+recipe=ddp"]
+    casts = "bf16 casts of the weights (one micro-batch's graph)"
+    fp32 = plan_recipe(make_cfg(pairs + ["trainer.precision=fp32"]), 2)
+    bf16 = plan_recipe(make_cfg(pairs + ["trainer.precision=bf16"]), 2)
+    n = fp32.params // 4  # fp32 parameters, whole on each DDP rank
+    assert bf16.params == fp32.params == 4 * n
+    assert bf16.temporaries[casts] == 2 * n and casts not in fp32.temporaries
+    assert bf16.buffers["frozen reference model"] == 2 * n and fp32.buffers["frozen reference model"] == 4 * n
+    assert bf16.activations < fp32.activations
+    for autocast in (["recipe.compile=true"], ["recipe.fp8=true", "recipe.fp8_emulate=true"]):
+        kept = plan_recipe(make_cfg(pairs + ["trainer.precision=bf16"] + autocast), 2)
+        assert casts not in kept.temporaries and kept.buffers["frozen reference model"] == 4 * n, autocast

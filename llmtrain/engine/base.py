@@ -137,15 +137,22 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16 if enabled else torch.float32, enabled=enabled)
 
 
-def replicated_frozen_copy(build: Callable[[], torch.nn.Module], device: torch.device, precision: str
-                           ) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+def replicated_frozen_copy(build: Callable[[], torch.nn.Module], device: torch.device, precision: str,
+                           bf16_weights: bool = False) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
     """A frozen copy built whole on ``device`` (layouts that hold whole weights on every rank:
     one process, DDP, ZeRO 0-2) and its forward: ``batch -> logits`` without gradients, under
-    the run's :func:`autocast`."""
+    the run's :func:`autocast`; with ``bf16_weights`` (the policy computes on bf16 casts of its
+    weights: the torch engine's bf16) its fp32 parameters are cast to bf16 once and it runs
+    without autocast, so at step 1 its logits equal the policy's bit for bit (buffers, such as
+    RoPE's inverse frequencies, stay fp32 as they do in the policy)."""
     copy = build().to(device).eval().requires_grad_(False)
+    if bf16_weights:
+        for param in copy.parameters():
+            if param.dtype == torch.float32:
+                param.data = param.data.to(torch.bfloat16)
 
     def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with torch.no_grad(), autocast(device, precision):
+        with torch.no_grad(), autocast(device, "fp32" if bf16_weights else precision):
             return copy(**model_inputs(batch)).logits
     return forward
 

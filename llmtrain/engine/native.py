@@ -270,8 +270,9 @@ class NativeEngine(Engine):
         the sampling loop (``reshard_after_forward`` off), so its forwards make no collectives;
         resharded after (bf16 runs gather bf16 weights: FSDP2's ``param_dtype``). Tensor parallel
         alone: the model as it is (peers decode in lockstep). Pipeline stages cannot decode a
-        sequence alone: refused at validation. One process and DDP under ``trainer.precision=bf16``
-        decode from bf16 weights (:func:`bf16_weights`)."""
+        sequence alone: refused at validation. Tensor parallel without FSDP under
+        ``trainer.precision=bf16`` decodes from bf16 weights (:func:`bf16_weights`; one process and
+        DDP run on the torch engine, which samples on its bf16 weight casts)."""
         from torch.distributed.fsdp import FSDPModule
 
         sharded = [m for m in self.parts[0].modules() if isinstance(m, FSDPModule)]

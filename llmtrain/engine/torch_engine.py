@@ -18,7 +18,12 @@ LEGACY_STATE = "state.pt"  # torch-engine checkpoints before DCP: {"model", "opt
 
 class TorchEngine(Engine):
     """Replicated model; gradients all-reduced (averaged) by DDP, so the loss is scaled by the
-    world size to keep the sum-over-global-batch contract."""
+    world size to keep the sum-over-global-batch contract.
+
+    ``trainer.precision=bf16``: the model computes on bf16 casts of its fp32 master weights, with
+    fp32 gradients (:class:`~llmtrain.engine.mixed_precision.Bf16ComputeWeights`), as FSDP2's
+    ``param_dtype`` and DeepSpeed's bf16 ZeRO do; with ``recipe.fp8`` and compiled DDP, fp32
+    weights under bf16 autocast (:func:`~llmtrain.engine.mixed_precision.uses_bf16_casts`)."""
 
     def setup(self, model: torch.nn.Module) -> None:
         t = self.cfg.trainer
@@ -45,20 +50,47 @@ class TorchEngine(Engine):
             self.wrapped = DistributedDataParallel(self._model, device_ids=device_ids, gradient_as_bucket_view=True)
         self.optimizer = build_optimizer(self._model, t)
         self.scheduler = build_scheduler(self.optimizer, t)
+        self.bf16_compute = None
+        from llmtrain.engine.mixed_precision import Bf16ComputeWeights, uses_bf16_casts
+
+        if uses_bf16_casts(self.cfg, self.env.world_size):
+            self.bf16_compute = Bf16ComputeWeights(self._model)
 
     @property
     def model(self) -> torch.nn.Module:
         return self._model
 
     def frozen_copy(self, build, from_config=None):
-        return replicated_frozen_copy(build, self.env.device, self.cfg.trainer.precision)
+        return replicated_frozen_copy(build, self.env.device, self.cfg.trainer.precision,
+                                      bf16_weights=self.bf16_compute is not None)
+
+    @contextlib.contextmanager
+    def generation_model(self):
+        """The model itself; on the bf16 casts of its weights when it trains on them, so the
+        sampling loop's log-probabilities are computed as the training forward's are."""
+        if self.bf16_compute is None:
+            yield self._model
+            return
+        with self.bf16_compute.computing():
+            yield self._model
+
+    def generation_autocast(self):
+        if self.bf16_compute is not None:
+            return contextlib.nullcontext()  # bf16 weights already; autocast would upcast softmax and norms
+        return super().generation_autocast()
 
     def accumulate(self, is_last_micro_batch: bool):
-        if isinstance(self.wrapped, DistributedDataParallel) and not is_last_micro_batch:
-            return self.wrapped.no_sync()
-        return contextlib.nullcontext()
+        with contextlib.ExitStack() as stack:  # closes what was entered if entering the next fails
+            if isinstance(self.wrapped, DistributedDataParallel) and not is_last_micro_batch:
+                stack.enter_context(self.wrapped.no_sync())
+            if self.bf16_compute is not None:  # the backward too runs on the bf16 weights
+                stack.enter_context(self.bf16_compute.computing())
+            return stack.pop_all()
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.bf16_compute is not None:
+            with self.bf16_compute.computing():
+                return self.wrapped(**model_inputs(batch)).logits
         with autocast(self.env.device, self.cfg.trainer.precision):
             return self.wrapped(**model_inputs(batch)).logits
 

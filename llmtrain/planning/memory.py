@@ -196,8 +196,9 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
     unique storages that are not parameters; the difference is one layer. A tensor-parallel
     rank runs its share of heads and MLP width (Megatron-LM's split), so its layer is measured
     as a layer with heads / tp and intermediate size / tp at the same head dimension.
-    ``precision="bf16"`` runs under autocast over fp32 weights (the torch engine), or with
-    ``bf16_weights`` on bf16 weights without autocast (DeepSpeed's bf16 ZeRO).
+    ``precision="bf16"`` runs under autocast over fp32 weights (tensor and pipeline parallel
+    without FSDP, DeepSpeed's ZeRO-0, float8), or with ``bf16_weights`` on bf16 weights without
+    autocast (DeepSpeed's bf16 ZeRO, FSDP2's ``param_dtype``, the torch engine's bf16 casts).
     ``loss_chunk_tokens``: the output layer is :mod:`llmtrain.models.chunked_loss`'s (it saves the
     hidden states and one log-sum-exp per token, not the logits). A context-parallel rank is
     measured at its share of the sequence (``seq_len`` / cp).
@@ -393,9 +394,13 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     accumulation = plan.accumulation = lay.accumulation
     bf16 = t.precision == "bf16"
     compute = 2 if bf16 else 4
-    # bf16 runs compute on bf16 weights under DeepSpeed's ZeRO and FSDP2 (its param_dtype);
-    # DDP, TP and PP without FSDP keep fp32 weights under autocast.
+    from llmtrain.engine.mixed_precision import uses_bf16_casts
+
+    # bf16 runs compute on bf16 weights under DeepSpeed's ZeRO, FSDP2 (its param_dtype) and the
+    # torch engine's one process and DDP (uses_bf16_casts); TP and PP without FSDP, DeepSpeed's
+    # ZeRO-0, float8 and compiled DDP keep fp32 weights under autocast.
     fsdp = r.engine == "torch" and dims.dp_cp > 1 and dims.dp_replicate != world_size
+    replicated_bf16 = r.engine == "torch" and dims.dp_replicate == world_size and uses_bf16_casts(cfg, world_size)
     # Preference objectives run a micro-batch of pairs as twice as many rows (chosen, rejected);
     # online RL a micro-batch of prompts as G completions each.
     objective = cfg.get("objective")
@@ -414,7 +419,8 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     chunk = t.get("loss_chunk_tokens", 0)
     local_seq = cfg.data.seq_len // dims.cp  # a context-parallel rank's share of each row
     acts = measure_activations(hf_config, rows, local_seq, t.precision, dims.tp,
-                               bf16_weights=bf16 and ((r.engine == "deepspeed" and r.zero_stage >= 1) or fsdp),
+                               bf16_weights=bf16 and ((r.engine == "deepspeed" and r.zero_stage >= 1) or fsdp
+                                                      or replicated_bf16),
                                loss_chunk_tokens=chunk)
     if r.get("tp_sequence_parallel") and dims.tp > 1:  # norms run on 1/tp of the sequence
         acts = replace(acts, per_layer=acts.per_layer - acts.norms_per_layer + acts.norms_per_layer // dims.tp,
@@ -447,15 +453,20 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
                           optimizer=plan.optimizer_name)
         if r.get("fp8") and shape.decoder_linears:
             _fp8_bytes(candidate, r, shape, rows * local_seq, compute, fsdp)
+        if replicated_bf16:  # quantized (NF4) weights are not cast
+            from llmtrain.models.quantize import is_quantized
+
+            quantized = sum(i * o for _, i, o in shape.decoder_linears) if is_quantized(cfg) else 0
+            candidate.temporaries["bf16 casts of the weights (one micro-batch's graph)"] = 2 * (n - quantized)
         if dims.ep > 1:
             # Dispatch and combine of one MoE layer: this rank's N k assignment rows sent and as
             # many received (uniform routing), in the compute dtype.
             candidate.temporaries["all-to-all buffers (one MoE layer's dispatch + combine)"] = (
                 2 * rows * local_seq * shape.top_k * shape.hidden * compute)
         if frozen_copy:  # DPO's reference: the initial weights, frozen, laid out like the policy's
-            candidate.buffers["frozen reference model"] = _reference_bytes(r, n, dims, compute, shape)
+            candidate.buffers["frozen reference model"] = _reference_bytes(r, n, dims, compute, shape, replicated_bf16)
         if teacher is not None:  # distillation: the teacher, frozen, laid out like a reference copy
-            candidate.buffers["frozen teacher model"] = _reference_bytes(r, teacher.total, dims, compute, teacher)
+            candidate.buffers["frozen teacher model"] = _reference_bytes(r, teacher.total, dims, compute, teacher, replicated_bf16)
             # Its log-probs of every micro-batch of the step wait on the device for the loss
             # (rows x seq x vocab fp32 each), beside one teacher forward's logits.
             candidate.buffers["teacher log-probs (the step's micro-batches)"] = accumulation * rows * local_seq * teacher.vocab * 4
@@ -497,14 +508,17 @@ def kv_cache_bytes(hf_config: Any, rows: int, tokens: int, dtype_bytes: int, tp:
     return 2 * hf_config.num_hidden_layers * rows * tokens * max(1, kv_heads // tp) * head_dim * dtype_bytes
 
 
-def _reference_bytes(r: Any, n: int, dims: Any, compute: int, shape: ModelShape) -> int:
+def _reference_bytes(r: Any, n: int, dims: Any, compute: int, shape: ModelShape, replicated_bf16: bool) -> int:
     """Bytes of the frozen reference copy (:meth:`llmtrain.engine.base.Engine.frozen_copy`) of a
     stage of ``n`` parameters: under ZeRO-3 partitioned like the policy in its working dtype (small
-    parameters gathered); under FSDP2 sharded over ``dp_shard`` in fp32; otherwise whole, fp32."""
+    parameters gathered); under FSDP2 sharded over ``dp_shard`` in fp32; the torch engine's one
+    process and DDP under bf16 (``replicated_bf16``) whole in bf16; otherwise whole, fp32."""
     if r.engine == "deepspeed":
         if r.zero_stage == 3:
             return compute * n // dims.world_size + compute * shape.small_params * shape.layers
         return 4 * n
+    if replicated_bf16:
+        return 2 * n
     return 4 * n // (dims.dp_shard * dims.cp)
 
 
