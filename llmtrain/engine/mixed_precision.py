@@ -80,4 +80,10 @@ class Bf16ComputeWeights:
             self._depth -= 1
             if self._depth == 0:
                 for module, name, param in self._slots:
+                    # A parametrization registered and removed inside (peft's target_parameters:
+                    # LoRA on a MoE layer's expert tensors, per forward) puts a plain tensor back
+                    # as a buffer: drop the cast from there, so the name is the Parameter's alone.
+                    if name in module._buffers:
+                        del module._buffers[name]
+                        module._non_persistent_buffers_set.discard(name)
                     module._parameters[name] = param
