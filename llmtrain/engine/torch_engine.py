@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 import llmtrain.engine.dcp_state as dcp_state
 from llmtrain.engine.base import (Engine, advance_schedule_only, apply_schedule, autocast, build_scheduler,
                                   clip_gradients, model_inputs, replicated_frozen_copy)
+from llmtrain.engine.mixed_precision import Bf16ComputeWeights, uses_bf16_casts
 from llmtrain.engine.optimizers import build_optimizer
 
 LEGACY_STATE = "state.pt"  # torch-engine checkpoints before DCP: {"model", "optimizer", "scheduler"}
@@ -50,11 +51,7 @@ class TorchEngine(Engine):
             self.wrapped = DistributedDataParallel(self._model, device_ids=device_ids, gradient_as_bucket_view=True)
         self.optimizer = build_optimizer(self._model, t)
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.bf16_compute = None
-        from llmtrain.engine.mixed_precision import Bf16ComputeWeights, uses_bf16_casts
-
-        if uses_bf16_casts(self.cfg, self.env.world_size):
-            self.bf16_compute = Bf16ComputeWeights(self._model)
+        self.bf16_compute = Bf16ComputeWeights(self._model) if uses_bf16_casts(self.cfg, self.env.world_size) else None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -68,10 +65,7 @@ class TorchEngine(Engine):
     def generation_model(self):
         """The model itself; on the bf16 casts of its weights when it trains on them, so the
         sampling loop's log-probabilities are computed as the training forward's are."""
-        if self.bf16_compute is None:
-            yield self._model
-            return
-        with self.bf16_compute.computing():
+        with self.bf16_compute.computing() if self.bf16_compute is not None else contextlib.nullcontext():
             yield self._model
 
     def generation_autocast(self):
@@ -88,10 +82,8 @@ class TorchEngine(Engine):
             return stack.pop_all()
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.bf16_compute is not None:
-            with self.bf16_compute.computing():
-                return self.wrapped(**model_inputs(batch)).logits
-        with autocast(self.env.device, self.cfg.trainer.precision):
+        with (self.bf16_compute.computing() if self.bf16_compute is not None
+              else autocast(self.env.device, self.cfg.trainer.precision)):
             return self.wrapped(**model_inputs(batch)).logits
 
     def backward(self, loss: torch.Tensor) -> None:
