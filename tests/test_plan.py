@@ -461,7 +461,8 @@ def test_the_plan_counts_fp8_copies_and_the_float8_all_gather():
 def test_bf16_ddp_plans_its_weight_casts_and_a_bf16_reference_unless_it_keeps_autocast():
     """Under bf16 the torch engine's DDP computes on bf16 casts of its weights (2 bytes a
     parameter while a micro-batch's graph lives) and casts its frozen DPO reference to bf16 (half
-    the fp32 copy); with recipe.fp8 or recipe.compile it keeps autocast and neither applies."""
+    the fp32 copy); with recipe.fp8 or recipe.compile it keeps autocast and neither applies.
+    DeepSpeed's ZeRO-1/2 references are bf16 too; ZeRO-0's stays fp32 (autocast)."""
     from llmtrain.planning.memory import plan_recipe
 
     pairs = ["data=preference", "data.path=/x", "model=llama3_8b", "data.seq_len=512", "trainer.micro_batch_size=2",
@@ -477,3 +478,10 @@ def test_bf16_ddp_plans_its_weight_casts_and_a_bf16_reference_unless_it_keeps_au
     for autocast in (["recipe.compile=true"], ["recipe.fp8=true", "recipe.fp8_emulate=true"]):
         kept = plan_recipe(make_cfg(pairs + ["trainer.precision=bf16"] + autocast), 2)
         assert casts not in kept.temporaries and kept.buffers["frozen reference model"] == 4 * n, autocast
+    # DeepSpeed: ZeRO-1/2's reference holds bf16 weights as the policy's working copy does; ZeRO-0's
+    # bf16 is autocast over fp32 weights.
+    for stage, size in ((0, 4), (1, 2), (2, 2)):
+        zero = pairs[:-1] + ["+recipe=zero1", f"recipe.zero_stage={stage}"]
+        for precision, want in (("bf16", size), ("fp32", 4)):
+            plan = plan_recipe(make_cfg(zero + [f"trainer.precision={precision}"]), 2)
+            assert plan.buffers["frozen reference model"] == want * n, (stage, precision)

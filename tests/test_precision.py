@@ -4,6 +4,7 @@ exports written from the fp32 master weights, at the end of the run and by ``llm
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -29,9 +30,25 @@ RUNS = {
 }
 
 
+# DPO's first step in bf16: the frozen reference computes on the same bf16 weights as the policy
+# on every layout, so every implicit reward is 0 and the loss is ln 2 to the last bit of fp32.
+DPO = [o for o in BF16 if not o.startswith(("data.max_bytes", "data.seq_len"))] + [
+    "objective=dpo", "data=preference", "data.path=PAIRS", "data.seq_len=64", "data.max_prompt_tokens=32",
+    "trainer.max_steps=1", "trainer.global_batch_size=4", "trainer.micro_batch_size=1"]
+DPO_RECIPES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_scenarios(RUNS, 2, tmp_path_factory.mktemp("bf16"))
+    import json
+
+    root = tmp_path_factory.mktemp("bf16")
+    pairs = root / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?", "chosen": f" It is {2 * i}.",
+                                         "rejected": f" Maybe {i * 7 % 13}."}) + "\n" for i in range(40)))
+    dpo = {f"dpo_{recipe}": [o.replace("PAIRS", str(pairs)) for o in DPO] + [f"+recipe={recipe}"]
+           for recipe in DPO_RECIPES}
+    return run_scenarios({**RUNS, **dpo}, 2, root)
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "fsdp", "ddp"])
@@ -166,6 +183,16 @@ def test_ddp_bf16_trains_deepspeed_bf16_zero1s_loss_curve(runs):
     assert abs(ours[0] - reference[0]) < 2e-6, (ours, reference)
     assert max(abs(a - b) for a, b in zip(ours, reference)) < 5e-4, (ours, reference)
     assert reference[-1] < reference[0] - 0.3  # it trained
+
+
+@pytest.mark.parametrize("recipe", DPO_RECIPES)
+def test_bf16_dpo_starts_at_ln2_on_every_layout(recipe, runs):
+    # The reference runs on the weights the policy computes on: the torch engine's bf16 casts,
+    # DeepSpeed's bf16 working copy (ZeRO-1/2 replicate it, ZeRO-3 partitions it), FSDP2's
+    # param_dtype. A reference on fp32 weights under autocast missed ln 2 by about 1e-4.
+    first = train_rows(runs[f"dpo_{recipe}"], 1)[0]
+    assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-7)
+    assert first["train/rewards/chosen"] == first["train/rewards/rejected"] == 0
 
 
 @pytest.mark.parametrize("model", [

@@ -141,8 +141,8 @@ def replicated_frozen_copy(build: Callable[[], torch.nn.Module], device: torch.d
                            bf16_weights: bool = False) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
     """A frozen copy built whole on ``device`` (layouts that hold whole weights on every rank:
     one process, DDP, ZeRO 0-2) and its forward: ``batch -> logits`` without gradients, under
-    the run's :func:`autocast`; with ``bf16_weights`` (the policy computes on bf16 casts of its
-    weights: the torch engine's bf16) its fp32 parameters are cast to bf16 once and it runs
+    the run's :func:`autocast`; with ``bf16_weights`` (the policy computes on bf16 weights: the torch
+    engine's bf16 casts, DeepSpeed's bf16 working copy under ZeRO-1/2) its fp32 parameters are cast to bf16 once and it runs
     without autocast, so at step 1 its logits equal the policy's bit for bit (buffers, such as
     RoPE's inverse frequencies, stay fp32 as they do in the policy)."""
     copy = build().to(device).eval().requires_grad_(False)

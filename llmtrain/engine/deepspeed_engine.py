@@ -239,11 +239,14 @@ class DeepSpeedEngine(Engine):
     def frozen_copy(self, build, from_config=None):
         """ZeRO-3: the copy is built partitioned and wrapped by a DeepSpeed engine without an
         optimizer (TRL's ``prepare_deepspeed`` for its reference model); ZeRO 0-2 hold whole
-        weights on every rank, and so does the copy."""
+        weights on every rank, and so does the copy: under bf16 ZeRO-1/2 in bf16 parameters (fp32
+        buffers), as DeepSpeed casts the policy's working copy, so at step 1 the two compute the
+        same logits; ZeRO-0's bf16 is autocast over fp32 weights, and so is the copy's."""
         import deepspeed
 
         if self.cfg.recipe.zero_stage != 3:
-            return replicated_frozen_copy(build, self.env.device, self.cfg.trainer.precision)
+            bf16_working = self.cfg.trainer.precision == "bf16" and self.cfg.recipe.zero_stage >= 1
+            return replicated_frozen_copy(build, self.env.device, self.cfg.trainer.precision, bf16_weights=bf16_working)
         config = {key: self.ds_config[key] for key in ("train_micro_batch_size_per_gpu", "bf16", "zero_optimization",
                                                        "steps_per_print", "wall_clock_breakdown")}
         config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()

@@ -511,12 +511,13 @@ def kv_cache_bytes(hf_config: Any, rows: int, tokens: int, dtype_bytes: int, tp:
 def _reference_bytes(r: Any, n: int, dims: Any, compute: int, shape: ModelShape, replicated_bf16: bool) -> int:
     """Bytes of the frozen reference copy (:meth:`llmtrain.engine.base.Engine.frozen_copy`) of a
     stage of ``n`` parameters: under ZeRO-3 partitioned like the policy in its working dtype (small
-    parameters gathered); under FSDP2 sharded over ``dp_shard`` in fp32; the torch engine's one
-    process and DDP under bf16 (``replicated_bf16``) whole in bf16; otherwise whole, fp32."""
+    parameters gathered); under ZeRO-1/2 whole in the working dtype (ZeRO-0 keeps fp32 weights);
+    under FSDP2 sharded over ``dp_shard`` in fp32; the torch engine's one process and DDP under
+    bf16 (``replicated_bf16``) whole in bf16; otherwise whole, fp32."""
     if r.engine == "deepspeed":
         if r.zero_stage == 3:
             return compute * n // dims.world_size + compute * shape.small_params * shape.layers
-        return 4 * n
+        return (compute if r.zero_stage >= 1 else 4) * n
     if replicated_bf16:
         return 2 * n
     return 4 * n // (dims.dp_shard * dims.cp)
