@@ -98,6 +98,40 @@ class _DCPEngine:
         self.engine.load_checkpoint(directory, saved_world_size)
 
 
+def test_torch_save_writes_no_zip_crc32_into_hashed_files_only_and_restores_the_switch(tmp_path):
+    """torch.save's per-record CRC-32 is skipped inside files the marker checksums anyway, while
+    any is open (two at once: a background writer and another); torch.load still reads them; the
+    process-wide switch returns to what the user had, on or off."""
+    import zipfile
+
+    def crcs(path):
+        return {info.CRC for info in zipfile.ZipFile(path).infolist() if info.file_size}
+
+    values = torch.arange(1000.0)
+    dcp_state.hash_writes(tmp_path, "xxh3")
+    try:
+        first, second = dcp_state.hashed_open(tmp_path / "a.pt"), dcp_state.hashed_open(tmp_path / "b.pt")
+        torch.save(values, first)
+        first.close()
+        assert not torch.serialization.get_crc32_options()  # b.pt is still being written
+        torch.save(values, second)
+        second.close()
+        assert torch.serialization.get_crc32_options()
+        torch.save(values, tmp_path / "plain.pt")
+        torch.serialization.set_crc32_options(False)  # a user's own choice survives
+        with dcp_state.hashed_open(tmp_path / "c.pt"):
+            pass
+        assert not torch.serialization.get_crc32_options()
+    finally:
+        torch.serialization.set_crc32_options(True)
+        written = dcp_state.take_written(tmp_path)
+    assert crcs(tmp_path / "a.pt") == crcs(tmp_path / "b.pt") == {0}
+    assert 0 not in crcs(tmp_path / "plain.pt")
+    for name in ("a.pt", "b.pt"):
+        assert torch.equal(torch.load(tmp_path / name, weights_only=True), values)
+        assert written[name][1] == _checksum(tmp_path / name, "xxh3")
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_a_checkpoint_sealed_from_write_time_checksums_round_trips_and_catches_damage(background, tmp_path):
     source = _engine(1)
@@ -231,6 +265,70 @@ def _archive(tensor) -> bytes:
     buffer = io.BytesIO()
     torch.save(tensor, buffer)
     return buffer.getvalue()
+
+
+def test_a_repeated_save_reuses_its_plan_and_a_changed_dtype_does_not(tmp_path):
+    """The second save of the same state sends no plan (DCP's plan cache) and writes the new
+    values; a state of the same names and shapes in another dtype is planned again, so its
+    metadata says bf16 (DCP's own plan comparison ignores dtypes and would keep fp32)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    sent = []
+
+    class Recording(dcp_state._CachedSavePlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            sent.append(plan.usable)
+            return plan
+
+    def save(state, folder):
+        with dcp_state._single_process_is_intended():
+            dcp.save(state, checkpoint_id=str(folder), storage_writer=dcp_state.writer(folder), planner=Recording())
+
+    def loaded(folder, like):
+        blank = {k: torch.zeros_like(v) for k, v in like.items()}
+        with dcp_state._single_process_is_intended():
+            dcp.load(blank, checkpoint_id=str(folder), storage_reader=dcp_state._MappedReader(str(folder)))
+        return blank
+
+    dcp_state._drop_plan_cache()
+    first = {"w": torch.randn(8, 4), "b": torch.randn(4)}
+    second = {k: v + 1 for k, v in first.items()}
+    halves = {k: v.bfloat16() for k, v in second.items()}
+    try:
+        for name, state in (("one", first), ("two", second), ("three", halves)):
+            save(state, tmp_path / name)
+    finally:
+        dcp_state._drop_plan_cache()
+    assert sent == [True, False, True]
+    _assert_same(loaded(tmp_path / "two", second), second)
+    _assert_same(loaded(tmp_path / "three", halves), halves)
+    metadata = FileSystemReader(str(tmp_path / "three")).read_metadata()
+    assert {metadata.state_dict_metadata[k].properties.dtype for k in halves} == {torch.bfloat16}
+
+
+def test_a_failed_save_drops_the_plan_cache(tmp_path, monkeypatch):
+    engine = _engine(1)
+    _train_step(engine, 0.5)
+    engine.save_checkpoint(tmp_path / "good")
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    assert dcp_state._PLAN_CACHE in SavePlanner._cached_save_plan
+    def full_disk(path, mode="wb"):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp_state, "hashed_open", full_disk)
+    with pytest.raises(BaseException, match="disk full"):  # DCP wraps it in CheckpointException
+        engine.save_checkpoint(tmp_path / "bad")
+    assert dcp_state._PLAN_CACHE not in SavePlanner._cached_save_plan
+    monkeypatch.undo()
+    _train_step(engine, 0.25)
+    engine.save_checkpoint(tmp_path / "again")
+    want = _snapshot(engine)
+    _train_step(engine, 0.125)
+    engine.load_checkpoint(tmp_path / "again", 1)
+    _assert_same(_snapshot(engine), want)
 
 
 def test_the_central_directory_parser_agrees_with_torchs_zip_reader(tmp_path):
