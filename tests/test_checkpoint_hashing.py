@@ -309,6 +309,8 @@ def test_a_repeated_save_reuses_its_plan_and_a_changed_dtype_does_not(tmp_path):
 
 
 def test_a_failed_save_drops_the_plan_cache(tmp_path, monkeypatch):
+    import threading
+
     engine = _engine(1)
     _train_step(engine, 0.5)
     engine.save_checkpoint(tmp_path / "good")
@@ -319,6 +321,7 @@ def test_a_failed_save_drops_the_plan_cache(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(dcp_state, "hashed_open", full_disk)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # a second writer thread's traceback
     with pytest.raises(BaseException, match="disk full"):  # DCP wraps it in CheckpointException
         engine.save_checkpoint(tmp_path / "bad")
     assert dcp_state._PLAN_CACHE not in SavePlanner._cached_save_plan
@@ -328,6 +331,35 @@ def test_a_failed_save_drops_the_plan_cache(tmp_path, monkeypatch):
     want = _snapshot(engine)
     _train_step(engine, 0.125)
     engine.load_checkpoint(tmp_path / "again", 1)
+    _assert_same(_snapshot(engine), want)
+
+
+def test_two_writer_threads_write_two_files_and_a_failing_thread_fails_the_save(tmp_path, monkeypatch):
+    """A synchronous save on a rank with a spare core writes two files at once; they load back
+    bit for bit. DCP's second writer thread does not pass its errors on: a save whose second
+    thread failed must fail, not seal metadata without that thread's items."""
+    import threading
+
+    monkeypatch.setattr(dcp_state, "writer_threads", lambda: 2)
+    engine = _engine(1)
+    _train_step(engine, 0.5)
+    real_open = dcp_state.hashed_open
+
+    def helper_thread_fails(path, mode="wb"):
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError("disk full")
+        return real_open(path, mode)
+
+    monkeypatch.setattr(dcp_state, "hashed_open", helper_thread_fails)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's traceback, expected
+    with pytest.raises(BaseException, match="wrote .* of this rank's .* items"):
+        engine.save_checkpoint(tmp_path / "bad")
+    monkeypatch.setattr(dcp_state, "hashed_open", real_open)
+    engine.save_checkpoint(tmp_path / "good")
+    assert sorted(p.name for p in (tmp_path / "good").glob("*.distcp")) == ["__0_0.distcp", "__0_1.distcp"]
+    want = _snapshot(engine)
+    _train_step(engine, 0.25)
+    engine.load_checkpoint(tmp_path / "good", 1)
     _assert_same(_snapshot(engine), want)
 
 

@@ -51,6 +51,9 @@ _HYPERPARAMETERS = "param_groups."
 _ALIASES = "tied_aliases"
 # The key of this module's entries in DCP's class-level save-plan caches (_CachedSavePlanner).
 _PLAN_CACHE = "llmtrain.engine.dcp_state"
+# dcp.async_save on one process warns from its thread, outside _single_process_is_intended.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized, "
+                        "assuming the intent is to save in a single process")
 
 
 # ---------------------------------------------------------------- checksums while writing
@@ -222,12 +225,41 @@ class _HashingFileSystem(FileSystem):
         _moved(path, None)
 
 
-def writer(directory: Path, cls=None) -> "dcp.FileSystemWriter":
-    """DCP's file writer for ``directory`` (one file per rank, fsynced) whose files are checksummed
-    as they are written (:func:`hash_writes`)."""
-    made = (cls or dcp.FileSystemWriter)(str(directory))
+class _CompleteWriter(dcp.FileSystemWriter):
+    """DCP's file writer that fails when an item of this rank's plan was not written. With more
+    than one thread, DCP's writer threads other than the caller's end on an error without passing
+    it on (the thread's traceback is printed), and the save would otherwise complete with
+    metadata that lacks that thread's items."""
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        results = written.wait()
+        missing = len({item.index for item in plan.items} - {result.index for result in results})
+        if missing:
+            raise OSError(f"DCP wrote {len(plan.items) - missing} of this rank's {len(plan.items)} items into "
+                          f"{self.path}: a writer thread failed (its traceback is printed above)")
+        return written
+
+
+def writer(directory: Path, cls=None, threads: int = 1) -> "dcp.FileSystemWriter":
+    """DCP's file writer for ``directory`` (``threads`` files per rank, each written by a thread
+    of its own, fsynced) whose files are checksummed as they are written (:func:`hash_writes`).
+
+    Raises (from the save): OSError when a writer thread failed (:class:`_CompleteWriter`)."""
+    made = (cls or _CompleteWriter)(str(directory), thread_count=threads)
     made.fs = _HashingFileSystem()
     return made
+
+
+def writer_threads() -> int:
+    """Writer threads for a synchronous save: the cores this process may use divided among the
+    node's ranks (``LOCAL_WORLD_SIZE``), 1 to 4. A save's time is copying into the page cache and
+    fsync, both outside the GIL, so a rank with a spare core writes two files at once. SmolLM2-135M
+    on one process of a 2-core CPU: 1.07 s against 1.62 s with one thread (medians of 8
+    alternating saves); 2 ranks on the same 2 cores gained nothing (1.96 s against 2.04 s)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(4, cores // ranks))
 
 
 class _MappedReader(dcp.FileSystemReader):
@@ -488,7 +520,9 @@ def _background_group():
 
 @contextlib.contextmanager
 def _single_process_is_intended():
-    """DCP warns when it runs without a process group; for one process that is the intent."""
+    """DCP warns when it runs without a process group; for one process that is the intent. (A
+    background save warns from its writer thread, after this context has ended: the module-wide
+    filter below covers that one.)"""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
@@ -572,7 +606,10 @@ def save(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.O
                                         async_stager=_AlreadyStaged(), planner=_CachedSavePlanner())
                 future.add_done_callback(lambda done: done.exception() is not None and _drop_plan_cache())
             else:
-                dcp.save(state, checkpoint_id=str(directory), storage_writer=storage_writer or writer(directory),
+                # Training waits for this one, so it may take the cores; a background save keeps
+                # one writer thread, as the training step needs them.
+                dcp.save(state, checkpoint_id=str(directory),
+                         storage_writer=storage_writer or writer(directory, threads=writer_threads()),
                          planner=_CachedSavePlanner())
     except BaseException:
         _drop_plan_cache()
@@ -636,7 +673,7 @@ def _fault_writer(directory: Path):
     if os.environ.get("LLMTRAIN_FAULT") != f"background_write:{step}":
         return None
 
-    class KilledMidWrite(dcp.FileSystemWriter):
+    class KilledMidWrite(_CompleteWriter):
         def write_data(self, plan, planner):
             written = super().write_data(plan, planner)
             written.wait()
