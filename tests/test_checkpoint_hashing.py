@@ -100,8 +100,8 @@ class _DCPEngine:
 
 def test_torch_save_writes_no_zip_crc32_into_hashed_files_only_and_restores_the_switch(tmp_path):
     """torch.save's per-record CRC-32 is skipped inside files the marker checksums anyway, while
-    any is open (two at once: a background writer and another); torch.load still reads them; the
-    process-wide switch returns to what the user had, on or off."""
+    any is open in this thread (two at once); torch.load still reads them; the thread's switch
+    returns to what the user had, on or off."""
     import zipfile
 
     def crcs(path):
@@ -130,6 +130,39 @@ def test_torch_save_writes_no_zip_crc32_into_hashed_files_only_and_restores_the_
     for name in ("a.pt", "b.pt"):
         assert torch.equal(torch.load(tmp_path / name, weights_only=True), values)
         assert written[name][1] == _checksum(tmp_path / name, "xxh3")
+
+
+def test_every_writer_thread_skips_the_crc32_and_no_other_file_does(tmp_path, monkeypatch):
+    """torch's CRC-32 switch holds per thread: with two DCP writer threads (and a background
+    save's thread) every archive in every data file has CRC 0, while the LR scheduler's file,
+    written by the caller's thread after DCP, keeps its CRC-32s, and the switch ends as it began."""
+    import io
+    import zipfile
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    monkeypatch.setattr(dcp_state, "writer_threads", lambda: 2)
+    engine = _engine(1)
+    _train_step(engine, 0.5)
+    folder = tmp_path / "tmp-step"
+    dcp_state.hash_writes(folder, "xxh3")
+    try:
+        for _ in range(2):  # the second save: the caller's thread opens its file first or second
+            engine.save_checkpoint(folder / "sync")
+        engine.save_checkpoint(folder / "background", background=True).result()
+    finally:
+        dcp_state.take_written(folder)
+    assert torch.serialization.get_crc32_options()
+    for sub, files in (("sync", 2), ("background", 1)):
+        storage = FileSystemReader(str(folder / sub)).read_metadata().storage_data.values()
+        data = {name: (folder / sub / name).read_bytes() for name in {info.relative_path for info in storage}}
+        assert len(data) == files, sub
+        crcs = {record.CRC for info in storage
+                for record in zipfile.ZipFile(io.BytesIO(data[info.relative_path][info.offset:info.offset + info.length])).infolist()
+                if record.file_size}
+        assert crcs == {0}, sub
+        assert 0 not in {record.CRC for record in zipfile.ZipFile(folder / sub / "scheduler.pt").infolist()
+                         if record.file_size}, sub
 
 
 @pytest.mark.parametrize("background", [False, True])
@@ -361,6 +394,44 @@ def test_two_writer_threads_write_two_files_and_a_failing_thread_fails_the_save(
     _train_step(engine, 0.25)
     engine.load_checkpoint(tmp_path / "good", 1)
     _assert_same(_snapshot(engine), want)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_full_disk_is_reported_as_one_not_as_torchs_zip_writer_error(threads, tmp_path, monkeypatch):
+    """torch.save masks a failed write with "unexpected pos ..." from its zip writer, and DCP's
+    second writer thread keeps its error to itself: the save names the folder and the OS error."""
+    import errno
+    import threading
+
+    monkeypatch.setattr(dcp_state, "writer_threads", lambda: threads)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+    engine = _engine(1)
+    _train_step(engine, 0.5)
+    real_open = open
+
+    class FillsUp:
+        def __init__(self, path, mode):
+            self.raw, self.room = real_open(path, mode), 2000
+
+        def write(self, data):
+            if len(data) > self.room:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.room -= len(data)
+            return self.raw.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.raw, name)
+
+    folder = tmp_path / "tmp-step"
+    dcp_state.hash_writes(folder, "xxh3")
+    monkeypatch.setattr(dcp_state, "open", lambda path, mode="r": FillsUp(path, mode) if mode == "wb" else real_open(path, mode),
+                        raising=False)
+    try:
+        with pytest.raises(OSError, match=r"writing the checkpoint into .*engine failed: No space left on device") as err:
+            engine.save_checkpoint(folder / "engine")
+    finally:
+        dcp_state.take_written(folder)
+    assert err.value.errno == errno.ENOSPC
 
 
 def test_the_central_directory_parser_agrees_with_torchs_zip_reader(tmp_path):

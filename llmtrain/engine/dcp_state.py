@@ -66,6 +66,9 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 _hash_lock = threading.Lock()
 _hash_dirs: dict[str, str] = {}  # folder being written -> checksum kind
 _written: dict[str, tuple[int, str, str]] = {}  # file -> (bytes, kind, hex digest)
+# folder -> the first OSError a hashed file in it met (disk full, quota): torch.save masks it with
+# its own "unexpected pos" error, and a DCP writer thread's error does not reach the caller.
+_write_errors: dict[str, OSError] = {}
 
 
 def new_digest(kind: str):
@@ -110,49 +113,70 @@ def _kind_for(path: str) -> str | None:
 # torch.save computes a CRC-32 of every record of its zip archive: 0.17 s per 800 MB on a 2-core
 # CPU, a tenth of a checkpoint's save. A file written through hashed_open gets a checksum of its
 # own (XXH3-128 or SHA-256) that the completion marker holds and every resume verifies before
-# reading, so the CRC-32 adds nothing there. torch's switch (``set_crc32_options``) is
-# process-wide, so it is off while any hashed file is open, counted across threads (DCP's
-# background writer), and back at its previous value after the last one closes. A torch.save by
-# other code in that window writes CRCs of 0, which torch.load accepts.
-_crc_lock = threading.Lock()
-_crc_writers = 0
-_crc_before = True
+# reading, so the CRC-32 adds nothing there. torch's switch (``set_crc32_options``) holds per
+# thread (its config values are ContextVars), so each thread that opens a hashed file turns it
+# off for itself and back to its own previous value once its last hashed file closes: DCP's
+# writer threads each write their archives without CRC-32s, and nothing else any thread writes
+# (the LR scheduler's and RNG files, a user's torch.save) changes. A torch whose config is
+# process-wide instead keeps its CRC-32s: switching it there would reach every thread.
+_crc_threads = threading.local()  # per thread: hashed files open, the switch's value before
 
 
-def _stop_zip_crc() -> None:
-    global _crc_writers, _crc_before
-    with _crc_lock:
-        if _crc_writers == 0:
-            _crc_before = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-        _crc_writers += 1
+def _crc_switch_is_per_thread() -> bool:
+    from contextvars import ContextVar
+
+    from torch.utils.serialization import config
+
+    entry = getattr(config, "_config", {}).get("save.compute_crc32")
+    return isinstance(getattr(entry, "user_override", None), ContextVar)
+
+
+_CRC_PER_THREAD = _crc_switch_is_per_thread()
+
+
+def _stop_zip_crc() -> bool:
+    """Turn the CRC-32s off for this thread; whether it did (then :func:`_restore_zip_crc`)."""
+    if not _CRC_PER_THREAD:
+        return False
+    depth = getattr(_crc_threads, "open", 0)
+    if depth == 0:
+        _crc_threads.before = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+    _crc_threads.open = depth + 1
+    return True
 
 
 def _restore_zip_crc() -> None:
-    global _crc_writers
-    with _crc_lock:
-        _crc_writers -= 1
-        if _crc_writers == 0:
-            torch.serialization.set_crc32_options(_crc_before)
+    _crc_threads.open -= 1
+    if _crc_threads.open == 0:
+        torch.serialization.set_crc32_options(_crc_threads.before)
 
 
 class _HashingWriter(io.RawIOBase):
     """A write-only file that updates a checksum with every byte written, in order. No seek: a
     file written out of order could not be hashed in one pass. While it is open, ``torch.save``
-    writes no zip CRC-32s (the checksum covers the file)."""
+    in the thread that opened it writes no zip CRC-32s (the checksum covers the file). It is
+    closed in that thread (DCP's writers and DeepSpeed's checkpoint engine do): a close from
+    another thread leaves the opening thread's CRC-32s off."""
 
     def __init__(self, raw, path: str, kind: str):
         super().__init__()
         self.raw, self.path, self.kind = raw, path, kind
         self.digest, self.size = new_digest(kind), 0
-        _stop_zip_crc()
+        # The thread whose switch was turned off (None: left on); only it can turn it back.
+        self._crc_thread = threading.get_ident() if _stop_zip_crc() else None
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        written = self.raw.write(view)
+        try:
+            written = self.raw.write(view)
+        except OSError as err:
+            with _hash_lock:
+                _write_errors.setdefault(os.path.dirname(self.path), err)
+            raise
         written = len(view) if written is None else written
         self.digest.update(view[:written])
         self.size += written
@@ -176,7 +200,8 @@ class _HashingWriter(io.RawIOBase):
             with _hash_lock:
                 _written[self.path] = (self.size, self.kind, self.digest.hexdigest())
         finally:
-            _restore_zip_crc()
+            if self._crc_thread == threading.get_ident():
+                _restore_zip_crc()
             super().close()
 
 
@@ -239,6 +264,24 @@ class _CompleteWriter(dcp.FileSystemWriter):
             raise OSError(f"DCP wrote {len(plan.items) - missing} of this rank's {len(plan.items)} items into "
                           f"{self.path}: a writer thread failed (its traceback is printed above)")
         return written
+
+
+def _write_error(directory: Path, err: BaseException) -> OSError | None:
+    """The OSError behind a failed save into ``directory``: the first a hashed file there met,
+    else the first in ``err``'s chain (DCP's per-rank failures included), else None."""
+    with _hash_lock:
+        found = _write_errors.pop(os.path.abspath(directory), None)
+    seen, todo = set(), [err]
+    while todo and found is None:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            found = e
+        failures = getattr(e, "failures", None) if isinstance(e, CheckpointException) else None
+        todo += [e.__cause__, e.__context__] + [failure[0] for failure in (failures or {}).values()]
+    return found
 
 
 def writer(directory: Path, cls=None, threads: int = 1) -> "dcp.FileSystemWriter":
@@ -611,8 +654,13 @@ def save(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.O
                 dcp.save(state, checkpoint_id=str(directory),
                          storage_writer=storage_writer or writer(directory, threads=writer_threads()),
                          planner=_CachedSavePlanner())
-    except BaseException:
+    except BaseException as err:
         _drop_plan_cache()
+        cause = None if isinstance(err, (KeyboardInterrupt, SystemExit)) else _write_error(directory, err)
+        if cause is not None:
+            raise OSError(cause.errno, f"writing the checkpoint into {directory} failed: {cause.strerror} "
+                          f"({cause.filename or 'a DCP data file'}). Free space there (a checkpoint takes about 12 "
+                          "bytes per trained parameter: README, Disk use) or set run_dir elsewhere") from err
         raise
     if is_main:
         torch.save(scheduler.state_dict(), directory / "scheduler.pt")
