@@ -11,6 +11,7 @@ load between one process, DDP, FSDP2 shards, tensor-parallel DTensors and pipeli
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
@@ -658,9 +659,11 @@ def save(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.O
         _drop_plan_cache()
         cause = None if isinstance(err, (KeyboardInterrupt, SystemExit)) else _write_error(directory, err)
         if cause is not None:
+            full = cause.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+            fix = ("free space there (a checkpoint takes about 12 bytes per trained parameter: README, Disk use)"
+                   if full else "make the folder writable") + " or set run_dir elsewhere"
             raise OSError(cause.errno, f"writing the checkpoint into {directory} failed: {cause.strerror} "
-                          f"({cause.filename or 'a DCP data file'}). Free space there (a checkpoint takes about 12 "
-                          "bytes per trained parameter: README, Disk use) or set run_dir elsewhere") from err
+                          f"({cause.filename or 'a DCP data file'}); {fix}") from err
         raise
     if is_main:
         torch.save(scheduler.state_dict(), directory / "scheduler.pt")
