@@ -147,8 +147,8 @@ def test_every_writer_thread_skips_the_crc32_and_no_other_file_does(tmp_path, mo
     folder = tmp_path / "tmp-step"
     dcp_state.hash_writes(folder, "xxh3")
     try:
-        for _ in range(2):  # the second save: the caller's thread opens its file first or second
-            engine.save_checkpoint(folder / "sync")
+        for name in ("first", "sync"):  # a second save: the caller's thread opens its file first or second
+            engine.save_checkpoint(folder / name)
         engine.save_checkpoint(folder / "background", background=True).result()
     finally:
         dcp_state.take_written(folder)
