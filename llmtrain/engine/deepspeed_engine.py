@@ -245,8 +245,8 @@ class DeepSpeedEngine(Engine):
         import deepspeed
 
         if self.cfg.recipe.zero_stage != 3:
-            bf16_working = self.cfg.trainer.precision == "bf16" and self.cfg.recipe.zero_stage >= 1
-            return replicated_frozen_copy(build, self.env.device, self.cfg.trainer.precision, bf16_weights=bf16_working)
+            return replicated_frozen_copy(build, self.env.device, self.cfg.trainer.precision,
+                                          bf16_weights=self.ds_config["bf16"]["enabled"])
         config = {key: self.ds_config[key] for key in ("train_micro_batch_size_per_gpu", "bf16", "zero_optimization",
                                                        "steps_per_print", "wall_clock_breakdown")}
         config["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items()
