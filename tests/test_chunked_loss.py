@@ -1,11 +1,17 @@
-"""The chunked output layer (``trainer.loss_chunk_tokens``, :mod:`llmtrain.models.chunked_loss`):
+"""The label head (:mod:`llmtrain.models.chunked_loss`): whole (``trainer.logits_at_labels_only``,
+the default) and chunked (``trainer.loss_chunk_tokens``):
 
 * label log-probs, loss and gradients (hidden, weight, bias) equal float64 ``cross_entropy`` over
   whole logits within 1e-6 (relative), with ignored labels and a last chunk shorter than the rest;
 * a vocabulary sharded over 2 tensor-parallel ranks (spawned gloo processes) gives the same;
 * the peak extra bytes (torch profiler's allocation timeline) at Llama-3's vocabulary of 128,256
   are at most 1/8 of the plain loss's when chunks are 1/8 of the tokens;
-* wired into a model: the loss a causal LM trains on equals the plain logits' loss.
+* wired into a model, whole or chunked, tied or not: loss and every gradient equal Hugging Face's
+  own loss (``labels=``) over whole logits, with prompt-masked, unmasked and padded rows;
+* whole, the output layer sees only the labelled rows; a micro-batch without labels gives loss 0
+  and a zero (not missing) head gradient;
+* chunks refuse a wrapped (adapter) output layer; models that transform logits after the head
+  (Cohere's ``logit_scale``) keep the plain head.
 
 Training runs with it (FSDP2 with cp, ZeRO-3, a tensor-parallel untied head) are in
 ``tests/test_context_parallel.py``, sharing its launches.
@@ -135,34 +141,94 @@ def test_vocabulary_sharded_over_tensor_parallel_ranks_equals_whole():
             assert err < 1e-5, f"rank {rank} {key}: {err}"
 
 
-def test_installed_head_gives_the_plain_loss_and_gradients():
+def _tiny_llama(tied=False, vocab=300):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llmtrain.objectives.causal_lm import token_cross_entropy_sum
-
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    ids = torch.randint(0, 300, (2, 40))
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+@pytest.mark.parametrize("tied", [False, True])
+def test_installed_head_gives_hugging_faces_loss_and_gradients(chunk, tied):
+    """Against the model's own loss (``labels=``: Hugging Face's ``ForCausalLMLoss`` over whole
+    logits), with prompt tokens masked in one row, none in another and a padded tail: the label
+    head (whole, ``chunk`` 0, or in chunks) gives the same loss and every parameter's gradient."""
+    from llmtrain.objectives.causal_lm import count_target_tokens, token_cross_entropy_sum
+
+    model = _tiny_llama(tied)
+    ids = torch.randint(0, 300, (3, 40))
     labels = ids.clone()
-    labels[:, :7] = -100
-    plain = token_cross_entropy_sum(model(input_ids=ids).logits, labels)
-    plain.backward()
+    labels[0, :7] = -100
+    labels[2, :25] = -100
+    labels[2, 33:] = -100
+    reference = model(input_ids=ids, labels=labels).loss * count_target_tokens(labels)
+    reference.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    head = install(model, chunk_tokens=16)
+    head = install(model, chunk_tokens=chunk)
     head.targets = F.pad(labels[:, 1:], (0, 1), value=-100)
     logps = model(input_ids=ids).logits
-    assert logps.shape == (2, 40)
-    chunked = token_cross_entropy_sum(logps, labels)
-    chunked.backward()
-    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=0)
+    assert logps.shape == (3, 40) and logps.dtype == torch.float32
+    assert torch.equal(logps == 0, head.targets == -100)
+    loss = token_cross_entropy_sum(logps, labels)
+    loss.backward()
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=0)
     for name, p in model.named_parameters():
         err = float((p.grad - expected[name]).abs().max())
         assert err <= 1e-6 * float(expected[name].abs().max()), (name, err)
     head.targets = None
-    assert model(input_ids=ids).logits.shape == (2, 40, 300)  # no targets: the plain output layer
+    assert model(input_ids=ids).logits.shape == (3, 40, 300)  # no targets: the plain output layer
+
+
+def test_whole_head_runs_the_output_layer_on_labelled_rows_only():
+    model = _tiny_llama()
+    rows = []
+    real = model.lm_head.forward
+    model.lm_head.forward = lambda h: rows.append(tuple(h.shape)) or real(h)  # noqa: E731 (what the matmul sees)
+    head = install(model, 0)
+    ids = torch.randint(0, 300, (2, 30))
+    labels = torch.full_like(ids, -100)
+    labels[0, 20:] = ids[0, 20:]
+    head.targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+    model(input_ids=ids)
+    assert rows == [(10, 32)]  # positions 19..28 of row 0 predict its 10 labels
+    head.targets = None
+    model(input_ids=ids)
+    assert rows[-1] == (2, 30, 32)
+
+
+def test_a_micro_batch_without_labels_gives_zero_loss_and_zero_head_gradients():
+    """DDP, FSDP2 and ZeRO reduce every parameter's gradient: an all-prompt micro-batch (a
+    truncated sample) still gives the head a gradient, of zeros, and a loss of exactly 0."""
+    model = _tiny_llama()
+    head = install(model, 0)
+    ids = torch.randint(0, 300, (2, 12))
+    head.targets = torch.full_like(ids, -100)
+    logps = model(input_ids=ids).logits
+    assert torch.equal(logps, torch.zeros(2, 12))
+    (-logps.sum()).backward()
+    assert model.lm_head.weight.grad is not None and not model.lm_head.weight.grad.any()
+
+
+def test_chunks_refuse_an_adapted_output_layer_and_transforming_models_are_left_plain():
+    from transformers import CohereConfig, CohereForCausalLM
+
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.models.chunked_loss import applies_by_default
+
+    model = _tiny_llama()
+    model.lm_head = torch.nn.Sequential(model.lm_head)  # stands in for a PEFT wrapper around lm_head
+    with pytest.raises(ConfigError, match="lm_head"):
+        install(model, 16)
+    assert applies_by_default(_tiny_llama())
+    cohere = CohereForCausalLM(CohereConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2, logit_scale=0.0625))
+    assert not applies_by_default(cohere)
+    with pytest.raises(ConfigError, match="logit_scale=0.0625"):
+        install(cohere, 16)
 
 
 @pytest.mark.parametrize("name", ["causal_lm", "dpo", "simpo"])

@@ -344,6 +344,11 @@ class TrainerConfig:
     # > 0: the output layer and loss run over this many tokens at a time, recomputed in backward,
     # so the [tokens, vocab] logits never exist whole (llmtrain.models.chunked_loss); 0 = plain logits.
     loss_chunk_tokens: int = 0
+    # The output layer runs only at positions that carry a label (not at prompt, padding or
+    # row-end positions), for objectives that read next-label log-probs only (causal_lm, dpo,
+    # simpo, kto), without pipeline stages, on model types whose forward leaves the logits as
+    # they are (llmtrain.models.chunked_loss.LabelHead). Off: whole logits, as Hugging Face computes.
+    logits_at_labels_only: bool = True
     # Build the layout on dry_run_world_size ranks (None: the launch's) on the fake process
     # group, print each rank's shards and exit without training (llmtrain.planning.dry_run).
     dry_run: bool = False

@@ -174,8 +174,9 @@ class Engine(ABC):
         objective.check_supported(type(self).__name__)
         # Set by an engine's setup when recipe.cp > 1 (llmtrain.parallel.context_parallel.ContextParallel).
         self.context = None
-        # Set by an engine's setup when trainer.loss_chunk_tokens > 0 (llmtrain.models.chunked_loss.ChunkedHead).
-        self.chunked_head = None
+        # Set by an engine's setup when the output layer computes label log-probs
+        # (llmtrain.models.chunked_loss.LabelHead): trainer.logits_at_labels_only or loss_chunk_tokens.
+        self.label_head = None
         # Set by an engine's setup for a mixture-of-experts model (_install_router_monitors):
         # one llmtrain.models.moe.RouterMonitor per local model part, the MoeShape, the aux coefficient.
         self.routers: list = []
@@ -286,8 +287,8 @@ class Engine(ABC):
 
     def _loss_sums(self, batch: dict[str, torch.Tensor], training: bool = False) -> "LossSums":
         """The objective's sums of ``batch``; under context parallelism, of this rank's part of
-        each row (:meth:`llmtrain.parallel.context_parallel.ContextParallel.split`). With a chunked head
-        (``trainer.loss_chunk_tokens``) the model returns each position's next-label log-prob
+        each row (:meth:`llmtrain.parallel.context_parallel.ContextParallel.split`). With a label head
+        (:meth:`_install_label_head`) the model returns each position's next-label log-prob
         ``[B, T]`` instead of logits. A mixture-of-experts model's routing sums of the forward
         are left in ``self._router_sums`` (``training``: counted in the step's router metrics)."""
         batch = self._padded_rows(batch)
@@ -296,16 +297,16 @@ class Engine(ABC):
             valid = batch["attention_mask"] if self.context is None else batch["attention_mask"][:, self.context._index]
             for router in self.routers:
                 router.begin(valid, training)
-        if self.chunked_head is not None:
+        if self.label_head is not None:
             labels = local["labels"]
             # Split rows already carry the next token's label one column on (see split).
-            self.chunked_head.targets = (labels[:, 1:] if self.context is not None
+            self.label_head.targets = (labels[:, 1:] if self.context is not None
                                          else torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100))
         try:
             output = self.forward(local)
         finally:
-            if self.chunked_head is not None:
-                self.chunked_head.targets = None
+            if self.label_head is not None:
+                self.label_head.targets = None
             if self.routers:
                 self._router_sums = self.routers[0].end()
         if self.context is not None:
@@ -329,14 +330,22 @@ class Engine(ABC):
             out["position_ids"] = torch.cat([batch["position_ids"], last + 1 + torch.arange(extra, device=last.device)], 1)
         return out
 
-    def _install_chunked_head(self, model: torch.nn.Module) -> None:
-        """``trainer.loss_chunk_tokens`` > 0: the output layer computes label log-probs chunk by
-        chunk (:mod:`llmtrain.models.chunked_loss`)."""
-        chunk = self.cfg.trainer.get("loss_chunk_tokens", 0)
-        if chunk:
-            from llmtrain.models.chunked_loss import install
+    def _install_label_head(self, model: torch.nn.Module) -> None:
+        """The output layer computes next-label log-probs of the positions that carry a label
+        (:class:`llmtrain.models.chunked_loss.LabelHead`): chunk by chunk with
+        ``trainer.loss_chunk_tokens`` > 0; whole with ``trainer.logits_at_labels_only`` (the default)
+        for an objective that reads only those (``label_logps_only``), without pipeline stages (the
+        schedule's loss takes whole logits), on a model type whose forward leaves the head's output
+        as it is (:func:`llmtrain.models.chunked_loss.applies_by_default`)."""
+        from llmtrain.models.chunked_loss import applies_by_default, install
 
-            self.chunked_head = install(model, chunk)
+        t = self.cfg.trainer
+        chunk = t.get("loss_chunk_tokens", 0)
+        if chunk:
+            self.label_head = install(model, chunk)
+        elif (t.get("logits_at_labels_only", True) and self.objective.label_logps_only and self.dims.pp == 1
+              and applies_by_default(model)):
+            self.label_head = install(model, 0)
 
     def _install_context_parallel(self, model: torch.nn.Module, group) -> None:
         """Split rows over ``group`` (this rank's cp peers) with ``recipe.cp_style`` attention

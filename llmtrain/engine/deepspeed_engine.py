@@ -195,7 +195,7 @@ class DeepSpeedEngine(Engine):
             mesh = init_device_mesh(self.env.device.type, (self.env.world_size // self.dims.cp, self.dims.cp),
                                     mesh_dim_names=("dp", "cp"))
             self._install_context_parallel(model, mesh["cp"].get_group())
-        self._install_chunked_head(model)
+        self._install_label_head(model)
         self._install_router_monitors([model], model)
         if self.routers and self.cfg.recipe.zero_stage == 3:
             self._mark_sparse_blocks_leaf(model)

@@ -113,7 +113,7 @@ class NativeEngine(Engine):
             self.stage_ids, self.parts = [0], [model]
         if self.dims.cp > 1:
             self._install_context_parallel(model, self.mesh["cp"].get_group())
-        self._install_chunked_head(model)
+        self._install_label_head(model)
         buffers = [{n: b.detach().clone() for n, b in part.named_buffers()} for part in self.parts]
         for part in self.parts:
             parallelize(part, cfg, self.mesh, self.dims, plan)

@@ -33,7 +33,7 @@ class TorchEngine(Engine):
             from llmtrain.parallel.float8 import apply_float8
 
             apply_float8(self._model, self.cfg.recipe, sharded=False)
-        self._install_chunked_head(self._model)
+        self._install_label_head(self._model)
         self._install_router_monitors([self._model], self._model)
         if t.activation_checkpointing:
             self._model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -26,6 +26,7 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.nn.functional as F
 
 from llmtrain.common.labels import IGNORE_INDEX
 
@@ -49,16 +50,13 @@ class ChunkedLabelLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, group, vocab_start, shape=None):
+    def forward(ctx, hidden, weight, bias, targets, chunk, group, vocab_start):
         import torch.distributed as dist
 
         device = hidden.device.type
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), device)
         n, v_local = hidden.shape[0], weight.shape[0]
-        # Allocated in the caller's shape (``shape``, e.g. [B, T]): a view of it returned from an
-        # FSDP2 root would make FSDP2 warn about in-place use of views.
-        whole = torch.zeros(shape or (n,), dtype=torch.float32, device=hidden.device)
-        out = whole.view(-1)
+        out = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         lses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             stop = min(n, start + chunk)
@@ -77,7 +75,7 @@ class ChunkedLabelLogps(torch.autograd.Function):
             lses[start:stop] = lse
         ctx.save_for_backward(hidden, weight, bias, targets, lses)
         ctx.chunk, ctx.group, ctx.vocab_start = chunk, group, vocab_start
-        return whole
+        return out
 
     @staticmethod
     def _logits(hidden, weight, bias):
@@ -115,15 +113,30 @@ class ChunkedLabelLogps(torch.autograd.Function):
                     grad_bias += d_logits.sum(0)
         _reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)  # each rank's vocabulary rows add to dh
         return (grad_hidden, grad_weight.to(weight.dtype),
-                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None, None)
+                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None)
 
 
-class ChunkedHead:
+def _shape_only(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
+
+
+class LabelHead:
     """The output layer of a causal LM, swapped to return label log-probs while :attr:`targets` is set.
 
     Set :attr:`targets` (``[B, T]``: the token each position predicts, -100 for none) before a
     forward; the model's ``logits`` are then fp32 ``[B, T]`` log-probabilities of those targets
     (0 where -100). With :attr:`targets` None the head is the plain output layer.
+
+    Only positions that carry a label reach the output layer: prompt tokens of supervised
+    fine-tuning and preference pairs, padding and each row's last position are dropped before the
+    ``[tokens, vocab]`` matmul and its log-softmax, which Hugging Face models compute for every
+    position. The same idea as TRL's ``use_logits_to_keep`` (which keeps a common suffix of each
+    batch), per token here. ``chunk_tokens`` 0 runs the head's own forward (adapters and wrappers
+    included) on the kept rows and takes ``cross_entropy``'s per-token values, the kernels Hugging
+    Face's loss uses; > 0 (or a vocabulary-sharded head) goes through :class:`ChunkedLabelLogps`.
+    Selecting the rows reads their count on the host (a device sync per forward on GPU).
     """
 
     def __init__(self, head: torch.nn.Module, chunk_tokens: int):
@@ -135,11 +148,11 @@ class ChunkedHead:
         def forward(module, hidden):
             if owner.targets is None:
                 return plain(hidden)
-            return owner._label_logps(module, hidden, owner.targets)
+            return owner._label_logps(module, hidden, owner.targets, plain)
 
         head.forward = types.MethodType(forward, head)
 
-    def _label_logps(self, module: torch.nn.Module, hidden, targets: torch.Tensor):
+    def _label_logps(self, module: torch.nn.Module, hidden, targets: torch.Tensor, plain):
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
         weight, bias = module.weight, getattr(module, "bias", None)
@@ -157,38 +170,101 @@ class ChunkedHead:
             mesh = hidden.device_mesh
             hidden = hidden.to_local()
         rows, length = hidden.shape[:2]
-        logps = ChunkedLabelLogps.apply(hidden.reshape(rows * length, -1), weight, bias,
-                                        targets.reshape(-1).to(hidden.device), self.chunk, group, start, (rows, length))
+        flat = targets.reshape(-1).to(hidden.device)
+        if _shape_only(hidden):  # the planner's fake or meta tensors: no values to select rows by
+            kept = torch.arange(flat.numel(), device=hidden.device)
+        else:
+            kept = (flat != IGNORE_INDEX).nonzero()[:, 0]
+        # A micro-batch without labels still runs one row through the head (its log-prob times 0),
+        # so the head's parameters get a (zero) gradient as under plain logits: DDP, FSDP2 and
+        # ZeRO reduce every parameter's gradient on every rank.
+        empty = kept.numel() == 0
+        if empty:
+            kept = torch.zeros(1, dtype=torch.long, device=hidden.device)
+        every = kept.numel() == flat.numel()
+        picked = hidden.reshape(rows * length, -1)
+        if not every:
+            picked = picked.index_select(0, kept)
+        wanted = flat if every else flat.index_select(0, kept)
+        if empty:
+            wanted = wanted.clamp(min=0)
+        if self.chunk == 0 and mesh is None:
+            logps = -F.cross_entropy(plain(picked).float(), wanted, ignore_index=IGNORE_INDEX, reduction="none")
+        else:
+            logps = ChunkedLabelLogps.apply(picked, weight, bias, wanted, self.chunk or kept.numel(), group, start)
+        if empty:
+            logps = logps * 0
+        # Out of place into a fresh [B, T] (not a view of one): FSDP2 warns about views it returns.
+        whole = torch.zeros(rows, length, dtype=torch.float32, device=hidden.device).index_put(
+            (kept // length, kept % length), logps)
         if mesh is not None:  # ColwiseParallel's output hook expects a DTensor; the values are whole
-            logps = DTensor.from_local(logps, mesh, [Replicate()], run_check=False)
-        return logps
+            whole = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
+        return whole
+
+
+# Model types whose causal-LM forward returns the output layer's result unchanged
+# (``logits = self.lm_head(hidden)``, then only Hugging Face's loss), checked in transformers'
+# modeling files: the label head is on by default for these (``trainer.logits_at_labels_only``).
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi",
+                                    "phi3", "olmo2", "smollm3", "gemma", "starcoder2", "deepseek_v3", "glm4"})
+
+
+def head_transform(hf_config) -> str | None:
+    """What the model's forward does to the output layer's result, as ``field=value``, or None.
+
+    Gemma-2/3 soft-cap the logits (``final_logit_softcapping``), Cohere multiplies them
+    (``logit_scale``), Granite divides them (``logits_scaling``): the label head returns log-probs,
+    which such a forward would transform as if they were logits.
+    """
+    for field in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        value = getattr(hf_config, field, None)
+        if value is not None and value != 1 and not (field == "final_logit_softcapping" and not value):
+            return f"{field}={value}"
+    return None
 
 
 def check_model(hf_config) -> None:
-    """A model whose forward transforms the head's output (Gemma-2's ``final_logit_softcapping``)
-    would transform the log-probs the chunked head returns instead of the logits.
+    """Refuse ``trainer.loss_chunk_tokens`` for a model whose forward transforms the head's output
+    (:func:`head_transform`).
 
     Raises:
         ConfigError: naming the model field.
     """
     from llmtrain.common.errors import ConfigError
 
-    cap = getattr(hf_config, "final_logit_softcapping", None)
-    if cap:
-        raise ConfigError(f"trainer.loss_chunk_tokens with a model whose logits are soft-capped after the output layer "
-                          f"(final_logit_softcapping={cap}): the chunked head returns log-probs, not logits; set "
+    transform = head_transform(hf_config)
+    if transform:
+        raise ConfigError(f"trainer.loss_chunk_tokens with a model whose forward transforms the output layer's logits "
+                          f"({transform}): the chunked head returns log-probs, not logits; set "
                           "trainer.loss_chunk_tokens=0")
 
 
-def install(model: torch.nn.Module, chunk_tokens: int) -> ChunkedHead:
-    """Swap ``model``'s output embedding (``get_output_embeddings()``) for a :class:`ChunkedHead`.
+def applies_by_default(model: torch.nn.Module) -> bool:
+    """Whether ``trainer.logits_at_labels_only`` installs the label head on ``model``: a model type
+    in :data:`PLAIN_HEAD_MODEL_TYPES` with an output embedding and no :func:`head_transform`."""
+    config = getattr(model, "config", None)
+    return (getattr(config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES and head_transform(config) is None
+            and model.get_output_embeddings() is not None)
+
+
+def install(model: torch.nn.Module, chunk_tokens: int) -> LabelHead:
+    """Swap ``model``'s output embedding (``get_output_embeddings()``) for a :class:`LabelHead`
+    (``chunk_tokens`` 0: whole, > 0: :class:`ChunkedLabelLogps` chunks of that many tokens).
 
     Raises:
         ValueError: the model has no output embedding (a classification head).
-        ConfigError: see :func:`check_model`.
+        ConfigError: see :func:`check_model`; ``chunk_tokens`` > 0 with an output layer that is
+            not a plain ``nn.Linear`` (a PEFT adapter or ``modules_to_save`` copy on ``lm_head``),
+            whose weight alone is not the layer.
     """
     check_model(model.config)
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embedding for trainer.loss_chunk_tokens")
-    return ChunkedHead(head, chunk_tokens)
+    if chunk_tokens and not isinstance(head, torch.nn.Linear):
+        from llmtrain.common.errors import ConfigError
+
+        raise ConfigError(f"trainer.loss_chunk_tokens={chunk_tokens} with an output layer of type {type(head).__name__} "
+                          "(an adapter or a trained copy on lm_head): the chunks read the plain weight; leave lm_head "
+                          "out of peft.target_modules / modules_to_save or set trainer.loss_chunk_tokens=0")
+    return LabelHead(head, chunk_tokens)

