@@ -261,3 +261,35 @@ def test_objectives_give_the_same_sums_from_label_logps_as_from_logits(name):
     torch.testing.assert_close(chunked.loss, whole.loss, rtol=1e-6, atol=1e-6)
     for key, value in whole.metrics.items():
         torch.testing.assert_close(chunked.metrics[key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("label_rows", [True, False])
+def test_lora_dpo_reference_with_adapters_off_starts_at_ln2(tmp_path, label_rows):
+    """LoRA's B starts at zero, so at step 1 the policy is its own reference (adapters off):
+    DPO's loss is ln 2 and both rewards exactly 0, with the label head on a PEFT model (policy
+    and reference forwards both through it) and without it. (The reference on whole logits gives
+    0 too here: the matmul's rows round alike whichever rows it is given.)"""
+    import json
+    import math
+
+    from conftest import make_cfg
+    from llmtrain.trainer import train
+
+    gen = torch.Generator().manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "kappa", "omega"]
+
+    def text(n):
+        return " ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=gen))
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q: {text(12)}\nA:", "chosen": " " + text(5),
+                                        "rejected": " " + text(7)}) + "\n" for _ in range(12)))
+    run = tmp_path / "run"
+    train(make_cfg(["data=preference", f"data.path={data}", "data.seq_len=160", "data.max_prompt_tokens=100", "objective=dpo", "+peft=lora",
+                    "objective.reference=adapters_disabled", "trainer.max_steps=1", "trainer.global_batch_size=4",
+                    "trainer.micro_batch_size=2", "trainer.log_every=1", "trainer.eval_every=0", "tracker=none",
+                    "trainer.progress_bar=false", "trainer.save_every_minutes=0",
+                    f"trainer.logits_at_labels_only={str(label_rows).lower()}", f"run_dir={run}"]))
+    first = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "train/loss" in line)
+    assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-7)
+    assert first["train/rewards/chosen"] == first["train/rewards/rejected"] == 0

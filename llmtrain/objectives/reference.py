@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
+from llmtrain.common.labels import IGNORE_INDEX
 from llmtrain.parallel import distributed
 from llmtrain.data import WithReference, pairs_of
 from llmtrain.common.errors import ConfigError, ResumeError
@@ -77,10 +79,22 @@ class LiveReference:
         return self.logps(self.forward(batch), batch["labels"])
 
 
-def _adapters_off_forward(engine: Any) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+def _adapters_off_forward(engine: Any, label_logps: bool) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    """The policy's forward with its adapters off. ``label_logps``: the reference wants only each
+    label's log-prob, so the engine's label head (``engine.label_head``, where installed) runs the
+    output layer on the labelled rows, as the policy's forward does: the two then compute alike
+    and step 1's rewards are exactly 0."""
+    head = getattr(engine, "label_head", None) if label_logps else None
+
     def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with adapters_disabled(engine.model):
-            return engine.forward(batch)
+        if head is not None:
+            head.targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+        try:
+            with adapters_disabled(engine.model):
+                return engine.forward(batch)
+        finally:
+            if head is not None:
+                head.targets = None
     return forward
 
 
@@ -233,7 +247,7 @@ def build_reference(cfg: Any, engine: Any, build: Callable[[], torch.nn.Module],
     """
     kind = reference_kind(cfg)
     if kind == "adapters_disabled":
-        return LiveReference(_adapters_off_forward(engine), logps)
+        return LiveReference(_adapters_off_forward(engine, logps is completion_token_logps), logps)
     forward = engine.frozen_copy(build)
     if forward is None:
         raise ConfigError(f"objective.reference=copy: the {type(engine).__name__} engine of recipe {cfg.recipe.name} "

@@ -289,7 +289,8 @@ def launch(framework: str, mode: str, opts: argparse.Namespace) -> dict:
         + (["--profile"] if opts.profile else []) + [f"--llmtrain={o}" for o in opts.llmtrain]
     out = subprocess.run(cmd + [__file__, "--child", framework, "--modes", mode, "--steps", str(opts.steps),
                                 "--warmup", str(opts.warmup)] + passed, capture_output=True, text=True, cwd=REPO,
-                         env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONPATH": str(REPO)})
+                         env={"OMP_WAIT_POLICY": "PASSIVE", **os.environ,
+                              "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         raise SystemExit(f"{framework} {mode} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
