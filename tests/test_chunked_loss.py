@@ -293,3 +293,48 @@ def test_lora_dpo_reference_with_adapters_off_starts_at_ln2(tmp_path, label_rows
     first = next(json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "train/loss" in line)
     assert first["train/loss"] == pytest.approx(math.log(2), abs=1e-7)
     assert first["train/rewards/chosen"] == first["train/rewards/rejected"] == 0
+
+
+def test_frozen_reference_copy_gets_the_policys_label_head():
+    """``build_reference`` with ``objective.reference=copy``: the engine builds the frozen copy
+    (``Engine.frozen_reference``) through a ``build`` that installs the policy's kind of label
+    head, and its forward sets the
+    targets, so the reference's output layer sees the labelled rows only and its log-probs equal
+    those from whole logits."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from llmtrain.objectives.preference import completion_token_logps
+    from llmtrain.objectives.reference import build_reference
+
+    rows, built = [], []
+
+    def build():
+        model = _tiny_llama()
+        real = model.lm_head.forward
+        model.lm_head.forward = lambda h: rows.append(tuple(h.shape)) or real(h)  # noqa: E731
+        built.append(model)
+        return model
+
+    from llmtrain.engine.base import Engine as BaseEngine
+
+    class Engine:
+        label_head = SimpleNamespace(chunk=0)
+        frozen_reference = BaseEngine.frozen_reference
+
+        def frozen_copy(self, make):
+            model = make()
+            return lambda batch: model(input_ids=batch["input_ids"]).logits
+
+    cfg = OmegaConf.create({"objective": {"name": "dpo", "reference": "copy"}, "peft": None,
+                            "recipe": {"name": "ddp"}})
+    reference = build_reference(cfg, Engine(), build)
+    ids = torch.randint(0, 300, (2, 20))
+    labels = ids.clone()
+    labels[:, :12] = -100
+    got = reference({"input_ids": ids, "labels": labels})
+    assert rows == [(2 * 8, 32)]  # positions 11..18 of both rows predict their labels 12..19
+    plain = _tiny_llama()
+    torch.testing.assert_close(got, completion_token_logps(plain(input_ids=ids).logits, labels), rtol=1e-6, atol=1e-6)
+    assert built[0].lm_head.forward(torch.zeros(1, 32)).shape == (1, 300)  # targets reset after the forward

@@ -376,6 +376,37 @@ class Engine(ABC):
         after :meth:`setup`; collective call."""
         return None
 
+    def frozen_reference(self, build: Callable[[], torch.nn.Module]
+                         ) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | None:
+        """:meth:`frozen_copy` for a reference that reads next-label log-probs only: where the
+        policy has a label head (:meth:`_install_label_head`), the copy gets the same kind before
+        the engine lays it out, and its forward returns ``[B, T]`` label log-probs computed on the
+        labelled rows (in the same chunks), as the policy's forward does; else its logits."""
+        if self.label_head is None:
+            return self.frozen_copy(build)
+        from llmtrain.models.chunked_loss import applies_by_default, install
+
+        chunk, heads = self.label_head.chunk, []
+
+        def built() -> torch.nn.Module:
+            model = build()
+            if chunk or applies_by_default(model):
+                heads.append(install(model, chunk))
+            return model
+
+        forward = self.frozen_copy(built)
+        if forward is None or not heads:
+            return forward
+        head = heads[0]
+
+        def labelled(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            head.targets = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+            try:
+                return forward(batch)
+            finally:
+                head.targets = None
+        return labelled
+
     def model_init_context(self):
         """Context in which the model is built (ZeRO-3 partitions parameters as they appear)."""
         return contextlib.nullcontext()

@@ -248,7 +248,8 @@ def build_reference(cfg: Any, engine: Any, build: Callable[[], torch.nn.Module],
     kind = reference_kind(cfg)
     if kind == "adapters_disabled":
         return LiveReference(_adapters_off_forward(engine, logps is completion_token_logps), logps)
-    forward = engine.frozen_copy(build)
+    forward = (engine.frozen_reference(build) if logps is completion_token_logps
+               else engine.frozen_copy(build))
     if forward is None:
         raise ConfigError(f"objective.reference=copy: the {type(engine).__name__} engine of recipe {cfg.recipe.name} "
                           "cannot lay out a frozen copy of the model; set objective.precompute_reference=true "
