@@ -150,9 +150,10 @@ def _tiny_llama(tied=False, vocab=300):
     return LlamaForCausalLM(config)
 
 
+@pytest.mark.parametrize("masked", [True, False], ids=["prompts-masked", "all-labelled"])
 @pytest.mark.parametrize("chunk", [0, 16])
 @pytest.mark.parametrize("tied", [False, True])
-def test_installed_head_gives_hugging_faces_loss_and_gradients(chunk, tied):
+def test_installed_head_gives_hugging_faces_loss_and_gradients(chunk, tied, masked):
     """Against the model's own loss (``labels=``: Hugging Face's ``ForCausalLMLoss`` over whole
     logits), with prompt tokens masked in one row, none in another and a padded tail: the label
     head (whole, ``chunk`` 0, or in chunks) gives the same loss and every parameter's gradient."""
@@ -161,9 +162,10 @@ def test_installed_head_gives_hugging_faces_loss_and_gradients(chunk, tied):
     model = _tiny_llama(tied)
     ids = torch.randint(0, 300, (3, 40))
     labels = ids.clone()
-    labels[0, :7] = -100
-    labels[2, :25] = -100
-    labels[2, 33:] = -100
+    if masked:
+        labels[0, :7] = -100
+        labels[2, :25] = -100
+        labels[2, 33:] = -100
     reference = model(input_ids=ids, labels=labels).loss * count_target_tokens(labels)
     reference.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -195,6 +197,9 @@ def test_whole_head_runs_the_output_layer_on_labelled_rows_only():
     head.targets = F.pad(labels[:, 1:], (0, 1), value=-100)
     model(input_ids=ids)
     assert rows == [(10, 32)]  # positions 19..28 of row 0 predict its 10 labels
+    head.targets = F.pad(ids[:, 1:], (0, 1), value=-100)  # pre-training: only the row ends unlabelled
+    model(input_ids=ids)
+    assert rows[-1] == (60, 32)  # every position of both rows, no gather
     head.targets = None
     model(input_ids=ids)
     assert rows[-1] == (2, 30, 32)
@@ -338,3 +343,20 @@ def test_frozen_reference_copy_gets_the_policys_label_head():
     plain = _tiny_llama()
     torch.testing.assert_close(got, completion_token_logps(plain(input_ids=ids).logits, labels), rtol=1e-6, atol=1e-6)
     assert built[0].lm_head.forward(torch.zeros(1, 32)).shape == (1, 300)  # targets reset after the forward
+
+
+def test_default_label_head_feeds_builtin_objectives_and_user_classes_that_declare_it():
+    """A user's subclass of a built-in objective may read the vocabulary in its own ``loss_sums``
+    (a z-loss): it inherits ``label_logps_only`` but gets whole logits unless it sets the flag."""
+    from llmtrain.engine.base import _declares_label_logps_only
+    from llmtrain.objectives import CausalLM
+
+    class ZLoss(CausalLM):
+        pass
+
+    class Declared(CausalLM):
+        label_logps_only = True
+
+    assert _declares_label_logps_only(CausalLM())
+    assert not _declares_label_logps_only(ZLoss())
+    assert _declares_label_logps_only(Declared())

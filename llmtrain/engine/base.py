@@ -29,6 +29,17 @@ if TYPE_CHECKING:
     from llmtrain.objectives.base import LossSums
 
 
+def _declares_label_logps_only(objective: Any) -> bool:
+    """Whether the default label head may feed ``objective`` label log-probs: a built-in objective
+    with ``label_logps_only``, or a user's class that sets it itself. A user's subclass of
+    ``CausalLM`` or ``DPO`` inherits the flag but may read the vocabulary in its own ``loss_sums``
+    (a z-loss, label smoothing); it keeps whole logits unless it declares the flag (or sets
+    ``trainer.loss_chunk_tokens``)."""
+    cls = type(objective)
+    return bool(objective.label_logps_only) and (cls.__module__.startswith("llmtrain.objectives")
+                                                 or "label_logps_only" in vars(cls))
+
+
 def lr_lambda(trainer_cfg: Any) -> Callable[[int], float]:
     """Multiplier of the base learning rate for optimizer step ``s`` (0-based).
 
@@ -343,8 +354,8 @@ class Engine(ABC):
         chunk = t.get("loss_chunk_tokens", 0)
         if chunk:
             self.label_head = install(model, chunk)
-        elif (t.get("logits_at_labels_only", True) and self.objective.label_logps_only and self.dims.pp == 1
-              and applies_by_default(model)):
+        elif (t.get("logits_at_labels_only", True) and _declares_label_logps_only(self.objective)
+              and self.dims.pp == 1 and applies_by_default(model)):
             self.label_head = install(model, 0)
 
     def _install_context_parallel(self, model: torch.nn.Module, group) -> None:

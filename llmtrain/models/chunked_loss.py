@@ -181,7 +181,9 @@ class LabelHead:
         empty = kept.numel() == 0
         if empty:
             kept = torch.zeros(1, dtype=torch.long, device=hidden.device)
-        every = kept.numel() == flat.numel()
+        # Pre-training leaves only each row's last position unlabelled: then the head takes every
+        # row as it is (those few logits cost less than the gather and scatter of the rest).
+        every = kept.numel() >= flat.numel() - rows
         picked = hidden.reshape(rows * length, -1)
         if not every:
             picked = picked.index_select(0, kept)
@@ -191,12 +193,15 @@ class LabelHead:
         if self.chunk == 0 and mesh is None:
             logps = -F.cross_entropy(plain(picked).float(), wanted, ignore_index=IGNORE_INDEX, reduction="none")
         else:
-            logps = ChunkedLabelLogps.apply(picked, weight, bias, wanted, self.chunk or kept.numel(), group, start)
+            logps = ChunkedLabelLogps.apply(picked, weight, bias, wanted, self.chunk or picked.shape[0], group, start)
         if empty:
             logps = logps * 0
-        # Out of place into a fresh [B, T] (not a view of one): FSDP2 warns about views it returns.
-        whole = torch.zeros(rows, length, dtype=torch.float32, device=hidden.device).index_put(
-            (kept // length, kept % length), logps)
+        # A fresh [B, T], not a view of another tensor: FSDP2 warns about views it returns.
+        if every:
+            whole = logps.reshape(rows, length).clone()
+        else:
+            whole = torch.zeros(rows, length, dtype=torch.float32, device=hidden.device).index_put(
+                (kept // length, kept % length), logps)
         if mesh is not None:  # ColwiseParallel's output hook expects a DTensor; the values are whole
             whole = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
         return whole

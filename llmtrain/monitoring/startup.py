@@ -93,6 +93,8 @@ def long_context_detail(cfg: Any, dims: ParallelDims) -> str:
         parts.append(" with sequence parallelism inside tp")
     if cfg.trainer.get("loss_chunk_tokens"):
         parts.append(f"; loss in chunks of {cfg.trainer.loss_chunk_tokens} tokens")
+    elif not cfg.trainer.get("logits_at_labels_only", True):
+        parts.append("; whole logits (trainer.logits_at_labels_only=false)")
     if dims.ep > 1:
         parts.append(f"; experts split over ep {dims.ep} ranks of dp_shard (all-to-all), each FSDP-sharded over the "
                      f"other {dims.dp_replicate * dims.dp_shard // dims.ep}")

@@ -47,8 +47,9 @@ class Objective(ABC):
             over the other's (a mean over a subset, e.g. KTO's desirable examples) rather than over
             the normaliser.
         label_logps_only: the loss reads the logits only through each position's log-probability
-            of the next label (``labels[:, t + 1]``), so with ``trainer.loss_chunk_tokens`` engines
-            hand :meth:`loss_sums` fp32 ``[B, T]`` label log-probs (0 where the label is -100, and
+            of the next label (``labels[:, t + 1]``), so engines with a label head
+            (``trainer.logits_at_labels_only``, the default for built-in objectives and for classes
+            that set this themselves, or ``trainer.loss_chunk_tokens``) hand :meth:`loss_sums` fp32 ``[B, T]`` label log-probs (0 where the label is -100, and
             at the last position) instead of ``[B, T, V]`` logits (:mod:`llmtrain.models.chunked_loss`);
             tell them apart by ``output.dim()``.
         online: the trainer samples the objective's batches from the policy (an online RL
@@ -82,7 +83,7 @@ class Objective(ABC):
     counted_unit: ClassVar[str | None] = None
     # Metrics averaged over another metric's sum instead of the normaliser (name -> denominator).
     metric_denominators: ClassVar[Mapping[str, str]] = {}
-    # Whether loss_sums also accepts [B, T] next-label log-probs (the chunked output layer).
+    # Whether loss_sums also accepts [B, T] next-label log-probs (the label head, llmtrain.models.chunked_loss).
     label_logps_only: ClassVar[bool] = False
     # Whether batches are sampled from the policy (online RL) rather than read from the data.
     online: ClassVar[bool] = False

@@ -120,8 +120,16 @@ def _item_sums(engine: Any, items: list[dict], collate: Any, device: torch.devic
     """float64 ``[pairs, 2]``: (chosen, rejected) policy log-probs of the items' pairs in order."""
     batch = {k: v.to(device) for k, v in collate(items).items()}
     count = PairObjective.count(batch)
-    with torch.no_grad():
-        sums = segment_sums(completion_token_logps(engine.forward(batch), batch["labels"]), batch["segment"], count)
+    head = getattr(engine, "label_head", None)  # the policy's output layer on the labelled rows, as in training
+    if head is not None:
+        head.targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+    try:
+        with torch.no_grad():
+            logits = engine.forward(batch)
+    finally:
+        if head is not None:
+            head.targets = None
+    sums = segment_sums(completion_token_logps(logits, batch["labels"]), batch["segment"], count)
     return sums.view(-1, 2).cpu()
 
 
