@@ -411,11 +411,8 @@ class Engine(ABC):
         head = heads[0]
 
         def labelled(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            head.targets = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100)
-            try:
+            with head.targeting(batch["labels"]):
                 return forward(batch)
-            finally:
-                head.targets = None
         return labelled
 
     def model_init_context(self):

@@ -23,6 +23,7 @@ output layer.
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -151,6 +152,16 @@ class LabelHead:
             return owner._label_logps(module, hidden, owner.targets, plain)
 
         head.forward = types.MethodType(forward, head)
+
+    @contextlib.contextmanager
+    def targeting(self, labels: torch.Tensor):
+        """:attr:`targets` set from ``labels`` ``[B, T]`` (each position's next label, -100 at the
+        row end) while the block runs, and None again after it, raising or not."""
+        self.targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        try:
+            yield self
+        finally:
+            self.targets = None
 
     def _label_logps(self, module: torch.nn.Module, hidden, targets: torch.Tensor, plain):
         from torch.distributed.tensor import DTensor, Replicate, Shard

@@ -24,9 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
-from llmtrain.common.labels import IGNORE_INDEX
 from llmtrain.parallel import distributed
 from llmtrain.data import WithReference, pairs_of
 from llmtrain.common.errors import ConfigError, ResumeError
@@ -87,14 +85,9 @@ def _adapters_off_forward(engine: Any, label_logps: bool) -> Callable[[dict[str,
     head = getattr(engine, "label_head", None) if label_logps else None
 
     def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if head is not None:
-            head.targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
-        try:
-            with adapters_disabled(engine.model):
-                return engine.forward(batch)
-        finally:
-            if head is not None:
-                head.targets = None
+        with head.targeting(batch["labels"]) if head is not None else contextlib.nullcontext(), \
+                adapters_disabled(engine.model):
+            return engine.forward(batch)
     return forward
 
 
@@ -121,14 +114,8 @@ def _item_sums(engine: Any, items: list[dict], collate: Any, device: torch.devic
     batch = {k: v.to(device) for k, v in collate(items).items()}
     count = PairObjective.count(batch)
     head = getattr(engine, "label_head", None)  # the policy's output layer on the labelled rows, as in training
-    if head is not None:
-        head.targets = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
-    try:
-        with torch.no_grad():
-            logits = engine.forward(batch)
-    finally:
-        if head is not None:
-            head.targets = None
+    with torch.no_grad(), head.targeting(batch["labels"]) if head is not None else contextlib.nullcontext():
+        logits = engine.forward(batch)
     sums = segment_sums(completion_token_logps(logits, batch["labels"]), batch["segment"], count)
     return sums.view(-1, 2).cpu()
 
