@@ -387,6 +387,12 @@ class Engine(ABC):
         after :meth:`setup`; collective call."""
         return None
 
+    def labelling(self, batch: dict[str, torch.Tensor]):
+        """Context in which the model's forward of ``batch`` (whole rows) returns ``[B, T]``
+        next-label log-probs where a label head is installed (:meth:`_install_label_head`), and
+        logits as ever where none is."""
+        return self.label_head.targeting(batch["labels"]) if self.label_head is not None else contextlib.nullcontext()
+
     def frozen_reference(self, build: Callable[[], torch.nn.Module]
                          ) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | None:
         """:meth:`frozen_copy` for a reference that reads next-label log-probs only: where the
@@ -395,19 +401,18 @@ class Engine(ABC):
         labelled rows (in the same chunks), as the policy's forward does; else its logits."""
         if self.label_head is None:
             return self.frozen_copy(build)
-        from llmtrain.models.chunked_loss import applies_by_default, install
+        from llmtrain.models.chunked_loss import install
 
         chunk, heads = self.label_head.chunk, []
 
         def built() -> torch.nn.Module:
-            model = build()
-            if chunk or applies_by_default(model):
-                heads.append(install(model, chunk))
+            model = build()  # the policy's builder: the model type the policy's head was installed on
+            heads.append(install(model, chunk))
             return model
 
         forward = self.frozen_copy(built)
-        if forward is None or not heads:
-            return forward
+        if forward is None:
+            return None
         head = heads[0]
 
         def labelled(batch: dict[str, torch.Tensor]) -> torch.Tensor:

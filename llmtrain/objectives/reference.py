@@ -79,14 +79,11 @@ class LiveReference:
 
 def _adapters_off_forward(engine: Any, label_logps: bool) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
     """The policy's forward with its adapters off. ``label_logps``: the reference wants only each
-    label's log-prob, so the engine's label head (``engine.label_head``, where installed) runs the
+    label's log-prob, so the engine's label head (where installed: ``engine.labelling``) runs the
     output layer on the labelled rows, as the policy's forward does: the two then compute alike
     and step 1's rewards are exactly 0."""
-    head = getattr(engine, "label_head", None) if label_logps else None
-
     def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with head.targeting(batch["labels"]) if head is not None else contextlib.nullcontext(), \
-                adapters_disabled(engine.model):
+        with engine.labelling(batch) if label_logps else contextlib.nullcontext(), adapters_disabled(engine.model):
             return engine.forward(batch)
     return forward
 
@@ -113,8 +110,7 @@ def _item_sums(engine: Any, items: list[dict], collate: Any, device: torch.devic
     """float64 ``[pairs, 2]``: (chosen, rejected) policy log-probs of the items' pairs in order."""
     batch = {k: v.to(device) for k, v in collate(items).items()}
     count = PairObjective.count(batch)
-    head = getattr(engine, "label_head", None)  # the policy's output layer on the labelled rows, as in training
-    with torch.no_grad(), head.targeting(batch["labels"]) if head is not None else contextlib.nullcontext():
+    with torch.no_grad(), engine.labelling(batch):  # the policy's output layer on the labelled rows, as in training
         logits = engine.forward(batch)
     sums = segment_sums(completion_token_logps(logits, batch["labels"]), batch["segment"], count)
     return sums.view(-1, 2).cpu()
