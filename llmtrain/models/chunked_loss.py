@@ -232,9 +232,10 @@ def head_transform(hf_config) -> str | None:
     (``logit_scale``), Granite divides them (``logits_scaling``): the label head returns log-probs,
     which such a forward would transform as if they were logits.
     """
-    for field in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+    for field, identity in (("final_logit_softcapping", (None, 0)), ("logit_scale", (None, 1)),
+                            ("logits_scaling", (None, 1))):
         value = getattr(hf_config, field, None)
-        if value is not None and value != 1 and not (field == "final_logit_softcapping" and not value):
+        if value not in identity:
             return f"{field}={value}"
     return None
 
