@@ -28,6 +28,8 @@ ratios (plain time / llmtrain time, so above 1 is faster) in wall clock and CPU 
     torchrun --nproc_per_node 2 scripts/bench/checkpoint.py --smollm2 +recipe=fsdp
     torchrun --nproc_per_node 2 scripts/bench/checkpoint.py --smollm2 +recipe=zero3
     python scripts/bench/checkpoint.py --smollm2 --profile save        # cProfile of one save
+    torchrun --nproc_per_node 2 scripts/bench/checkpoint.py --smollm2 --stock-writer +recipe=fsdp
+        # and a third arm: the same save with DCP's own writer (one torch.save per item)
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from llmtrain.checkpoint.protocol import CheckpointManager, HASHES, verify_colle
 from llmtrain.checkpoint.state import TrainState  # noqa: E402
 from llmtrain.config.layout import gradient_accumulation_steps  # noqa: E402
 from llmtrain.config.compose import register_configs  # noqa: E402
-from llmtrain.engine import build_engine  # noqa: E402
+from llmtrain.engine import build_engine, dcp_state  # noqa: E402
 from llmtrain.models.build import build_model, byte_tokenizer  # noqa: E402
 from llmtrain.objectives import build_objective  # noqa: E402
 from llmtrain.parallel.dims import ParallelDims  # noqa: E402
@@ -115,6 +117,8 @@ def main() -> None:
     parser.add_argument("--smollm2", action="store_true", help="SmolLM2-135M's shape (random init)")
     parser.add_argument("--profile", choices=("save", "resume", "async"),
                         help="instead of timing: cProfile one save / resume / background save (rank 0), top 25")
+    parser.add_argument("--stock-writer", action="store_true",
+                        help="also time llmtrain's save with DCP's own archive writer (a torch.save per item)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     register_configs()
@@ -134,7 +138,7 @@ def main() -> None:
     engine.step()
     can_async = cfg.recipe.engine == "torch"
 
-    kinds = ("save", "plain_save", "resume", "plain_load", "async_stall", "async_total")
+    kinds = ("save", "plain_save", "resume", "plain_load", "async_stall", "async_total", "stock_save")
     wall: dict[str, list[float]] = {k: [] for k in kinds}
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
 
@@ -201,9 +205,19 @@ def main() -> None:
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
             return
         step = 0
+        arms = ("ours", "plain") + (("stock",) if args.stock_writer else ())
         for r in range(args.rounds):
             # Alternate which of ours / plain runs first, so drifts of the shared box cancel.
-            for who in benchlib.alternating(("ours", "plain"), r):
+            for who in benchlib.alternating(arms, r):
+                if who == "stock":
+                    step += 1
+                    state.step = step
+                    dcp_state.FRAMED_ARCHIVES = False
+                    try:
+                        timed("stock_save", lambda: manager.save(engine, state, "", args.hash))
+                    finally:
+                        dcp_state.FRAMED_ARCHIVES = True
+                    continue
                 if who == "plain":
                     plain_file = plain_files[r % 2]
                     timed("plain_save", lambda: plain_save(plain_file))
@@ -253,6 +267,10 @@ def main() -> None:
         print(f"{label:5s} llmtrain {med[ours]:7.3f} s ({ours_bytes / med[ours] / 2**20:7.1f} MiB/s)   plain "
               f"{med[plain]:7.3f} s ({plain_bytes / med[plain] / 2**20:7.1f} MiB/s)   ratio wall {med[plain] / med[ours]:.2f}"
               f"   ratio CPU time {cmed[plain] / cmed[ours]:.2f} (CPU {cmed[ours]:.2f} s vs {cmed[plain]:.2f} s)")
+    if args.stock_writer:
+        print(f"save with DCP's own archive writer {med['stock_save']:.3f} s (CPU {cmed['stock_save']:.2f} s): framed "
+              f"archives are {med['stock_save'] / med['save']:.2f}x its speed in wall clock, "
+              f"{cmed['stock_save'] / cmed['save']:.2f}x in CPU time")
     print(f"a resume adds {med['resume']:.3f} s before the first step (marker verification + load); plain load "
           f"{med['plain_load']:.3f} s")
     if can_async:
