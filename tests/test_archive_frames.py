@@ -125,3 +125,29 @@ def test_the_dcp_writer_writes_dcps_own_files_byte_for_byte(tmp_path, no_crc32, 
         dcp.load(loaded, checkpoint_id=str(tmp_path / "ours"))
     for name, value in state.items():
         assert torch.equal(loaded[name], value) if isinstance(value, torch.Tensor) else loaded[name] == value, name
+
+
+def test_each_data_file_is_whole_on_disk_when_it_is_synced(tmp_path, monkeypatch, no_crc32):
+    """The framed writer does not flush after each item as ``torch.save`` does: the file's tail
+    (the last archive's central directory) must reach the file before its fsync."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    at_sync = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: at_sync.append(os.fstat(fd).st_size) or real_fsync(fd))
+    with dcp_state._single_process_is_intended():
+        dcp.save({"w": torch.randn(64, 32), "b": torch.randn(32)}, checkpoint_id=str(tmp_path),
+                 storage_writer=dcp_state.writer(tmp_path))
+    dcp_state.take_written(tmp_path)
+    assert at_sync[0] == (tmp_path / "__0_0.distcp").stat().st_size
+
+
+def test_skip_data_is_left_to_torch_save(no_crc32):
+    """Inside ``torch.serialization.skip_data`` torch.save writes no tensor bytes; a frame would."""
+    tensor = torch.randn(8, 8)
+    archive_frames.frame_for(tensor)  # a frame cached for the layout beforehand
+    with torch.serialization.skip_data():
+        assert archive_frames.frame_for(tensor) is None
+        assert _framed(tensor) == _torch_save(tensor)

@@ -14,8 +14,9 @@ same dtype, shape and strides: the pickle names no data, the record offsets depe
 only, and the serialization id is derived from the (zero) CRC-32s. :func:`write_tensor` takes
 those two frames from one ``torch.save`` of an uninitialised tensor of the layout (cached per
 process) and writes ``head``, the tensor's bytes and ``tail``: three writes, no pickling, the
-same file byte for byte (``tests/test_checkpoint_hashing.py`` compares them with
-``torch.save``'s output). Anything it cannot frame that way goes to ``torch.save``.
+same file byte for byte (``tests/test_archive_frames.py`` compares them with ``torch.save``'s
+output and with DCP's stock writer's files). Anything it cannot frame that way goes to
+``torch.save``.
 """
 
 from __future__ import annotations
@@ -50,16 +51,22 @@ def _crc32_on() -> bool:
     return True if getter is None else bool(getter())
 
 
+def _skipping_data() -> bool:
+    tls = getattr(torch.serialization, "_serialization_tls", None)
+    return bool(getattr(tls, "skip_data", False))
+
+
 def _layout_key(tensor: torch.Tensor) -> tuple | None:
     """What the archive's bytes outside the data depend on, for a tensor this module frames;
     None for one it leaves to ``torch.save`` (a subclass, a view into a larger storage, a
     non-contiguous, quantized, conjugated, negated or empty tensor, one with autograd state or
-    Python attributes, or any tensor while this thread's zip CRC-32s are on)."""
+    Python attributes, or any tensor while this thread's zip CRC-32s are on or inside
+    ``torch.serialization.skip_data``)."""
     if (type(tensor) is not torch.Tensor or tensor.layout != torch.strided or tensor.device.type != "cpu"
             or tensor.requires_grad or tensor.grad_fn is not None or tensor.is_quantized or tensor.is_nested
             or tensor.is_conj() or tensor.is_neg() or tensor.numel() == 0 or tensor.storage_offset() != 0
             or not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes
-            or tensor.__dict__ or _crc32_on()):
+            or tensor.__dict__ or _crc32_on() or _skipping_data()):
         return None
     from torch.utils.serialization import config
 
@@ -134,14 +141,17 @@ def frame_for(tensor: torch.Tensor) -> ArchiveFrame | None:
     frame = _frames.get(key, ...)
     if frame is ...:
         frame = _record_frame(tensor)
+        if _crc32_on():  # switched on meanwhile (a torch whose switch is process-wide): nothing cached
+            return None
         with _frames_lock:
             _frames[key] = frame
     return frame
 
 
 def write_tensor(stream, tensor: torch.Tensor) -> None:
-    """Write exactly what ``torch.save(tensor, stream)`` writes, framed where it can be
-    (:func:`frame_for`), else through ``torch.save``. ``tensor`` lives on the CPU."""
+    """Write the bytes ``torch.save(tensor, stream)`` writes, framed where it can be
+    (:func:`frame_for`), else through ``torch.save``. ``tensor`` lives on the CPU. Unlike
+    ``torch.save`` it does not flush ``stream``: the caller flushes before it syncs."""
     frame = frame_for(tensor)
     if frame is None:
         torch.save(tensor, stream)

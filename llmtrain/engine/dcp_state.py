@@ -256,6 +256,15 @@ try:  # DCP's own per-file writing, which _CompleteWriter repeats with framed ar
     from torch.distributed.checkpoint.filesystem import (_item_size, _OverlappingCpuLoader, _SerialCpuLoader,
                                                          _StorageInfo, _write_item, SerializationFormat)
     from torch.distributed.checkpoint.planner import WriteItemType
+    import dataclasses
+    import inspect
+
+    # The pieces as this module calls them; another torch's may differ: DCP's writer as it is then.
+    if (list(inspect.signature(_write_item).parameters)[:6] != ["transforms", "stream", "data", "write_item",
+                                                                "storage_key", "serialization_format"]
+            or [f.name for f in dataclasses.fields(_StorageInfo)][:3] != ["relative_path", "offset", "length"]
+            or "inflight_threshhold" not in inspect.signature(_OverlappingCpuLoader).parameters):
+        _write_item = None
 except ImportError:  # another torch: DCP's writer as it is
     _write_item = None
 # False: DCP's own writer, one torch.save per item (scripts/bench/checkpoint.py --stock-writer
@@ -268,7 +277,7 @@ def _write_files(writer: "dcp.FileSystemWriter", planner: SavePlanner, file_queu
     archive written by :func:`llmtrain.engine.archive_frames.write_tensor` (the same bytes as
     DCP's ``torch.save``, framed: three writes instead of about forty, no pickling). Byte items,
     the loader that copies ahead from an accelerator, the order of items, the offsets and sizes
-    recorded and the fsync are DCP's."""
+    recorded, the check that every tensor reached the CPU and the flush and fsync are DCP's."""
     import queue
 
     from llmtrain.engine.archive_frames import write_tensor
@@ -293,13 +302,19 @@ def _write_files(writer: "dcp.FileSystemWriter", planner: SavePlanner, file_queu
                         results.append(_write_item(writer.transforms, stream, planner.resolve_data(item), item,
                                                    storage_key, writer.serialization_format))
                 for tensor, item in loader.values():
+                    if not tensor.is_cpu:
+                        raise AssertionError(f"DCP's loader left {item.index.fqn} on {tensor.device}, not the CPU")
                     offset = stream.tell()
                     write_tensor(stream, tensor)
                     length = stream.tell() - offset
                     results.append(WriteResult(index=item.index, size_in_bytes=length,
                                                storage_data=_StorageInfo(storage_key, offset, length)))
+                stream.flush()  # torch.save flushed after each item; the tail must be on disk before the sync
                 if writer.sync_files:
-                    os.fsync(stream.fileno())
+                    try:
+                        os.fsync(stream.fileno())
+                    except (AttributeError, io.UnsupportedOperation):
+                        os.sync()
             result_queue.put(results)
     except queue.Empty:
         pass
