@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import io
 import struct
-import threading
 from typing import NamedTuple
 
 import torch
@@ -42,8 +41,9 @@ class ArchiveFrame(NamedTuple):
     tail: bytes
 
 
-_frames: dict[tuple, ArchiveFrame | None] = {}  # layout key -> frame (None: not frameable)
-_frames_lock = threading.Lock()
+# layout key -> frame (None: not frameable). Writer threads may record one layout twice; the
+# frames are equal, and a dict assignment is atomic.
+_frames: dict[tuple, ArchiveFrame | None] = {}
 
 
 def _crc32_on() -> bool:
@@ -143,8 +143,7 @@ def frame_for(tensor: torch.Tensor) -> ArchiveFrame | None:
         frame = _record_frame(tensor)
         if _crc32_on():  # switched on meanwhile (a torch whose switch is process-wide): nothing cached
             return None
-        with _frames_lock:
-            _frames[key] = frame
+        _frames[key] = frame
     return frame
 
 

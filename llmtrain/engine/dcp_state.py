@@ -11,10 +11,13 @@ load between one process, DDP, FSDP2 shards, tensor-parallel DTensors and pipeli
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
+import inspect
 import io
 import os
+import queue
 import struct
 import threading
 import warnings
@@ -30,6 +33,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -256,8 +260,6 @@ try:  # DCP's own per-file writing, which _CompleteWriter repeats with framed ar
     from torch.distributed.checkpoint.filesystem import (_item_size, _OverlappingCpuLoader, _SerialCpuLoader,
                                                          _StorageInfo, _write_item, SerializationFormat)
     from torch.distributed.checkpoint.planner import WriteItemType
-    import dataclasses
-    import inspect
 
     # The pieces as this module calls them; another torch's may differ: DCP's writer as it is then.
     if (list(inspect.signature(_write_item).parameters)[:6] != ["transforms", "stream", "data", "write_item",
@@ -278,8 +280,6 @@ def _write_files(writer: "dcp.FileSystemWriter", planner: SavePlanner, file_queu
     DCP's ``torch.save``, framed: three writes instead of about forty, no pickling). Byte items,
     the loader that copies ahead from an accelerator, the order of items, the offsets and sizes
     recorded, the check that every tensor reached the CPU and the flush and fsync are DCP's."""
-    import queue
-
     from llmtrain.engine.archive_frames import write_tensor
 
     accelerator = torch.cuda.is_available() or getattr(getattr(torch, torch._C._get_privateuse1_backend_name(), None),
@@ -333,10 +333,6 @@ class _CompleteWriter(dcp.FileSystemWriter):
         if (not FRAMED_ARCHIVES or _write_item is None or self.transforms.extensions
                 or getattr(self, "serialization_format", None) != SerializationFormat.TORCH_SAVE):
             return super()._write_data(planner, file_queue)
-        import queue
-
-        from torch.futures import Future
-
         result_queue: queue.Queue = queue.Queue()
         threads = [threading.Thread(target=_write_files, args=(self, planner, file_queue, result_queue))
                    for _ in range(1, self.thread_count)]
