@@ -49,9 +49,10 @@ class Objective(ABC):
         label_logps_only: the loss reads the logits only through each position's log-probability
             of the next label (``labels[:, t + 1]``), so engines with a label head
             (``trainer.logits_at_labels_only``, the default for built-in objectives and for classes
-            that set this themselves, or ``trainer.loss_chunk_tokens``) hand :meth:`loss_sums` fp32 ``[B, T]`` label log-probs (0 where the label is -100, and
-            at the last position) instead of ``[B, T, V]`` logits (:mod:`llmtrain.models.chunked_loss`);
-            tell them apart by ``output.dim()``.
+            that set this themselves, or ``trainer.loss_chunk_tokens``) hand :meth:`loss_sums`
+            fp32 ``[B, T]`` label log-probs (0 where the label is -100, and at the last position)
+            instead of ``[B, T, V]`` logits (:mod:`llmtrain.models.chunked_loss`); tell them apart
+            by ``output.dim()``.
         online: the trainer samples the objective's batches from the policy (an online RL
             objective; :mod:`llmtrain.rollout`) instead of reading them from the data, which then
             holds prompts.
