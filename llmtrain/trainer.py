@@ -37,7 +37,7 @@ from llmtrain.checkpoint.export import export_hf, write_policy
 from llmtrain.checkpoint.protocol import CheckpointManager, lock_run_dir, step_of
 from llmtrain.checkpoint.resume import check_resumable
 from llmtrain.checkpoint.state import TrainState, restore_rng
-from llmtrain.common import hardware
+from llmtrain.common import collection, hardware
 from llmtrain.common.errors import ConfigError
 from llmtrain.config.compose import run_dir_of
 from llmtrain.config.validate import validate
@@ -170,6 +170,7 @@ class StepResult:
     router: torch.Tensor | None = None  # StepSums.router
     # What the batch source reports (an online objective's rollout: rewards, lengths, times).
     source_metrics: dict[str, float] = field(default_factory=dict)
+    gc_s: float = 0.0  # seconds of the scheduled garbage collection that started the step (trainer.gc_every)
 
     @property
     def healthy(self) -> bool:
@@ -180,7 +181,8 @@ class Trainer:
     """One run (or its resumption), built in a fixed order by ``_setup_*`` methods that each return
     one component: validate → process group → tokenizer and data → checkpoints (and the one to
     resume) → objective → engine with the model → train state → tracker → data loader →
-    evaluator → checkpointer → hang watchdog. Nothing is written before the checks of the config,
+    evaluator → checkpointer → hang watchdog → the garbage collector's schedule
+    (:mod:`llmtrain.common.collection`). Nothing is written before the checks of the config,
     the data, the model source and the checkpoint have passed.
 
     Raises (at construction):
@@ -190,6 +192,8 @@ class Trainer:
 
     def __init__(self, cfg: Any):
         self.process_started = time.time()
+        self.collection = collection.CollectionSchedule(cfg.trainer.gc_every)
+        self.collection.set_up()
         # trainer.precision=auto becomes what this machine runs natively before anything reads it
         # (config.yaml records the choice; the start-up line says why).
         precision, self.precision_reason = hardware.resolve_precision(cfg.trainer.precision, hardware.default_device())
@@ -249,6 +253,7 @@ class Trainer:
                                          self.t.log_every)
         self.skipped_in_a_row = 0
         self.watchdog = self._setup_watchdog()
+        self.collection.start()
         phases.done(time.time() - self.process_started)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -291,6 +296,7 @@ class Trainer:
         global batch's gradient, the update (dropped under ``trainer.nonfinite=skip`` when the
         loss or norm is not finite or spikes), and the train state advanced."""
         started = time.perf_counter()
+        gc_s = self.collection.collect_if_due(step)  # inside the step's time: the tokens/s count it
         self.watchdog.set("data", step + 1)
         host_batches, source_metrics = self.batches.for_step(step)
         # Fingerprint on the host copies: on an accelerator this avoids a device-to-host sync.
@@ -309,7 +315,7 @@ class Trainer:
         self.watchdog.set("optimizer")
         grad_norm = self.engine.step(keep_update=keep if self.t.nonfinite == "skip" else None)
         result = StepResult(step + 1, sums.loss, lr, grad_norm, sums.tokens, time.perf_counter() - started,
-                            sums.metrics, sums.scalars, stop, save_by_time, spike, sums.router, source_metrics)
+                            sums.metrics, sums.scalars, stop, save_by_time, spike, sums.router, source_metrics, gc_s)
         self._advance_state(result)
         return result
 
@@ -665,6 +671,8 @@ class Trainer:
                    **flops.achieved(tokens_per_s, self.flops_per_token, self.env.world_size,
                                      self.peak.tflops if self.peak else None)}
         metrics.update(self.checkpointer.stall_of_previous_step(result.step - 1))
+        if result.gc_s:
+            metrics["perf/gc_s"] = result.gc_s
         if self.cfg.recipe.compile:
             metrics["perf/compiled_graphs"] = compiled_graphs() - self.graphs_before
         if len(self.splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed
@@ -778,6 +786,7 @@ class Trainer:
         self.close_sampler()
         self.engine.close()
         distributed.barrier()
+        collection.restore()
         return summary
 
     def close_sampler(self) -> None:
@@ -801,9 +810,14 @@ def train(cfg: Any) -> dict[str, Any]:
         llmtrain.common.errors.LlmtrainError: bad input (config, data, model source, launch, checkpoint),
             raised before anything is written; TrainingStopped for a run that stops itself.
     """
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except BaseException:
+        collection.restore()  # a process that lives on (a sweep, a test) collects garbage as before
+        raise
     try:
         return trainer.train()
     finally:
         trainer.watchdog.stop()  # also when the loop raises: a process that lives on is not watched
         trainer.close_sampler()  # a server started for the run stops with it, on errors too
+        collection.restore()

@@ -282,6 +282,9 @@ class TrainerConfig:
     Intervals (``eval_every``, ``save_every``, ``log_every``) are in optimizer steps; 0 = never
     (a final checkpoint and evaluation are always made); ``save_every_minutes`` adds a
     wall-clock cadence (default 30: a crash loses at most half an hour; 0 = off). ``keep_checkpoints`` newest complete checkpoints are kept.
+    ``gc_every``: Python's garbage collector runs a full collection every that many steps, at the
+    same step on every rank, with the automatic collector off and set-up's objects frozen out of
+    it (:mod:`llmtrain.common.collection`); 0 = Python's automatic collector.
     ``checkpoint_hash``: the completion marker's per-file checksum, ``xxh3`` (XXH3-128: detects
     corruption at memory speed) or ``sha256`` (cryptographic, slower); either way each rank
     checksums a share of the files. ``async_checkpoint`` (torch engine): a periodic save copies
@@ -359,6 +362,7 @@ class TrainerConfig:
     save_every: int = 0
     save_every_minutes: float = 30.0
     keep_checkpoints: int = 3
+    gc_every: int = 50
     checkpoint_hash: str = "xxh3"
     async_checkpoint: bool = False
     resume: str = "auto"

@@ -234,7 +234,7 @@ def validate_trainer(t: Any, r: Any) -> None:
     """
     for key in ("max_steps", "global_batch_size", "micro_batch_size"):
         _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
-    for key in ("warmup_steps", "eval_every", "log_every", "save_every", "eval_samples"):
+    for key in ("warmup_steps", "eval_every", "log_every", "save_every", "eval_samples", "gc_every"):
         _require(t[key] >= 0, f"trainer.{key}={t[key]} must be >= 0")
     _require(t.lr > 0, f"trainer.lr={t.lr} must be > 0")
     _validate_eval_tasks(t)

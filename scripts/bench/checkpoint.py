@@ -5,7 +5,9 @@ Builds the configured model with the chosen recipe on one process, or on each of
 ``torchrun`` starts, takes one optimizer step (so Adam state exists), then times, alternating,
 ``--rounds`` times each:
 
-* llmtrain save: engine shards + RNG + marker (checksum of every file, fsync, atomic rename);
+* llmtrain save: engine shards + RNG + marker (checksum of every file, fsync, atomic rename),
+  and the deletion of the checkpoint it replaces (keep=1; the manager's background deletion is
+  waited for, so that it never runs into the next timed operation);
 * plain save: on one process, one ``torch.save`` of the model and optimizer state dicts; on N
   ranks, each rank ``torch.save``-s its own shard state into its own file (FSDP2: the local
   shards of the model and optimizer state dicts; DeepSpeed: ``module.state_dict()`` and the ZeRO
@@ -54,6 +56,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from llmtrain import data  # noqa: E402
 from llmtrain.checkpoint.protocol import CheckpointManager, HASHES, verify_collective  # noqa: E402
 from llmtrain.checkpoint.state import TrainState  # noqa: E402
+from llmtrain.common import collection  # noqa: E402
 from llmtrain.config.layout import gradient_accumulation_steps  # noqa: E402
 from llmtrain.config.compose import register_configs  # noqa: E402
 from llmtrain.engine import build_engine, dcp_state  # noqa: E402
@@ -124,6 +127,9 @@ def main() -> None:
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose("config", overrides=["tracker=none"] + (SMOLLM2_135M if args.smollm2 else []) + args.overrides)
+    # Python's garbage collector as the trainer sets it up before a resume (imports frozen out of
+    # its full collections; llmtrain.common.collection), for both arms alike.
+    collection.CollectionSchedule(cfg.trainer.gc_every).set_up()
     env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
     world = env.world_size
     dims = ParallelDims.from_recipe(cfg.recipe, world)
@@ -173,6 +179,14 @@ def main() -> None:
         else:
             _copy_into(plain_state(engine), torch.load(path, weights_only=False))
 
+    def save_and_prune(save) -> Path:
+        # The save and the deletion of the checkpoint it replaces (keep=1), which the manager
+        # runs in a thread: waited for here, as the plain save unlinks its previous file, so
+        # that no deletion runs into the next timed operation (a resume never overlaps one).
+        saved = save(engine, state, "", args.hash)
+        manager.finish_pruning()
+        return saved
+
     def resume(path: Path) -> None:
         assert verify_collective(path, env) is None
         manager.load(engine, path)
@@ -214,7 +228,7 @@ def main() -> None:
                     state.step = step
                     dcp_state.FRAMED_ARCHIVES = False
                     try:
-                        timed("stock_save", lambda: manager.save(engine, state, "", args.hash))
+                        timed("stock_save", lambda: save_and_prune(manager.save))
                     finally:
                         dcp_state.FRAMED_ARCHIVES = True
                     continue
@@ -225,7 +239,7 @@ def main() -> None:
                     continue
                 step += 1
                 state.step = step
-                saved = timed("save", lambda: manager.save(engine, state, "", args.hash))
+                saved = timed("save", lambda: save_and_prune(manager.save))
                 ours_bytes = folder_bytes(saved)
                 timed("resume", lambda: resume(saved))
                 if can_async:
@@ -236,6 +250,7 @@ def main() -> None:
                     manager.finish_background()
                     distributed.barrier()
                     wall["async_total"].append(time.perf_counter() - w)
+                    manager.finish_pruning()
         plain_bytes = plain_file.stat().st_size
     finally:
         distributed.barrier()
