@@ -46,7 +46,13 @@ def test_cycles_wait_for_the_scheduled_step_and_the_collector_comes_back(collect
     assert gc.isenabled() and gc.get_freeze_count() > 0
     assert not any(o is imported for o in gc.get_objects())  # frozen: full collections skip it
     built = Cycle()
-    schedule.start()
+    left_by_set_up = Cycle()
+    set_up_garbage = weakref.ref(left_by_set_up)
+    del left_by_set_up
+    gc.disable()  # so that only start() can collect it
+    assert set_up_garbage() is not None
+    assert schedule.start() > 0
+    assert set_up_garbage() is None  # collected, not frozen for the whole run
     assert not gc.isenabled()
     assert not any(o is built for o in gc.get_objects())  # what set-up built is frozen too
     garbage = Cycle()

@@ -13,8 +13,9 @@ schedule: every rank collects at the same step, every ``gc_every`` steps, and th
 collector is off in between. Objects that exist when the loop starts (the libraries, the model,
 the data) are moved to CPython's permanent generation (``gc.freeze``), which collections skip,
 so a scheduled full collection only traverses what the loop itself keeps (a few milliseconds).
-Objects are still freed by reference counting at once; only garbage in reference cycles waits
-for the next scheduled collection.
+Set-up's own garbage is collected once before that freeze, so none of it is kept. Objects are
+still freed by reference counting at once; only garbage in reference cycles waits for the next
+scheduled collection (or, for objects set-up built, for the run's end).
 """
 
 from __future__ import annotations
@@ -53,15 +54,28 @@ class CollectionSchedule:
                 gc.freeze()
             _changed = (gc.isenabled(), ours)
 
-    def start(self) -> None:
-        """At the loop's start (set-up and any resume done): freeze what set-up built (the model,
-        the data, the optimizer state) and turn the automatic collector off."""
+    def start(self) -> float:
+        """At the loop's start (set-up and any resume done): collect set-up's garbage, freeze what
+        set-up built (the model, the data, the optimizer state) and turn the automatic collector
+        off. Returns the collection's seconds (0.0: none).
+
+        The collection comes first because a freeze keeps whatever it moves, garbage included,
+        until :func:`restore`: a reference cycle left by the model's build or a resume's loaded
+        state would otherwise hold its memory for the whole run. It traverses set-up's objects
+        only (the imports were frozen by :meth:`set_up`): 0.10-0.12 s for the default job here.
+        Objects that set-up built and the loop drops later are still freed by reference counting;
+        only those of them in reference cycles wait for the run's end."""
         if not self.every:
-            return
+            return 0.0
         self.set_up()
+        seconds = 0.0
         if _changed is not None and _changed[1]:
+            started = time.perf_counter()
+            gc.collect()
+            seconds = time.perf_counter() - started
             gc.freeze()
         gc.disable()
+        return seconds
 
     def collect_if_due(self, steps_done: int) -> float:
         """A full collection when ``steps_done`` (optimizer steps finished, in this process or
