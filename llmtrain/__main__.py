@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -42,8 +43,11 @@ def _fail(err: Exception, status: int = 2, kind: str = "error") -> None:
     Under torchrun (torch elastic sets ``TORCHELASTIC_ERROR_FILE`` per rank) the line also goes
     to this rank's error file, which torchrun's failure summary shows as the root cause instead of
     "To enable traceback see ...", and only rank 0 prints it: every rank raises these alike, so
-    the screen holds the message once, first. A rank that fails alone still reaches the screen
-    through the summary. Without an error file every rank prints."""
+    the screen holds the message once, first. Another rank waits up to
+    ``_OTHER_RANKS_WAIT_S`` before it exits, since torchrun stops every rank once one has exited
+    and a rank 0 running behind would be stopped before it printed; torchrun's SIGTERM ends the
+    wait at once. A rank that fails alone still reaches the screen through the summary. Without
+    an error file every rank prints."""
     message = f"llmtrain: {kind}: {err}"
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
@@ -55,7 +59,15 @@ def _fail(err: Exception, status: int = 2, kind: str = "error") -> None:
             error_file = None
     if not error_file or os.environ.get("RANK", "0") == "0":
         print(message, file=sys.stderr, flush=True)
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a preemption request any more: end now
+        time.sleep(_OTHER_RANKS_WAIT_S)
     sys.exit(status)
+
+
+# Long enough for a rank 0 that is a few seconds behind (a loaded machine, a slower model load)
+# to reach the same error; only a rank that fails alone pays it.
+_OTHER_RANKS_WAIT_S = 5.0
 
 
 def check_recipe_selection(args: list[str]) -> None:

@@ -170,7 +170,7 @@ class StepResult:
     router: torch.Tensor | None = None  # StepSums.router
     # What the batch source reports (an online objective's rollout: rewards, lengths, times).
     source_metrics: dict[str, float] = field(default_factory=dict)
-    gc_s: float = 0.0  # seconds of the scheduled garbage collection that started the step (trainer.gc_every)
+    gc_s: float = 0.0  # seconds of the scheduled garbage collection that ended the step (trainer.gc_every)
 
     @property
     def healthy(self) -> bool:
@@ -194,6 +194,14 @@ class Trainer:
         self.process_started = time.time()
         self.collection = collection.CollectionSchedule(cfg.trainer.gc_every)
         self.collection.set_up()
+        self.unlogged_gc_s = 0.0  # scheduled collections' seconds since the last logged record
+        try:
+            self._set_up(cfg)
+        except BaseException:
+            collection.restore()  # a process that lives on (a sweep, a benchmark) collects as before
+            raise
+
+    def _set_up(self, cfg: Any) -> None:
         # trainer.precision=auto becomes what this machine runs natively before anything reads it
         # (config.yaml records the choice; the start-up line says why).
         precision, self.precision_reason = hardware.resolve_precision(cfg.trainer.precision, hardware.default_device())
@@ -264,6 +272,14 @@ class Trainer:
         Raises:
             TrainingStopped: a non-finite or spiking step under ``trainer.nonfinite`` (nothing saved).
         """
+        try:
+            self._run_steps()
+            return self.close()
+        finally:
+            collection.restore()  # also when the loop raises: a process that lives on collects as before
+
+    def _run_steps(self) -> None:
+        """The loop: a step, its record, evaluation, checkpoint; until max_steps or a preemption."""
         self.state.startup_s += time.time() - self.process_started - self._startup_eval_s
         for step in range(self.state.step, self.t.max_steps):
             result = self.train_step(step)
@@ -275,6 +291,7 @@ class Trainer:
                 metrics.update(self._log_eval(result.step, self.evaluator.run(self.state), result.loss))
             if self.tracker.should_log(result.step) or evaluated or not result.healthy:
                 self.tracker.log(metrics, step=result.step)
+                self.unlogged_gc_s = 0.0
                 self._write_expert_load()
             if not result.healthy:
                 self._on_unhealthy(result)
@@ -289,14 +306,12 @@ class Trainer:
             if result.stop:
                 self._on_preempted(result.step)
                 break
-        return self.close()
 
     def train_step(self, step: int) -> StepResult:
         """One optimizer step (``step`` is 0-based; the result's ``step`` counts it done): the
         global batch's gradient, the update (dropped under ``trainer.nonfinite=skip`` when the
         loss or norm is not finite or spikes), and the train state advanced."""
         started = time.perf_counter()
-        gc_s = self.collection.collect_if_due(step)  # inside the step's time: the tokens/s count it
         self.watchdog.set("data", step + 1)
         host_batches, source_metrics = self.batches.for_step(step)
         # Fingerprint on the host copies: on an accelerator this avoids a device-to-host sync.
@@ -314,6 +329,7 @@ class Trainer:
         keep = (lambda norm: math.isfinite(norm) and math.isfinite(sums.loss) and not spike)
         self.watchdog.set("optimizer")
         grad_norm = self.engine.step(keep_update=keep if self.t.nonfinite == "skip" else None)
+        gc_s = self.collection.collect_if_due(step + 1)  # inside the step's time: the tokens/s count it
         result = StepResult(step + 1, sums.loss, lr, grad_norm, sums.tokens, time.perf_counter() - started,
                             sums.metrics, sums.scalars, stop, save_by_time, spike, sums.router, source_metrics, gc_s)
         self._advance_state(result)
@@ -671,8 +687,9 @@ class Trainer:
                    **flops.achieved(tokens_per_s, self.flops_per_token, self.env.world_size,
                                      self.peak.tflops if self.peak else None)}
         metrics.update(self.checkpointer.stall_of_previous_step(result.step - 1))
-        if result.gc_s:
-            metrics["perf/gc_s"] = result.gc_s
+        self.unlogged_gc_s += result.gc_s
+        if self.unlogged_gc_s:  # carried to the next logged record: log_every need not divide gc_every
+            metrics["perf/gc_s"] = self.unlogged_gc_s
         if self.cfg.recipe.compile:
             metrics["perf/compiled_graphs"] = compiled_graphs() - self.graphs_before
         if len(self.splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed
@@ -810,14 +827,9 @@ def train(cfg: Any) -> dict[str, Any]:
         llmtrain.common.errors.LlmtrainError: bad input (config, data, model source, launch, checkpoint),
             raised before anything is written; TrainingStopped for a run that stops itself.
     """
-    try:
-        trainer = Trainer(cfg)
-    except BaseException:
-        collection.restore()  # a process that lives on (a sweep, a test) collects garbage as before
-        raise
+    trainer = Trainer(cfg)  # on failure it gives the garbage collector back itself, as its train() does
     try:
         return trainer.train()
     finally:
         trainer.watchdog.stop()  # also when the loop raises: a process that lives on is not watched
         trainer.close_sampler()  # a server started for the run stops with it, on errors too
-        collection.restore()

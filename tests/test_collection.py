@@ -51,7 +51,7 @@ def test_cycles_wait_for_the_scheduled_step_and_the_collector_comes_back(collect
     del left_by_set_up
     gc.disable()  # so that only start() can collect it
     assert set_up_garbage() is not None
-    assert schedule.start() > 0
+    schedule.start()
     assert set_up_garbage() is None  # collected, not frozen for the whole run
     assert not gc.isenabled()
     assert not any(o is built for o in gc.get_objects())  # what set-up built is frozen too
@@ -69,6 +69,26 @@ def test_cycles_wait_for_the_scheduled_step_and_the_collector_comes_back(collect
     assert gc.isenabled() and gc.get_freeze_count() == 0
     collection.restore()  # idempotent
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_a_run_after_another_in_the_same_process_does_not_freeze_the_first_ones_garbage(collector_state):
+    """A Hydra sweep's in-process jobs: the Trainer that ended is garbage in reference cycles, and
+    the next run's freeze would keep its model and optimizer state through the whole run."""
+    from llmtrain.common import collection
+    from llmtrain.common.collection import CollectionSchedule
+
+    first = CollectionSchedule(5)
+    first.set_up()
+    first.start()
+    ended_run = Cycle()
+    alive = weakref.ref(ended_run)
+    del ended_run
+    collection.restore()
+    gc.disable()  # so that only the next set-up can collect it
+    CollectionSchedule(5).set_up()
+    assert alive() is None
+    collection.restore()
+    gc.enable()
 
 
 def test_zero_leaves_pythons_collector_alone_and_a_host_freeze_is_kept(collector_state):
@@ -100,12 +120,15 @@ def test_a_run_collects_on_schedule_reports_it_and_gives_the_collector_back(tmp_
     from llmtrain.trainer import train
 
     run_dir = tmp_path / "run"
-    train(make_cfg(FAST + ["trainer.max_steps=5", "trainer.gc_every=2", "trainer.export_hf=false",
-                           f"run_dir={run_dir}"]))
+    train(make_cfg(FAST + ["trainer.max_steps=7", "trainer.gc_every=2", "trainer.log_every=3",
+                           "trainer.export_hf=false", f"run_dir={run_dir}"]))
     assert collector() == collector_state
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["step"] for r in rows if "train/loss" in r]
+    assert logged[:2] == [3, 6]
     collected = {r["step"]: r["perf/gc_s"] for r in rows if "perf/gc_s" in r}
-    assert sorted(collected) == [3, 5]  # the steps that start after steps 2 and 4
+    # Collections end steps 2, 4 and 6; the records of steps 3 and 6 carry them (log_every=3).
+    assert sorted(collected) == [3, 6]
     assert all(seconds > 0 for seconds in collected.values())
     # A run that fails at set-up gives the collector back too, and names the field.
     with pytest.raises(ConfigError, match=r"trainer.gc_every=-1 must be >= 0"):

@@ -28,6 +28,8 @@ log = logging.getLogger("llmtrain")
 
 # What this module changed, for restore: (the automatic collector was on, it froze objects).
 _changed: tuple[bool, bool] | None = None
+# A run ended in this process (restore ran): its objects may be garbage in reference cycles.
+_run_ended = False
 
 
 class CollectionSchedule:
@@ -46,18 +48,26 @@ class CollectionSchedule:
         functions and classes, which live to the process's end), so that the automatic
         collections during set-up traverse set-up's own objects only. The collector stays on.
         A freeze made before by someone else (a host application) is left as it is, and this
-        module then freezes nothing."""
-        global _changed
+        module then freezes nothing.
+
+        After an earlier run in the same process (a Hydra sweep's in-process jobs, a benchmark's
+        configurations) it collects first: the Trainer that ended is garbage in reference cycles
+        (its evaluator's and sampler's closures hold it), and freezing it would keep its model and
+        optimizer state, on an accelerator too, through the whole next run."""
+        global _changed, _run_ended
         if self.every and _changed is None:
             ours = gc.get_freeze_count() == 0
             if ours:
+                if _run_ended:
+                    gc.collect()
                 gc.freeze()
             _changed = (gc.isenabled(), ours)
+            _run_ended = False
 
-    def start(self) -> float:
+    def start(self) -> None:
         """At the loop's start (set-up and any resume done): collect set-up's garbage, freeze what
         set-up built (the model, the data, the optimizer state) and turn the automatic collector
-        off. Returns the collection's seconds (0.0: none).
+        off.
 
         The collection comes first because a freeze keeps whatever it moves, garbage included,
         until :func:`restore`: a reference cycle left by the model's build or a resume's loaded
@@ -66,16 +76,15 @@ class CollectionSchedule:
         Objects that set-up built and the loop drops later are still freed by reference counting;
         only those of them in reference cycles wait for the run's end."""
         if not self.every:
-            return 0.0
+            return
         self.set_up()
-        seconds = 0.0
         if _changed is not None and _changed[1]:
             started = time.perf_counter()
-            gc.collect()
-            seconds = time.perf_counter() - started
+            found = gc.collect()
+            log.debug("garbage collection before the loop: %d unreachable objects, %.3f s", found,
+                      time.perf_counter() - started)
             gc.freeze()
         gc.disable()
-        return seconds
 
     def collect_if_due(self, steps_done: int) -> float:
         """A full collection when ``steps_done`` (optimizer steps finished, in this process or
@@ -93,11 +102,12 @@ def restore() -> None:
     """Undo what :class:`CollectionSchedule` changed: unfreeze what it froze and turn the
     automatic collector back on if it was on. Idempotent; a run calls it when it ends or fails,
     so that a process that goes on (a sweep, a test session) collects as it did before."""
-    global _changed
+    global _changed, _run_ended
     if _changed is None:
         return
     enabled, ours = _changed
     _changed = None
+    _run_ended = True
     if ours:
         gc.unfreeze()
     if enabled:
