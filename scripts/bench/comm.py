@@ -172,7 +172,9 @@ def run(recipe: str, steps: int, root: str, extra: list[str]) -> dict:
                 f"+recipe={recipe}", f"trainer.max_steps={steps}", "tracker=none", "trainer.progress_bar=false",
                 "data.max_bytes=400000", "trainer.eval_every=0", "trainer.eval_samples=4", "trainer.export_hf=false",
                 "trainer.global_batch_size=8", "trainer.micro_batch_size=4", f"run_dir={root}/{recipe}",
-                *MODEL, *extra])
+                # live_tensor_bytes walks gc.get_objects(), which leaves out frozen objects: the
+                # scheduled collector freezes the model at the loop's start.
+                "trainer.gc_every=0", *MODEL, *extra])
         trainer.train(cfg)
     finally:
         trainer.forward_backward, trainer.evaluate = real_fb, real_eval
