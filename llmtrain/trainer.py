@@ -803,7 +803,6 @@ class Trainer:
         self.close_sampler()
         self.engine.close()
         distributed.barrier()
-        collection.restore()
         return summary
 
     def close_sampler(self) -> None:
