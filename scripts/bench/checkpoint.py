@@ -179,11 +179,11 @@ def main() -> None:
         else:
             _copy_into(plain_state(engine), torch.load(path, weights_only=False))
 
-    def save_and_prune(save) -> Path:
+    def save_and_prune() -> Path:
         # The save and the deletion of the checkpoint it replaces (keep=1), which the manager
         # runs in a thread: waited for here, as the plain save unlinks its previous file, so
         # that no deletion runs into the next timed operation (a resume never overlaps one).
-        saved = save(engine, state, "", args.hash)
+        saved = manager.save(engine, state, "", args.hash)
         manager.finish_pruning()
         return saved
 
@@ -228,7 +228,7 @@ def main() -> None:
                     state.step = step
                     dcp_state.FRAMED_ARCHIVES = False
                     try:
-                        timed("stock_save", lambda: save_and_prune(manager.save))
+                        timed("stock_save", lambda: save_and_prune())
                     finally:
                         dcp_state.FRAMED_ARCHIVES = True
                     continue
@@ -239,7 +239,7 @@ def main() -> None:
                     continue
                 step += 1
                 state.step = step
-                saved = timed("save", lambda: save_and_prune(manager.save))
+                saved = timed("save", lambda: save_and_prune())
                 ours_bytes = folder_bytes(saved)
                 timed("resume", lambda: resume(saved))
                 if can_async:
