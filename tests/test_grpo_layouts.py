@@ -124,6 +124,22 @@ def test_rollout_records_and_outputs(runs):
 
 
 @pytest.mark.slow
+def test_completions_of_every_rank_are_gathered_in_global_order(runs):
+    """``rollout.log_completions=16`` on 2 ranks: each step's file holds the whole global batch
+    (4 prompts x G=4), rank 0's 8 then rank 1's 8 (prompt, then completion within its group),
+    with the completions, rewards and advantages of the 1-process run's file."""
+    keys = ("record", "prompt", "completion", "tokens", "rewards", "reward")
+    for step in range(1, STEPS + 1):
+        one, two = ([json.loads(line) for line in (runs[name] / "completions" / f"step_{step}.jsonl")
+                     .read_text().splitlines()] for name in ("async", "async-ddp"))
+        assert [r["rank"] for r in one] == [0] * 16
+        assert [r["rank"] for r in two] == [0] * 8 + [1] * 8, f"step {step}"
+        assert [[r[k] for k in keys] for r in two] == [[r[k] for k in keys] for r in one], f"step {step}"
+        assert [r["advantage"] for r in two] == pytest.approx([r["advantage"] for r in one], abs=1e-9)
+        assert len({r["record"] for r in two}) == 4
+
+
+@pytest.mark.slow
 def test_sigkill_inside_a_generation_batch_then_rerun_continues_exactly(runs, questions, tmp_path):
     overrides = overrides_of("lora", questions) + ["+recipe=zero3", f"run_dir={tmp_path}"]
     proc = launch(overrides, nproc=2)

@@ -617,7 +617,8 @@ class RolloutConfig:
         max_completion_length: tokens a completion may have; one cut there is truncated.
         stop: strings that end a completion (besides the tokenizer's end tokens), kept in it.
         log_completions: completions of each step written to ``run_dir/completions/step_N.jsonl``
-            (with their prompts, rewards and advantages; rank 0's first ones); 0: none.
+            (the first ones of the step's global batch, gathered from every rank, with their
+            prompts, rewards, advantages and the data-parallel rank that sampled each); 0: none.
         sync_every: ``vllm``: optimizer steps between weight syncs to the server (1: every step;
             more samples from weights up to ``sync_every - 1`` steps old).
         vllm_python: ``vllm``: the Python of the environment with vLLM ("": ``$LLMTRAIN_VLLM_PYTHON``

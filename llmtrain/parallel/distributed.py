@@ -219,6 +219,16 @@ def all_gather_objects(value: object) -> list[object]:
     return out
 
 
+def gather_objects(value: object) -> list[object] | None:
+    """Every rank's ``value`` (picklable, written by this program itself) on rank 0, in rank order;
+    None on the other ranks; ``[value]`` for one process. Collective call."""
+    if not is_initialized():
+        return [value]
+    out: list[object] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, out, dst=0)
+    return out
+
+
 def derived_seed(*parts: object) -> int:
     """A 63-bit seed derived from ``parts`` (e.g. the run's seed and a rank's coordinates):
     SHA-256 of their ``/``-joined text, so distinct coordinates get unrelated streams."""

@@ -121,7 +121,7 @@ class Rollout:
         tokenizer: decodes completions for the reward functions.
         pad_id: right padding of the training micro-batches.
         functions: the reward functions.
-        run_dir, is_main: where rank 0 writes ``completions/step_N.jsonl``.
+        run_dir, is_main: where rank 0 writes ``completions/step_N.jsonl`` (every rank's, gathered).
         on_completions: called on rank 0 with those records and the step (1-based) after each
             file is written (the trainer's tracker: a wandb table).
         environment: multi-turn episodes' environment (:mod:`llmtrain.rollout.environments`),
@@ -250,7 +250,7 @@ class Rollout:
             metrics["rollout/on_policy"] = float(entry.on_policy)
         if check:
             metrics.update(self._logp_check(batches, micro_batches, groups))
-        if self.is_main and self.log_completions:
+        if self.log_completions:  # every rank: its completions are gathered to rank 0
             self._write_completions(entry.generation * self.objective.num_iterations + 1, samples, groups, table,
                                     rewards, advantages)
         return GenerationBatch(entry.generation, batches, metrics)
@@ -499,16 +499,18 @@ class Rollout:
 
     def _write_completions(self, step: int, samples: list[dict], groups: list[list[Completion]], table: torch.Tensor,
                            rewards: torch.Tensor, advantages: torch.Tensor) -> None:
-        """``run_dir/completions/step_N.jsonl``: rank 0's first ``rollout.log_completions``
-        completions with their prompt, each function's reward, the reward and the advantage."""
-        folder = self.run_dir / "completions"
-        folder.mkdir(parents=True, exist_ok=True)
+        """``run_dir/completions/step_N.jsonl``: the first ``rollout.log_completions`` completions
+        of the step's global batch (every data-parallel rank's, gathered to rank 0, in the global
+        order: prompt, then completion within its group), each with its prompt, each function's
+        reward, the reward, the advantage and the data-parallel ``rank`` that sampled it.
+        Collective call."""
         rows, k = [], 0
         for p, (sample, group) in enumerate(zip(samples, groups)):
             for i, completion in enumerate(group):
                 if len(rows) < self.log_completions:
                     rows.append({
-                        "step": step, "record": sample.get("record"), "prompt": sample["prompt"],
+                        "step": step, "rank": self.engine.dp_rank, "record": sample.get("record"),
+                        "prompt": sample["prompt"],
                         "completion": self.tokenizer.decode(completion.ids, skip_special_tokens=True),
                         "tokens": len(completion.ids), "truncated": completion.truncated,
                         "rewards": {f.name: (None if math.isnan(float(table[k, j])) else float(table[k, j]))
@@ -516,6 +518,17 @@ class Rollout:
                         "reward": None if math.isnan(float(rewards[p, i])) else float(rewards[p, i]),
                         "advantage": float(advantages[p, i]), **self._transcript(completion)})
                 k += 1
+        gathered = distributed.gather_objects((self.engine.dp_rank, rows))
+        if gathered is None or not self.is_main:
+            return
+        # Ranks hold contiguous slices of the global batch in data-parallel rank order; the
+        # tensor/pipeline peers of a data-parallel rank hold its rows again.
+        parts: dict[int, list[dict]] = {}
+        for rank, part in gathered:
+            parts.setdefault(rank, part)
+        rows = [row for rank in sorted(parts) for row in parts[rank]][:self.log_completions]
+        folder = self.run_dir / "completions"
+        folder.mkdir(parents=True, exist_ok=True)
         (folder / f"step_{step}.jsonl").write_text("".join(json.dumps(r, default=str) + "\n" for r in rows),
                                                    encoding="utf-8")
         if self.on_completions is not None:
