@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import time
 
-from llmtrain.common.errors import ConfigError
+from llmtrain.common.errors import ConfigError, LlmtrainError
 from llmtrain.common.hardware import default_device, resolve_precision
 from llmtrain.config.compose import compose
 from llmtrain.config.validate import parse_bytes
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                                             for p in plans if not p.error))
         print(f"\nplanned in {time.perf_counter() - started:.1f} s (model on the meta device, activations under "
               "FakeTensorMode; no weights read)")
-    except ConfigError as err:
+    except LlmtrainError as err:  # a config's fields, or its model's files (ModelSourceError)
         print(f"llmtrain.plan: error: {err}", file=sys.stderr)
         return 2
     return 0

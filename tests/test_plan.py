@@ -68,6 +68,9 @@ def test_the_plan_counts_a_4bit_base_at_half_a_byte_per_weight_plus_scales():
     assert "one NF4 weight dequantized (fp32 + compute dtype)" in qlora.temporaries
     tp = plan_recipe(make_cfg(["+peft=qlora", "+recipe=tp"]), 2)  # refused by the trainer: not valid here either
     assert tp.error and "data-parallel recipes" in tp.error
+    # Each row names the selection as typed: +peft=qlora once said +peft=lora.
+    assert tp.error.startswith("+peft=qlora with recipe tp"), tp.error
+    assert plan_recipe(make_cfg(["+peft=lora", "+recipe=tp"]), 2).error.startswith("+peft=lora with recipe tp")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -183,6 +186,9 @@ def test_memory_that_fits_no_recipe_names_the_smallest_need_and_where_it_fits():
     (["world_size=2", "margin=abc"], "recipe.memory_margin=abc"),
     (["world_size=2", "+recipe=pp", "trainer.global_batch_size=8"], "pp is not valid on 2 ranks"),
     (["world_size=2", "+recipe=auto", "device_memory=1GiB", "recipe.tp=2"], "recipe.tp=2 cannot apply"),
+    # A model whose files are missing: one line (was a ModelSourceError traceback).
+    (["world_size=2", "model=smollm2_135m", "model.gguf_package=", "model.path=/nonexistent"],
+     "model.gguf_file: /nonexistent/SmolLM2-135M-Instruct.Q4_1.gguf does not exist"),
 ])
 def test_plan_command_refuses_bad_input(args, needle, capsys):
     from llmtrain.plan import main

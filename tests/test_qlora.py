@@ -111,7 +111,8 @@ def test_round_trip_leaves_the_head_embeddings_and_modules_to_save_whole():
     (["model.quantize=nf4"], "add +peft=lora"),
     (["model.quantize=int3", "+peft=lora"], "model.quantize='int3' must be one of none, nf4"),
     (["+peft=qlora", "engine=torch", "recipe.fp8=true", "recipe.fp8_emulate=true"], "model.quantize=nf4 with recipe.fp8"),
-    (["+peft=qlora", "+recipe=tp"], "LoRA runs on the data-parallel recipes"),
+    (["+peft=qlora", "+recipe=tp"], "+peft=qlora with recipe tp (recipe.tp=-1, recipe.pp=1): LoRA runs on the "
+                                    "data-parallel recipes"),
     (["+peft=qlora", "objective=dpo", "objective.reference=copy", "data=preference", "data.path=x.jsonl"],
      "objective.reference=copy with model.quantize=nf4"),
 ])

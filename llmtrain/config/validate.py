@@ -107,8 +107,16 @@ def validate_data(d: Any) -> None:
     _require(d.num_proc >= 1, f"data.num_proc={d.num_proc} must be >= 1")
 
 
-def validate_peft(p: Any, r: Any) -> None:
-    """The ``peft`` group's values, and the recipes it runs on.
+def peft_label(cfg: Any) -> str:
+    """The ``peft`` selection as the user most likely typed it, for messages: ``+peft=qlora``
+    when the base is stored in 4 bits (``+peft=qlora`` is ``+peft=lora`` plus
+    ``model.quantize=nf4``), else ``+peft=lora``."""
+    return "+peft=qlora" if cfg.model.get("quantize", "none") == "nf4" else "+peft=lora"
+
+
+def validate_peft(p: Any, r: Any, label: str = "+peft=lora") -> None:
+    """The ``peft`` group's values, and the recipes it runs on; ``label``: the selection as typed
+    (:func:`peft_label`), named in the recipe refusal.
 
     Raises:
         ConfigError: naming the field and its allowed values.
@@ -126,7 +134,7 @@ def validate_peft(p: Any, r: Any) -> None:
     _require(not p.use_dora, "peft.use_dora=true is not supported yet: DoRA's magnitude vector is initialised "
              "from the base weights, which FSDP2 and ZeRO-3 do not hold whole at build; use LoRA (use_dora=false)")
     _require(r.tp == 1 and r.pp == 1,
-             f"+peft=lora with recipe {r.name} (recipe.tp={r.tp}, recipe.pp={r.pp}): LoRA runs on the data-parallel "
+             f"{label} with recipe {r.name} (recipe.tp={r.tp}, recipe.pp={r.pp}): LoRA runs on the data-parallel "
              "recipes (ddp, zero1-3, zero3_offload, fsdp, hsdp); peft's LoRA layers are not sharded by the "
              "tensor-parallel plan or split into pipeline stages here")
 
@@ -377,7 +385,7 @@ def validate(cfg: Any, world_size: int) -> Layout:
     validate_trainer(cfg.trainer, cfg.recipe)
     validate_tracker(cfg.tracker)
     if cfg.get("peft") is not None:
-        validate_peft(cfg.peft, cfg.recipe)
+        validate_peft(cfg.peft, cfg.recipe, peft_label(cfg))
     validate_recipe(cfg.recipe, cfg.get("engine"))
     validate_objective(cfg)
     validate_context_parallel(cfg)

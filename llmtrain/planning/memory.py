@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from llmtrain.config.validate import (ONLINE_OBJECTIVES, PREFERENCE_OBJECTIVES, validate_chunked_loss,
-                                      validate_context_parallel, validate_objective, validate_peft,
+                                      validate_context_parallel, validate_objective, validate_peft, peft_label,
                                       validate_quantize)
 from llmtrain.common.errors import ConfigError
 from llmtrain.parallel.context_parallel import check_model
@@ -367,7 +367,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     try:
         validate_objective(cfg)  # pairs refuse pipeline recipes (and reward models tp)
         if cfg.get("peft") is not None:  # LoRA / QLoRA run on the data-parallel recipes only
-            validate_peft(cfg.peft, r)
+            validate_peft(cfg.peft, r, peft_label(cfg))
             validate_quantize(cfg)
         validate_context_parallel(cfg)
         validate_chunked_loss(cfg)
