@@ -3,7 +3,7 @@
 What runs everywhere: the config refusals, the server's command line, the start-up checks of the
 vLLM environment and of a user's server, and the folder :func:`write_policy` writes for a server
 (untied head, equal logits). What needs vLLM's own environment (``~/.cache/llmtrain/vllm-venv`` or
-``$LLMTRAIN_VLLM_PYTHON``; the README's set-up; skipped without it, as in CI): the engine against a
+``$LLMTRAIN_VLLM_PYTHON``; the set-up in docs/online-rl.md; skipped without it, as in CI): the engine against a
 real server, checked against the policy itself (transformers): its greedy completions equal the
 ``hf`` engine's, the log-probs it reports for sampled tokens equal the policy's recomputed ones
 (fp32, 1e-3) before and after weights change and are synced; and training runs (LoRA on 2 ranks,
@@ -32,7 +32,7 @@ from llmtrain.config.compose import compose
 from llmtrain.rollout.vllm_server import vllm_python
 
 PYTHON = vllm_python(SimpleNamespace(rollout=SimpleNamespace(vllm_python="")))
-needs_vllm = pytest.mark.skipif(not PYTHON.is_file(), reason=f"no vLLM environment at {PYTHON} (README: Online RL)")
+needs_vllm = pytest.mark.skipif(not PYTHON.is_file(), reason=f"no vLLM environment at {PYTHON} (docs/online-rl.md, vLLM)")
 FIXTURES = "tests.grpo_fixtures"
 
 

@@ -103,8 +103,8 @@ def dump_loaded_model(engine) -> None:
 def checkpoint_bytes(trained_parameters: int, engine: str, zero_stage: int) -> int:
     """About how many bytes one checkpoint takes: each trained parameter's fp32 value and its two
     AdamW moments (12 bytes; measured 12.0-12.9 with DCP's metadata, and under ZeRO-3), 16 under
-    DeepSpeed ZeRO-1/2, whose checkpoints hold the weights once more (measured 16.0; README: Disk
-    use). Frozen parameters (LoRA's base, ``model.freeze``) are not in a checkpoint; RNG and small
+    DeepSpeed ZeRO-1/2, whose checkpoints hold the weights once more (measured 16.0; docs/checkpoints.md,
+    Disk use). Frozen parameters (LoRA's base, ``model.freeze``) are not in a checkpoint; RNG and small
     files are left out."""
     return trained_parameters * (16 if engine == "deepspeed" and zero_stage in (1, 2) else 12)
 

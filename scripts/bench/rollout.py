@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8, help="completions per prompt (G), decoded as one batch")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     parser.add_argument("--new", type=int, default=32, help="tokens per completion")
-    parser.add_argument("--vllm", action="store_true", help="add the vllm engine (its venv: README, Online RL)")
+    parser.add_argument("--vllm", action="store_true", help="add the vllm engine (its venv: docs/online-rl.md, vLLM)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = smollm2_shaped()
