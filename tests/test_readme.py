@@ -1,4 +1,4 @@
-"""Every code block of the README runs as written.
+"""Every code block of README.md and of every docs/*.md page runs as written.
 
 * Python (a ``python`` block or a ``python - <<'EOF'`` heredoc) is executed, in a folder holding
   the run it reads (a tiny model with a chat template where the README's run would be).
@@ -6,8 +6,11 @@
   llmtrain``, the install/SLURM scripts) composes and validates for its world size; lines with a
   ``...`` placeholder compose and pass the closed-schema check. ``--help`` and ``--cfg`` lines run.
 * Scripts named in a block exist and take the flags the block gives them.
-* Any other line fails the test until it is classified here: a new kind of README line cannot
-  go untested by accident.
+* ``curl`` lines download one of the files docs/data.md's table names, from GitHub.
+* Any other line fails the test until it is classified here: a new kind of documented line
+  cannot go untested by accident.
+* Every docs page is linked from README.md, and every relative link (``docs/x.md#anchor``) of
+  README, the docs pages and llmtrain's messages names a page and a heading that exist.
 """
 
 from __future__ import annotations
@@ -25,18 +28,22 @@ from llmtrain.config.keys import check_known_keys
 from llmtrain.planning.preflight import validate_and_preflight as validate  # the config, then this machine
 
 README = REPO / "README.md"
+DOCS = sorted((REPO / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
 SETUP_COMMANDS = {("pip", "install"), ("python3", "-m"), (".", ".venv/bin/activate"), ("python", "-m", "pytest")}
 
 
 def sections() -> dict[str, list[tuple[str, str]]]:
-    """``## heading`` -> [(language, code), ...] for each fenced block under it."""
+    """``FILE: ## heading`` -> [(language, code), ...] for each fenced block under it, for README.md
+    and every docs page (blocks before a page's first ``##`` go under ``FILE: ``)."""
     found: dict[str, list[tuple[str, str]]] = {}
-    heading = ""
-    for part in re.split(r"(^## .*$)", README.read_text(), flags=re.M):
-        if part.startswith("## "):
-            heading = part[3:].strip()
-        else:
-            found.setdefault(heading, []).extend(re.findall(r"^```(\w*)\n(.*?)^```", part, re.S | re.M))
+    for page in PAGES:
+        heading = f"{page.relative_to(REPO)}: "
+        for part in re.split(r"(^## .*$)", page.read_text(), flags=re.M):
+            if part.startswith("## "):
+                heading = f"{page.relative_to(REPO)}: {part[3:].strip()}"
+            else:
+                found.setdefault(heading, []).extend(re.findall(r"^```(\w*)\n(.*?)^```", part, re.S | re.M))
     return found
 
 
@@ -77,7 +84,7 @@ def commands_and_sources() -> tuple[list[tuple[str, str]], list[str]]:
             commands.extend((heading, c) for c in cmds)
             sources.extend(srcs)
         else:
-            pytest.fail(f"README block in {heading!r} has language {lang!r}: teach tests/test_readme.py to run it")
+            pytest.fail(f"block in {heading!r} has language {lang!r}: teach tests/test_readme.py to run it")
     return commands, sources
 
 
@@ -112,6 +119,39 @@ COMMANDS, SOURCES = commands_and_sources()
 def test_the_readme_has_the_blocks_this_test_expects():
     assert len(COMMANDS) >= 20 and len(SOURCES) >= 1
     assert any("torchrun" in c for _, c in COMMANDS) and any("accelerate launch" in c for _, c in COMMANDS)
+    pages_with_commands = {heading.split(":", 1)[0] for heading, _ in COMMANDS}
+    assert pages_with_commands == {str(p.relative_to(REPO)) for p in PAGES}, "a page without commands"
+    linked = set(re.findall(r"\]\((docs/[\w-]+\.md)", README.read_text()))
+    assert linked == {str(p.relative_to(REPO)) for p in DOCS}, "every docs page is linked from README.md"
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors for a page's headings (outside code blocks): lower case, punctuation
+    dropped, spaces to hyphens."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+
+
+def relative_links() -> list[tuple[str, Path]]:
+    """(link, the file it is relative to) of every relative Markdown link of README.md, the docs
+    pages and BENCHMARKS.md, and every ``docs/x.md#anchor`` llmtrain's messages name."""
+    found = []
+    for page in [*PAGES, REPO / "BENCHMARKS.md"]:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        found += [(link, page) for link in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"\w+:", link)]
+    for source in sorted((REPO / "llmtrain").rglob("*.py")):
+        found += [(link, REPO / "README.md") for link in re.findall(r"(docs/[\w-]+\.md(?:#[\w-]+)?)", source.read_text())]
+    return found
+
+
+@pytest.mark.parametrize("link,page", relative_links(), ids=lambda v: v if isinstance(v, str) else v.name)
+def test_relative_link_names_a_page_and_heading_that_exist(link, page):
+    path, _, anchor = link.partition("#")
+    target = (page.parent / path).resolve() if path else page
+    assert target.is_file(), f"{page.name}: {link} names no file"
+    if anchor and target.suffix == ".md":
+        assert anchor in anchors(target), f"{page.name}: {link}: {target.name} has no heading with that anchor"
 
 
 @pytest.mark.parametrize("heading,command", COMMANDS, ids=[c[:60] for _, c in COMMANDS])
@@ -142,12 +182,17 @@ def test_command_line(heading, command, tmp_path):
         assert folder == REPO / "llmtrain" / "evaluation" / "tasks", command
         harness.task_manager(tokens[tokens.index("--tasks") + 1].split(","), harness.include_paths())
         return
+    if tokens[0] == "curl":  # a download of docs/data.md's table: its file name, from GitHub
+        name, url = tokens[tokens.index("-o") + 1], tokens[-1]
+        assert re.match(r"https://raw\.githubusercontent\.com/[\w.-]+/[\w.-]+/\w+/", url), command
+        assert f"| `{name}` |" in (REPO / "docs" / "data.md").read_text(), command
+        return
     parsed = llmtrain_args(tokens)
     if parsed is None:
         if tuple(tokens[:2]) in SETUP_COMMANDS or tuple(tokens[:3]) in SETUP_COMMANDS:
             return  # installs: exercised by the install scripts and CI itself
         scripts = [t for t in tokens if t.startswith("scripts/")]
-        assert scripts, f"README line in {heading!r} is of a kind tests/test_readme.py does not check: {command}"
+        assert scripts, f"line in {heading!r} is of a kind tests/test_readme.py does not check: {command}"
         source = (REPO / scripts[0]).read_text()
         forwarded = re.search(r'(scripts/\S+\.py) "\$@"', source) if scripts[0].endswith(".sh") else None
         if forwarded:  # a wrapper passing its flags on: they must be the Python script's
@@ -196,7 +241,7 @@ def test_quick_start_lines_train_in_separate_run_dirs():
     run_dirs = []
     for heading, command in COMMANDS:
         parsed = llmtrain_args(shlex.split(command))
-        if heading == "Quick start" and parsed and not {"--help", "--cfg", "-m"} & set(parsed[0]):
+        if heading == "README.md: Quick start" and parsed and not {"--help", "--cfg", "-m"} & set(parsed[0]):
             run_dirs.append(make_cfg(parsed[0]).run_dir)
     assert len(run_dirs) >= 4 and len(set(run_dirs)) == len(run_dirs), run_dirs
 
