@@ -69,7 +69,7 @@ def test_deepspeeds_zero_to_fp32_runs_as_documented_and_reproduces_the_export(re
     # DeepSpeed's tag file names the engine folder, inside the checkpoint and under its marker.
     listed = json.loads((step_dir / "COMPLETE.json").read_text())["files"]
     assert {"latest", "zero_to_fp32.py"} <= set(listed) and (step_dir / "latest").read_text() == "engine"
-    # The README's command, from a fresh process: cd CHECKPOINT && python zero_to_fp32.py . OUT
+    # docs/checkpoints.md's command, from a fresh process: cd CHECKPOINT && python zero_to_fp32.py . OUT
     # (its --safe_serialization aborts on tied embeddings, a DeepSpeed bug: DeepSpeed PR #8376).
     out = tmp_path / "fp32"
     assert_ok(subprocess.run([sys.executable, "zero_to_fp32.py", ".", str(out)],

@@ -40,7 +40,7 @@ OVERRIDES = ["tracker=none", "tracker.report=false", "trainer.progress_bar=false
              "trainer.micro_batch_size=4", "model.architecture.hidden_size=256",
              "model.architecture.intermediate_size=688", "model.architecture.num_hidden_layers=4",
              "model.architecture.num_attention_heads=4", "model.architecture.num_key_value_heads=2",
-             "trainer.precision=fp32",  # the figures in README were measured in fp32
+             "trainer.precision=fp32",  # the figures in docs/planning.md and BENCHMARKS.md were measured in fp32
              # The census walks gc.get_objects(), which leaves out frozen objects: the scheduled
              # collector freezes the model at the loop's start (trainer.gc_every).
              "trainer.gc_every=0"]
