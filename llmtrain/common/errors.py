@@ -45,7 +45,8 @@ class TrainingStopped(LlmtrainError, RuntimeError):
 
 class MissingExtra(LlmtrainError, ImportError):
     """An optional feature's package is not installed; the message names the feature, the
-    package and the extra of llmtrain that installs it (``pip install "llmtrain[EXTRA]"``)."""
+    package and the extra of llmtrain that installs it (``pip install "llmtrain[EXTRA]"``, or
+    ``pip install ".[EXTRA]"`` in a clone)."""
 
 
 # The optional extras of pyproject.toml and what each installs.
@@ -58,7 +59,7 @@ def require_extra(module: str, extra: str, feature: str, instead: str = "") -> N
 
     Raises:
         MissingExtra: ``FEATURE needs MODULE, which is not installed (llmtrain's EXTRA extra: ...):
-            pip install "llmtrain[EXTRA]"``.
+            pip install "llmtrain[EXTRA]" (in a clone: pip install ".[EXTRA]")``.
     """
     import importlib.util
 
@@ -68,7 +69,17 @@ def require_extra(module: str, extra: str, feature: str, instead: str = "") -> N
         found = False
     if not found:
         raise MissingExtra(f"{feature} needs {module}, which is not installed (llmtrain's {extra} extra: "
-                           f"{EXTRAS[extra]}): pip install \"llmtrain[{extra}]\"" + (f", {instead}" if instead else ""))
+                           f"{EXTRAS[extra]}): pip install \"llmtrain[{extra}]\" (in a clone: pip install \".[{extra}]\")"
+                           + (f", {instead}" if instead else ""))
+
+
+def did_you_mean(word: str, options: "list[str] | set[str]") -> str:
+    """``"did you mean CLOSEST? "`` for the option closest to a misspelt ``word`` (difflib's
+    ratio >= 0.5, as for unknown keys and group options), or ``""`` when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), sorted(options), n=1, cutoff=0.5)
+    return f"did you mean {close[0]}? " if close else ""
 
 
 def import_object(spec: str, field: str, usage: str) -> object:
@@ -96,5 +107,6 @@ def import_object(spec: str, field: str, usage: str) -> object:
     try:
         return getattr(module, name)
     except AttributeError:
-        raise ConfigError(f"{field}={spec!r} cannot be imported (module {module_name!r} has no {name!r}); give "
-                          f"{usage}") from None
+        hint = did_you_mean(name, [n for n in dir(module) if not n.startswith("_")])
+        raise ConfigError(f"{field}={spec!r} cannot be imported (module {module_name!r} has no {name!r}); "
+                          f"{hint}give {usage}") from None

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmtrain.config.validate import declared_experts, validate
+from llmtrain.config.validate import declared_experts, peft_label, validate
 from llmtrain.common.errors import ConfigError, require_extra
 from llmtrain.config.layout import Layout
 
@@ -141,7 +141,8 @@ def preflight_fp8(r: Any) -> None:
 
 def preflight(cfg: Any) -> None:
     """Every machine check of ``cfg`` (a config :func:`llmtrain.config.validate.validate` accepted):
-    :func:`preflight_data`, :func:`preflight_tracker`, and ``run_dir`` a folder that exists or
+    :func:`preflight_data`, :func:`preflight_tracker`, the optional extras a feature needs
+    (torchao for ``adamw_8bit``, ``+peft=qlora`` and FP8), and ``run_dir`` a folder that exists or
     can be created here (its nearest existing parent a writable folder).
 
     Raises:
@@ -151,6 +152,9 @@ def preflight(cfg: Any) -> None:
     preflight_tracker(cfg.tracker)
     if cfg.trainer.optimizer == "adamw_8bit":
         require_extra("torchao", "lowbit", "trainer.optimizer=adamw_8bit", instead="or use trainer.optimizer=adamw")
+    if cfg.model.quantize == "nf4":  # +peft=qlora: torchao's NF4 stores the base (llmtrain.models.quantize)
+        require_extra("torchao", "lowbit", f"{peft_label(cfg)} (model.quantize=nf4)",
+                      instead="or train full-precision adapters with +peft=lora")
     preflight_fp8(cfg.recipe)
     preflight_context_parallel(cfg)
     preflight_moe(cfg)
