@@ -261,7 +261,8 @@ def test_a_builtin_reward_without_its_column_and_a_module_that_fails_to_load_are
     path = tmp_path / "q.jsonl"
     path.write_text("".join(json.dumps({"question": f"What is {i}?", "solution": f"#### {i}"}) + "\n" for i in range(6)))
     with pytest.raises(ConfigError, match=r"reward.functions\[0\]=gsm8k reads each record's 'answer' column, which "
-                                          r"the records of data.path do not have \(theirs: solution besides"):
+                                          r"the records of data.path do not have \(theirs: solution besides the prompt\); map the column "
+                                          r"holding them with data.columns.answer=YOUR_COLUMN"):
         train(make_cfg(_grpo_overrides(path, "reward.functions=[gsm8k]", f"run_dir={run_dir}")))
     (tmp_path / "broken_rewards.py").write_text("def f(completions, **_)\n    return [0.0] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -269,6 +270,45 @@ def test_a_builtin_reward_without_its_column_and_a_module_that_fails_to_load_are
                                           r"with SyntaxError \(.*broken_rewards.py:1\)"):
         train(make_cfg(_grpo_overrides(path, "reward.functions=[broken_rewards:f]", f"run_dir={run_dir}")))
     assert not run_dir.exists()
+
+
+def test_a_misspelt_reward_name_gets_the_closest_one():
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.rollout import rewards
+
+    with pytest.raises(ConfigError, match=re.escape("reward.functions[1]='gsm8kk': did you mean gsm8k? it is neither a "
+                                                    "built-in (format, gsm8k, length, model) nor module:function")):
+        rewards.build(["format", "gsm8kk"], [], 8)
+    with pytest.raises(ConfigError, match=re.escape("(module 'tests.grpo_fixtures' has no 'odd_token'); did you mean "
+                                                    "odd_tokens? give importable.module:function")):
+        rewards.build(["tests.grpo_fixtures:odd_token"], [], 8)
+
+
+def test_the_gsm8k_reward_reads_an_answer_column_mapped_by_data_columns_answer(tmp_path):
+    """The reference answers in a column named otherwise (``solution``) reach the gsm8k reward as
+    ``answer`` through ``data.columns.answer``, as the prompt's through ``data.columns.prompt``."""
+    import json
+
+    from conftest import make_cfg
+    from llmtrain import data
+    from llmtrain.common.errors import DataError
+    from llmtrain.models.build import byte_tokenizer
+    from llmtrain.rollout import build_rewards
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i}?", "solution": f"so #### {i}"}) + "\n"
+                            for i in range(6)))
+    cfg = make_cfg(_grpo_overrides(path, "reward.functions=[gsm8k]", "data.columns.answer=solution"))
+    splits = data.load_splits(cfg.data, byte_tokenizer(), 0, prompt_budget=64 - 8)
+    samples = [splits.train[i] for i in range(len(splits.train))]
+    assert all(s["answer"] == f"so #### {s['prompt'].split()[-1][:-1]}" for s in samples)
+    assert "solution" not in samples[0]
+    [gsm8k] = build_rewards(cfg, samples[:2])
+    assert gsm8k.fn(completions=["#### 1", "#### 7"], answer=["so #### 1", "so #### 2"]) == [1.0, 0.0]
+    missing = make_cfg(_grpo_overrides(path, "reward.functions=[gsm8k]", "data.columns.answer=solutoin"))
+    with pytest.raises(DataError, match=r"data.columns.answer=solutoin names the column 'solutoin', which is missing "
+                                        r"\(did you mean 'solution'\?\)"):
+        data.load_splits(missing.data, byte_tokenizer(), 0, prompt_budget=64 - 8)
 
 
 def test_unscorable_completions_get_no_advantage_and_one_warning(questions, tmp_path, caplog):
@@ -451,3 +491,57 @@ def test_bf16_runs_sample_from_bf16_weights_and_get_their_fp32_weights_back():
         assert p is before[name][0] and p.dtype == torch.float32 and torch.equal(p, before[name][1]), name
     with bf16_weights(model, False):
         assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+# ---- what a run says ----------------------------------------------------------------------------
+def _logged(caplog, overrides: list[str]) -> list[str]:
+    import logging
+
+    from conftest import make_cfg
+    from llmtrain.trainer import train
+
+    with caplog.at_level(logging.INFO, logger="llmtrain"):
+        train(make_cfg(overrides))
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_step_lines_show_rewards_and_a_flat_reward_is_warned_of_once(questions, tmp_path, caplog):
+    """Step lines carry the mean reward, its spread and the share of groups without spread; a
+    constant reward (no advantage, no gradient) is warned of after 3 steps, and again only when
+    the streak doubles."""
+    overrides = [o for o in _grpo_overrides(questions, "reward.functions=[tests.grpo_fixtures:constant]",
+                                            f"run_dir={tmp_path / 'run'}")
+                 if not o.startswith(("trainer.max_steps", "trainer.progress_bar"))]
+    lines = _logged(caplog, overrides + ["trainer.max_steps=7", "trainer.progress_bar=true"])
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == 7 and all(", reward 0.500 (std 0.000, zero-spread groups 1.00), " in s for s in steps), steps
+    warned = [line for line in lines if "got the same reward" in line]
+    assert [w.split(":")[0] for w in warned] == ["steps 1-3", "steps 1-6"], warned
+    assert "objective.num_generations" in warned[0] and "rollout.temperature" in warned[0]
+    caplog.clear()
+    varied = [o for o in _grpo_overrides(questions, f"run_dir={tmp_path / 'varied'}")  # odd_tokens: groups differ
+              if not o.startswith(("trainer.max_steps", "trainer.progress_bar"))]
+    lines = _logged(caplog, varied + ["trainer.max_steps=3", "trainer.progress_bar=true"])
+    assert not [line for line in lines if "got the same reward" in line]
+
+
+def test_held_out_evaluation_shows_progress_and_eval_every_0_skips_step_0(questions, tmp_path, caplog):
+    """The held-out generation logs its progress (prompts done of all, rate); its default size is
+    twice a step's prompts; trainer.eval_every=0 means no step-0 evaluation (the last step's stays)."""
+    from conftest import read_metrics
+
+    overrides = [o for o in _grpo_overrides(questions) if not o.startswith(("trainer.eval_every", "trainer.eval_samples",
+                                                                           "trainer.progress_bar"))]
+    overrides += ["data.val_fraction=0.5", "trainer.progress_bar=false"]
+    lines = _logged(caplog, overrides + ["trainer.eval_every=2", f"run_dir={tmp_path / 'every'}"])
+    assert any(line.startswith("start-up: first evaluation (a greedy completion of each of up to 4 held-out prompts")
+               for line in lines), lines
+    progress = [line.split(",")[0] for line in lines if line.startswith("held-out evaluation: ")]
+    # Step 0 and step 2: after the first prompt, then at the last (every 10 s between).
+    assert progress == ["held-out evaluation: 1/4 prompts", "held-out evaluation: 4/4 prompts"] * 2, lines
+    assert [r["step"] for r in read_metrics(tmp_path / "every") if "val/reward" in r] == [0, 2]
+    assert all(r["val/prompts"] == 4 for r in read_metrics(tmp_path / "every") if "val/reward" in r)
+    caplog.clear()
+    lines = _logged(caplog, overrides + ["trainer.eval_every=0", f"run_dir={tmp_path / 'never'}"])
+    assert not any("first evaluation" in line or "eval at step 0" in line for line in lines), lines
+    assert [r["step"] for r in read_metrics(tmp_path / "never") if "val/reward" in r] == [2]  # the last step's

@@ -10,7 +10,6 @@ from a checkout or from an installed wheel."""
 
 from __future__ import annotations
 
-import difflib
 import re
 import typing
 from pathlib import Path
@@ -21,7 +20,7 @@ from omegaconf import OmegaConf
 
 from llmtrain.config.keys import _NOT_IN_SCHEMA, _schema_hint, _unknown_key, _walk_schema
 from llmtrain.config.schema import Config, RecipeConfig
-from llmtrain.common.errors import ConfigError
+from llmtrain.common.errors import ConfigError, did_you_mean
 from llmtrain.common.paths import RECIPES_DIR
 
 
@@ -213,9 +212,8 @@ def check_overrides(args: list[str]) -> None:
             chosen = value.list if isinstance(value, ChoiceSweep) else [value]
             for option in chosen:
                 if option is not None and str(option) not in groups[key]:
-                    close = difflib.get_close_matches(str(option), groups[key], n=1, cutoff=0.5)
-                    hint = f"did you mean {close[0]}? " if close else ""
-                    raise ConfigError(f"{arg}: {option!r} is not an option of group {key}: {hint}the options are "
+                    raise ConfigError(f"{arg}: {option!r} is not an option of group {key}: "
+                                      f"{did_you_mean(str(option), groups[key])}the options are "
                                       f"{', '.join(groups[key])} (`python -m llmtrain --help` lists every group)")
             continue
         # Through Optional and list elements (data.datasets.0.path); keys inside a free-form

@@ -130,7 +130,7 @@ FORMAT_COLUMNS = {
     "tokens": (),
     "preference": ("prompt", "chosen", "rejected", "margin"),
     "kto": ("prompt", "completion", "label"),
-    "prompts": ("prompt",),
+    "prompts": ("prompt", "answer"),  # answer: the reference the gsm8k reward reads (optional)
 }
 
 
@@ -151,6 +151,7 @@ class ColumnsConfig:
     rejected: Optional[str] = None
     margin: Optional[str] = None
     label: Optional[str] = None
+    answer: Optional[str] = None  # format prompts: the reference answers (reward gsm8k)
 
 
 def mapped_columns(columns: Any) -> dict[str, str]:

@@ -16,6 +16,7 @@ from typing import Any
 from llmtrain.common.errors import ConfigError, DataError
 from llmtrain.data.formats import alpaca_prompt
 from llmtrain.data.sources import column
+from llmtrain.config.schema import mapped_columns
 
 
 def render(prompt: Any, tokenizer: Any, template: str, where: str) -> list[int]:
@@ -61,6 +62,9 @@ def encode_prompts(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: s
             fixes), not a string or message list, or fewer than 2 usable prompts.
     """
     name = column(records, src, "prompt", key, "prompts", where)
+    # Only a mapped answer column must exist: the records need one only for the gsm8k reward,
+    # whose start-up check names it (llmtrain.rollout.build_rewards).
+    answer = column(records, src, "answer", key, "prompts", where) if "answer" in mapped_columns(src.columns) else None
     drop = data_cfg.truncation == "drop"
     lengths: list[int] = []
 
@@ -79,11 +83,15 @@ def encode_prompts(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: s
     lengths = [len(ids) for ids in encoded["prompt_ids"]]
     keep = [i for i, n in enumerate(lengths) if n <= budget]
     samples = encoded.select(keep)
-    if name != "prompt":
-        if "prompt" in samples.column_names:
-            raise DataError(f"{where}: {key}.columns.prompt={name} reads the prompt from {name!r}, but the records also "
-                            "have a 'prompt' column, which the reward functions would get under the same name; rename one")
-        samples = samples.rename_column(name, "prompt")
+    # The reward functions get each record's columns by their field names (prompt, answer).
+    for field, mapped in (("prompt", name), ("answer", answer)):
+        if mapped is None or mapped == field:
+            continue
+        if field in samples.column_names:
+            raise DataError(f"{where}: {key}.columns.{field}={mapped} reads the {field} from {mapped!r}, but the "
+                            f"records also have a {field!r} column, which the reward functions would get under the "
+                            "same name; rename one")
+        samples = samples.rename_column(mapped, field)
     counts = {"records": len(records), "dropped_too_long": len(records) - len(keep)}
     if len(records) < 2:
         raise DataError(f"{where}: {len(records)} record(s); online RL needs at least 2 prompts (one to train on, one "

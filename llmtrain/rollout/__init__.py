@@ -32,7 +32,7 @@ def build_rewards(cfg: Any, samples: list[dict], device: Any = "cpu") -> list[re
 
     Raises:
         ConfigError: a function that cannot be built (:func:`rewards.build`), or a built-in whose
-            column the data lacks (``gsm8k`` without ``answer``).
+            column the data lacks (``gsm8k`` without ``answer``, which ``data.columns.answer`` maps).
         RewardError: a function failed the check (naming it and what it returned).
     """
     functions = rewards.build(list(cfg.reward.functions), list(cfg.reward.weights), int(cfg.rollout.max_completion_length),
@@ -44,7 +44,7 @@ def build_rewards(cfg: Any, samples: list[dict], device: Any = "cpu") -> list[re
         if missing and samples:  # it would score nothing: every reward None, every advantage 0
             raise ConfigError(f"reward.functions[{k}]={f.name} reads each record's {missing[0]!r} column, which the "
                               f"records of data.path do not have (theirs: {', '.join(extra) or 'none'} besides the "
-                              f"prompt); rename the column holding the reference answers to {missing[0]}")
+                              f"prompt); map the column holding them with data.columns.{missing[0]}=YOUR_COLUMN")
     for sample in samples:
         for text in ("", "0"):
             prompts.append(sample["prompt"])

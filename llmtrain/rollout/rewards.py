@@ -13,7 +13,7 @@ logged under its own name.
 Built-ins (a name, optionally ``name:argument``):
 
 * ``gsm8k``: 1.0 when the completion's final number equals the ``answer`` column's (the number
-  after GSM8K's ``#### `` marker); the completion's final number is the first after its own
+  after GSM8K's ``#### `` marker; ``data.columns.answer`` maps a column of another name); the completion's final number is the first after its own
   ``####``, else its last number (:func:`final_number`). With ``math-verify`` installed the two are compared by it.
 * ``format[:REGEX]``: 1.0 when the completion matches the regular expression (``re.search``;
   default GSM8K's final line ``#### N`` at the end).
@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-from llmtrain.common.errors import ConfigError, import_object
+from llmtrain.common.errors import ConfigError, did_you_mean, import_object
 
 GSM8K_MARKER = "####"
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
@@ -224,8 +224,8 @@ def build(functions: list[str], weights: list[float], max_completion_length: int
 
 def _import(spec: str, k: int) -> Callable[..., list[Any]]:
     if ":" not in spec:
-        raise ConfigError(f"reward.functions[{k}]={spec!r} is neither a built-in ({', '.join(sorted(BUILT_IN))}) nor "
-                          "module:function")
+        raise ConfigError(f"reward.functions[{k}]={spec!r}: {did_you_mean(spec, BUILT_IN)}it is neither a built-in "
+                          f"({', '.join(sorted(BUILT_IN))}) nor module:function")
     fn = import_object(spec, f"reward.functions[{k}]", "importable.module:function (on every rank's Python path)")
     if not callable(fn):
         raise ConfigError(f"reward.functions[{k}]={spec!r} is not callable")
