@@ -69,3 +69,48 @@ def test_deepspeed_on_cpu_skips_building_its_inference_all_reduce_op(monkeypatch
     monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", True)  # as probed with g++ here
     ds_engine._skip_inference_all_reduce_op(deepspeed)
     assert build_shm_op() is None  # DeepSpeed's own builder call now declines, before compiling
+
+
+def _stub_python(folder: Path) -> Path:
+    """A ``python3`` that logs each call's arguments to ``calls.log`` and whose ``-m venv DIR``
+    makes ``DIR/bin/activate`` put the same stub first on PATH as ``python`` (nothing installed)."""
+    folder.mkdir()
+    log = folder / "calls.log"
+    stub = folder / "python3"
+    stub.write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {log}
+if [ "$1 $2" = "-m venv" ]; then
+  mkdir -p "$3/bin" && ln -sf {stub} "$3/bin/python"
+  echo 'PATH="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd):$PATH"' > "$3/bin/activate"
+elif [ "$1" = "-c" ]; then
+  echo "setup_venv: torch 2.13.0+cpu installed (CPU build)"
+fi
+""")
+    stub.chmod(0o755)
+    return log
+
+
+def test_setup_script_says_each_phase_lets_pip_talk_and_takes_a_torch_index(tmp_path):
+    """scripts/setup_venv.sh prints a line before each phase, runs pip without ``-q`` for torch and
+    llmtrain, and passes ``TORCH_INDEX_URL`` (PyTorch's CPU wheels) to torch's install alone; unset,
+    pip gets no index of ours (CI's and this machine's pip.conf serve the CPU wheel)."""
+    import os
+
+    log = _stub_python(tmp_path / "bin")
+    cpu = "https://download.pytorch.org/whl/cpu"
+    for index in (cpu, ""):
+        log.unlink(missing_ok=True)
+        env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "VENV": str(tmp_path / "venv"),
+               "LLMTRAIN_EXTRAS": "[dev]", "TORCH_INDEX_URL": index}
+        out = subprocess.run(["bash", "-c", ". scripts/setup_venv.sh"], capture_output=True, text=True, env=env,
+                             cwd=REPO, check=True).stdout
+        lines = [line for line in out.splitlines() if line.startswith("setup_venv: ")]
+        assert [line.split()[1] for line in lines] == ["creating", "upgrading", "installing", "torch", "installing",
+                                                       "done;"], out
+        assert lines[2].startswith(f"setup_venv: installing torch 2.13.0 from {cpu if index else 'pip'}")
+        assert lines[4] == "setup_venv: installing llmtrain[dev] and its dependencies"
+        calls = log.read_text().splitlines()
+        torch_line = f"-m pip install --index-url {cpu} torch==2.13.0" if index else "-m pip install torch==2.13.0"
+        assert calls == [f"-m venv {tmp_path / 'venv'}", "-m pip install -q --upgrade pip", torch_line,
+                         calls[3], "-m pip install .[dev]"]
+        assert calls[3].startswith("-c ")
