@@ -53,6 +53,27 @@ def test_text_errors_name_the_path(tmp_path, content, needle):
     assert "data.path" in str(err.value) and "corpus.txt" in str(err.value)
 
 
+@pytest.mark.parametrize("name,fmt,key,path,example", [
+    ("alpaca", "alpaca", "data", "mine.json", "alpaca_data.json"),
+    ("tinyshakespeare", "text", "data", "input.txt", "input.txt"),
+    ("prompts", "prompts", "data", "gsm8k_train.jsonl.gz", "gsm8k_train.jsonl"),
+    ("chat", "chat", "data", "talks.json", "sharegpt.json"),
+    ("sharegpt", "chat", "data.datasets.1", "sharegpt.json", "sharegpt.json"),  # data=mix's second source
+    ("preference", "preference", "data", "pairs.jsonl", "hh_rlhf_harmless_test.jsonl.gz"),
+    ("text", "text", "data", "gsm8k_test.jsonl", "gsm8k_test.jsonl"),  # an example file under another preset
+    ("text", "text", "data", "corpus.txt", None)])
+def test_a_missing_file_points_at_the_downloads_when_it_is_an_example(tmp_path, name, fmt, key, path, example):
+    """A path that does not exist: one line naming the field and the path, and for a preset shown
+    with a downloadable example file (or a path that names one), that file and the downloads table."""
+    from llmtrain.data.sources import source_files
+
+    with pytest.raises(data.DataError) as err:
+        source_files(text_cfg(tmp_path / path, name=name, format=fmt), key)
+    own = f"set {key}.path=/path/to/your/file"
+    fix = own if example is None else f"download the example file {example} (see docs/data.md#downloads) or {own}"
+    assert str(err.value) == f"{key}.path: {tmp_path / path} does not exist (data={name}); {fix}"
+
+
 @pytest.mark.parametrize("content,needle", [(None, "does not exist"), ("", "is empty"),
                                             ("{not json", "alpaca.json line 1: invalid JSON: Expecting property name"),
                                             ('[{"x": 1}]', r"reads the column 'instruction', which is missing; its "

@@ -151,13 +151,15 @@ def test_local_tasks_find_the_readme_download_names(tmp_path, monkeypatch):
     with pytest.raises(DataError) as missing:
         alpaca_responses()
     assert str(missing.value).count(str(tmp_path)) == 1 and "alpaca_data.json or alpaca_5000.json" in str(missing.value)
+    assert "download it (docs/data.md#downloads)" in str(missing.value)
     (tmp_path / "alpaca_data.json").write_text(json.dumps([{"instruction": "Hi", "input": "", "output": "Hello"}]))
     assert alpaca_responses()["test"][0]["response"] == "Hello"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "alpaca_data.json").write_text(json.dumps([{"instruction": "Hi", "input": "", "output": "There"}]))
     assert alpaca_responses(data_dir=str(elsewhere))["test"][0]["response"] == "There"
-    with pytest.raises(DataError, match="data_file=.*nope.json: no such file"):
+    with pytest.raises(DataError, match=r"data_file=.*nope.json: no such file; the task reads alpaca_data.json or "
+                                        r"alpaca_5000.json \(download: docs/data.md#downloads\)"):
         alpaca_responses(data_file=str(tmp_path / "nope.json"))
 
 

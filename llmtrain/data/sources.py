@@ -28,6 +28,13 @@ RECORD_BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parqu
                    ".csv": "csv", ".arrow": "arrow"}
 COMPRESSIONS = (".gz", ".bz2", ".xz")
 DATASETS_CACHE = CACHE_DIR / "datasets"
+# The table of example files with a download command each, and the file each data preset (or a
+# mixture's source of that name) is shown with there.
+DOWNLOADS_DOC = "docs/data.md#downloads"
+PRESET_DOWNLOADS = {"tinyshakespeare": "input.txt", "alpaca": "alpaca_data.json", "chat": "sharegpt.json",
+                    "sharegpt": "sharegpt.json", "prompts": "gsm8k_train.jsonl",
+                    "preference": "hh_rlhf_harmless_test.jsonl.gz"}
+DOWNLOADED_FILES = {*PRESET_DOWNLOADS.values(), "gsm8k_test.jsonl"}
 
 
 def file_kind(path: Path) -> str:
@@ -82,7 +89,7 @@ def source_files(src: Any, key: str) -> list[Path]:
         elif root.is_file():
             candidates = iter([root])
         else:
-            raise DataError(f"{key}.path: {root} does not exist (data={src.name}); set {key}.path=/path/to/your/file")
+            raise DataError(f"{key}.path: {root} does not exist (data={src.name}); {missing_file_fix(src, key)}")
     files, total = [], 0
     for f in candidates:
         if src.max_bytes is not None and total >= src.max_bytes:
@@ -93,6 +100,18 @@ def source_files(src: Any, key: str) -> list[Path]:
         wanted = repr(src.glob) if src.format == "text" else "*.json, *.jsonl, *.parquet, *.csv or *.arrow"
         raise DataError(f"{key}.path: no files match {wanted} under {root}")
     return files
+
+
+def missing_file_fix(src: Any, key: str) -> str:
+    """The fix for a source whose path does not exist: the download of its preset's example file
+    (or of the file it names, when that is one of the examples), else a path of the user's own."""
+    own = f"set {key}.path=/path/to/your/file"
+    name = Path(str(src.path)).name
+    bare = next((name[:-len(c)] for c in COMPRESSIONS if name.endswith(c)), name)  # a compressed copy of one
+    example = next((n for n in (name, bare) if n in DOWNLOADED_FILES), PRESET_DOWNLOADS.get(str(src.name)))
+    if example is None:
+        return own
+    return f"download the example file {example} (see {DOWNLOADS_DOC}) or {own}"
 
 
 def capped_text(files: list[Path], max_bytes: int) -> tuple[list[Path], tuple[Path, bytes] | None]:

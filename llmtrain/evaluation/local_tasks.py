@@ -38,7 +38,8 @@ def _data_file(names: tuple[str, ...], data_dir: str | None = None, data_file: s
     if data_file:
         path = Path(data_file).expanduser()
         if not path.is_file():
-            raise DataError(f"evaluation data_file={data_file}: no such file")
+            raise DataError(f"evaluation data_file={data_file}: no such file; the task reads {' or '.join(names)} "
+                            "(download: docs/data.md#downloads)")
         return path
     folder = data_dir or os.environ.get(DATA_DIR_ENV)
     places = list(dict.fromkeys(p.resolve() for p in ([Path(folder).expanduser()] if folder else []) + [Path.cwd()]))
