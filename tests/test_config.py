@@ -90,14 +90,21 @@ def test_every_group_option_composes_and_validates(group):
         validate(make_cfg(overrides), 1)
 
 
-@pytest.mark.parametrize("option", ["text", "tinyshakespeare", "alpaca", "chat", "prompt_completion", "tokens"])
-def test_data_without_a_path_asks_for_one(option):
-    with pytest.raises(ConfigError, match=f"data.path must be set for data={option}"):
+@pytest.mark.parametrize("option,example", [("text", None), ("tinyshakespeare", "input.txt"),
+                                            ("alpaca", "alpaca_data.json"), ("chat", "sharegpt.json"),
+                                            ("prompt_completion", None), ("tokens", None)])
+def test_data_without_a_path_asks_for_one(option, example):
+    """The presets shown with an example file name it and the downloads table."""
+    with pytest.raises(ConfigError) as err:
         validate(make_cfg([f"data={option}"]), 1)
+    ask = f"data.path must be set for data={option}: add data.path=/path/to/your/{option} file or folder"
+    assert str(err.value) == ask + (f" (the examples use {example}: download it, see docs/data.md#downloads)"
+                                    if example else "")
 
 
 def test_a_mixture_without_paths_names_each_entry():
-    with pytest.raises(ConfigError, match="data.datasets.0.path must be set for data=alpaca"):
+    with pytest.raises(ConfigError, match=r"data.datasets.0.path must be set for data=alpaca: .* \(the examples use "
+                                          r"alpaca_data.json: download it, see docs/data.md#downloads\)"):
         validate(make_cfg(["data=mix"]), 1)
 
 

@@ -25,6 +25,12 @@ def _locate(folder: str) -> str:
 CONF_DIR = _locate("conf")
 RECIPES_DIR = _locate("recipes")
 CACHE_DIR = Path(os.environ.get("LLMTRAIN_CACHE", Path.home() / ".cache" / "llmtrain"))
+# The table of the example data files with a download command each, and the file each data
+# preset (or a mixture's source of that name) is shown with there: missing-data errors point to them.
+DOWNLOADS_DOC = "docs/data.md#downloads"
+PRESET_DOWNLOADS = {"tinyshakespeare": "input.txt", "alpaca": "alpaca_data.json", "chat": "sharegpt.json",
+                    "sharegpt": "sharegpt.json", "prompts": "gsm8k_train.jsonl",
+                    "preference": "hh_rlhf_harmless_test.jsonl.gz"}
 
 
 def follow_umask(folder: Path, only: str | None = None) -> None:

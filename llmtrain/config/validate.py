@@ -31,6 +31,7 @@ from llmtrain.config.schema import (
     mapped_columns,
 )
 from llmtrain.common.errors import ConfigError
+from llmtrain.common.paths import DOWNLOADS_DOC, PRESET_DOWNLOADS
 from llmtrain.config.layout import Layout, layout
 
 
@@ -44,8 +45,10 @@ NAMED_TEMPLATES = ("chatml",)
 
 def _validate_source(src: Any, key: str) -> None:
     """Checks of one source (``key`` = ``data`` or ``data.datasets.N``); see :func:`validate_data`."""
+    example = PRESET_DOWNLOADS.get(str(src.name))
     _require(not OmegaConf.is_missing(src, "path"),
-             f"{key}.path must be set for data={src.name}: add {key}.path=/path/to/your/{src.name} file or folder")
+             f"{key}.path must be set for data={src.name}: add {key}.path=/path/to/your/{src.name} file or folder"
+             + (f" (the examples use {example}: download it, see {DOWNLOADS_DOC})" if example else ""))
     _require(src.format in DATA_FORMATS, f"{key}.format={src.format!r} must be one of {', '.join(DATA_FORMATS)}")
     _require(src.path is not None or src.format == "text",
              f"{key}.path must name a file, folder or Hub dataset id when {key}.format={src.format} "

@@ -21,19 +21,13 @@ from typing import Any, Iterator
 from urllib.parse import urlparse
 
 from llmtrain.common.errors import DataError
-from llmtrain.common.paths import CACHE_DIR
+from llmtrain.common.paths import CACHE_DIR, DOWNLOADS_DOC, PRESET_DOWNLOADS
 
 # File suffix -> the `datasets` packaged builder that reads it.
 RECORD_BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet",
                    ".csv": "csv", ".arrow": "arrow"}
 COMPRESSIONS = (".gz", ".bz2", ".xz")
 DATASETS_CACHE = CACHE_DIR / "datasets"
-# The table of example files with a download command each, and the file each data preset (or a
-# mixture's source of that name) is shown with there.
-DOWNLOADS_DOC = "docs/data.md#downloads"
-PRESET_DOWNLOADS = {"tinyshakespeare": "input.txt", "alpaca": "alpaca_data.json", "chat": "sharegpt.json",
-                    "sharegpt": "sharegpt.json", "prompts": "gsm8k_train.jsonl",
-                    "preference": "hh_rlhf_harmless_test.jsonl.gz"}
 DOWNLOADED_FILES = {*PRESET_DOWNLOADS.values(), "gsm8k_test.jsonl"}
 
 
