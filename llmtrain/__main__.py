@@ -197,9 +197,10 @@ def main(cfg: DictConfig) -> None:
 
 def _main(cfg: DictConfig) -> None:
     from llmtrain.parallel.distributed import shutdown
-    from llmtrain.trainer import train
 
     try:
+        from llmtrain.trainer import train  # seconds of imports: Ctrl-C here ends in one line too
+
         cfg = _layout(cfg)
         if cfg.trainer.dry_run:
             from llmtrain.planning.dry_run import dry_run
@@ -222,6 +223,11 @@ def _main(cfg: DictConfig) -> None:
             # the last job and still before interpreter exit.
             _shutdown_at_exit()
             return
+    except KeyboardInterrupt as err:
+        # Ctrl-C before the loop's handler is in place (imports, start-up: StartupInterrupted says
+        # where; the loop saves at its step's end instead) or after it is gone (export): one line.
+        shutdown()
+        _fail(Exception(str(err) or "SIGINT (Ctrl-C): stopped"), status=130, kind="interrupted")
     except TrainingStopped as err:  # an LlmtrainError too: caught first, for its own status
         shutdown()
         _fail(err, status=3, kind="stopped")

@@ -231,11 +231,16 @@ def _main(argv: list[str]) -> int:
         source_path, args = parse_args(argv)
         from llmtrain.monitoring.console import quiet_when_logged
 
-        with quiet_when_logged("evaluate"):  # a log file gets no progress bars
+        with quiet_when_logged("evaluate", progress_lines=True):  # a log file gets progress lines, not bars
             done = run(source_path, args)
     except LlmtrainError as err:
         print(f"llmtrain.evaluate: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # The finally blocks on the way out removed the temporary export; no result was written
+        # (write_result runs after the harness).
+        print("llmtrain.evaluate: interrupted: SIGINT (Ctrl-C): no result written", file=sys.stderr)
+        return 130
     from lm_eval.utils import make_table
 
     print(make_table(done["results"]))

@@ -49,9 +49,10 @@ from llmtrain.evaluation.validation import Evaluator, evaluate
 from llmtrain.models import adapters, moe, quantize
 from llmtrain.models.build import build_model, build_tokenizer, check_sequence_length, model_config
 from llmtrain.monitoring import console, goodput
-from llmtrain.monitoring.health import loss_spike, on_nonfinite, peak_memory_bytes
+from llmtrain.monitoring.health import FlatRewards, loss_spike, on_nonfinite, peak_memory_bytes
 from llmtrain.monitoring.preemption import Preemption
-from llmtrain.monitoring.startup import StartupPhases, engine_detail, log_trainable, long_context_detail, model_detail
+from llmtrain.monitoring.startup import (StartupInterrupted, StartupPhases, engine_detail, log_trainable,
+                                         long_context_detail, model_detail)
 from llmtrain.monitoring.tracking import Tracker
 from llmtrain.monitoring.watchdog import Watchdog
 from llmtrain.objectives import Objective, build_objective, reference
@@ -197,9 +198,34 @@ class Trainer:
         self.unlogged_gc_s = 0.0  # scheduled collections' seconds since the last logged record
         try:
             self._set_up(cfg)
+        except KeyboardInterrupt:
+            collection.restore()
+            raise StartupInterrupted(self._interrupted()) from None
         except BaseException:
             collection.restore()  # a process that lives on (a sweep, a benchmark) collects as before
             raise
+
+    def _interrupted(self) -> str:
+        """Close what start-up had opened when SIGINT stopped it (the tracker, with the timeline's
+        end event, so a rerun does not report a crash; a rollout server) and say where it stopped."""
+        import signal
+
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut this short
+        try:
+            phases = getattr(self, "phases", None)
+            where = f"during {phases.current}" if phases is not None and phases.current else "before the first step"
+            tracker = getattr(self, "tracker", None)
+            left = ""
+            if tracker is not None:
+                tracker.finish(complete=False)
+                if self.env.is_main:
+                    goodput.timeline_event(self.run_dir, "end", step=self.state.step, reason="interrupted")
+                left = (f"; {self.run_dir} keeps its checkpoints" if self.resume_from is not None else
+                        f"; {self.run_dir} holds config.yaml and logs, no checkpoint")
+            self.close_sampler()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        return f"SIGINT (Ctrl-C) in start-up, {where}: nothing was trained{left}"
 
     def _set_up(self, cfg: Any) -> None:
         # trainer.precision=auto becomes what this machine runs natively before anything reads it
@@ -246,7 +272,10 @@ class Trainer:
         self.batches, self.evaluator = self._setup_batches(self._setup_val_batches())
         self.summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(self.run_dir),
                                         "start_step": self.state.step}
-        phases.begin("first evaluation" if self.resume_from is None else "resume")
+        if self.resume_from is not None:
+            phases.begin("resume")
+        elif self.t.eval_every:  # trainer.eval_every=0: no evaluation before the last step, step 0's included
+            phases.begin("first evaluation", self._held_out_detail())
         self._evaluate_before_training()
         # After everything that draws random numbers at start-up: the dropout streams of the loop.
         if rng is not None:
@@ -260,6 +289,7 @@ class Trainer:
         self.progress = console.Progress(self.t.progress_bar and self.env.is_main, self.t.max_steps, self.state.step,
                                          self.t.log_every)
         self.skipped_in_a_row = 0
+        self.flat_rewards = FlatRewards()
         self.watchdog = self._setup_watchdog()
         self.collection.start()
         phases.done(time.time() - self.process_started)
@@ -573,7 +603,28 @@ class Trainer:
                           self._held_out_divergence if self.objective.reference_model() is not None else None)
         rollout.load_state_dict(self.rollout_state)
         self.checkpoints.rank_state["rollout"] = rollout.state_dict
-        return rollout, Evaluator(lambda: rollout.evaluate(val_batches), t.eval_every, t.max_steps)
+        return rollout, Evaluator(lambda: self._held_out_rewards(rollout, val_batches), t.eval_every, t.max_steps)
+
+    def _held_out_rewards(self, rollout: Rollout, val_batches: list[dict]) -> dict[str, float]:
+        """An online objective's held-out evaluation (:meth:`Rollout.evaluate`) with rank 0's
+        progress through its prompts (a bar on a terminal, else lines): minutes on a CPU."""
+        prompts = sum(len(b["prompts"]) for b in val_batches)
+        share = " (rank 0's share)" if self.dims.dp > 1 else ""
+        with console.CountProgress(f"held-out evaluation{share}", prompts, "prompts", self.env.is_main,
+                                   self.t.progress_bar and console.interactive()) as progress:
+            sampler = self.online_parts[0]
+            sampler.on_sampled = progress.advance
+            try:
+                return rollout.evaluate(val_batches)
+            finally:
+                sampler.on_sampled = None
+
+    def _held_out_detail(self) -> str:
+        """What the first evaluation does, for its start-up line."""
+        if not self.objective.online:
+            return f"held-out loss of up to {self.t.eval_samples} samples"
+        return (f"a greedy completion of each of up to {self.t.eval_samples} held-out prompts (trainer.eval_samples), "
+                f"up to {self.cfg.rollout.max_completion_length} tokens each; trainer.eval_every=0 skips it")
 
     def _held_out_divergence(self, batches: list[dict]) -> dict[str, float]:
         """Distillation's held-out loss: the teacher's outputs on greedy completions of the
@@ -618,9 +669,10 @@ class Trainer:
                               self.state.step, (self.t.preempt_signal, distributed.scheduler_signal()))
 
     def _evaluate_before_training(self) -> None:
-        """A fresh run's step-0 evaluation (its time is evaluation, not start-up)."""
+        """A fresh run's step-0 evaluation (its time is evaluation, not start-up); none under
+        ``trainer.eval_every=0``."""
         eval_s = self.state.eval_s
-        if self.resume_from is None:
+        if self.resume_from is None and self.t.eval_every:
             self.summary["initial_val"] = self._log_eval(0, self.evaluator.run(self.state))
             self.tracker.log(self.summary["initial_val"], step=0)
         self._startup_eval_s = self.state.eval_s - eval_s
@@ -696,7 +748,10 @@ class Trainer:
             counts = self.sampler.source_counts((result.step - 1) // self.objective.steps_per_batch,
                                                 len(self.splits.names))
             metrics.update({f"data/source/{name}_samples": n for name, n in zip(self.splits.names, counts)})
-        self.progress.update(result.step, result.loss, result.lr, result.grad_norm, tokens_per_s)
+        self.progress.update(result.step, result.loss, result.lr, result.grad_norm, tokens_per_s,
+                             console.reward_detail(result.source_metrics))
+        if self.env.is_main:
+            self.flat_rewards.observe(result.step, result.source_metrics)
         metrics.update(goodput.time_metrics(state))
         if not result.healthy:
             metrics["train/skipped_update"] = int(self.t.nonfinite == "skip")

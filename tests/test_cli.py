@@ -73,7 +73,7 @@ def test_accelerate_launch_runs_two_processes_with_deepspeed_and_a_quiet_log(tmp
     assert_ok(proc)
     output = proc.stdout + proc.stderr
     assert "on 2 rank(s)" in output
-    assert [m["step"] for m in read_metrics(tmp_path)] == [0, 1, 2]
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]  # trainer.eval_every=0: no step-0 evaluation
     # DeepSpeed's compiler probes (gcc ... -laio) and op-built prints stayed out of the log; only
     # rank 0 printed progress, as plain lines.
     assert "gcc " not in output and "built successfully" not in output, output[-3000:]
@@ -116,17 +116,49 @@ def test_help_explains_the_app_groups_recipes_and_fields():
     assert not re.search(r"^\s*eval:", text, re.M), text
     for pointer in ("--cfg job --resolve", "python -m llmtrain.export", "README.md", "torchrun", "accelerate launch"):
         assert pointer in text, pointer
-    # The "most used fields" show the values a plain run composes to (placeholders aside).
-    from conftest import make_cfg
+    # The "most used fields" show the values a plain run composes to (placeholders aside): the
+    # schema's defaults, not the tests' (make_cfg pins trainer.precision=fp32; --help said fp32
+    # once the default was auto).
     from omegaconf import OmegaConf
 
-    cfg = make_cfg([])
+    from llmtrain.config.compose import compose
+    from llmtrain.config import schema
+    from llmtrain.config.validate import PREFERENCE_OBJECTIVES
+
+    cfg = compose([])
     shown = re.findall(r"^  ([a-z_]+\.[a-z_.]+)=(\S+)\s{2,}", text, re.M)
     assert len(shown) >= 10
     for key, value in shown:
         if value.isupper() or "|" in value:
             continue
         assert OmegaConf.create(f"v: {value}").v == OmegaConf.select(cfg, key), (key, value)  # YAML as Hydra reads it
+    # Each field's line names every value the schema accepts.
+    choices = {"trainer.precision": schema.PRECISIONS, "trainer.optimizer": schema.OPTIMIZERS,
+               "data.format": tuple(f for f in schema.DATA_FORMATS if f not in schema.FORMAT_ALIASES),
+               "recipe.cp_style": schema.CP_STYLES, "objective.loss_type": schema.GRPO_LOSS_TYPES,
+               "model.experts_implementation": schema.EXPERTS_IMPLEMENTATIONS,
+               "tracker.backends": schema.TRACKER_BACKENDS, "tracker.wandb_mode": schema.WANDB_MODES,
+               "objective": PREFERENCE_OBJECTIVES}
+    for key, accepted in choices.items():
+        [line] = [line for line in text.splitlines() if line.startswith(f"  {key}=")][:1]
+        words = set(re.findall(r"[\w.]+", line))
+        assert set(accepted) <= words, (key, sorted(set(accepted) - words))
+
+
+def test_the_deepspeed_startup_line_promises_an_op_build_only_where_one_happens(tmp_path, monkeypatch):
+    """Only optimizer offload compiles an op (DeepSpeed's CPU Adam); the ZeRO-3 line once promised
+    a 1-2 minute compile on every DeepSpeed recipe."""
+    from conftest import make_cfg
+    from llmtrain.monitoring.startup import engine_detail
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built yet
+    assert engine_detail(make_cfg(["+recipe=zero3"])) == "DeepSpeed ZeRO-3"
+    assert engine_detail(make_cfg(["+recipe=zero3_offload"])) == (
+        f"DeepSpeed ZeRO-3 with optimizer offload; compiled ops cached in {tmp_path}; this first run with these "
+        "versions compiles them (CPU Adam: 1-2 min, once)")
+    (tmp_path / "py311_cpu" / "cpu_adam").mkdir(parents=True)
+    (tmp_path / "py311_cpu" / "cpu_adam.so").write_bytes(b"")
+    assert engine_detail(make_cfg(["+recipe=zero3_offload"])).endswith(f"compiled ops cached in {tmp_path}")
 
 
 def test_cfg_job_prints_the_config_the_run_uses():
@@ -306,6 +338,23 @@ def test_misspelt_fields_and_options_get_one_line_naming_the_closest_and_exit_2(
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout == "" and proc.stderr.splitlines()[0].startswith(f"llmtrain: error: {message}"), proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "run").exists(), proc.stderr
+
+
+def test_an_error_found_in_start_up_is_not_preceded_by_the_resume_decision(tmp_path):
+    """resume=auto's "starting fresh" (or "resuming from") is said once the start-up checks have
+    passed: a misspelt reward name, found after the checkpoints are looked for, once followed it
+    and read as if the run had begun."""
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i}?", "answer": f"#### {i}"}) + "\n" for i in range(6)))
+    run_dir = tmp_path / "run"
+    proc = run_cli(["objective=grpo", "data=prompts", f"data.path={path}", "data.columns.prompt=question",
+                    "reward.functions=[gsm8kk]", "rollout.max_completion_length=8", "objective.num_generations=2",
+                    "trainer.global_batch_size=2", "trainer.micro_batch_size=1", *FAST, f"run_dir={run_dir}"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == ["llmtrain: error: reward.functions[0]='gsm8kk': did you mean gsm8k? it is "
+                                        "neither a built-in (format, gsm8k, length, model) nor module:function"]
+    assert "start-up: checkpoints" in proc.stdout and "resume=" not in proc.stdout, proc.stdout[-3000:]
+    assert not run_dir.exists()
 
 
 def test_help_and_cfg_job_answer_without_importing_torch():

@@ -59,3 +59,51 @@ def test_wandb_is_quiet_unless_the_user_or_debug_mode_says_otherwise(environ, de
     finally:
         logger.setLevel(level)
     assert (None if settings is None else settings.quiet) == quiet
+
+
+def _interrupt_when(args: list[str], marker: str, tmp_path, module: str = "llmtrain") -> subprocess.Popen:
+    """``python -m MODULE ARGS`` sent SIGINT (Ctrl-C) once a line of its output contains ``marker``;
+    returns the ended process with its stderr read."""
+    import signal
+
+    out = open(tmp_path / "out.txt", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=out, text=True,
+                            env=subprocess_env(), cwd=REPO)
+    seen = []
+    for line in proc.stdout:  # llmtrain logs to stdout
+        seen.append(line)
+        if marker in line:
+            proc.send_signal(signal.SIGINT)
+            break
+    seen += proc.stdout.read().splitlines(keepends=True)
+    proc.wait(timeout=120)
+    out.seek(0)
+    proc.stderr_text, proc.stdout_text = out.read(), "".join(seen)
+    assert any(marker in line for line in seen), proc.stdout_text[-3000:] + proc.stderr_text[-3000:]
+    return proc
+
+
+def test_ctrl_c_in_start_up_ends_in_one_line(tmp_path):
+    """Ctrl-C during the step-0 held-out evaluation (GRPO's greedy completions of 60 prompts): one
+    line naming the phase, exit status 130, the timeline closed and no checkpoint (before: an
+    84-line KeyboardInterrupt traceback)."""
+    import json
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i}+{i}?"}) + "\n" for i in range(120)))
+    run_dir = tmp_path / "run"
+    args = FAST[:5] + ["objective=grpo", "data=prompts", f"data.path={data}", "data.columns.prompt=question",
+                       "data.val_fraction=0.5", "reward.functions=[tests.grpo_fixtures:odd_tokens]",
+                       "rollout.max_completion_length=32", "objective.num_generations=2", "trainer.global_batch_size=2",
+                       "trainer.micro_batch_size=1", "trainer.max_steps=2", "trainer.eval_every=1",
+                       "trainer.eval_samples=60", "trainer.precision=fp32", f"run_dir={run_dir}"]
+    proc = _interrupt_when(args, "start-up: first evaluation", tmp_path)
+    assert proc.returncode == 130, proc.stdout_text[-3000:] + proc.stderr_text[-3000:]
+    assert proc.stderr_text.strip().splitlines() == [
+        "llmtrain: interrupted: SIGINT (Ctrl-C) in start-up, during first evaluation: nothing was trained; "
+        f"{run_dir} holds config.yaml and logs, no checkpoint"], proc.stderr_text[-3000:]
+    assert "Traceback" not in proc.stdout_text and "eval at step 0" not in proc.stdout_text
+    events = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("reason")) for e in events if e["event"] in ("start", "end")] == [
+        ("start", None), ("end", "interrupted")]  # a rerun does not report a crash
+    assert not any((run_dir / "checkpoints").glob("*")) and not (run_dir / "hf").exists()

@@ -88,7 +88,7 @@ def test_torchrun_max_restarts_resumes_a_hung_job_from_its_last_checkpoint(tmp_p
     assert len(list(run_dir.glob("hang-*"))) == 1  # the restarted job did not stall again
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics if "train/loss" in m] == list(range(1, STEPS + 1))
-    assert [m["step"] for m in metrics] == list(range(0, STEPS + 1))  # step 0: the first evaluation
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # trainer.eval_every=0: no step-0 evaluation
     assert (run_dir / "checkpoints" / f"step_{STEPS}" / "COMPLETE.json").is_file()
 
 

@@ -113,33 +113,52 @@ def stdout_to_debug_log(what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def quiet_when_logged(what: str) -> Iterator[None]:
+def quiet_when_logged(what: str, progress_lines: bool = False) -> Iterator[None]:
     """Third-party output of a command-line tool's work (``python -m llmtrain.export``) kept out
     of a log file, as the trainer keeps it out of its own: when stderr is not a terminal, library
     progress bars are off (:func:`configure_library_output`, plus plain ``tqdm`` bars of modules
     imported inside, such as DeepSpeed's ``zero_to_fp32``); when stdout is not one, Python-level
     prints inside (DeepSpeed's "Processing zero checkpoint ...") go to the debug log. On a
-    terminal both show as usual."""
+    terminal both show as usual. ``progress_lines``: lm-eval's request bars (``Running ...
+    requests``) become plain progress lines (:class:`CountProgress`) instead of nothing, so
+    minutes of scoring are not silent in a log."""
     with contextlib.ExitStack() as stack:
         if not interactive():
             configure_library_output(is_main=True, on_terminal=False)
-            stack.enter_context(_tqdm_disabled())
+            stack.enter_context(_tqdm_disabled(progress_lines))
         if not sys.stdout.isatty():
             stack.enter_context(stdout_to_debug_log(what))
         yield
 
 
 @contextlib.contextmanager
-def _tqdm_disabled() -> Iterator[None]:
-    """``tqdm.tqdm`` draws nothing for modules that import it (``from tqdm import tqdm``) inside."""
+def _tqdm_disabled(progress_lines: bool = False) -> Iterator[None]:
+    """``tqdm.tqdm`` draws nothing for modules that import it (``from tqdm import tqdm``) inside;
+    with ``progress_lines`` a bar of lm-eval's requests logs :class:`CountProgress` lines."""
     import tqdm
 
     original = tqdm.tqdm
 
     class Quiet(original):  # type: ignore[misc, valid-type]
         def __init__(self, *args, **kwargs):
+            desc, shown = kwargs.get("desc"), not kwargs.get("disable", False)
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)
+            # lm-eval's request bars: "Running loglikelihood requests", "Running generate_until
+            # requests" and the rolling one's (no desc); its tokenizing and cache checks are quick.
+            lines = progress_lines and shown and (desc is None or str(desc).startswith("Running")) and self.total
+            self._lines = CountProgress(str(desc or "Running requests"), int(self.total), "requests") if lines else None
+
+        def __iter__(self):
+            for item in super().__iter__():  # disabled: the iterable's own items, uncounted
+                yield item
+                if self._lines is not None:
+                    self._lines.advance(1)
+
+        def update(self, n=1):
+            if self._lines is not None:
+                self._lines.advance(int(n))
+            return super().update(n)
 
     zero_to_fp32 = sys.modules.get("deepspeed.utils.zero_to_fp32")  # imported by an earlier call
     tqdm.tqdm = Quiet
@@ -182,9 +201,11 @@ class Progress:
             # would print every line twice.
             self._redirect.enter_context(logging_redirect_tqdm(loggers=[logging.getLogger()]))
 
-    def update(self, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
+               detail: str = "") -> None:
         """Report optimizer step ``step`` (1-based) with its loss, learning rate, gradient norm
-        (before clipping) and throughput in tokens per second."""
+        (before clipping) and throughput in tokens per second; ``detail``: more of the step's
+        values, already formatted (an online objective's rewards: :func:`reward_detail`)."""
         if not self.enabled:
             return
         if self._bar is not None:
@@ -195,11 +216,73 @@ class Progress:
             return
         per_step = (time.perf_counter() - self._started) / max(step - self.start, 1)
         eta = datetime.timedelta(seconds=round(per_step * (self.total - step)))
-        log.info("step %d/%d: train loss %.4f, lr %.2e, grad norm %.3f, %s tokens/s, eta %s",
-                 step, self.total, loss, lr, grad_norm, f"{tokens_per_s:,.0f}", eta)
+        log.info("step %d/%d: train loss %.4f, lr %.2e, grad norm %.3f, %s%s tokens/s, eta %s",
+                 step, self.total, loss, lr, grad_norm, f"{detail}, " if detail else "", f"{tokens_per_s:,.0f}", eta)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         self._redirect.close()
+
+
+def reward_detail(metrics: dict[str, float]) -> str:
+    """An online objective's step values for its step line: the mean reward, its standard
+    deviation over the step's completions and the share of groups whose rewards all agree
+    (``frac_reward_zero_std``, as TRL names it: such a group has no advantage and trains
+    nothing), e.g. ``reward 0.250 (std 0.433, zero-spread groups 0.50)``; "" on a step that
+    sampled nothing (``objective.num_iterations`` reuses a batch)."""
+    if "train/reward" not in metrics:
+        return ""
+    return (f"reward {metrics['train/reward']:.3f} (std {metrics['train/reward_std']:.3f}, zero-spread groups "
+            f"{metrics['train/frac_reward_zero_std']:.2f})")
+
+
+class CountProgress:
+    """Rank 0's progress through counted work outside the step loop that can take minutes (an
+    online objective's held-out generation, lm-eval's requests): a tqdm bar where ``bar`` (a
+    terminal and ``trainer.progress_bar``), else plain lines, one after the first item (its rate
+    gives the whole's time early), then one every ``every_s`` seconds and one at the last::
+
+        held-out evaluation: 1/64 prompts, 0.21 prompts/s, eta 0:05:00
+
+    A no-op where not ``enabled`` (other ranks). ``advance(n)`` counts ``n`` more items done."""
+
+    def __init__(self, what: str, total: int, unit: str, enabled: bool = True, bar: bool = False,
+                 every_s: float = 10.0):
+        self.what, self.total, self.unit, self.every_s = what, total, unit, every_s
+        self.enabled, self.done = enabled and total > 0, 0
+        self._started = self._said = time.perf_counter()
+        self._bar = None
+        if self.enabled and bar:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc=what, unit=unit.rstrip("s") or unit, dynamic_ncols=True,
+                             mininterval=1.0, leave=False)
+
+    def advance(self, n: int = 1) -> None:
+        """``n`` more items done."""
+        if not self.enabled:
+            return
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+            return
+        now = time.perf_counter()
+        if self.done == n or self.done >= self.total or now - self._said >= self.every_s:
+            self._said = now
+            rate = self.done / max(now - self._started, 1e-9)
+            eta = datetime.timedelta(seconds=round(max(self.total - self.done, 0) / rate))
+            log.info("%s: %d/%d %s, %.2f %s/s, eta %s", self.what, self.done, self.total, self.unit, rate,
+                     self.unit, eta)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> "CountProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

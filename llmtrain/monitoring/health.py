@@ -62,3 +62,34 @@ def on_nonfinite(t: Any, step: int, loss: float, grad_norm: float, spike: str | 
                "no checkpoint was written before it: lower trainer.lr or raise trainer.warmup_steps")
     raise TrainingStopped(f"step {step}: {values} ({why}); nothing was saved or exported from this state; "
                           f"{restart}")
+
+
+class FlatRewards:
+    """Warns when an online objective's groups keep getting one reward each: with
+    ``train/frac_reward_zero_std`` at 1.0 every advantage is 0, so the loss and the gradient are 0
+    and the step trains nothing. Warned after ``after`` sampled steps in a row, and again each
+    time the streak doubles (6, 12, 24, ... steps), not every step; a step with any spread ends
+    the streak."""
+
+    def __init__(self, after: int = 3):
+        self.after, self.streak, self.first, self.next_warning = after, 0, 0, after
+
+    def observe(self, step: int, metrics: dict[str, float]) -> None:
+        """Step ``step``'s rollout metrics (no ``train/frac_reward_zero_std``: nothing was sampled)."""
+        fraction = metrics.get("train/frac_reward_zero_std")
+        if fraction is None:
+            return
+        if fraction < 1.0:
+            self.streak, self.next_warning = 0, self.after
+            return
+        self.streak += 1
+        self.first = step if self.streak == 1 else self.first
+        if self.streak < self.next_warning:
+            return
+        self.next_warning *= 2
+        log.warning("steps %d-%d: every group's completions got the same reward (train/frac_reward_zero_std 1.00, "
+                    "reward %.3f), so every advantage is 0 and these steps trained nothing (loss 0, grad norm 0): the "
+                    "task is too hard or too easy for the model. Sample more completions per prompt "
+                    "(objective.num_generations), more varied ones (rollout.temperature) or longer ones "
+                    "(rollout.max_completion_length), or use easier prompts, a larger model or a reward with "
+                    "partial credit", self.first, step, metrics.get("train/reward", float("nan")))

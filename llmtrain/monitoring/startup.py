@@ -16,6 +16,14 @@ from llmtrain.parallel.dims import ParallelDims
 log = logging.getLogger("llmtrain")
 
 
+class StartupInterrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) during start-up, before the loop's own handler (which saves at the next
+    step's end) is in place: the message names the phase and what the run folder holds (still a
+    KeyboardInterrupt, so nothing that catches Exception swallows it).
+    ``python -m llmtrain`` prints it as one line and exits with status 130 (128 + SIGINT, the
+    shell's status of a Ctrl-C): nothing was trained or saved."""
+
+
 class StartupPhases:
     """Start-up named as it goes: rank 0 logs each phase as it begins (``start-up: model (GGUF:
     dequantizing …) …``) and, at :meth:`done`, every phase's wall time in seconds, so minutes of
@@ -31,6 +39,11 @@ class StartupPhases:
         self._current, self._began = name, time.time()
         if self.on:
             log.info("start-up: %s%s ...", name, f" ({detail})" if detail else "")
+
+    @property
+    def current(self) -> str | None:
+        """The phase under way (None before the first and after :meth:`done`)."""
+        return self._current
 
     def _end(self) -> None:
         if self._current is not None:
@@ -60,13 +73,16 @@ def model_detail(model_cfg: Any) -> str:
 def engine_detail(cfg: Any) -> str:
     """What setting up the engine does, for its start-up line; for DeepSpeed, where its compiled
     ops are cached (one folder per Python/torch/DeepSpeed version, llmtrain.parallel.distributed) and
-    whether this run compiles them."""
+    whether this run compiles them. Only optimizer offload compiles one (DeepSpeed's CPU Adam);
+    the other DeepSpeed recipes step a ``torch.optim.AdamW`` and build nothing."""
     if cfg.recipe.engine != "deepspeed":
         return f"{cfg.recipe.name} on the torch engine"
+    if not cfg.recipe.offload_optimizer:
+        return f"DeepSpeed ZeRO-{cfg.recipe.zero_stage}"
     cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")).expanduser()
     built = cache.is_dir() and any(cache.glob("*/*.so"))
-    return (f"DeepSpeed ZeRO-{cfg.recipe.zero_stage}; compiled ops cached in {cache}"
-            + ("" if built else "; this first run with these versions compiles them (1-2 min, once)"))
+    return (f"DeepSpeed ZeRO-{cfg.recipe.zero_stage} with optimizer offload; compiled ops cached in {cache}"
+            + ("" if built else "; this first run with these versions compiles them (CPU Adam: 1-2 min, once)"))
 
 
 def log_trainable(engine, cfg: Any, dims: ParallelDims, is_main: bool) -> None:

@@ -37,6 +37,9 @@ class RolloutEngine(ABC):
         # publish(directory, part): writes the policy's current weights for an engine that serves
         # them elsewhere (part "model" or "adapter"; collective call). Set by the trainer.
         self.publish: Callable[[Path, str], Any] | None = None
+        # on_sampled(n): n more prompts' completions done, for a progress line (the held-out
+        # evaluation's); engines that sample everything at once need not call it.
+        self.on_sampled: Callable[[int], Any] | None = None
 
     def check(self) -> None:
         """Called before anything is written: raise ConfigError for what cannot work (a server
@@ -72,7 +75,12 @@ class PolicySampler(RolloutEngine):
 
     def sample(self, policy: Any, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.sampling.stop else None
+        groups = []
         with policy.generation_model() as model:
             model.eval()
-            return [sample_group(model, list(sample["prompt_ids"]), row_seeds, self.sampling, policy.env.device,
-                                 decode, policy.generation_autocast) for sample, row_seeds in zip(samples, seeds)]
+            for sample, row_seeds in zip(samples, seeds):
+                groups.append(sample_group(model, list(sample["prompt_ids"]), row_seeds, self.sampling,
+                                           policy.env.device, decode, policy.generation_autocast))
+                if self.on_sampled is not None:
+                    self.on_sampled(1)
+        return groups
