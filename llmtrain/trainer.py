@@ -261,6 +261,7 @@ class Trainer:
         phases.begin("train state")
         self.state, rng = self._setup_state()
         self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        self.checkpoints.announce()  # resuming or starting fresh: said once every check has passed
         phases.begin("tracker", ", ".join(["metrics.jsonl", *(b for b in cfg.tracker.backends
                                                            if b != "wandb" or cfg.tracker.wandb_mode != "disabled")]))
         self.tracker = self._setup_tracker()

@@ -250,6 +250,7 @@ class CheckpointManager:
         self.root = Path(run_dir) / "checkpoints"
         self.env, self.keep = env, keep
         self._verified: set[Path] = set()  # checkpoints this process wrote or hashed and found whole
+        self.decision = ""  # resolve()'s outcome, logged by announce()
         self._background: tuple | None = None  # (future, tmp folder, final folder, hash, step) in flight
         # Steps whose checkpoints pruning keeps beyond ``keep`` (rank 0): a task evaluation still
         # reading them (llmtrain.evaluation.in_loop).
@@ -266,6 +267,7 @@ class CheckpointManager:
     def resolve(self, resume: str) -> Path | None:
         """The checkpoint to resume from per ``trainer.resume``: rank 0 lists the candidates,
         every rank checksums its share of each (newest first) until one verifies. Collective.
+        The decision is logged by :meth:`announce`, not here.
 
         Raises:
             ResumeError: an explicit path or step that does not exist or does not verify; or
@@ -287,17 +289,25 @@ class CheckpointManager:
             problem = verify_collective(path, self.env)
             if problem is None:
                 self._verified.add(path)
-                if self.env.is_main:
-                    log.info("resume=%s: resuming from %s%s", resume, path,
-                             "" if explicit else " (newest complete checkpoint)")
+                self.decision = f"resume={resume}: resuming from {path}" + (
+                    "" if explicit else " (newest complete checkpoint)")
                 return path
             if explicit:
                 raise ResumeError(f"trainer.resume={resume}: checkpoint {path} is not usable: {problem}")
             if self.env.is_main:
                 log.warning("resume=auto: SKIPPING checkpoint %s: %s; trying an older one", path, problem)
-        if self.env.is_main and not explicit and str(resume) != "never":
-            log.info("resume=auto: no complete checkpoint in %s; starting fresh from the configured weights", self.root)
+        if not explicit and str(resume) != "never":
+            self.decision = (f"resume=auto: no complete checkpoint in {self.root}; starting fresh from the configured "
+                             "weights")
         return None
+
+    def announce(self) -> None:
+        """Rank 0 logs what :meth:`resolve` decided (resuming from a checkpoint, or starting
+        fresh), once. The trainer calls it after the config's start-up checks have passed: an
+        error found by them would otherwise follow a line that reads as if the run had begun."""
+        if self.env.is_main and self.decision:
+            log.info("%s", self.decision)
+        self.decision = ""
 
     def _candidates(self, resume: str) -> list[str]:
         """Rank 0: the folders ``resume`` may resume from, newest first (not yet verified)."""

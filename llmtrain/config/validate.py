@@ -22,10 +22,12 @@ from llmtrain.config.schema import (
     EXPERTS_IMPLEMENTATIONS,
     FORMAT_COLUMNS,
     PIPELINE_SCHEDULES,
+    PRECISIONS,
     PROCESS_GROUP_TIMEOUT_S,
     QUANTIZATIONS,
     TP_STYLES,
     TRACKER_BACKENDS,
+    WANDB_MODES,
     ObjectiveConfig,
     canonical_format,
     mapped_columns,
@@ -280,7 +282,7 @@ def validate_trainer(t: Any, r: Any) -> None:
         _require(str(t.preempt_signal) in signal.Signals.__members__ and t.preempt_signal not in ("SIGKILL", "SIGSTOP"),
                  f"trainer.preempt_signal={t.preempt_signal!r} must name a catchable signal (e.g. SIGUSR1)")
     _require(0.0 <= t.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    _require(t.precision in ("auto", "fp32", "bf16"), f"trainer.precision={t.precision!r} must be auto, fp32 or bf16")
+    _require(t.precision in PRECISIONS, f"trainer.precision={t.precision!r} must be auto, fp32 or bf16")
     _validate_optimizer(t, r)
 
 
@@ -317,7 +319,7 @@ def validate_tracker(tr: Any) -> None:
                           "(metrics.jsonl is always written)")
     _require(len(set(tr.backends)) == len(tr.backends), f"tracker.backends={list(tr.backends)} names a backend twice")
     _require(tr.on_error in ("raise", "warn"), f"tracker.on_error={tr.on_error!r} must be raise or warn")
-    _require(tr.wandb_mode in ("auto", "online", "offline", "disabled"),
+    _require(tr.wandb_mode in WANDB_MODES,
              f"tracker.wandb_mode={tr.wandb_mode!r} must be auto, online, offline or disabled")
 
 
