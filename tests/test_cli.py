@@ -332,6 +332,13 @@ def test_layout_errors_on_two_ranks_fail_before_writing(overrides, needle, tmp_p
      "data.datasets.0.pth is not a field of data.datasets.0: did you mean data.datasets.0.path?"),
     # A value of the wrong type: Hydra would print six lines and exit 1.
     (["+peft=lora", "peft.r=eight"], "peft.r=eight: peft.r takes a whole number, not 'eight'"),
+    # A group given twice, added to the default, or overridden without a default: Hydra's
+    # "Multiple values for peft", "Multiple values for data", "Could not override 'peft'" (exit 1).
+    (["+peft=lora", "+peft=qlora"], "the peft group is given 2 times (+peft=lora, +peft=qlora); give one of them "
+                                    "(+peft=qlora is +peft=lora with model.quantize=nf4)"),
+    (["+data=alpaca"], "+data=alpaca: the data group already has an option (data=stdlib, the default); choose another "
+                       "without '+': data=alpaca"),
+    (["peft=lora"], "peft=lora: the peft group has no default to override; select it with +peft=lora"),
 ])
 def test_misspelt_fields_and_options_get_one_line_naming_the_closest_and_exit_2(overrides, message, tmp_path):
     proc = run_cli(["tracker=none", f"run_dir={tmp_path / 'run'}"] + overrides)

@@ -198,13 +198,13 @@ def check_overrides(args: list[str]) -> None:
                 break
             for folder in Path(str(entry)[len("file://"):]).glob("*/"):
                 groups[folder.name] = sorted(set(groups.get(folder.name, [])) | {f.stem for f in folder.glob("*.yaml")})
-    selected = set()
+    selected: dict[str, list[tuple[str, Any]]] = {}
     for arg, override in overrides:
         key = override.key_or_group
         if key == "hydra" or key.startswith(("hydra.", "hydra/")) or override.package is not None:
             continue
         if key in groups:
-            selected.add(key)
+            selected.setdefault(key, []).append((arg, override))
             value = override.value()
             if not isinstance(value, (str, ChoiceSweep)) or (isinstance(value, ChoiceSweep) and
                                                             not all(isinstance(v, str) for v in value.list)):
@@ -224,10 +224,55 @@ def check_overrides(args: list[str]) -> None:
             prefix = ".".join(parts[:depth])
             raise _unknown_key(".".join(parts[:depth + 1]), f"{prefix}." if prefix else "", fields)
         _check_scalar_type(arg, key, hint, override)
+    if groups and not any(a in ("--config-name", "-cn") or a.startswith("--config-name=") for a in args):
+        # (another primary config has other defaults)
+        _check_group_selections(selected, deleted={a[1:].split("=")[0] for a in args if a.startswith("~")})
     for arg, override in overrides:
         if override.key_or_group.startswith("peft.") and "peft" not in selected:
             raise ConfigError(f"{arg}: no peft method is selected; add +peft=lora (the fields are those of "
                               "conf/peft/lora.yaml)")
+
+
+def _default_options() -> dict[str, str]:
+    """The groups the primary config (``conf/config.yaml``) selects by default and their options
+    (``{"model": "tiny_llama", "data": "stdlib", ...}``); peft and recipe have none."""
+    from llmtrain.common.paths import CONF_DIR
+
+    entries = OmegaConf.load(Path(CONF_DIR) / "config.yaml").get("defaults", [])
+    return {k: str(v) for e in entries if OmegaConf.is_dict(e) for k, v in e.items() if "/" not in k
+            and not k.startswith("override")}
+
+
+def _check_group_selections(selected: dict[str, list[tuple[str, Any]]], deleted: set[str]) -> None:
+    """How each group of ``conf/`` is selected, where Hydra would stop with its own multi-line
+    error (exit status 1): a group given twice with ``+`` in either ("Multiple values for peft"),
+    ``+GROUP=X`` for a group the primary config already selects, ``GROUP=X`` for one it does not
+    ("Could not override"). A group given twice without ``+`` is Hydra's override of an
+    override (the last wins) and stays allowed; ``deleted``: groups removed with ``~GROUP``, which
+    ``+GROUP=X`` may then add again.
+
+    Raises:
+        ConfigError: naming the overrides as typed and the one to give.
+    """
+    from hydra.core.override_parser.types import OverrideType
+
+    defaults = _default_options()
+    for key, chosen in selected.items():
+        if key == "recipe":  # selected with +recipe=NAME, checked by __main__.check_recipe_selection
+            continue
+        typed = [arg for arg, _ in chosen]
+        values = {str(o.value()) for _, o in chosen}
+        added = [arg for arg, o in chosen if o.type == OverrideType.ADD]
+        if len(chosen) > 1 and added:
+            qlora = " (+peft=qlora is +peft=lora with model.quantize=nf4)" if {"lora", "qlora"} <= values else ""
+            raise ConfigError(f"the {key} group is given {len(chosen)} times ({', '.join(typed)}); give one of them"
+                              f"{qlora}")
+        arg, override = chosen[0]
+        if override.type == OverrideType.ADD and key in defaults and key not in deleted:
+            raise ConfigError(f"{arg}: the {key} group already has an option ({key}={defaults[key]}, the default); "
+                              f"choose another without '+': {arg[1:]}")
+        if override.type == OverrideType.CHANGE and key not in defaults:
+            raise ConfigError(f"{arg}: the {key} group has no default to override; select it with +{arg}")
 
 
 _SCALAR_KINDS = {int: "a whole number", float: "a number", bool: "true or false"}
