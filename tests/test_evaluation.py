@@ -405,3 +405,32 @@ def test_the_result_file_keeps_the_larger_evaluation_of_a_step(tmp_path):
     assert harness.read_result(aside)["scores"] == {"eval/hh_local/acc": 0.9, "eval/hh_local/documents": 10}
     harness.write_result(tmp_path / "eval", source, ["hh_local"], results(2277, 0.45))
     assert harness.read_result(tmp_path / "eval" / "step_20.json")["n_samples"]["hh_local"]["effective"] == 2277
+
+
+def test_evaluate_logs_request_progress_and_ends_in_one_line_on_ctrl_c(trained, tmp_path):
+    """In a log (not a terminal) lm-eval's requests show as progress lines, not nothing; Ctrl-C
+    ends the command in one line, exit status 130, with no result and no temporary export left
+    (before: a KeyboardInterrupt traceback)."""
+    import re
+    import signal
+
+    proc = _evaluate_cli([str(trained / "full" / "hf"), "tasks=[hh_local]", "limit=5", f"out_dir={tmp_path / 'a'}"])
+    assert_ok(proc)
+    counts = re.findall(r"\] Running loglikelihood requests: (\d+)/(\d+) requests, [\d.]+ requests/s", proc.stderr)
+    assert counts[0] == ("1", "10") and counts[-1] == ("10", "10"), proc.stderr[-3000:]
+    out = tmp_path / "b"
+    running = subprocess.Popen([sys.executable, "-m", "llmtrain.evaluate", str(trained / "full"), "tasks=[hh_local]",
+                                "limit=5", f"out_dir={out}"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                               text=True, env=subprocess_env(), cwd=REPO)
+    seen = []
+    for line in running.stderr:
+        seen.append(line)
+        if "as a Hugging Face folder for the harness" in line:
+            folder = Path(re.search(r"\(in (\S+), removed after\)", line).group(1))
+            running.send_signal(signal.SIGINT)
+            break
+    seen += running.stderr.read().splitlines(keepends=True)
+    assert running.wait(timeout=120) == 130, "".join(seen)[-3000:]
+    assert seen[-1].rstrip("\n") == "llmtrain.evaluate: interrupted: SIGINT (Ctrl-C): no result written", seen[-5:]
+    assert "Traceback" not in "".join(seen), "".join(seen)[-3000:]
+    assert not out.exists() and not folder.exists()

@@ -258,6 +258,8 @@ def model_folder(source: EvalSource) -> Iterator[str]:
     (CACHE_DIR / "eval").mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f"{source.path.name}-", dir=CACHE_DIR / "eval"))
     try:
+        log.info("writing %s as a Hugging Face folder for the harness (in %s, removed after)", source.describe(),
+                 folder)
         yield str(_write_model(source, folder / "hf"))
     finally:
         shutil.rmtree(folder, ignore_errors=True)

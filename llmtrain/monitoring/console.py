@@ -144,10 +144,10 @@ def _tqdm_disabled(progress_lines: bool = False) -> Iterator[None]:
             desc, shown = kwargs.get("desc"), not kwargs.get("disable", False)
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)
-            # lm-eval's request bars: "Running loglikelihood requests", "Running generate_until
-            # requests" and the rolling one's (no desc); its tokenizing and cache checks are quick.
-            lines = progress_lines and shown and (desc is None or str(desc).startswith("Running")) and self.total
-            self._lines = CountProgress(str(desc or "Running requests"), int(self.total), "requests") if lines else None
+            # lm-eval's request bars ("Running loglikelihood requests", "Running generate_until
+            # requests"); its bars without a name (building a task's requests) are quick.
+            lines = progress_lines and shown and str(desc or "").startswith("Running") and self.total
+            self._lines = CountProgress(str(desc), int(self.total), "requests") if lines else None
 
         def __iter__(self):
             for item in super().__iter__():  # disabled: the iterable's own items, uncounted
