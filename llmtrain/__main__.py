@@ -190,8 +190,11 @@ def _record(task):
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    import llmtrain.parallel.distributed  # noqa: F401  (before anything imports DeepSpeed: picks its accelerator)
-
+    try:
+        import llmtrain.parallel.distributed  # noqa: F401  (before anything imports DeepSpeed: picks its accelerator)
+    except KeyboardInterrupt:  # torch's import: seconds in which Ctrl-C is likely too
+        _fail(Exception("SIGINT (Ctrl-C) in start-up, while importing torch: nothing was trained"), status=130,
+              kind="interrupted")
     _record(_main)(cfg)
 
 
