@@ -283,7 +283,8 @@ class TrainerConfig:
     Learning rate: linear warmup over ``warmup_steps`` then cosine decay to
     ``lr * min_lr_ratio`` at ``max_steps`` (Loshchilov & Hutter, SGDR, 2017, eq. 5).
     Intervals (``eval_every``, ``save_every``, ``log_every``) are in optimizer steps; 0 = never
-    (a final checkpoint and evaluation are always made); ``save_every_minutes`` adds a
+    (a final checkpoint and evaluation are always made); a fresh run evaluates at step 0 too,
+    unless ``eval_every=0``; ``save_every_minutes`` adds a
     wall-clock cadence (default 30: a crash loses at most half an hour; 0 = off). ``keep_checkpoints`` newest complete checkpoints are kept.
     ``gc_every``: Python's garbage collector runs a full collection every that many steps, at the
     same step on every rank, with the automatic collector off and set-up's objects frozen out of

@@ -209,7 +209,8 @@ class Progress:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self._bar.set_postfix_str(f"loss={loss:.4f}, lr={lr:.2e}, tok_s={tokens_per_s:,.0f}"
+                                      + (f", {detail}" if detail else ""), refresh=False)
             self._bar.update(1)
             return
         if not ((self.every and step % self.every == 0) or step == self.total):
