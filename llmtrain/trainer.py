@@ -63,8 +63,7 @@ from llmtrain.parallel.seeding import seed_everything, seed_streams
 from llmtrain.planning import flops
 from llmtrain.planning.auto import check_same_layout
 from llmtrain.planning.preflight import preflight
-from llmtrain.rollout import (RewardError, Rollout, build_environment, build_rewards, build_sampler,
-                              environment_reward)
+from llmtrain.rollout.online import held_out_detail, setup_online
 
 log = logging.getLogger("llmtrain")
 
@@ -254,7 +253,8 @@ class Trainer:
         self.objective = build_objective(cfg.get("objective"))
         self.objective.setup(cfg)
         self._check_data_for_objective()
-        self.online_parts = self._setup_online()
+        self.online = setup_online(cfg, self.objective, self.tokenizer, self.splits, self.env, self.dims, phases,
+                                   lambda m: model_config(m).vocab_size, self.hf_config.vocab_size, self._publish)
         # Dynamo's count is per process: another run earlier in it (a sweep, a test) is not ours.
         self.graphs_before = compiled_graphs()
         self.engine = self._setup_engine()
@@ -276,7 +276,7 @@ class Trainer:
         if self.resume_from is not None:
             phases.begin("resume")
         elif self.t.eval_every:  # trainer.eval_every=0: no evaluation before the last step, step 0's included
-            phases.begin("first evaluation", self._held_out_detail())
+            phases.begin("first evaluation", held_out_detail(cfg, self.objective.online))
         self._evaluate_before_training()
         # After everything that draws random numbers at start-up: the dropout streams of the loop.
         if rng is not None:
@@ -449,40 +449,6 @@ class Trainer:
         if self.objective.needs_reference and o.get("precompute_reference") and self.resume_from is not None:
             reference.check_stored(self.run_dir, self.splits, self.t.eval_samples)
 
-    def _setup_online(self) -> tuple[Any, list, Any] | None:
-        """An online objective's sampler, reward functions (each tried on two prompts before
-        anything is written: :func:`llmtrain.rollout.build_rewards`) and multi-turn environment
-        (or None); None for others.
-
-        Raises:
-            ConfigError: a rollout engine, reward function or environment that cannot be built,
-                or a reward function that fails the try.
-        """
-        if not self.objective.online:
-            return None
-        if self.objective.reference_model() is not None:
-            self._check_teacher()
-        end_ids = data.end_token_ids(self.cfg.data, self.tokenizer)
-        sampler = build_sampler(self.cfg, self.tokenizer, end_ids)
-        sampler.check()
-        # An engine that serves the policy elsewhere (vLLM) gets its weights written by the export's code.
-        sampler.publish = lambda directory, part: write_policy(self.engine, self.cfg, self.tokenizer, directory, part,
-                                                               end_ids)
-        probe = [self.splits.train[i] for i in range(min(2, len(self.splits.train)))]
-        if getattr(self.objective, "lmbda", 1.0) < 1 and probe and "completion" not in probe[0]:
-            raise ConfigError(f"objective.lmbda={self.objective.lmbda}: the batches the student does not sample are the "
-                              "data's own completions, read from each record's 'completion' column, which the records "
-                              f"of data.path lack (theirs: {', '.join(k for k in probe[0] if k != 'prompt_ids')}); add "
-                              "it or set objective.lmbda=1")
-        try:
-            functions = build_rewards(self.cfg, probe, self.env.device) if self.cfg.reward.functions else []
-        except RewardError as err:
-            raise ConfigError(f"reward.functions: {err}") from err.__cause__
-        environment = build_environment(self.cfg)
-        if environment is not None and environment.gives_rewards:  # one more function: weighted, logged
-            functions.append(environment_reward())
-        return sampler, functions, environment
-
     def _build_model(self):
         """The model with its initial weights (the policy, or its frozen reference copy)."""
         return build_model(self.cfg.model, self.t.seed, head=self.objective.model_output,
@@ -501,41 +467,11 @@ class Trainer:
                                  self.run_dir, self.resume_from is not None, self.env.is_main, self.t.eval_samples)
             return None
         if self.objective.reference_model() is not None:
-            return self._setup_teacher()
+            return self.online.setup_teacher(self.engine, lambda m: build_model(m, self.t.seed))
         self.phases.begin("reference", f"objective.reference={reference.reference_kind(self.cfg)}")
         # GRPO's log-probs are of temperature-scaled logits; the preference objectives' are plain.
         logps = getattr(self.objective, "token_logps", reference.completion_token_logps)
         return reference.build_reference(self.cfg, self.engine, self._build_model, logps)
-
-    def _setup_teacher(self):
-        """The objective's own frozen reference model (distillation's teacher), laid out like a
-        reference copy. Collective call.
-
-        Raises:
-            ConfigError: an engine that cannot lay it out.
-        """
-        teacher = self.objective.reference_model()
-        self.phases.begin("teacher", f"objective.teacher={self.objective.teacher} (model source {teacher.source})")
-        forward = self.engine.frozen_copy(lambda: build_model(teacher, self.t.seed), teacher.source == "config")
-        if forward is None:
-            raise ConfigError(f"objective.teacher: the {type(self.engine).__name__} engine of recipe "
-                              f"{self.cfg.recipe.name} cannot lay out a frozen teacher; use a data-parallel, ZeRO or "
-                              "FSDP recipe")
-        return reference.LiveReference(forward, self.objective.reference_outputs)
-
-    def _check_teacher(self) -> None:
-        """A distillation teacher that exists and shares the student's vocabulary (read from the
-        two model configs), before anything is written.
-
-        Raises:
-            ConfigError: naming the teacher and both vocabulary sizes.
-        """
-        teacher = self.objective.reference_model()
-        width = model_config(teacher).vocab_size
-        if width != self.hf_config.vocab_size:
-            raise ConfigError(f"objective.teacher={self.objective.teacher!r} has {width} logits per token, the student "
-                              f"model {self.cfg.model.name} {self.hf_config.vocab_size}: distillation compares the two "
-                              "distributions token by token, so they need one tokenizer and vocabulary")
 
     def _setup_state(self) -> tuple[TrainState, dict | None]:
         """A fresh train state, or the resumed checkpoint's (and its RNG states) loaded into the
@@ -597,42 +533,16 @@ class Trainer:
             source = data.StepBatches(self.micro_batches, self.accumulation, self.objective.prepare)
             return source, Evaluator(lambda: evaluate(self.engine, val_batches, self.env.device), t.eval_every,
                                      t.max_steps)
-        sampler, functions, environment = self.online_parts
-        rollout = Rollout(self.cfg, self.engine, self.objective, sampler, self.micro_batches, self.tokenizer,
-                          data.pad_id_of(self.tokenizer), functions, self.run_dir, self.env.is_main,
-                          lambda rows, step: self.tracker.log_table("completions", rows, step), environment,
-                          self._held_out_divergence if self.objective.reference_model() is not None else None)
-        rollout.load_state_dict(self.rollout_state)
-        self.checkpoints.rank_state["rollout"] = rollout.state_dict
-        return rollout, Evaluator(lambda: self._held_out_rewards(rollout, val_batches), t.eval_every, t.max_steps)
+        rollout = self.online.setup_rollout(self.engine, self.micro_batches, self.run_dir,
+                                            lambda rows, step: self.tracker.log_table("completions", rows, step),
+                                            lambda batches: evaluate(self.engine, batches, self.env.device),
+                                            self.rollout_state, self.checkpoints.rank_state)
+        return rollout, Evaluator(lambda: self.online.held_out_rewards(rollout, val_batches, t.progress_bar),
+                                  t.eval_every, t.max_steps)
 
-    def _held_out_rewards(self, rollout: Rollout, val_batches: list[dict]) -> dict[str, float]:
-        """An online objective's held-out evaluation (:meth:`Rollout.evaluate`) with rank 0's
-        progress through its prompts (a bar on a terminal, else lines): minutes on a CPU."""
-        prompts = sum(len(b["prompts"]) for b in val_batches)
-        share = " (rank 0's share)" if self.dims.dp > 1 else ""
-        with console.CountProgress(f"held-out evaluation{share}", prompts, "prompts", self.env.is_main,
-                                   self.t.progress_bar and console.interactive()) as progress:
-            sampler = self.online_parts[0]
-            sampler.on_sampled = progress.advance
-            try:
-                return rollout.evaluate(val_batches)
-            finally:
-                sampler.on_sampled = None
-
-    def _held_out_detail(self) -> str:
-        """What the first evaluation does, for its start-up line."""
-        if not self.objective.online:
-            return f"held-out loss of up to {self.t.eval_samples} samples"
-        return (f"a greedy completion of each of up to {self.t.eval_samples} held-out prompts (trainer.eval_samples), "
-                f"up to {self.cfg.rollout.max_completion_length} tokens each; trainer.eval_every=0 skips it")
-
-    def _held_out_divergence(self, batches: list[dict]) -> dict[str, float]:
-        """Distillation's held-out loss: the teacher's outputs on greedy completions of the
-        held-out prompts, then the objective's loss over them (``val/loss``: the per-token KL)."""
-        batches = [self.objective.prepare(b) for b in batches]
-        reference.annotate_batches(self.reference, self.engine, batches, self.env.device, self.objective.reference_key)
-        return evaluate(self.engine, batches, self.env.device)
+    def _publish(self, directory: Path, part: str, end_ids: list[int]) -> Path | None:
+        """The policy's weights written for a rollout engine that serves it elsewhere (vLLM)."""
+        return write_policy(self.engine, self.cfg, self.tokenizer, directory, part, end_ids)
 
     def _setup_flops(self) -> tuple[float, flops.Peak | None]:
         """Model FLOPs per token (PaLM appendix B) at ``data.seq_len``, and the peak TFLOP/s per
@@ -863,8 +773,8 @@ class Trainer:
 
     def close_sampler(self) -> None:
         """Stop what an online objective's rollout engine started (a vLLM server); idempotent."""
-        if getattr(self, "online_parts", None):
-            self.online_parts[0].close()
+        if getattr(self, "online", None):
+            self.online.close()
 
 
 def _write_report_or_warn(run_dir: Path) -> str | None:
