@@ -18,7 +18,6 @@ loss_sums`` → ``Engine.backward``, then one all-reduce of the loss sums and :c
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -46,7 +45,7 @@ from llmtrain.engine.base import check_optimizer_steps
 # The step's types and its global-batch loss; imported from here by tests and benchmarks too.
 from llmtrain.engine.step import StepResult, StepScalars, forward_backward  # noqa: F401
 from llmtrain.evaluation import in_loop
-from llmtrain.evaluation.validation import Evaluator, evaluate
+from llmtrain.evaluation.validation import Evaluator, evaluate, log_eval
 from llmtrain.models import adapters, moe, quantize
 from llmtrain.models.build import build_model, build_tokenizer, check_sequence_length, model_config
 from llmtrain.monitoring import console, goodput
@@ -523,10 +522,8 @@ class Trainer:
         self.summary["losses"].append(result.loss)
         self.summary["lrs"].append(result.lr)
         if result.router is not None:
-            shape, layers = self.engine.moe_shape, self.engine.hf_layers
-            counts = result.router[:layers * shape.num_experts].view(layers, shape.num_experts)
-            saved = torch.tensor(state.expert_load, dtype=torch.float64) if state.expert_load else torch.zeros_like(counts)
-            state.expert_load = (saved + counts).tolist()
+            state.expert_load = moe.add_expert_load(state.expert_load, result.router, self.engine.hf_layers,
+                                                    self.engine.moe_shape.num_experts)
 
     def _step_metrics(self, result: StepResult) -> dict[str, float]:
         """The step's record for the trackers (and the progress bar's line)."""
@@ -569,38 +566,12 @@ class Trainer:
         """``run_dir/expert_load.json`` (rank 0): tokens per expert per layer summed over every
         step so far (the checkpointed count, so a resumed run continues it exactly), for the
         report's heatmap."""
-        if not self.env.is_main or not self.state.expert_load:
-            return
-        shape = self.engine.moe_shape
-        path = self.run_dir / "expert_load.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"step": self.state.step, "num_experts": shape.num_experts, "top_k": shape.top_k,
-                                   "moe_layers": list(shape.moe_layers), "tokens_per_expert": self.state.expert_load}))
-        os.replace(tmp, path)
+        if self.env.is_main and self.state.expert_load:
+            moe.write_expert_load(self.run_dir, self.state.step, self.engine.moe_shape, self.state.expert_load)
 
     def _log_eval(self, step: int, metrics: dict[str, float], train_loss: float | None = None) -> dict[str, float]:
         if self.env.is_main:
-            if "val/perplexity" in metrics:
-                detail = f"ppl {metrics['val/perplexity']:.2f}"
-            elif "val/teacher_kl" in metrics:
-                detail = (f"per-token reverse KL to the teacher on greedy completions of {metrics['val/prompts']} "
-                          f"held-out prompts, mean {metrics['val/completions/mean_length']:.1f} tokens")
-            elif "val/rewards/accuracies" in metrics:
-                # Accuracy counts pairs whose chosen reward is strictly higher; with the policy still
-                # the reference every reward is 0: a tie, not a wrong answer.
-                ties = metrics["val/rewards/accuracies"] == 0 and metrics["val/rewards/margins"] == 0
-                detail = (f"preference accuracy {metrics['val/rewards/accuracies']:.3f}"
-                          f"{' (every pair a tie: the policy is still the reference)' if ties else ''}, margin "
-                          f"{metrics['val/rewards/margins']:.4f}")
-            else:
-                detail = ", ".join(f"{k[4:]} {v:.4f}" for k, v in metrics.items() if k.startswith("val/rewards/"))
-            if "val/loss" in metrics:
-                log.info("eval at step %d: val loss %.4f (%s)%s", step, metrics["val/loss"], detail,
-                         f", train loss {train_loss:.4f}" if train_loss is not None else "")
-            else:  # an online objective: the mean reward of greedy completions of held-out prompts
-                log.info("eval at step %d: val reward %.4f ± %.4f (standard error) over %d prompts (%s), mean "
-                         "completion %.1f tokens", step, metrics["val/reward"], metrics["val/reward_stderr"],
-                         metrics["val/prompts"], detail, metrics["val/completions/mean_length"])
+            log_eval(step, metrics, train_loss)
         if step == self.t.max_steps and step > 0:
             self.summary["final_val"] = {k: v for k, v in metrics.items() if k in ("val/loss", "val/perplexity",
                                          "val/reward", "val/reward_stderr") or k.startswith("val/rewards/")}
