@@ -26,7 +26,9 @@ def _broken(stdout: str) -> list[str]:
     """The names of the broken contracts, in the file's order (lint-imports wraps long names over
     lines, under a line of dashes after the count of files analysed)."""
     listing = " ".join(stdout.split(" dependencies.")[-1].split("Contracts:")[0].split("\n", 2)[2].split())
-    return [name for name, verdict in re.findall(r"(.+?) (KEPT|BROKEN)(?: |$)", listing) if verdict == "BROKEN"]
+    # A contract with ignore_imports says how many after its verdict: "BROKEN (3 ignored imports)".
+    return [name for name, verdict in re.findall(r"(.+?) (KEPT|BROKEN)(?: \(\d+ ignored imports?\))?(?: |$)", listing)
+            if verdict == "BROKEN"]
 
 
 def _with_line(tmp_path: Path, module: str, line: str) -> Path:

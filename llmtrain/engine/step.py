@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from llmtrain.objectives import Objective
 from llmtrain.parallel import distributed
+
+if TYPE_CHECKING:  # the engine's objective, as the engines see it: an annotation only
+    from llmtrain.objectives import Objective
 
 
 @dataclass
