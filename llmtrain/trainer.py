@@ -26,15 +26,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
 from llmtrain import data
-from llmtrain.checkpoint.checkpointer import Checkpointer, checkpoint_bytes, dump_loaded_model, warn_if_disk_is_short
+from llmtrain.checkpoint.checkpointer import (Checkpointer, checkpoint_bytes, open_checkpoints, resume_state,
+                                              warn_if_disk_is_short)
 from llmtrain.checkpoint.export import export_hf, write_policy
-from llmtrain.checkpoint.protocol import CheckpointManager, lock_run_dir, step_of
-from llmtrain.checkpoint.resume import check_resumable
-from llmtrain.checkpoint.state import TrainState, restore_rng
+from llmtrain.checkpoint.protocol import lock_run_dir
+from llmtrain.checkpoint.state import restore_rng
 from llmtrain.common import collection, hardware
 from llmtrain.common.errors import ConfigError
 from llmtrain.config.compose import run_dir_of
@@ -140,7 +139,8 @@ class Trainer:
         self.partial = adapters.is_partial(cfg)  # LoRA or model.freeze: some parameters stay frozen
         self.fingerprint = adapters.base_fingerprint(cfg.model, self.t.seed) if self.partial else None
         phases.begin("checkpoints", f"finding and verifying the one to resume in {self.run_dir / 'checkpoints'}")
-        self.checkpoints, self.resume_from = self._setup_checkpoints()
+        self.checkpoints, self.resume_from, self.rollout_state = open_checkpoints(self.run_dir, cfg, self.env,
+                                                                                  self.fingerprint)
         self.objective = build_objective(cfg.get("objective"))
         self.objective.setup(cfg)
         self._check_data_for_objective()
@@ -150,7 +150,8 @@ class Trainer:
         self.graphs_before = compiled_graphs()
         self.engine = self._setup_engine()
         phases.begin("train state")
-        self.state, rng = self._setup_state()
+        self.state, rng = resume_state(self.checkpoints, self.resume_from, self.engine, self.env.world_size,
+                                       self.t.global_batch_size, self.fingerprint)
         self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         self.checkpoints.announce()  # resuming or starting fresh: said once every check has passed
         phases.begin("tracker", ", ".join(["metrics.jsonl", *(b for b in cfg.tracker.backends
@@ -282,21 +283,6 @@ class Trainer:
             log.warning("%s", too_long)
         return tokenizer, hf_config
 
-    def _setup_checkpoints(self) -> tuple[CheckpointManager, Path | None]:
-        """The run's checkpoint manager and the checkpoint to resume (checked compatible), if any."""
-        manager = CheckpointManager(self.run_dir, self.env, self.t.keep_checkpoints)
-        resume_from = manager.resolve(self.t.resume)
-        self.rollout_state: dict[str, torch.Tensor] = {}  # an online objective's pending generation batch
-        if resume_from is not None:
-            check_resumable(resume_from, self.cfg, manager, self.env.is_main, self.fingerprint)
-            self.rollout_state = manager.read_rank_state(resume_from, "rollout")
-        if self.env.is_main and self.t.resume == "auto":  # a rerun of the same command: say what a crash cost
-            previous = goodput.unfinished_process(self.run_dir)
-            resumed_step = step_of(resume_from) if resume_from is not None else 0
-            if previous is not None and previous["last_step"] > resumed_step:
-                log.warning("resume=%s: %s", self.t.resume, goodput.describe_unfinished(previous, resumed_step))
-        return manager, resume_from
-
     def _setup_engine(self):
         """The engine with the model built inside its init context (ZeRO-3 partitions as it is
         built), LoRA/frozen parameters applied, and a resume's checkpoint prepared."""
@@ -363,19 +349,6 @@ class Trainer:
         # GRPO's log-probs are of temperature-scaled logits; the preference objectives' are plain.
         logps = getattr(self.objective, "token_logps", reference.completion_token_logps)
         return reference.build_reference(self.cfg, self.engine, self._build_model, logps)
-
-    def _setup_state(self) -> tuple[TrainState, dict | None]:
-        """A fresh train state, or the resumed checkpoint's (and its RNG states) loaded into the
-        engine; the optimizer's update count checked against it."""
-        state, rng = TrainState(world_size=self.env.world_size, global_batch_size=self.t.global_batch_size,
-                                           base_fingerprint=self.fingerprint), None
-        if self.resume_from is not None:
-            state, rng = self.checkpoints.load(self.engine, self.resume_from)
-            state.parent = self.resume_from.name
-            self.checkpoints.start_branch(self.resume_from)
-            dump_loaded_model(self.engine)
-        check_optimizer_steps(self.engine, state)
-        return state, rng
 
     def _setup_tracker(self) -> Tracker:
         """The run directory (locked, ``config.yaml`` written by rank 0) and the tracker, with the
