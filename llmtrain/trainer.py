@@ -21,7 +21,6 @@ import contextlib
 import logging
 import math
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -50,8 +49,8 @@ from llmtrain.models.build import build_model, build_tokenizer, check_sequence_l
 from llmtrain.monitoring import console, goodput
 from llmtrain.monitoring.health import FlatRewards, loss_spike, on_nonfinite, peak_memory_bytes
 from llmtrain.monitoring.preemption import Preemption
-from llmtrain.monitoring.startup import (StartupInterrupted, StartupPhases, engine_detail, log_trainable,
-                                         long_context_detail, model_detail)
+from llmtrain.monitoring.startup import (StartupInterrupted, StartupPhases, engine_detail, interrupted_line, log_run,
+                                         log_trainable, model_detail)
 from llmtrain.monitoring.tracking import Tracker
 from llmtrain.monitoring.watchdog import Watchdog
 from llmtrain.objectives import build_objective, reference
@@ -97,14 +96,8 @@ class Trainer:
     def _interrupted(self) -> str:
         """Close what start-up had opened when SIGINT stopped it (the tracker, with the timeline's
         end event, so a rerun does not report a crash; a rollout server) and say where it stopped."""
-        import signal
-
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut this short
-        try:
-            phases = getattr(self, "phases", None)
-            where = f"during {phases.current}" if phases is not None and phases.current else "before the first step"
-            tracker = getattr(self, "tracker", None)
-            left = ""
+        def close() -> str:
+            tracker, left = getattr(self, "tracker", None), ""
             if tracker is not None:
                 tracker.finish(complete=False)
                 if self.env.is_main:
@@ -112,9 +105,9 @@ class Trainer:
                 left = (f"; {self.run_dir} keeps its checkpoints" if self.resume_from is not None else
                         f"; {self.run_dir} holds config.yaml and logs, no checkpoint")
             self.close_sampler()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        return f"SIGINT (Ctrl-C) in start-up, {where}: nothing was trained{left}"
+            return left
+
+        return interrupted_line(getattr(self, "phases", None), close)
 
     def _set_up(self, cfg: Any) -> None:
         # trainer.precision=auto becomes what this machine runs natively before anything reads it
@@ -319,12 +312,7 @@ class Trainer:
         Raises:
             DataError, ResumeError: naming the field or file and the fix.
         """
-        o = self.cfg.objective
-        if o.get("margin_column") and "margin" not in self.splits.train[0]:
-            raise data.DataError(f"objective.margin_column=true, but data.path={self.cfg.data.path} has no margin "
-                                 "column; map yours with data.columns.margin=COLUMN, or drop the setting")
-        if self.objective.needs_reference and o.get("precompute_reference") and self.resume_from is not None:
-            reference.check_stored(self.run_dir, self.splits, self.t.eval_samples)
+        reference.check_data(self.cfg, self.objective, self.splits, self.run_dir, self.resume_from is not None)
 
     def _build_model(self):
         """The model with its initial weights (the policy, or its frozen reference copy)."""
@@ -334,21 +322,12 @@ class Trainer:
     def _setup_reference(self):
         """The reference policy of an objective that has one: log-probs precomputed into the data
         (returns None), or a live reference called on every micro-batch. Collective call."""
-        if not self.objective.needs_reference:
-            return None
-        if self.cfg.objective.precompute_reference:
-            self.phases.begin("reference", "reading the precomputed reference log-probs" if self.resume_from is not None
-                              else "precomputing the reference log-probs of every pair")
-            reference.precompute(self.engine, self.splits, data.collator_for(self.cfg.data, self.tokenizer),
-                                 self.t.micro_batch_size, self.env.device, self.engine.dp_rank, self.dims.dp,
-                                 self.run_dir, self.resume_from is not None, self.env.is_main, self.t.eval_samples)
-            return None
-        if self.objective.reference_model() is not None:
-            return self.online.setup_teacher(self.engine, lambda m: build_model(m, self.t.seed))
-        self.phases.begin("reference", f"objective.reference={reference.reference_kind(self.cfg)}")
-        # GRPO's log-probs are of temperature-scaled logits; the preference objectives' are plain.
-        logps = getattr(self.objective, "token_logps", reference.completion_token_logps)
-        return reference.build_reference(self.cfg, self.engine, self._build_model, logps)
+        return reference.setup_reference(self.cfg, self.objective, self.engine, self.splits,
+                                         lambda: data.collator_for(self.cfg.data, self.tokenizer), self.env,
+                                         self.dims.dp, self.run_dir, self.resume_from is not None, self.phases,
+                                         self._build_model,
+                                         lambda: self.online.setup_teacher(self.engine,
+                                                                           lambda m: build_model(m, self.t.seed)))
 
     def _setup_tracker(self) -> Tracker:
         """The run directory (locked, ``config.yaml`` written by rank 0) and the tracker, with the
@@ -360,13 +339,8 @@ class Trainer:
         tracker = Tracker(cfg.tracker, self.run_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), env.is_main,
                           resume_step=state.step if resumed else None, run_id=state.tracker_run_id,
                           config_yaml=self.config_yaml, mlflow_run_id=state.mlflow_run_id, log_every=self.t.log_every)
-        finished = goodput.finished_at(self.run_dir) if env.is_main and resumed is not None else None
-        goodput.account_restart(state, tracker.redone_records, self.process_started, resumed=resumed is not None,
-                                finished=finished)
-        if env.is_main:
-            goodput.timeline_event(self.run_dir, "start", fresh=resumed is None, step=state.step,
-                                   resumed_from=resumed.name if resumed else None, world_size=env.world_size,
-                                   recipe=cfg.recipe.name, host=socket.gethostname(), pid=os.getpid())
+        goodput.start_run(self.run_dir, state, tracker.redone_records, self.process_started, resumed, env.is_main,
+                          env.world_size, cfg.recipe.name)
         return tracker
 
     def _setup_task_evals(self) -> in_loop.TaskEvals:
@@ -413,14 +387,8 @@ class Trainer:
         device MFU is measured against (:func:`llmtrain.planning.flops.peak_tflops`: configured,
         data sheet, or a matmul probe of this machine; collective on a CPU), said at start-up and
         recorded in the timeline for the run report."""
-        frozen, adapter = flops.partial_training_counts(self.engine.model) if self.partial else (0, 0)
-        peak = flops.peak_tflops(self.env.device, self.t.precision, self.t.peak_tflops,
-                                 announce=lambda detail: self.phases.begin("peak flops probe", detail))
-        if self.env.is_main and peak is not None:
-            log.info("MFU against %s", peak.describe())
-            goodput.timeline_event(self.run_dir, "peak_flops", tflops=peak.tflops, precision=peak.precision,
-                                   source=peak.source, detail=peak.detail)
-        return flops.flops_per_token(self.hf_config, self.cfg.data.seq_len, frozen, adapter), peak
+        return flops.for_run(self.engine.model, self.hf_config, self.cfg, self.env, self.partial, self.run_dir,
+                             lambda detail: self.phases.begin("peak flops probe", detail))
 
     def _setup_val_batches(self) -> list[dict]:
         """This rank's share of the held-out batches, with what the objective adds (an online
@@ -456,15 +424,8 @@ class Trainer:
         cfg, t, dims, env = self.cfg, self.t, self.dims, self.env
         num_parameters = self.engine.num_parameters()  # collective on some engines
         if env.is_main:
-            log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; objective %s; recipe %s "
-                     "(engine %s, ZeRO %d) on %d rank(s) = dp %d (replicate %d x shard %d) x tp %d x pp %d%s%s; "
-                     "global batch %d = micro %d x accumulation %d x dp %d; precision %s (%s)",
-                     cfg.model.name, num_parameters / 1e6, cfg.data.name, len(self.splits.train),
-                     len(self.splits.val), self.objective.name, cfg.recipe.name, cfg.recipe.engine,
-                     cfg.recipe.zero_stage, env.world_size, dims.dp, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp,
-                     f" ({cfg.recipe.pp_schedule}, {cfg.recipe.pp_stages_per_rank} stage(s) per rank)" if dims.pp > 1
-                     else "", long_context_detail(cfg, dims), t.global_batch_size, t.micro_batch_size, self.accumulation, dims.dp,
-                     t.precision, self.precision_reason)
+            log_run(cfg, dims, env.world_size, num_parameters, self.splits, self.objective.name, self.accumulation,
+                    self.precision_reason)
             log.info("%s", data.describe(self.splits))
         if self.partial:
             log_trainable(self.engine, cfg, dims, env.is_main)
