@@ -9,8 +9,8 @@ normaliser (target tokens for next-token training) of all micro-batches on all r
 gradient accumulation and data parallelism give exactly the gradient of one big batch, whatever
 the padding.
 
-One step, who calls whom: ``Trainer.train_step`` → :func:`forward_backward` (one all-reduce of the
-normaliser, ``Engine.accumulate_gradients`` → per micro-batch ``Engine.forward`` → ``Objective.
+One step, who calls whom: ``Trainer.train_step`` → :func:`~llmtrain.engine.step.forward_backward`
+(one all-reduce of the normaliser, ``Engine.accumulate_gradients`` → per micro-batch ``Engine.forward`` → ``Objective.
 loss_sums`` → ``Engine.backward``, then one all-reduce of the loss sums and :class:`StepScalars`)
 → ``Engine.step`` (clip, update, schedule) → :class:`StepResult`.
 """
@@ -18,25 +18,21 @@ loss_sums`` → ``Engine.backward``, then one all-reduce of the loss sums and :c
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
-import socket
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
 from llmtrain import data
-from llmtrain.checkpoint.checkpointer import Checkpointer, checkpoint_bytes, dump_loaded_model, warn_if_disk_is_short
+from llmtrain.checkpoint.checkpointer import (Checkpointer, checkpoint_bytes, open_checkpoints, resume_state,
+                                              warn_if_disk_is_short)
 from llmtrain.checkpoint.export import export_hf, write_policy
-from llmtrain.checkpoint.protocol import CheckpointManager, lock_run_dir, step_of
-from llmtrain.checkpoint.resume import check_resumable
-from llmtrain.checkpoint.state import TrainState, restore_rng
+from llmtrain.checkpoint.protocol import lock_run_dir
+from llmtrain.checkpoint.state import restore_rng
 from llmtrain.common import collection, hardware
 from llmtrain.common.errors import ConfigError
 from llmtrain.config.compose import run_dir_of
@@ -44,18 +40,20 @@ from llmtrain.config.validate import validate
 from llmtrain.data.order import sample_digest
 from llmtrain.engine import build_engine
 from llmtrain.engine.base import check_optimizer_steps
+# The step's types and its global-batch loss; imported from here by tests and benchmarks too.
+from llmtrain.engine.step import StepResult, StepScalars, forward_backward  # noqa: F401
 from llmtrain.evaluation import in_loop
-from llmtrain.evaluation.validation import Evaluator, evaluate
+from llmtrain.evaluation.validation import Evaluator, evaluate, log_eval
 from llmtrain.models import adapters, moe, quantize
 from llmtrain.models.build import build_model, build_tokenizer, check_sequence_length, model_config
 from llmtrain.monitoring import console, goodput
 from llmtrain.monitoring.health import FlatRewards, loss_spike, on_nonfinite, peak_memory_bytes
 from llmtrain.monitoring.preemption import Preemption
-from llmtrain.monitoring.startup import (StartupInterrupted, StartupPhases, engine_detail, log_trainable,
-                                         long_context_detail, model_detail)
+from llmtrain.monitoring.startup import (StartupInterrupted, StartupPhases, engine_detail, interrupted_line, log_run,
+                                         log_trainable, model_detail)
 from llmtrain.monitoring.tracking import Tracker
 from llmtrain.monitoring.watchdog import Watchdog
-from llmtrain.objectives import Objective, build_objective, reference
+from llmtrain.objectives import build_objective, reference
 from llmtrain.parallel import distributed
 from llmtrain.parallel.dims import ParallelDims
 from llmtrain.parallel.parallelize import compiled_graphs
@@ -63,119 +61,9 @@ from llmtrain.parallel.seeding import seed_everything, seed_streams
 from llmtrain.planning import flops
 from llmtrain.planning.auto import check_same_layout
 from llmtrain.planning.preflight import preflight
-from llmtrain.rollout import (RewardError, Rollout, build_environment, build_rewards, build_sampler,
-                              environment_reward)
+from llmtrain.rollout.online import held_out_detail, setup_online
 
 log = logging.getLogger("llmtrain")
-
-
-@dataclass
-class StepScalars:
-    """This rank's values of one optimizer step that ride in the step's one all-reduce after
-    backward, beside the loss, so the loop reports them without collectives of its own. After
-    the all-reduce (:meth:`from_values`) each field holds the sum over all ranks.
-
-    Attributes:
-        sample_digest: order-free fingerprint of the step's samples (:func:`sample_digest`).
-        preempt_requested: 1.0 where a preemption signal arrived (``Preemption.local_flags``).
-        save_due: 1.0 where ``trainer.save_every_minutes`` has elapsed.
-        background_written: 1.0 where this rank's background checkpoint write is done.
-        memory_bytes: one slot per rank, this rank's peak memory (bytes) in its own slot: the
-            sum holds every rank's figure, so the maximum and its rank cost no collective.
-    """
-
-    sample_digest: float = 0.0
-    preempt_requested: float = 0.0
-    save_due: float = 0.0
-    background_written: float = 0.0
-    memory_bytes: list[float] = field(default_factory=list)
-
-    def values(self) -> list[float]:
-        """The fields flattened in declaration order (the all-reduce's layout)."""
-        return [self.sample_digest, self.preempt_requested, self.save_due, self.background_written,
-                *self.memory_bytes]
-
-    @classmethod
-    def from_values(cls, values: list[float]) -> "StepScalars":
-        """Inverse of :meth:`values`."""
-        digest, requested, due, written, *memory = values
-        return cls(digest, requested, due, written, list(memory))
-
-
-@dataclass
-class StepSums:
-    """What :func:`forward_backward` returns: the step's global mean loss (over the objective's
-    normaliser), the tokens of the global batch (prompt tokens included), the objective's metrics
-    (means over the same normaliser, keyed ``NAME``) and the world sums of :class:`StepScalars`."""
-
-    loss: float
-    tokens: int
-    metrics: dict[str, float]
-    scalars: StepScalars
-    # Mixture-of-experts models: the step's world-summed router counters, float64
-    # [L (E + 3) + 1] (Engine.router_counters, already divided by the tensor-parallel degree).
-    router: torch.Tensor | None = None
-
-
-def forward_backward(engine, batches: list[dict[str, torch.Tensor]],
-                     local_scalars: Callable[[], StepScalars] | None = None) -> StepSums:
-    """Accumulate the gradient of one optimizer step over this rank's micro-batches.
-
-    Each micro-batch's summed loss is divided by the objective's normaliser of the whole global
-    batch (all micro-batches, all data-parallel ranks; one all-reduce before backward), so the
-    accumulated gradient is that of the global batch's mean loss, independent of how it is split.
-    Tensor/pipeline-parallel peers hold the same samples, so world sums are divided by
-    ``dims.data_replicas``.
-
-    ``local_scalars``: called after backward, this rank's :class:`StepScalars`; summed over ranks
-    in the same all-reduce as the loss, so a step makes two collectives of its own whatever the
-    loop reports.
-    """
-    objective: Objective = engine.objective
-    replicas = engine.dims.data_replicas
-    device = batches[0]["input_ids"].device
-    # Counted on the device (no host sync per micro-batch); the one sync is the normaliser's.
-    counts = torch.stack([sum(objective.normaliser(b) for b in batches).to(torch.float64),
-                          sum(b["attention_mask"].sum() for b in batches).to(torch.float64)])
-    normaliser, tokens = (distributed.all_reduce_sum(counts) / replicas).tolist()
-    sums = engine.accumulate_gradients(batches, normaliser)
-    scalars = local_scalars() if local_scalars is not None else StepScalars()
-    router = engine.router_counters()
-    router = router if router is not None else torch.zeros(0, dtype=torch.float64, device=device)
-    reduced = distributed.all_reduce_sum(torch.cat([sums.to(torch.float64),
-                                                    torch.tensor(scalars.values(), dtype=torch.float64,
-                                                                 device=device), router]))
-    values = reduced[:len(reduced) - len(router)].tolist()  # the step's one host sync after backward
-    loss, *metric_sums = [v / replicas for v in values[:len(sums)]]
-    metrics = objective.average(dict(zip(objective.metric_names, metric_sums)), normaliser)
-    return StepSums(loss / normaliser, int(tokens), metrics, StepScalars.from_values(values[len(sums):]),
-                    reduced[len(reduced) - len(router):].cpu() / engine.dims.tp if len(router) else None)
-
-
-@dataclass
-class StepResult:
-    """One optimizer step as :meth:`Trainer.train_step` reports it (global values every rank
-    holds). ``spike``: why the loss counts as a spike (:func:`loss_spike`), else None."""
-
-    step: int
-    loss: float
-    lr: float
-    grad_norm: float
-    tokens: int
-    seconds: float
-    metrics: dict[str, float]
-    scalars: StepScalars
-    stop: bool
-    save_by_time: bool
-    spike: str | None
-    router: torch.Tensor | None = None  # StepSums.router
-    # What the batch source reports (an online objective's rollout: rewards, lengths, times).
-    source_metrics: dict[str, float] = field(default_factory=dict)
-    gc_s: float = 0.0  # seconds of the scheduled garbage collection that ended the step (trainer.gc_every)
-
-    @property
-    def healthy(self) -> bool:
-        return math.isfinite(self.loss) and math.isfinite(self.grad_norm) and not self.spike
 
 
 class Trainer:
@@ -208,14 +96,8 @@ class Trainer:
     def _interrupted(self) -> str:
         """Close what start-up had opened when SIGINT stopped it (the tracker, with the timeline's
         end event, so a rerun does not report a crash; a rollout server) and say where it stopped."""
-        import signal
-
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut this short
-        try:
-            phases = getattr(self, "phases", None)
-            where = f"during {phases.current}" if phases is not None and phases.current else "before the first step"
-            tracker = getattr(self, "tracker", None)
-            left = ""
+        def close() -> str:
+            tracker, left = getattr(self, "tracker", None), ""
             if tracker is not None:
                 tracker.finish(complete=False)
                 if self.env.is_main:
@@ -223,9 +105,9 @@ class Trainer:
                 left = (f"; {self.run_dir} keeps its checkpoints" if self.resume_from is not None else
                         f"; {self.run_dir} holds config.yaml and logs, no checkpoint")
             self.close_sampler()
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        return f"SIGINT (Ctrl-C) in start-up, {where}: nothing was trained{left}"
+            return left
+
+        return interrupted_line(getattr(self, "phases", None), close)
 
     def _set_up(self, cfg: Any) -> None:
         # trainer.precision=auto becomes what this machine runs natively before anything reads it
@@ -250,16 +132,19 @@ class Trainer:
         self.partial = adapters.is_partial(cfg)  # LoRA or model.freeze: some parameters stay frozen
         self.fingerprint = adapters.base_fingerprint(cfg.model, self.t.seed) if self.partial else None
         phases.begin("checkpoints", f"finding and verifying the one to resume in {self.run_dir / 'checkpoints'}")
-        self.checkpoints, self.resume_from = self._setup_checkpoints()
+        self.checkpoints, self.resume_from, self.rollout_state = open_checkpoints(self.run_dir, cfg, self.env,
+                                                                                  self.fingerprint)
         self.objective = build_objective(cfg.get("objective"))
         self.objective.setup(cfg)
         self._check_data_for_objective()
-        self.online_parts = self._setup_online()
+        self.online = setup_online(cfg, self.objective, self.tokenizer, self.splits, self.env, self.dims, phases,
+                                   lambda m: model_config(m).vocab_size, self.hf_config.vocab_size, self._publish)
         # Dynamo's count is per process: another run earlier in it (a sweep, a test) is not ours.
         self.graphs_before = compiled_graphs()
         self.engine = self._setup_engine()
         phases.begin("train state")
-        self.state, rng = self._setup_state()
+        self.state, rng = resume_state(self.checkpoints, self.resume_from, self.engine, self.env.world_size,
+                                       self.t.global_batch_size, self.fingerprint)
         self.config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         self.checkpoints.announce()  # resuming or starting fresh: said once every check has passed
         phases.begin("tracker", ", ".join(["metrics.jsonl", *(b for b in cfg.tracker.backends
@@ -276,7 +161,7 @@ class Trainer:
         if self.resume_from is not None:
             phases.begin("resume")
         elif self.t.eval_every:  # trainer.eval_every=0: no evaluation before the last step, step 0's included
-            phases.begin("first evaluation", self._held_out_detail())
+            phases.begin("first evaluation", held_out_detail(cfg, self.objective.online))
         self._evaluate_before_training()
         # After everything that draws random numbers at start-up: the dropout streams of the loop.
         if rng is not None:
@@ -391,21 +276,6 @@ class Trainer:
             log.warning("%s", too_long)
         return tokenizer, hf_config
 
-    def _setup_checkpoints(self) -> tuple[CheckpointManager, Path | None]:
-        """The run's checkpoint manager and the checkpoint to resume (checked compatible), if any."""
-        manager = CheckpointManager(self.run_dir, self.env, self.t.keep_checkpoints)
-        resume_from = manager.resolve(self.t.resume)
-        self.rollout_state: dict[str, torch.Tensor] = {}  # an online objective's pending generation batch
-        if resume_from is not None:
-            check_resumable(resume_from, self.cfg, manager, self.env.is_main, self.fingerprint)
-            self.rollout_state = manager.read_rank_state(resume_from, "rollout")
-        if self.env.is_main and self.t.resume == "auto":  # a rerun of the same command: say what a crash cost
-            previous = goodput.unfinished_process(self.run_dir)
-            resumed_step = step_of(resume_from) if resume_from is not None else 0
-            if previous is not None and previous["last_step"] > resumed_step:
-                log.warning("resume=%s: %s", self.t.resume, goodput.describe_unfinished(previous, resumed_step))
-        return manager, resume_from
-
     def _setup_engine(self):
         """The engine with the model built inside its init context (ZeRO-3 partitions as it is
         built), LoRA/frozen parameters applied, and a resume's checkpoint prepared."""
@@ -442,46 +312,7 @@ class Trainer:
         Raises:
             DataError, ResumeError: naming the field or file and the fix.
         """
-        o = self.cfg.objective
-        if o.get("margin_column") and "margin" not in self.splits.train[0]:
-            raise data.DataError(f"objective.margin_column=true, but data.path={self.cfg.data.path} has no margin "
-                                 "column; map yours with data.columns.margin=COLUMN, or drop the setting")
-        if self.objective.needs_reference and o.get("precompute_reference") and self.resume_from is not None:
-            reference.check_stored(self.run_dir, self.splits, self.t.eval_samples)
-
-    def _setup_online(self) -> tuple[Any, list, Any] | None:
-        """An online objective's sampler, reward functions (each tried on two prompts before
-        anything is written: :func:`llmtrain.rollout.build_rewards`) and multi-turn environment
-        (or None); None for others.
-
-        Raises:
-            ConfigError: a rollout engine, reward function or environment that cannot be built,
-                or a reward function that fails the try.
-        """
-        if not self.objective.online:
-            return None
-        if self.objective.reference_model() is not None:
-            self._check_teacher()
-        end_ids = data.end_token_ids(self.cfg.data, self.tokenizer)
-        sampler = build_sampler(self.cfg, self.tokenizer, end_ids)
-        sampler.check()
-        # An engine that serves the policy elsewhere (vLLM) gets its weights written by the export's code.
-        sampler.publish = lambda directory, part: write_policy(self.engine, self.cfg, self.tokenizer, directory, part,
-                                                               end_ids)
-        probe = [self.splits.train[i] for i in range(min(2, len(self.splits.train)))]
-        if getattr(self.objective, "lmbda", 1.0) < 1 and probe and "completion" not in probe[0]:
-            raise ConfigError(f"objective.lmbda={self.objective.lmbda}: the batches the student does not sample are the "
-                              "data's own completions, read from each record's 'completion' column, which the records "
-                              f"of data.path lack (theirs: {', '.join(k for k in probe[0] if k != 'prompt_ids')}); add "
-                              "it or set objective.lmbda=1")
-        try:
-            functions = build_rewards(self.cfg, probe, self.env.device) if self.cfg.reward.functions else []
-        except RewardError as err:
-            raise ConfigError(f"reward.functions: {err}") from err.__cause__
-        environment = build_environment(self.cfg)
-        if environment is not None and environment.gives_rewards:  # one more function: weighted, logged
-            functions.append(environment_reward())
-        return sampler, functions, environment
+        reference.check_data(self.cfg, self.objective, self.splits, self.run_dir, self.resume_from is not None)
 
     def _build_model(self):
         """The model with its initial weights (the policy, or its frozen reference copy)."""
@@ -491,64 +322,12 @@ class Trainer:
     def _setup_reference(self):
         """The reference policy of an objective that has one: log-probs precomputed into the data
         (returns None), or a live reference called on every micro-batch. Collective call."""
-        if not self.objective.needs_reference:
-            return None
-        if self.cfg.objective.precompute_reference:
-            self.phases.begin("reference", "reading the precomputed reference log-probs" if self.resume_from is not None
-                              else "precomputing the reference log-probs of every pair")
-            reference.precompute(self.engine, self.splits, data.collator_for(self.cfg.data, self.tokenizer),
-                                 self.t.micro_batch_size, self.env.device, self.engine.dp_rank, self.dims.dp,
-                                 self.run_dir, self.resume_from is not None, self.env.is_main, self.t.eval_samples)
-            return None
-        if self.objective.reference_model() is not None:
-            return self._setup_teacher()
-        self.phases.begin("reference", f"objective.reference={reference.reference_kind(self.cfg)}")
-        # GRPO's log-probs are of temperature-scaled logits; the preference objectives' are plain.
-        logps = getattr(self.objective, "token_logps", reference.completion_token_logps)
-        return reference.build_reference(self.cfg, self.engine, self._build_model, logps)
-
-    def _setup_teacher(self):
-        """The objective's own frozen reference model (distillation's teacher), laid out like a
-        reference copy. Collective call.
-
-        Raises:
-            ConfigError: an engine that cannot lay it out.
-        """
-        teacher = self.objective.reference_model()
-        self.phases.begin("teacher", f"objective.teacher={self.objective.teacher} (model source {teacher.source})")
-        forward = self.engine.frozen_copy(lambda: build_model(teacher, self.t.seed), teacher.source == "config")
-        if forward is None:
-            raise ConfigError(f"objective.teacher: the {type(self.engine).__name__} engine of recipe "
-                              f"{self.cfg.recipe.name} cannot lay out a frozen teacher; use a data-parallel, ZeRO or "
-                              "FSDP recipe")
-        return reference.LiveReference(forward, self.objective.reference_outputs)
-
-    def _check_teacher(self) -> None:
-        """A distillation teacher that exists and shares the student's vocabulary (read from the
-        two model configs), before anything is written.
-
-        Raises:
-            ConfigError: naming the teacher and both vocabulary sizes.
-        """
-        teacher = self.objective.reference_model()
-        width = model_config(teacher).vocab_size
-        if width != self.hf_config.vocab_size:
-            raise ConfigError(f"objective.teacher={self.objective.teacher!r} has {width} logits per token, the student "
-                              f"model {self.cfg.model.name} {self.hf_config.vocab_size}: distillation compares the two "
-                              "distributions token by token, so they need one tokenizer and vocabulary")
-
-    def _setup_state(self) -> tuple[TrainState, dict | None]:
-        """A fresh train state, or the resumed checkpoint's (and its RNG states) loaded into the
-        engine; the optimizer's update count checked against it."""
-        state, rng = TrainState(world_size=self.env.world_size, global_batch_size=self.t.global_batch_size,
-                                           base_fingerprint=self.fingerprint), None
-        if self.resume_from is not None:
-            state, rng = self.checkpoints.load(self.engine, self.resume_from)
-            state.parent = self.resume_from.name
-            self.checkpoints.start_branch(self.resume_from)
-            dump_loaded_model(self.engine)
-        check_optimizer_steps(self.engine, state)
-        return state, rng
+        return reference.setup_reference(self.cfg, self.objective, self.engine, self.splits,
+                                         lambda: data.collator_for(self.cfg.data, self.tokenizer), self.env,
+                                         self.dims.dp, self.run_dir, self.resume_from is not None, self.phases,
+                                         self._build_model,
+                                         lambda: self.online.setup_teacher(self.engine,
+                                                                           lambda m: build_model(m, self.t.seed)))
 
     def _setup_tracker(self) -> Tracker:
         """The run directory (locked, ``config.yaml`` written by rank 0) and the tracker, with the
@@ -560,13 +339,8 @@ class Trainer:
         tracker = Tracker(cfg.tracker, self.run_dir, cfg.name, OmegaConf.to_container(cfg, resolve=True), env.is_main,
                           resume_step=state.step if resumed else None, run_id=state.tracker_run_id,
                           config_yaml=self.config_yaml, mlflow_run_id=state.mlflow_run_id, log_every=self.t.log_every)
-        finished = goodput.finished_at(self.run_dir) if env.is_main and resumed is not None else None
-        goodput.account_restart(state, tracker.redone_records, self.process_started, resumed=resumed is not None,
-                                finished=finished)
-        if env.is_main:
-            goodput.timeline_event(self.run_dir, "start", fresh=resumed is None, step=state.step,
-                                   resumed_from=resumed.name if resumed else None, world_size=env.world_size,
-                                   recipe=cfg.recipe.name, host=socket.gethostname(), pid=os.getpid())
+        goodput.start_run(self.run_dir, state, tracker.redone_records, self.process_started, resumed, env.is_main,
+                          env.world_size, cfg.recipe.name)
         return tracker
 
     def _setup_task_evals(self) -> in_loop.TaskEvals:
@@ -597,56 +371,24 @@ class Trainer:
             source = data.StepBatches(self.micro_batches, self.accumulation, self.objective.prepare)
             return source, Evaluator(lambda: evaluate(self.engine, val_batches, self.env.device), t.eval_every,
                                      t.max_steps)
-        sampler, functions, environment = self.online_parts
-        rollout = Rollout(self.cfg, self.engine, self.objective, sampler, self.micro_batches, self.tokenizer,
-                          data.pad_id_of(self.tokenizer), functions, self.run_dir, self.env.is_main,
-                          lambda rows, step: self.tracker.log_table("completions", rows, step), environment,
-                          self._held_out_divergence if self.objective.reference_model() is not None else None)
-        rollout.load_state_dict(self.rollout_state)
-        self.checkpoints.rank_state["rollout"] = rollout.state_dict
-        return rollout, Evaluator(lambda: self._held_out_rewards(rollout, val_batches), t.eval_every, t.max_steps)
+        rollout = self.online.setup_rollout(self.engine, self.micro_batches, self.run_dir,
+                                            lambda rows, step: self.tracker.log_table("completions", rows, step),
+                                            lambda batches: evaluate(self.engine, batches, self.env.device),
+                                            self.rollout_state, self.checkpoints.rank_state)
+        return rollout, Evaluator(lambda: self.online.held_out_rewards(rollout, val_batches, t.progress_bar),
+                                  t.eval_every, t.max_steps)
 
-    def _held_out_rewards(self, rollout: Rollout, val_batches: list[dict]) -> dict[str, float]:
-        """An online objective's held-out evaluation (:meth:`Rollout.evaluate`) with rank 0's
-        progress through its prompts (a bar on a terminal, else lines): minutes on a CPU."""
-        prompts = sum(len(b["prompts"]) for b in val_batches)
-        share = " (rank 0's share)" if self.dims.dp > 1 else ""
-        with console.CountProgress(f"held-out evaluation{share}", prompts, "prompts", self.env.is_main,
-                                   self.t.progress_bar and console.interactive()) as progress:
-            sampler = self.online_parts[0]
-            sampler.on_sampled = progress.advance
-            try:
-                return rollout.evaluate(val_batches)
-            finally:
-                sampler.on_sampled = None
-
-    def _held_out_detail(self) -> str:
-        """What the first evaluation does, for its start-up line."""
-        if not self.objective.online:
-            return f"held-out loss of up to {self.t.eval_samples} samples"
-        return (f"a greedy completion of each of up to {self.t.eval_samples} held-out prompts (trainer.eval_samples), "
-                f"up to {self.cfg.rollout.max_completion_length} tokens each; trainer.eval_every=0 skips it")
-
-    def _held_out_divergence(self, batches: list[dict]) -> dict[str, float]:
-        """Distillation's held-out loss: the teacher's outputs on greedy completions of the
-        held-out prompts, then the objective's loss over them (``val/loss``: the per-token KL)."""
-        batches = [self.objective.prepare(b) for b in batches]
-        reference.annotate_batches(self.reference, self.engine, batches, self.env.device, self.objective.reference_key)
-        return evaluate(self.engine, batches, self.env.device)
+    def _publish(self, directory: Path, part: str, end_ids: list[int]) -> Path | None:
+        """The policy's weights written for a rollout engine that serves it elsewhere (vLLM)."""
+        return write_policy(self.engine, self.cfg, self.tokenizer, directory, part, end_ids)
 
     def _setup_flops(self) -> tuple[float, flops.Peak | None]:
         """Model FLOPs per token (PaLM appendix B) at ``data.seq_len``, and the peak TFLOP/s per
         device MFU is measured against (:func:`llmtrain.planning.flops.peak_tflops`: configured,
         data sheet, or a matmul probe of this machine; collective on a CPU), said at start-up and
         recorded in the timeline for the run report."""
-        frozen, adapter = flops.partial_training_counts(self.engine.model) if self.partial else (0, 0)
-        peak = flops.peak_tflops(self.env.device, self.t.precision, self.t.peak_tflops,
-                                 announce=lambda detail: self.phases.begin("peak flops probe", detail))
-        if self.env.is_main and peak is not None:
-            log.info("MFU against %s", peak.describe())
-            goodput.timeline_event(self.run_dir, "peak_flops", tflops=peak.tflops, precision=peak.precision,
-                                   source=peak.source, detail=peak.detail)
-        return flops.flops_per_token(self.hf_config, self.cfg.data.seq_len, frozen, adapter), peak
+        return flops.for_run(self.engine.model, self.hf_config, self.cfg, self.env, self.partial, self.run_dir,
+                             lambda detail: self.phases.begin("peak flops probe", detail))
 
     def _setup_val_batches(self) -> list[dict]:
         """This rank's share of the held-out batches, with what the objective adds (an online
@@ -682,15 +424,8 @@ class Trainer:
         cfg, t, dims, env = self.cfg, self.t, self.dims, self.env
         num_parameters = self.engine.num_parameters()  # collective on some engines
         if env.is_main:
-            log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; objective %s; recipe %s "
-                     "(engine %s, ZeRO %d) on %d rank(s) = dp %d (replicate %d x shard %d) x tp %d x pp %d%s%s; "
-                     "global batch %d = micro %d x accumulation %d x dp %d; precision %s (%s)",
-                     cfg.model.name, num_parameters / 1e6, cfg.data.name, len(self.splits.train),
-                     len(self.splits.val), self.objective.name, cfg.recipe.name, cfg.recipe.engine,
-                     cfg.recipe.zero_stage, env.world_size, dims.dp, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp,
-                     f" ({cfg.recipe.pp_schedule}, {cfg.recipe.pp_stages_per_rank} stage(s) per rank)" if dims.pp > 1
-                     else "", long_context_detail(cfg, dims), t.global_batch_size, t.micro_batch_size, self.accumulation, dims.dp,
-                     t.precision, self.precision_reason)
+            log_run(cfg, dims, env.world_size, num_parameters, self.splits, self.objective.name, self.accumulation,
+                    self.precision_reason)
             log.info("%s", data.describe(self.splits))
         if self.partial:
             log_trainable(self.engine, cfg, dims, env.is_main)
@@ -721,10 +456,8 @@ class Trainer:
         self.summary["losses"].append(result.loss)
         self.summary["lrs"].append(result.lr)
         if result.router is not None:
-            shape, layers = self.engine.moe_shape, self.engine.hf_layers
-            counts = result.router[:layers * shape.num_experts].view(layers, shape.num_experts)
-            saved = torch.tensor(state.expert_load, dtype=torch.float64) if state.expert_load else torch.zeros_like(counts)
-            state.expert_load = (saved + counts).tolist()
+            state.expert_load = moe.add_expert_load(state.expert_load, result.router, self.engine.hf_layers,
+                                                    self.engine.moe_shape.num_experts)
 
     def _step_metrics(self, result: StepResult) -> dict[str, float]:
         """The step's record for the trackers (and the progress bar's line)."""
@@ -767,38 +500,12 @@ class Trainer:
         """``run_dir/expert_load.json`` (rank 0): tokens per expert per layer summed over every
         step so far (the checkpointed count, so a resumed run continues it exactly), for the
         report's heatmap."""
-        if not self.env.is_main or not self.state.expert_load:
-            return
-        shape = self.engine.moe_shape
-        path = self.run_dir / "expert_load.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"step": self.state.step, "num_experts": shape.num_experts, "top_k": shape.top_k,
-                                   "moe_layers": list(shape.moe_layers), "tokens_per_expert": self.state.expert_load}))
-        os.replace(tmp, path)
+        if self.env.is_main and self.state.expert_load:
+            moe.write_expert_load(self.run_dir, self.state.step, self.engine.moe_shape, self.state.expert_load)
 
     def _log_eval(self, step: int, metrics: dict[str, float], train_loss: float | None = None) -> dict[str, float]:
         if self.env.is_main:
-            if "val/perplexity" in metrics:
-                detail = f"ppl {metrics['val/perplexity']:.2f}"
-            elif "val/teacher_kl" in metrics:
-                detail = (f"per-token reverse KL to the teacher on greedy completions of {metrics['val/prompts']} "
-                          f"held-out prompts, mean {metrics['val/completions/mean_length']:.1f} tokens")
-            elif "val/rewards/accuracies" in metrics:
-                # Accuracy counts pairs whose chosen reward is strictly higher; with the policy still
-                # the reference every reward is 0: a tie, not a wrong answer.
-                ties = metrics["val/rewards/accuracies"] == 0 and metrics["val/rewards/margins"] == 0
-                detail = (f"preference accuracy {metrics['val/rewards/accuracies']:.3f}"
-                          f"{' (every pair a tie: the policy is still the reference)' if ties else ''}, margin "
-                          f"{metrics['val/rewards/margins']:.4f}")
-            else:
-                detail = ", ".join(f"{k[4:]} {v:.4f}" for k, v in metrics.items() if k.startswith("val/rewards/"))
-            if "val/loss" in metrics:
-                log.info("eval at step %d: val loss %.4f (%s)%s", step, metrics["val/loss"], detail,
-                         f", train loss {train_loss:.4f}" if train_loss is not None else "")
-            else:  # an online objective: the mean reward of greedy completions of held-out prompts
-                log.info("eval at step %d: val reward %.4f ± %.4f (standard error) over %d prompts (%s), mean "
-                         "completion %.1f tokens", step, metrics["val/reward"], metrics["val/reward_stderr"],
-                         metrics["val/prompts"], detail, metrics["val/completions/mean_length"])
+            log_eval(step, metrics, train_loss)
         if step == self.t.max_steps and step > 0:
             self.summary["final_val"] = {k: v for k, v in metrics.items() if k in ("val/loss", "val/perplexity",
                                          "val/reward", "val/reward_stderr") or k.startswith("val/rewards/")}
@@ -863,8 +570,8 @@ class Trainer:
 
     def close_sampler(self) -> None:
         """Stop what an online objective's rollout engine started (a vLLM server); idempotent."""
-        if getattr(self, "online_parts", None):
-            self.online_parts[0].close()
+        if getattr(self, "online", None):
+            self.online.close()
 
 
 def _write_report_or_warn(run_dir: Path) -> str | None:

@@ -26,7 +26,9 @@ def _broken(stdout: str) -> list[str]:
     """The names of the broken contracts, in the file's order (lint-imports wraps long names over
     lines, under a line of dashes after the count of files analysed)."""
     listing = " ".join(stdout.split(" dependencies.")[-1].split("Contracts:")[0].split("\n", 2)[2].split())
-    return [name for name, verdict in re.findall(r"(.+?) (KEPT|BROKEN)(?: |$)", listing) if verdict == "BROKEN"]
+    # A contract with ignore_imports says how many after its verdict: "BROKEN (3 ignored imports)".
+    return [name for name, verdict in re.findall(r"(.+?) (KEPT|BROKEN)(?: \(\d+ ignored imports?\))?(?: |$)", listing)
+            if verdict == "BROKEN"]
 
 
 def _with_line(tmp_path: Path, module: str, line: str) -> Path:
@@ -65,3 +67,26 @@ def test_data_that_imports_an_engine_breaks_its_independence(tmp_path):
     assert broken[0].startswith("Parts: commands -> trainer"), broken
     assert broken[1].startswith("data never imports models, engines"), broken
     assert "llmtrain.data.order -> llmtrain.engine.base" in proc.stdout
+
+
+# Keep the bar for new code: the three places that outgrew their rooms (issue 57) were cut back to
+# these sizes; a module or function past them is split where it is added, not later.
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 750, 100
+
+
+def test_no_module_or_function_outgrows_its_room():
+    import ast
+
+    too_long = []
+    for path in sorted((REPO / "llmtrain").rglob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        name = path.relative_to(REPO).as_posix()
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {len(source.splitlines())} lines (module)")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}:{node.lineno} {node.name}: {lines} lines (function)")
+    assert not too_long, (f"over {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_LINES} a function; split them: "
+                          + "; ".join(too_long))

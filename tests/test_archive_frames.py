@@ -1,4 +1,4 @@
-"""Framed ``torch.save`` archives (``llmtrain.engine.archive_frames``) and the DCP writer that
+"""Framed ``torch.save`` archives (``llmtrain.checkpoint.format.archive_frames``) and the DCP writer that
 uses them. The references are torch's own: ``torch.save``'s bytes for each tensor, and DCP's
 stock ``FileSystemWriter``'s files and metadata for a whole state dict."""
 
@@ -10,7 +10,8 @@ import pickle
 import pytest
 import torch
 
-from llmtrain.engine import archive_frames, dcp_state
+from llmtrain.checkpoint.format import archive_frames, dcp_writer
+from llmtrain.engine import dcp_state
 
 
 def _torch_save(tensor) -> bytes:
@@ -100,15 +101,15 @@ def test_the_dcp_writer_writes_dcps_own_files_byte_for_byte(tmp_path, no_crc32, 
              "view": torch.randn(20)[5:9], "transposed": torch.randn(7, 5).t(), "object": {"epoch": 3}}
     with dcp_state._single_process_is_intended():
         dcp.save(state, checkpoint_id=str(tmp_path / "stock"), storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")))
-        dcp.save(state, checkpoint_id=str(tmp_path / "ours"), storage_writer=dcp_state.writer(tmp_path / "ours"))
-    dcp_state.take_written(tmp_path / "ours")
+        dcp.save(state, checkpoint_id=str(tmp_path / "ours"), storage_writer=dcp_writer.writer(tmp_path / "ours"))
+    dcp_writer.take_written(tmp_path / "ours")
     saved = []
     real_save = torch.save
     monkeypatch.setattr(torch, "save", lambda obj, *a, **k: saved.append(obj) or real_save(obj, *a, **k))
     with dcp_state._single_process_is_intended():
-        dcp.save(state, checkpoint_id=str(tmp_path / "again"), storage_writer=dcp_state.writer(tmp_path / "again"))
+        dcp.save(state, checkpoint_id=str(tmp_path / "again"), storage_writer=dcp_writer.writer(tmp_path / "again"))
     monkeypatch.undo()
-    dcp_state.take_written(tmp_path / "again")
+    dcp_writer.take_written(tmp_path / "again")
     assert [tuple(t.shape) for t in saved if isinstance(t, torch.Tensor)] == [(5, 7)]
     files = sorted(p.name for p in (tmp_path / "stock").glob("*.distcp"))
     assert files == sorted(p.name for p in (tmp_path / "ours").glob("*.distcp")) == ["__0_0.distcp"]
@@ -139,8 +140,8 @@ def test_each_data_file_is_whole_on_disk_when_it_is_synced(tmp_path, monkeypatch
     monkeypatch.setattr(os, "fsync", lambda fd: at_sync.append(os.fstat(fd).st_size) or real_fsync(fd))
     with dcp_state._single_process_is_intended():
         dcp.save({"w": torch.randn(64, 32), "b": torch.randn(32)}, checkpoint_id=str(tmp_path),
-                 storage_writer=dcp_state.writer(tmp_path))
-    dcp_state.take_written(tmp_path)
+                 storage_writer=dcp_writer.writer(tmp_path))
+    dcp_writer.take_written(tmp_path)
     assert at_sync[0] == (tmp_path / "__0_0.distcp").stat().st_size
 
 

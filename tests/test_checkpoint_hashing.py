@@ -14,6 +14,7 @@ import torch
 
 from llmtrain.checkpoint.protocol import CheckpointManager, _checksum, verify
 from llmtrain.checkpoint.state import TrainState
+from llmtrain.checkpoint.format import dcp_writer, plan_cache
 from llmtrain.engine import dcp_state
 from llmtrain.parallel.distributed import DistEnv
 
@@ -55,31 +56,31 @@ def test_checksums_taken_while_writing_equal_the_files_read_back(kind, tmp_path)
     engine = _engine(1)
     _train_step(engine, 0.5)
     folder = tmp_path / "tmp-step"
-    dcp_state.hash_writes(folder, kind)
+    dcp_writer.hash_writes(folder, kind)
     engine.save_checkpoint(folder / "engine")
-    written = dcp_state.take_written(folder)
+    written = dcp_writer.take_written(folder)
     # DCP's data file and its metadata (written as .metadata.tmp, then renamed) were hashed.
     assert {"engine/__0_0.distcp", "engine/.metadata"} <= set(written)
     for rel, (size, digest) in written.items():
         assert size == (folder / rel).stat().st_size
         assert digest == _checksum(folder / rel, kind), rel
-    assert dcp_state.take_written(folder) == {}  # taken once; the folder is forgotten
+    assert dcp_writer.take_written(folder) == {}  # taken once; the folder is forgotten
 
 
 def test_hashed_writer_matches_hashlib_and_follows_renames(tmp_path):
-    dcp_state.hash_writes(tmp_path, "sha256")
+    dcp_writer.hash_writes(tmp_path, "sha256")
     chunks = [b"abc" * 1000, torch.arange(7, dtype=torch.float32).numpy().tobytes(), b""]
-    with dcp_state.hashed_open(tmp_path / "f.tmp") as f:
+    with dcp_writer.hashed_open(tmp_path / "f.tmp") as f:
         for chunk in chunks:
             f.write(memoryview(chunk))
-    with dcp_state.hashed_open(tmp_path / "gone") as f:
+    with dcp_writer.hashed_open(tmp_path / "gone") as f:
         f.write(b"x")
-    fs = dcp_state._HashingFileSystem()
+    fs = dcp_writer._HashingFileSystem()
     fs.rename(tmp_path / "f.tmp", tmp_path / "f.bin")  # as DCP renames .metadata.tmp
     fs.rm_file(tmp_path / "gone")
-    written = dcp_state.take_written(tmp_path)
+    written = dcp_writer.take_written(tmp_path)
     assert written == {"f.bin": (len(b"".join(chunks)), hashlib.sha256(b"".join(chunks)).hexdigest())}
-    with dcp_state.hashed_open(tmp_path / "h.bin") as f:
+    with dcp_writer.hashed_open(tmp_path / "h.bin") as f:
         assert not hasattr(f, "digest")  # the folder is no longer registered: a plain file
 
 
@@ -108,9 +109,9 @@ def test_torch_save_writes_no_zip_crc32_into_hashed_files_only_and_restores_the_
         return {info.CRC for info in zipfile.ZipFile(path).infolist() if info.file_size}
 
     values = torch.arange(1000.0)
-    dcp_state.hash_writes(tmp_path, "xxh3")
+    dcp_writer.hash_writes(tmp_path, "xxh3")
     try:
-        first, second = dcp_state.hashed_open(tmp_path / "a.pt"), dcp_state.hashed_open(tmp_path / "b.pt")
+        first, second = dcp_writer.hashed_open(tmp_path / "a.pt"), dcp_writer.hashed_open(tmp_path / "b.pt")
         torch.save(values, first)
         first.close()
         assert not torch.serialization.get_crc32_options()  # b.pt is still being written
@@ -119,12 +120,12 @@ def test_torch_save_writes_no_zip_crc32_into_hashed_files_only_and_restores_the_
         assert torch.serialization.get_crc32_options()
         torch.save(values, tmp_path / "plain.pt")
         torch.serialization.set_crc32_options(False)  # a user's own choice survives
-        with dcp_state.hashed_open(tmp_path / "c.pt"):
+        with dcp_writer.hashed_open(tmp_path / "c.pt"):
             pass
         assert not torch.serialization.get_crc32_options()
     finally:
         torch.serialization.set_crc32_options(True)
-        written = dcp_state.take_written(tmp_path)
+        written = dcp_writer.take_written(tmp_path)
     assert crcs(tmp_path / "a.pt") == crcs(tmp_path / "b.pt") == {0}
     assert 0 not in crcs(tmp_path / "plain.pt")
     for name in ("a.pt", "b.pt"):
@@ -141,17 +142,17 @@ def test_every_writer_thread_skips_the_crc32_and_no_other_file_does(tmp_path, mo
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    monkeypatch.setattr(dcp_state, "writer_threads", lambda: 2)
+    monkeypatch.setattr(dcp_writer, "writer_threads", lambda: 2)
     engine = _engine(1)
     _train_step(engine, 0.5)
     folder = tmp_path / "tmp-step"
-    dcp_state.hash_writes(folder, "xxh3")
+    dcp_writer.hash_writes(folder, "xxh3")
     try:
         for name in ("first", "sync"):  # a second save: the caller's thread opens its file first or second
             engine.save_checkpoint(folder / name)
         engine.save_checkpoint(folder / "background", background=True).result()
     finally:
-        dcp_state.take_written(folder)
+        dcp_writer.take_written(folder)
     assert torch.serialization.get_crc32_options()
     for sub, files in (("sync", 2), ("background", 1)):
         storage = FileSystemReader(str(folder / sub)).read_metadata().storage_data.values()
@@ -268,7 +269,7 @@ def test_the_mapped_reader_loads_what_dcps_own_reader_loads(tmp_path, monkeypatc
              "conj1": torch.randn(4, 3, dtype=torch.complex64).conj(), "conj2": torch.randn(4, 3, dtype=torch.complex64).conj()}
     quiet = dcp_state._single_process_is_intended
     with quiet():
-        dcp.save(state, checkpoint_id=str(tmp_path), storage_writer=dcp_state.writer(tmp_path))
+        dcp.save(state, checkpoint_id=str(tmp_path), storage_writer=dcp_writer.writer(tmp_path))
 
     def blank():
         return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"x": 0} for k, v in state.items()}
@@ -309,7 +310,7 @@ def test_a_repeated_save_reuses_its_plan_and_a_changed_dtype_does_not(tmp_path):
 
     sent = []
 
-    class Recording(dcp_state._CachedSavePlanner):
+    class Recording(plan_cache.CachedSavePlanner):
         def create_local_plan(self):
             plan = super().create_local_plan()
             sent.append(plan.usable)
@@ -317,7 +318,7 @@ def test_a_repeated_save_reuses_its_plan_and_a_changed_dtype_does_not(tmp_path):
 
     def save(state, folder):
         with dcp_state._single_process_is_intended():
-            dcp.save(state, checkpoint_id=str(folder), storage_writer=dcp_state.writer(folder), planner=Recording())
+            dcp.save(state, checkpoint_id=str(folder), storage_writer=dcp_writer.writer(folder), planner=Recording())
 
     def loaded(folder, like):
         blank = {k: torch.zeros_like(v) for k, v in like.items()}
@@ -325,7 +326,7 @@ def test_a_repeated_save_reuses_its_plan_and_a_changed_dtype_does_not(tmp_path):
             dcp.load(blank, checkpoint_id=str(folder), storage_reader=dcp_state._MappedReader(str(folder)))
         return blank
 
-    dcp_state._drop_plan_cache()
+    plan_cache.drop_plan_cache()
     first = {"w": torch.randn(8, 4), "b": torch.randn(4)}
     second = {k: v + 1 for k, v in first.items()}
     halves = {k: v.bfloat16() for k, v in second.items()}
@@ -333,7 +334,7 @@ def test_a_repeated_save_reuses_its_plan_and_a_changed_dtype_does_not(tmp_path):
         for name, state in (("one", first), ("two", second), ("three", halves)):
             save(state, tmp_path / name)
     finally:
-        dcp_state._drop_plan_cache()
+        plan_cache.drop_plan_cache()
     assert sent == [True, False, True]
     _assert_same(loaded(tmp_path / "two", second), second)
     _assert_same(loaded(tmp_path / "three", halves), halves)
@@ -349,15 +350,15 @@ def test_a_failed_save_drops_the_plan_cache(tmp_path, monkeypatch):
     engine.save_checkpoint(tmp_path / "good")
     from torch.distributed.checkpoint.planner import SavePlanner
 
-    assert dcp_state._PLAN_CACHE in SavePlanner._cached_save_plan
+    assert plan_cache.PLAN_CACHE in SavePlanner._cached_save_plan
     def full_disk(path, mode="wb"):
         raise OSError("disk full")
 
-    monkeypatch.setattr(dcp_state, "hashed_open", full_disk)
+    monkeypatch.setattr(dcp_writer, "hashed_open", full_disk)
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # a second writer thread's traceback
     with pytest.raises(BaseException, match="disk full"):  # DCP wraps it in CheckpointException
         engine.save_checkpoint(tmp_path / "bad")
-    assert dcp_state._PLAN_CACHE not in SavePlanner._cached_save_plan
+    assert plan_cache.PLAN_CACHE not in SavePlanner._cached_save_plan
     monkeypatch.undo()
     _train_step(engine, 0.25)
     engine.save_checkpoint(tmp_path / "again")
@@ -373,21 +374,21 @@ def test_two_writer_threads_write_two_files_and_a_failing_thread_fails_the_save(
     thread failed must fail, not seal metadata without that thread's items."""
     import threading
 
-    monkeypatch.setattr(dcp_state, "writer_threads", lambda: 2)
+    monkeypatch.setattr(dcp_writer, "writer_threads", lambda: 2)
     engine = _engine(1)
     _train_step(engine, 0.5)
-    real_open = dcp_state.hashed_open
+    real_open = dcp_writer.hashed_open
 
     def helper_thread_fails(path, mode="wb"):
         if threading.current_thread() is not threading.main_thread():
             raise OSError("disk full")
         return real_open(path, mode)
 
-    monkeypatch.setattr(dcp_state, "hashed_open", helper_thread_fails)
+    monkeypatch.setattr(dcp_writer, "hashed_open", helper_thread_fails)
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's traceback, expected
     with pytest.raises(BaseException, match="wrote .* of this rank's .* items"):
         engine.save_checkpoint(tmp_path / "bad")
-    monkeypatch.setattr(dcp_state, "hashed_open", real_open)
+    monkeypatch.setattr(dcp_writer, "hashed_open", real_open)
     engine.save_checkpoint(tmp_path / "good")
     assert sorted(p.name for p in (tmp_path / "good").glob("*.distcp")) == ["__0_0.distcp", "__0_1.distcp"]
     want = _snapshot(engine)
@@ -403,7 +404,7 @@ def test_a_full_disk_is_reported_as_one_not_as_torchs_zip_writer_error(threads, 
     import errno
     import threading
 
-    monkeypatch.setattr(dcp_state, "writer_threads", lambda: threads)
+    monkeypatch.setattr(dcp_writer, "writer_threads", lambda: threads)
     monkeypatch.setattr(threading, "excepthook", lambda args: None)
     engine = _engine(1)
     _train_step(engine, 0.5)
@@ -423,14 +424,14 @@ def test_a_full_disk_is_reported_as_one_not_as_torchs_zip_writer_error(threads, 
             return getattr(self.raw, name)
 
     folder = tmp_path / "tmp-step"
-    dcp_state.hash_writes(folder, "xxh3")
-    monkeypatch.setattr(dcp_state, "open", lambda path, mode="r": FillsUp(path, mode) if mode == "wb" else real_open(path, mode),
+    dcp_writer.hash_writes(folder, "xxh3")
+    monkeypatch.setattr(dcp_writer, "open", lambda path, mode="r": FillsUp(path, mode) if mode == "wb" else real_open(path, mode),
                         raising=False)
     try:
         with pytest.raises(OSError, match=r"writing the checkpoint into .*engine failed: No space left on device") as err:
             engine.save_checkpoint(folder / "engine")
     finally:
-        dcp_state.take_written(folder)
+        dcp_writer.take_written(folder)
     assert err.value.errno == errno.ENOSPC
 
 
@@ -513,11 +514,11 @@ def test_deepspeed_shards_are_hashed_as_torch_saves_them(tmp_path):
     engine = TorchCheckpointEngine()
     engine.zipfile_serialization = True
     state = {"weights": torch.randn(64, 8), "step": 3, "nested": {"m": torch.arange(5)}}
-    dcp_state.hash_writes(tmp_path, "xxh3")
+    dcp_writer.hash_writes(tmp_path, "xxh3")
     with _hashed_saves(engine):
         engine.save(state, str(tmp_path / "shard.pt"))
     assert "save" not in vars(engine)  # the class's own method again
-    written = dcp_state.take_written(tmp_path)
+    written = dcp_writer.take_written(tmp_path)
     assert written == {"shard.pt": ((tmp_path / "shard.pt").stat().st_size, _checksum(tmp_path / "shard.pt", "xxh3"))}
     loaded = torch.load(tmp_path / "shard.pt", weights_only=True)
     assert torch.equal(loaded["weights"], state["weights"]) and loaded["step"] == 3

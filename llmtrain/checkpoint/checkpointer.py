@@ -1,7 +1,9 @@
 """When a run saves: the trainer's checkpoint cadence (steps, minutes, preemption, the last step,
 the steps in-loop evaluations need) around :class:`~llmtrain.checkpoint.protocol.CheckpointManager`,
 background writes sealed once every rank's is done, trackers flushed before a checkpoint counts.
-Also the debugging dump of a model as loaded on resume (``LLMTRAIN_DUMP_AFTER_LOAD``)."""
+Also the run's checkpoints opened at start-up (:func:`open_checkpoints`: the one to resume, checked)
+and its train state loaded (:func:`resume_state`), and the debugging dump of a model as loaded on
+resume (``LLMTRAIN_DUMP_AFTER_LOAD``)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ from typing import Any, Callable
 import torch
 
 from llmtrain.checkpoint.protocol import CheckpointManager, step_of
+from llmtrain.checkpoint.resume import check_resumable
 from llmtrain.checkpoint.state import TrainState
+from llmtrain.engine.base import check_optimizer_steps
+from llmtrain.monitoring import goodput
 from llmtrain.monitoring.preemption import Preemption
 from llmtrain.monitoring.tracking import Tracker
 
@@ -122,3 +127,42 @@ def warn_if_disk_is_short(run_dir: Path, keep: int, per_checkpoint: int) -> bool
                 "another disk", folder, free / 2**30, keep, need / 2**30, keep + 1, per_checkpoint / 2**30)
     return True
 
+
+def open_checkpoints(run_dir: Path, cfg: Any, env: Any,
+                     fingerprint: str | None) -> tuple[CheckpointManager, Path | None, dict[str, torch.Tensor]]:
+    """A run's checkpoint manager, the checkpoint to resume (``trainer.resume``; checked
+    compatible with ``cfg``) if any, and its rollout state (an online objective's pending
+    generation batch; empty when fresh). A rerun of the same command (``resume=auto``) says what
+    a crash cost.
+
+    Raises:
+        ResumeError: a checkpoint that cannot resume this config.
+    """
+    t = cfg.trainer
+    manager = CheckpointManager(run_dir, env, t.keep_checkpoints)
+    resume_from = manager.resolve(t.resume)
+    rollout_state: dict[str, torch.Tensor] = {}
+    if resume_from is not None:
+        check_resumable(resume_from, cfg, manager, env.is_main, fingerprint)
+        rollout_state = manager.read_rank_state(resume_from, "rollout")
+    if env.is_main and t.resume == "auto":
+        previous = goodput.unfinished_process(run_dir)
+        resumed_step = step_of(resume_from) if resume_from is not None else 0
+        if previous is not None and previous["last_step"] > resumed_step:
+            log.warning("resume=%s: %s", t.resume, goodput.describe_unfinished(previous, resumed_step))
+    return manager, resume_from, rollout_state
+
+
+def resume_state(manager: CheckpointManager, resume_from: Path | None, engine: Any, world_size: int,
+                 global_batch_size: int, fingerprint: str | None) -> tuple[TrainState, dict | None]:
+    """A fresh train state, or the resumed checkpoint's (and its RNG states) loaded into
+    ``engine``; the optimizer's update count checked against it. Collective call."""
+    state, rng = TrainState(world_size=world_size, global_batch_size=global_batch_size,
+                            base_fingerprint=fingerprint), None
+    if resume_from is not None:
+        state, rng = manager.load(engine, resume_from)
+        state.parent = resume_from.name
+        manager.start_branch(resume_from)
+        dump_loaded_model(engine)
+    check_optimizer_steps(engine, state)
+    return state, rng

@@ -433,7 +433,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an earlier interrupted save
             tmp.mkdir(parents=True)
         distributed.barrier()
-        from llmtrain.engine.dcp_state import hash_writes
+        from llmtrain.checkpoint.format.dcp_writer import hash_writes
 
         hash_writes(tmp, hash_kind)  # the engine's big files are checksummed as they are written
         future = engine.save_checkpoint(tmp / ENGINE_DIR, background=background)
@@ -484,11 +484,11 @@ class CheckpointManager:
         """Every rank fsyncs and checksums its share of ``tmp``'s files (all written, after a
         barrier); rank 0 writes the marker, renames ``tmp`` to ``final`` and prunes. Collective.
 
-        A file the engine wrote through :func:`llmtrain.engine.dcp_state.hashed_open` was
+        A file the engine wrote through :func:`llmtrain.checkpoint.format.dcp_writer.hashed_open` was
         checksummed from its bytes as they were written: its writer takes its checksum from
         there (after checking the size on disk), with no second read. The other files are split
         over the ranks and read (:func:`_share`)."""
-        from llmtrain.engine.dcp_state import take_written
+        from llmtrain.checkpoint.format.dcp_writer import take_written
 
         listing = sorted(p for p in tmp.rglob("*") if p.is_file())
         hashed = take_written(tmp)

@@ -538,12 +538,12 @@ def checkpoint_safe_globals() -> list[Any]:
 @contextlib.contextmanager
 def _hashed_saves(checkpoint_engine):
     """DeepSpeed's torch checkpoint engine writing each shard through
-    :func:`llmtrain.engine.dcp_state.hashed_open`, so the completion marker's checksums come from
+    :func:`llmtrain.checkpoint.format.dcp_writer.hashed_open`, so the completion marker's checksums come from
     the bytes as written instead of a second read of every shard. Other checkpoint engines
     (Nebula, decoupled writers) are left as they are: their files are hashed by reading."""
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-    from llmtrain.engine.dcp_state import hashed_open
+    from llmtrain.checkpoint.format.dcp_writer import hashed_open
 
     # The legacy (non-zip) format writes storages straight to the file descriptor, past the hash.
     if type(checkpoint_engine) is not TorchCheckpointEngine or not checkpoint_engine.zipfile_serialization:

@@ -1,9 +1,11 @@
 """Held-out loss during training: the objective's mean over every rank's validation batches
 (perplexity = exp(loss) for next-token objectives), at ``trainer.eval_every`` steps and at the
-last step, every rank making the same number of forward passes."""
+last step, every rank making the same number of forward passes; and the line each evaluation
+logs (:func:`log_eval`)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Callable
@@ -14,6 +16,8 @@ from llmtrain.checkpoint.state import TrainState
 from llmtrain.common.labels import IGNORE_INDEX
 from llmtrain.objectives import Objective
 from llmtrain.parallel import distributed
+
+log = logging.getLogger("llmtrain")
 
 
 @torch.no_grad()
@@ -66,3 +70,29 @@ class Evaluator:
         metrics = self.measure()
         state.eval_s += time.perf_counter() - started
         return metrics
+
+
+def log_eval(step: int, metrics: dict[str, float], train_loss: float | None = None) -> None:
+    """Log an evaluation's line: the held-out loss and what the objective adds (perplexity, the
+    teacher's KL, preference accuracy, rewards), or an online objective's held-out reward."""
+    if "val/perplexity" in metrics:
+        detail = f"ppl {metrics['val/perplexity']:.2f}"
+    elif "val/teacher_kl" in metrics:
+        detail = (f"per-token reverse KL to the teacher on greedy completions of {metrics['val/prompts']} "
+                  f"held-out prompts, mean {metrics['val/completions/mean_length']:.1f} tokens")
+    elif "val/rewards/accuracies" in metrics:
+        # Accuracy counts pairs whose chosen reward is strictly higher; with the policy still
+        # the reference every reward is 0: a tie, not a wrong answer.
+        ties = metrics["val/rewards/accuracies"] == 0 and metrics["val/rewards/margins"] == 0
+        detail = (f"preference accuracy {metrics['val/rewards/accuracies']:.3f}"
+                  f"{' (every pair a tie: the policy is still the reference)' if ties else ''}, margin "
+                  f"{metrics['val/rewards/margins']:.4f}")
+    else:
+        detail = ", ".join(f"{k[4:]} {v:.4f}" for k, v in metrics.items() if k.startswith("val/rewards/"))
+    if "val/loss" in metrics:
+        log.info("eval at step %d: val loss %.4f (%s)%s", step, metrics["val/loss"], detail,
+                 f", train loss {train_loss:.4f}" if train_loss is not None else "")
+    else:  # an online objective: the mean reward of greedy completions of held-out prompts
+        log.info("eval at step %d: val reward %.4f ± %.4f (standard error) over %d prompts (%s), mean "
+                 "completion %.1f tokens", step, metrics["val/reward"], metrics["val/reward_stderr"],
+                 metrics["val/prompts"], detail, metrics["val/completions/mean_length"])

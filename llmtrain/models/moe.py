@@ -21,9 +21,12 @@ model's own.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -364,3 +367,21 @@ def check_model(hf_config: Any, ep: int, capacity_factor: float = 0.0) -> MoeSha
         raise ConfigError(f"recipe.ep={ep} does not divide the model's {shape.num_experts} experts per layer; use an ep "
                           f"that divides {shape.num_experts}")
     return shape
+
+
+def add_expert_load(saved: list, router: torch.Tensor, num_layers: int, num_experts: int) -> list[list[float]]:
+    """Tokens per expert per layer summed over the steps so far: ``saved`` (the checkpointed
+    count, empty at first) plus one step's world-summed router counters."""
+    counts = router[:num_layers * num_experts].view(num_layers, num_experts)
+    previous = torch.tensor(saved, dtype=torch.float64) if saved else torch.zeros_like(counts)
+    return (previous + counts).tolist()
+
+
+def write_expert_load(run_dir: Path, step: int, shape: Any, load: list[list[float]]) -> None:
+    """``run_dir/expert_load.json``: ``load`` (:func:`add_expert_load`) with the model's
+    ``shape`` (experts, top-k, MoE layers), for the report's heatmap; replaced whole."""
+    path = run_dir / "expert_load.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"step": step, "num_experts": shape.num_experts, "top_k": shape.top_k,
+                               "moe_layers": list(shape.moe_layers), "tokens_per_expert": load}))
+    os.replace(tmp, path)

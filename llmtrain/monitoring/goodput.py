@@ -125,3 +125,17 @@ def time_metrics(state: TrainState) -> dict[str, float]:
             "time/startup_s": state.startup_s, "time/eval_s": state.eval_s, "time/checkpoint_s": state.checkpoint_s,
             "time/lost_s": state.lost_s, "time/restart_s": state.restart_s,
             **({"time/generation_s": state.generation_s, "time/reward_s": state.reward_s} if state.generation_s else {})}
+
+
+def start_run(run_dir: Path, state: TrainState, redone: list[dict], process_started: float, resumed: Any,
+              is_main: bool, world_size: int, recipe: str) -> None:
+    """A run's start in the goodput accounting (:func:`account_restart`; ``resumed``: the
+    checkpoint resumed, or None) and, by rank 0, the timeline's ``start`` event."""
+    finished = finished_at(run_dir) if is_main and resumed is not None else None
+    account_restart(state, redone, process_started, resumed=resumed is not None, finished=finished)
+    if is_main:
+        import socket
+
+        timeline_event(run_dir, "start", fresh=resumed is None, step=state.step,
+                       resumed_from=resumed.name if resumed else None, world_size=world_size,
+                       recipe=recipe, host=socket.gethostname(), pid=os.getpid())

@@ -5,7 +5,7 @@ process group is gone, :func:`hand_over_to_submitit` calls it, so the job is req
 resumes from that checkpoint.
 
 A handler only sets a flag; once per step the loop sums every rank's :meth:`Preemption.local_flags`
-(in the step's scalar all-reduce, :func:`llmtrain.trainer.forward_backward`) and
+(in the step's scalar all-reduce, :func:`llmtrain.engine.step.forward_backward`) and
 :meth:`Preemption.decide` reads the sums, so every rank sees a signal that reached any rank, and all
 ranks save the same step and exit together.
 """

@@ -8,7 +8,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from llmtrain.models import adapters
 from llmtrain.parallel.dims import ParallelDims
@@ -115,3 +115,33 @@ def long_context_detail(cfg: Any, dims: ParallelDims) -> str:
         parts.append(f"; experts split over ep {dims.ep} ranks of dp_shard (all-to-all), each FSDP-sharded over the "
                      f"other {dims.dp_replicate * dims.dp_shard // dims.ep}")
     return "".join(parts)
+
+
+def log_run(cfg: Any, dims: ParallelDims, world_size: int, num_parameters: int, splits: Any, objective: str,
+            accumulation: int, precision_reason: str) -> None:
+    """The run's start-up line: model, data, objective, recipe and layout, batch, precision."""
+    t = cfg.trainer
+    log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; objective %s; recipe %s "
+             "(engine %s, ZeRO %d) on %d rank(s) = dp %d (replicate %d x shard %d) x tp %d x pp %d%s%s; "
+             "global batch %d = micro %d x accumulation %d x dp %d; precision %s (%s)",
+             cfg.model.name, num_parameters / 1e6, cfg.data.name, len(splits.train), len(splits.val), objective,
+             cfg.recipe.name, cfg.recipe.engine, cfg.recipe.zero_stage, world_size, dims.dp, dims.dp_replicate,
+             dims.dp_shard, dims.tp, dims.pp,
+             f" ({cfg.recipe.pp_schedule}, {cfg.recipe.pp_stages_per_rank} stage(s) per rank)" if dims.pp > 1 else "",
+             long_context_detail(cfg, dims), t.global_batch_size, t.micro_batch_size, accumulation, dims.dp,
+             t.precision, precision_reason)
+
+
+def interrupted_line(phases: StartupPhases | None, close: Callable[[], str]) -> str:
+    """The one line of a start-up that SIGINT stopped, saying where (``phases``' current phase),
+    after ``close()`` has closed what start-up had opened (it returns what the run folder keeps,
+    for the line's end). A second Ctrl-C does not cut ``close()`` short."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        where = f"during {phases.current}" if phases is not None and phases.current else "before the first step"
+        left = close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return f"SIGINT (Ctrl-C) in start-up, {where}: nothing was trained{left}"

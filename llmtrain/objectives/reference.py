@@ -27,7 +27,7 @@ import torch
 
 from llmtrain.parallel import distributed
 from llmtrain.data import WithReference, pairs_of
-from llmtrain.common.errors import ConfigError, ResumeError
+from llmtrain.common.errors import ConfigError, DataError, ResumeError
 from llmtrain.objectives.preference import PairObjective, completion_token_logps, segment_sums
 
 log = logging.getLogger("llmtrain")
@@ -246,3 +246,43 @@ def build_reference(cfg: Any, engine: Any, build: Callable[[], torch.nn.Module],
                           "cannot lay out a frozen copy of the model; set objective.precompute_reference=true "
                           "(one pass before step 1, no second model) or train LoRA adapters (+peft=lora)")
     return LiveReference(forward, logps)
+
+
+def setup_reference(cfg: Any, objective: Any, engine: Any, splits: Any, collator: Callable[[], Any], env: Any,
+                    dp: int, run_dir: Path, resumed: bool, phases: Any, build: Callable[[], torch.nn.Module],
+                    teacher: Callable[[], Any]) -> Any:
+    """The reference policy of an objective that has one: log-probs precomputed into the data
+    (:func:`precompute`; returns None), the objective's own frozen model (``teacher()``:
+    distillation's), or a live reference called on every micro-batch (:func:`build_reference`,
+    from ``build()``: the policy's initial weights). None for an objective without one; start-up
+    phases named on ``phases``. Collective call."""
+    if not objective.needs_reference:
+        return None
+    if cfg.objective.precompute_reference:
+        phases.begin("reference", "reading the precomputed reference log-probs" if resumed
+                     else "precomputing the reference log-probs of every pair")
+        precompute(engine, splits, collator(), cfg.trainer.micro_batch_size, env.device, engine.dp_rank, dp, run_dir,
+                   resumed, env.is_main, cfg.trainer.eval_samples)
+        return None
+    if objective.reference_model() is not None:
+        return teacher()
+    phases.begin("reference", f"objective.reference={reference_kind(cfg)}")
+    # GRPO's log-probs are of temperature-scaled logits; the preference objectives' are plain.
+    logps = getattr(objective, "token_logps", completion_token_logps)
+    return build_reference(cfg, engine, build, logps)
+
+
+def check_data(cfg: Any, objective: Any, splits: Any, run_dir: Path, resumed: bool) -> None:
+    """What the objective needs of the data that only the data can tell, before anything is
+    written: a margin column for ``objective.margin_column``, and a resumed run's precomputed
+    reference log-probs matching the data (:func:`check_stored`).
+
+    Raises:
+        DataError, ResumeError: naming the field or file and the fix.
+    """
+    o = cfg.objective
+    if o.get("margin_column") and "margin" not in splits.train[0]:
+        raise DataError(f"objective.margin_column=true, but data.path={cfg.data.path} has no margin "
+                        "column; map yours with data.columns.margin=COLUMN, or drop the setting")
+    if objective.needs_reference and o.get("precompute_reference") and resumed:
+        check_stored(run_dir, splits, cfg.trainer.eval_samples)

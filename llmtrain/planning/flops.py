@@ -12,6 +12,7 @@ router, shared experts, and k of the E routed experts per MoE layer.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ import torch.distributed as dist
 
 from llmtrain.common import hardware
 from llmtrain.models.build import parameter_numel
+from llmtrain.monitoring import goodput
+
+log = logging.getLogger("llmtrain")
 
 # Dense peak TFLOP/s per device, by precision (vendor data sheets, without sparsity). fp32 runs on
 # NVIDIA use TF32 tensor cores for matmuls (torch's default allows it for convolutions only, but
@@ -230,3 +234,19 @@ def achieved(tokens_per_s: float, flops_per_token: float, world_size: int, peak:
     size) and, when ``peak`` (TFLOP/s per device) is known, ``perf/mfu`` (a fraction)."""
     tflops = tokens_per_s * flops_per_token / world_size / 1e12
     return {"perf/tflops_per_device": tflops, **({"perf/mfu": tflops / peak} if peak else {})}
+
+
+def for_run(model: Any, hf_config: Any, cfg: Any, env: Any, partial: bool, run_dir: Any,
+            announce: Callable[[str], None]) -> tuple[float, Peak | None]:
+    """A run's model FLOPs per token at ``data.seq_len`` (:func:`flops_per_token`; a ``partial``
+    run's frozen and adapter parameters counted apart) and the peak its MFU is measured against
+    (:func:`peak_tflops`; ``announce`` names a probe's start-up phase), said by rank 0 and
+    recorded in the timeline (``run_dir``) for the run report. Collective on a CPU."""
+    t = cfg.trainer
+    frozen, adapter = partial_training_counts(model) if partial else (0, 0)
+    peak = peak_tflops(env.device, t.precision, t.peak_tflops, announce=announce)
+    if env.is_main and peak is not None:
+        log.info("MFU against %s", peak.describe())
+        goodput.timeline_event(run_dir, "peak_flops", tflops=peak.tflops, precision=peak.precision,
+                               source=peak.source, detail=peak.detail)
+    return flops_per_token(hf_config, cfg.data.seq_len, frozen, adapter), peak

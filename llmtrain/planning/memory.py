@@ -52,234 +52,19 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field, replace
 from typing import Any
-
-import torch
 
 from llmtrain.config.validate import (ONLINE_OBJECTIVES, PREFERENCE_OBJECTIVES, validate_chunked_loss,
                                       validate_context_parallel, validate_objective, validate_peft, peft_label,
                                       validate_quantize)
 from llmtrain.common.errors import ConfigError
 from llmtrain.parallel.context_parallel import check_model
+# The model's shape and activations, measured; importers of this module find them here too.
+from llmtrain.planning.shapes import (Activations, ModelShape, measure_activations, model_shape,  # noqa: F401
+                                      optimizer_state_per_param)
 
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Parameter counts (elements) of a causal LM, from a meta-device build.
-
-    ``tp_sharded``: elements of one decoder layer in modules the tensor-parallel plan splits;
-    ``embedding_tp`` / ``head_tp``: whether the plan splits the embedding / the output head.
-    """
-
-    total: int
-    embedding: int
-    head: int  # 0 when tied to the embedding
-    final_norm: int
-    layer: int
-    layers: int
-    tp_sharded: int
-    embedding_tp: bool
-    head_tp: bool
-    small_params: int  # elements of one layer's tensors of <= 10 x hidden elements (norms, biases)
-    hidden: int
-    vocab: int
-    tp_plan_error: str | None
-    experts_layer: int = 0  # routed-expert elements per decoder layer (mean over layers; 0 = dense)
-    top_k: int = 0
-    # Optimizer state bytes per parameter, averaged over the model, per trainer.optimizer
-    # (:func:`optimizer_state_per_param`); the largest hidden matrix's elements (Muon gathers it whole).
-    optimizer_bytes: dict = field(default_factory=lambda: {"adamw": 8.0})
-    largest_matrix: int = 0
-    # (name suffix, in, out) of every Linear layer in the decoder layers (not the head, not MoE
-    # routers): what LoRA adapts and QLoRA stores in 4 bits.
-    decoder_linears: tuple = ()
-
-
-def optimizer_state_per_param(model: torch.nn.Module) -> tuple[dict[str, float], int]:
-    """Optimizer state bytes per parameter of ``model`` (mean over its parameters) for each
-    ``trainer.optimizer``, and the elements of its largest Muon matrix: AdamW 8 (two fp32
-    moments); 8-bit AdamW ~2.03 (torchao's ``AdamW8bit``: one byte a moment element, blockwise
-    scales; tensors under 4096 elements keep fp32 moments); Muon 4 (one fp32 momentum) on the hidden matrices and AdamW's 8 on the rest
-    (:func:`llmtrain.engine.optimizers.muon_split`); Adafactor 4·(rows + cols) per matrix (its
-    factored second moment; Shazeer & Stern 2018, §3) and 4 per element of a vector."""
-    from llmtrain.engine.optimizers import muon_split
-
-    params = list(model.parameters())
-    total = sum(p.numel() for p in params)
-    matrices, _ = muon_split(model)
-    in_muon = sum(p.numel() for p in matrices)
-    adafactor = sum(4 * (p.shape[-2] + p.shape[-1]) * (p.numel() // (p.shape[-2] * p.shape[-1])) if p.ndim >= 2
-                    else 4 * p.numel() for p in params)
-    # torchao's AdamW8bit quantizes a tensor of >= 4096 elements in blocks of 256 (bitsandbytes'
-    # rule): per moment 1 byte an element, an fp32 scale a block and a 256-entry fp32 code table.
-    eight_bit = sum(2 * (p.numel() + 4 * p.numel() // 256 + 4 * 256) if p.numel() >= 4096 and p.numel() % 256 == 0
-                    else 8 * p.numel() for p in params)
-    per_param = {"adamw": 8.0, "adamw_8bit": eight_bit / total, "muon": (4 * in_muon + 8 * (total - in_muon)) / total,
-                 "adafactor": adafactor / total}
-    return per_param, max((p.numel() for p in matrices), default=0)
-
-
-def model_shape(hf_config: Any, tp_override: dict | None = None) -> ModelShape:
-    """Count the parameters of the model ``hf_config`` describes, built on the meta device (no
-    memory, no weights; an 8B model takes ~0.03 s)."""
-    from transformers import AutoModelForCausalLM
-
-    from llmtrain.parallel.parallelize import tp_plan
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    hidden = hf_config.hidden_size
-    layers = list(model.base_model.layers)
-    try:
-        plan, plan_error = tp_plan(model, tp_override), None
-    except ConfigError as err:
-        plan, plan_error = {}, str(err)
-    import fnmatch
-
-    def sharded(name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name.rsplit(".", 1)[0], path) for path in plan)
-
-    prefix = model.base_model_prefix
-    layer_params = dict(model.base_model.layers[0].named_parameters())
-    from llmtrain.models.moe import moe_shape
-
-    moe = moe_shape(hf_config, model)
-    embedding = model.base_model.embed_tokens.weight
-    head = model.lm_head.weight
-    tied = head is embedding
-    optimizer_bytes, largest_matrix = optimizer_state_per_param(model)
-    return ModelShape(
-        total=sum(p.numel() for p in model.parameters()), embedding=embedding.numel(),
-        head=0 if tied else head.numel(), final_norm=sum(p.numel() for p in model.base_model.norm.parameters()),
-        # Mean over layers: MoE models may mix sparse and dense layers.
-        layer=sum(p.numel() for layer in layers for p in layer.parameters()) // len(layers), layers=len(layers),
-        tp_sharded=sum(p.numel() for n, p in layer_params.items() if sharded(f"{prefix}.layers.0.{n}")),
-        embedding_tp=sharded(f"{prefix}.embed_tokens.weight"), head_tp=sharded("lm_head.weight"),
-        small_params=sum(p.numel() for p in layer_params.values() if p.numel() <= 10 * hidden),
-        hidden=hidden, vocab=hf_config.vocab_size, tp_plan_error=plan_error,
-        experts_layer=moe.routed_params // len(layers) if moe else 0, top_k=moe.top_k if moe else 0,
-        optimizer_bytes=optimizer_bytes, largest_matrix=largest_matrix,
-        decoder_linears=_decoder_linears(model, layers))
-
-
-def _decoder_linears(model: torch.nn.Module, layers: list) -> tuple:
-    from llmtrain.models.moe import sparse_blocks
-
-    routers = {id(block.gate) for _, block in sparse_blocks(model)}
-    return tuple((name.rsplit(".", 1)[-1], m.in_features, m.out_features) for layer in layers
-                 for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in routers)
-
-
-@dataclass(frozen=True)
-class Activations:
-    """Bytes saved for backward by one micro-batch: ``per_layer`` for each decoder layer,
-    ``outside`` for the embedding, final norm and loss (the logits), ``layer_input`` for one
-    layer's input (what activation checkpointing keeps)."""
-
-    per_layer: int
-    outside: int
-    layer_input: int
-    norms_per_layer: int = 0  # of per_layer: saved inside the layer's norms (sequence-sharded under SP)
-
-
-_ACTIVATION_CACHE: dict[tuple, Activations] = {}
-
-
-def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precision: str, tp: int = 1,
-                        bf16_weights: bool = False, loss_chunk_tokens: int = 0) -> Activations:
-    """Bytes saved for backward, measured by running a one- and a two-layer copy of the model
-    under ``FakeTensorMode`` (shapes only, no memory) with ``saved_tensors_hooks`` counting
-    unique storages that are not parameters; the difference is one layer. A tensor-parallel
-    rank runs its share of heads and MLP width (Megatron-LM's split), so its layer is measured
-    as a layer with heads / tp and intermediate size / tp at the same head dimension.
-    ``precision="bf16"`` runs under autocast over fp32 weights (tensor and pipeline parallel
-    without FSDP, DeepSpeed's ZeRO-0, float8), or with ``bf16_weights`` on bf16 weights without
-    autocast (DeepSpeed's bf16 ZeRO, FSDP2's ``param_dtype``, the torch engine's bf16 casts).
-    ``loss_chunk_tokens``: the output layer is :mod:`llmtrain.models.chunked_loss`'s (it saves the
-    hidden states and one log-sum-exp per token, not the logits). A context-parallel rank is
-    measured at its share of the sequence (``seq_len`` / cp).
-    """
-    key = (hf_config.to_json_string(), micro_batch, seq_len, precision, tp, bf16_weights, loss_chunk_tokens)
-    if key in _ACTIVATION_CACHE:
-        return _ACTIVATION_CACHE[key]
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
-
-    from llmtrain.objectives.causal_lm import token_cross_entropy_sum
-
-    def saved_bytes(num_layers: int) -> int:
-        cfg = copy.deepcopy(hf_config)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        cfg.head_dim = head_dim
-        cfg.num_hidden_layers = num_layers
-        cfg.num_attention_heads = max(1, cfg.num_attention_heads // tp)
-        kv = getattr(cfg, "num_key_value_heads", None) or hf_config.num_attention_heads
-        cfg.num_key_value_heads = max(1, kv // tp)
-        cfg.intermediate_size = max(1, cfg.intermediate_size // tp)
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if bf16_weights else torch.float32)
-            model.train()
-            params = {p.untyped_storage()._cdata for p in model.parameters()}
-            seen: dict[int, int] = {}
-            in_norm, norm_seen = [0], set()
-            for layer in model.base_model.layers:
-                for child in layer.children():
-                    if "norm" in type(child).__name__.lower():
-                        child.register_forward_pre_hook(lambda *_: in_norm.__setitem__(0, in_norm[0] + 1))
-                        child.register_forward_hook(lambda *_: in_norm.__setitem__(0, in_norm[0] - 1))
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                storage = t.untyped_storage()
-                if storage._cdata not in params:
-                    if storage._cdata not in seen and in_norm[0]:
-                        norm_seen.add(storage._cdata)
-                    seen.setdefault(storage._cdata, storage.nbytes())
-                return t
-
-            _dense_stand_in_for_experts(model)
-            ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
-            if loss_chunk_tokens:
-                from llmtrain.models.chunked_loss import install
-
-                install(model, loss_chunk_tokens).targets = ids
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(
-                    "cpu", dtype=torch.bfloat16, enabled=precision == "bf16" and not bf16_weights):
-                token_cross_entropy_sum(model(input_ids=ids).logits, ids)
-        return sum(seen.values()), sum(seen[k] for k in norm_seen)
-
-    (one, norms_one), (two, norms_two) = saved_bytes(1), saved_bytes(2)
-    act_bytes = 2 if precision == "bf16" else 4
-    result = Activations(per_layer=two - one, outside=max(0, 2 * one - two),
-                         layer_input=micro_batch * seq_len * hf_config.hidden_size * act_bytes,
-                         norms_per_layer=norms_two - norms_one)
-    _ACTIVATION_CACHE[key] = result
-    return result
-
-
-def _dense_stand_in_for_experts(model: torch.nn.Module) -> None:
-    """Under ``FakeTensorMode`` neither ``grouped_mm`` (its meta kernel takes bf16 only) nor the
-    eager expert loop (data-dependent ``nonzero``) runs, so each experts module's forward is
-    replaced by dense matmuls over the same ``[N k, ...]`` assignment rows that save what the
-    grouped matmul saves: the gathered inputs ``[N k, H]``, the gate/up output ``[N k, 2I]``,
-    the activation ``[N k, I]``, the expert outputs ``[N k, H]`` and the top-k weights."""
-    import types
-
-    from llmtrain.models.moe import sparse_blocks
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        n, k = top_k_index.shape
-        rows = hidden_states.repeat_interleave(k, dim=0)
-        gate, up = torch.nn.functional.linear(rows, self.gate_up_proj[0]).chunk(2, dim=-1)
-        out = torch.nn.functional.linear(self.act_fn(gate) * up, self.down_proj[0])
-        return (out * top_k_weights.reshape(-1, 1)).view(n, k, -1).sum(1)
-
-    for _, block in sparse_blocks(model):
-        if hasattr(block.experts, "gate_up_proj"):
-            block.experts.forward = types.MethodType(forward, block.experts)
 
 
 @dataclass
@@ -350,13 +135,11 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
                 checkpointing: bool | None = None) -> RankPlan:
     """Per-rank bytes of ``cfg`` (a composed run config; its recipe) on ``world_size`` ranks.
     ``micro_batch`` / ``checkpointing`` override ``trainer.micro_batch_size`` /
-    ``trainer.activation_checkpointing``. An invalid layout gives a plan with ``error`` set."""
-    from llmtrain.engine.deepspeed_engine import communication_sizes
-    from llmtrain.config.layout import layout
+    ``trainer.activation_checkpointing``. An invalid layout gives a plan with ``error`` set.
+
+    The steps: the layout checked (:func:`_checked_layout`), what the run computes on
+    (:func:`_setting`), then each pipeline rank's plan (:func:`_stage_plan`); the largest wins."""
     from llmtrain.models.build import model_config
-    from llmtrain.parallel.dims import ParallelDims
-    from llmtrain.parallel.pipeline import stage_layer_ids
-    from llmtrain.objectives.reference import reference_kind
 
     r, t = cfg.recipe, cfg.trainer
     hf_config = hf_config or model_config(cfg.model)
@@ -365,21 +148,7 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     plan = RankPlan(recipe=r.name, world_size=world_size, micro_batch=micro, checkpointing=ckpt, ep=r.get("ep", 1),
                     global_batch=cfg.trainer.global_batch_size)
     try:
-        validate_objective(cfg)  # pairs refuse pipeline recipes (and reward models tp)
-        if cfg.get("peft") is not None:  # LoRA / QLoRA run on the data-parallel recipes only
-            validate_peft(cfg.peft, r, peft_label(cfg))
-            validate_quantize(cfg)
-        validate_context_parallel(cfg)
-        validate_chunked_loss(cfg)
-        lay = layout(cfg, world_size, micro_batch_size=micro)  # degrees, accumulation, pipeline micro-batches
-        dims = ParallelDims.from_layout(lay)
-        dims.check_model_config(hf_config, r.pp_stages_per_rank)
-        check_model(r.cp_style, dims.cp, dims.tp, hf_config)
-        from llmtrain.config.validate import validate_expert_parallel
-        from llmtrain.models.moe import check_model as check_experts
-
-        validate_expert_parallel(r)
-        check_experts(hf_config, dims.ep)
+        lay, dims = _checked_layout(cfg, world_size, micro, hf_config)
     except ConfigError as err:
         plan.error = str(err)
         return plan
@@ -391,11 +160,85 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     plan.optimizer_name = t.get("optimizer", "adamw")
     plan.degrees = f"dp {dims.dp_replicate}x{dims.dp_shard} tp {dims.tp} pp {dims.pp}" + (
         f" cp {dims.cp}" if dims.cp > 1 else "") + (f" ep {dims.ep}" if dims.ep > 1 else "")
-    accumulation = plan.accumulation = lay.accumulation
-    bf16 = t.precision == "bf16"
-    compute = 2 if bf16 else 4
-    from llmtrain.engine.mixed_precision import uses_bf16_casts
+    plan.accumulation = lay.accumulation
+    s = _setting(cfg, world_size, hf_config, dims, shape, micro, ckpt, lay.accumulation)
+    best: RankPlan | None = None
+    for pp_rank in range(dims.pp):
+        candidate = _stage_plan(s, plan, pp_rank)
+        if best is None or candidate.total > best.total:
+            best = candidate
+    return best
 
+
+def _checked_layout(cfg: Any, world_size: int, micro: int, hf_config: Any) -> tuple[Any, Any]:
+    """The run's layout and parallel dimensions, checked as a run's start would check them.
+
+    Raises:
+        ConfigError: the objective, adapters, context or expert parallelism, the chunked loss or
+            the model does not fit the recipe on ``world_size`` ranks.
+    """
+    from llmtrain.config.layout import layout
+    from llmtrain.config.validate import validate_expert_parallel
+    from llmtrain.models.moe import check_model as check_experts
+    from llmtrain.parallel.dims import ParallelDims
+
+    r = cfg.recipe
+    validate_objective(cfg)  # pairs refuse pipeline recipes (and reward models tp)
+    if cfg.get("peft") is not None:  # LoRA / QLoRA run on the data-parallel recipes only
+        validate_peft(cfg.peft, r, peft_label(cfg))
+        validate_quantize(cfg)
+    validate_context_parallel(cfg)
+    validate_chunked_loss(cfg)
+    lay = layout(cfg, world_size, micro_batch_size=micro)  # degrees, accumulation, pipeline micro-batches
+    dims = ParallelDims.from_layout(lay)
+    dims.check_model_config(hf_config, r.pp_stages_per_rank)
+    check_model(r.cp_style, dims.cp, dims.tp, hf_config)
+    validate_expert_parallel(r)
+    check_experts(hf_config, dims.ep)
+    return lay, dims
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """What every pipeline rank's plan of one run shares (:func:`_setting`)."""
+
+    cfg: Any
+    hf_config: Any
+    dims: Any
+    shape: ModelShape
+    ckpt: bool
+    accumulation: int
+    compute: int  # bytes per element of the compute dtype
+    bf16: bool
+    fsdp: bool
+    replicated_bf16: bool
+    pairs: bool  # a preference objective: a micro-batch of pairs is twice as many rows
+    online: bool  # online RL: a micro-batch of prompts is G completions each
+    group: int
+    rows: int
+    frozen_copy: bool  # a frozen reference copy of the initial weights
+    teacher: ModelShape | None  # distillation's teacher
+    chunk: int  # trainer.loss_chunk_tokens
+    local_seq: int  # a context-parallel rank's share of each row
+    acts: Any  # per-layer activations (:func:`measure_activations`)
+    layer_n: int
+    embedding_n: int
+    head_n: int
+    stage_ids: list
+    communication: Any
+
+
+def _setting(cfg: Any, world_size: int, hf_config: Any, dims: Any, shape: ModelShape, micro: int, ckpt: bool,
+             accumulation: int) -> _Setting:
+    """The dtypes, the objective's rows, the activations and the parameter shares every
+    pipeline rank's plan uses."""
+    from llmtrain.engine.deepspeed_engine import communication_sizes
+    from llmtrain.engine.mixed_precision import uses_bf16_casts
+    from llmtrain.objectives.reference import reference_kind
+    from llmtrain.parallel.pipeline import stage_layer_ids
+
+    r, t = cfg.recipe, cfg.trainer
+    bf16 = t.precision == "bf16"
     # bf16 runs compute on bf16 weights under DeepSpeed's ZeRO, FSDP2 (its param_dtype) and the
     # torch engine's one process and DDP (uses_bf16_casts); TP and PP without FSDP, DeepSpeed's
     # ZeRO-0, float8 and compiled DDP keep fp32 weights under autocast.
@@ -413,11 +256,12 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
         (pairs and objective.name == "dpo" and not objective.precompute_reference) or (online and objective.beta > 0))
     teacher = None
     if online and objective.name == "distill" and objective.get("teacher"):
+        from llmtrain.models.build import model_config
         from llmtrain.objectives.distill import teacher_model_config
 
         teacher = model_shape(model_config(teacher_model_config(str(objective.teacher))))
     chunk = t.get("loss_chunk_tokens", 0)
-    local_seq = cfg.data.seq_len // dims.cp  # a context-parallel rank's share of each row
+    local_seq = cfg.data.seq_len // dims.cp
     acts = measure_activations(hf_config, rows, local_seq, t.precision, dims.tp,
                                bf16_weights=bf16 and ((r.engine == "deepspeed" and r.zero_stage >= 1) or fsdp
                                                       or replicated_bf16),
@@ -425,77 +269,99 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
     if r.get("tp_sequence_parallel") and dims.tp > 1:  # norms run on 1/tp of the sequence
         acts = replace(acts, per_layer=acts.per_layer - acts.norms_per_layer + acts.norms_per_layer // dims.tp,
                        layer_input=acts.layer_input // dims.tp)
-    layer_n = shape.tp_sharded // dims.tp + (shape.layer - shape.tp_sharded)
-    embedding_n = shape.embedding // (dims.tp if shape.embedding_tp else 1)
-    head_n = shape.head // (dims.tp if shape.head_tp else 1)
-    stages = dims.pp * r.pp_stages_per_rank
-    stage_ids = stage_layer_ids(shape.layers, stages)
-    best: RankPlan | None = None
-    for pp_rank in range(dims.pp):
-        mine = [s for s in range(stages) if s % dims.pp == pp_rank]
-        first, last = 0 in mine, stages - 1 in mine
-        layers = sum(len(stage_ids[s]) for s in mine)
-        n = layers * layer_n + (embedding_n if first else 0)
-        if last:
-            n += shape.final_norm + (head_n if shape.head else (embedding_n if not first else 0))
-        in_flight = 1 if dims.pp == 1 else (accumulation if r.pp_schedule == "gpipe" else
-                                               min(accumulation, (dims.pp - pp_rank) * r.pp_stages_per_rank))
-        per_micro = (layers * (acts.layer_input if ckpt else acts.per_layer)
-                     + (acts.outside if last else (acts.layer_input if not first else 0)))
-        activations = in_flight * per_micro + (acts.per_layer if ckpt else 0)  # one layer recomputed
-        candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={})
-        if cfg.get("peft") is not None:  # LoRA / QLoRA: the base frozen (data-parallel recipes only)
-            _partial_model_states(candidate, cfg, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
-                                  communication_sizes(r, shape.hidden))
-        else:
-            _model_states(candidate, r, n, dims, compute, bf16, shape, layer_n, embedding_n, head_n,
-                          communication_sizes(r, shape.hidden), experts_n=layers * shape.experts_layer,
-                          optimizer=plan.optimizer_name)
-        if r.get("fp8") and shape.decoder_linears:
-            _fp8_bytes(candidate, r, shape, rows * local_seq, compute, fsdp)
-        if replicated_bf16:  # quantized (NF4) weights are not cast
-            from llmtrain.models.quantize import is_quantized
+    return _Setting(cfg=cfg, hf_config=hf_config, dims=dims, shape=shape, ckpt=ckpt, accumulation=accumulation,
+                    compute=2 if bf16 else 4, bf16=bf16, fsdp=fsdp, replicated_bf16=replicated_bf16, pairs=pairs,
+                    online=online, group=group, rows=rows, frozen_copy=frozen_copy, teacher=teacher, chunk=chunk,
+                    local_seq=local_seq, acts=acts,
+                    layer_n=shape.tp_sharded // dims.tp + (shape.layer - shape.tp_sharded),
+                    embedding_n=shape.embedding // (dims.tp if shape.embedding_tp else 1),
+                    head_n=shape.head // (dims.tp if shape.head_tp else 1),
+                    stage_ids=stage_layer_ids(shape.layers, dims.pp * r.pp_stages_per_rank),
+                    communication=communication_sizes(r, shape.hidden))
 
-            quantized = sum(i * o for _, i, o in shape.decoder_linears) if is_quantized(cfg) else 0
-            candidate.temporaries["bf16 casts of the weights (one micro-batch's graph)"] = 2 * (n - quantized)
-        if dims.ep > 1:
-            # Dispatch and combine of one MoE layer: this rank's N k assignment rows sent and as
-            # many received (uniform routing), in the compute dtype.
-            candidate.temporaries["all-to-all buffers (one MoE layer's dispatch + combine)"] = (
-                2 * rows * local_seq * shape.top_k * shape.hidden * compute)
-        if frozen_copy:  # DPO's reference: the initial weights, frozen, laid out like the policy's
-            candidate.buffers["frozen reference model"] = _reference_bytes(r, n, dims, compute, shape, replicated_bf16)
-        if teacher is not None:  # distillation: the teacher, frozen, laid out like a reference copy
-            candidate.buffers["frozen teacher model"] = _reference_bytes(r, teacher.total, dims, compute, teacher, replicated_bf16)
-            # Its log-probs of every micro-batch of the step wait on the device for the loss
-            # (rows x seq x vocab fp32 each), beside one teacher forward's logits.
-            candidate.buffers["teacher log-probs (the step's micro-batches)"] = accumulation * rows * local_seq * teacher.vocab * 4
-            candidate.temporaries["teacher logits of one forward"] = rows * local_seq * teacher.vocab * 4
-        # The logits and their gradient, fp32, live on the last stage while the loss backpropagates.
-        tokens = rows * local_seq
-        # A reward model's head gives one score per token, not vocabulary logits.
-        outputs = 1 if pairs and objective.name == "reward" else shape.vocab
-        if last and chunk:  # one chunk's logits (recomputed in backward, gradient formed in place)
-            vocab_local = shape.vocab // (dims.tp if shape.head_tp else 1)
-            candidate.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] = (
-                min(chunk, tokens) * vocab_local * 4)
-        elif last:
-            candidate.temporaries["logits and their gradient"] = 2 * tokens * outputs * 4
-        if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps
-            candidate.buffers["pipeline receive buffers (one per micro-batch)"] = accumulation * tokens * shape.hidden * 4
-        if online and cfg.rollout.engine == "vllm":
-            # The server holds its own weights and KV cache (another process, outside this plan);
-            # rank 0 gathers the whole fp32 state, rebuilds a model from it and copies it for the file.
-            candidate.sampling["whole fp32 model x3 on rank 0 (gathered, rebuilt, written for vLLM)"] = 3 * n * dims.tp * 4
-        elif online:
-            if (r.engine == "deepspeed" and r.zero_stage == 3) or fsdp:
-                candidate.sampling["weights gathered whole for sampling"] = max(0, compute * n - candidate.params)
-            candidate.sampling[f"KV cache of one group ({group} x data.seq_len tokens)"] = kv_cache_bytes(
-                hf_config, group, cfg.data.seq_len, compute, dims.tp)
-            candidate.sampling["logits of one decode step (fp32)"] = group * shape.vocab * 4
-        if best is None or candidate.total > best.total:
-            best = candidate
-    return best
+
+def _stage_plan(s: _Setting, plan: RankPlan, pp_rank: int) -> RankPlan:
+    """Pipeline rank ``pp_rank``'s plan: its parameters and model states, activations in flight,
+    temporaries, buffers (:func:`_add_buffers`) and what sampling adds (:func:`_add_sampling`)."""
+    cfg, r, dims, shape, acts = s.cfg, s.cfg.recipe, s.dims, s.shape, s.acts
+    stages = dims.pp * r.pp_stages_per_rank
+    mine = [k for k in range(stages) if k % dims.pp == pp_rank]
+    first, last = 0 in mine, stages - 1 in mine
+    layers = sum(len(s.stage_ids[k]) for k in mine)
+    n = layers * s.layer_n + (s.embedding_n if first else 0)
+    if last:
+        n += shape.final_norm + (s.head_n if shape.head else (s.embedding_n if not first else 0))
+    in_flight = 1 if dims.pp == 1 else (s.accumulation if r.pp_schedule == "gpipe" else
+                                           min(s.accumulation, (dims.pp - pp_rank) * r.pp_stages_per_rank))
+    per_micro = (layers * (acts.layer_input if s.ckpt else acts.per_layer)
+                 + (acts.outside if last else (acts.layer_input if not first else 0)))
+    activations = in_flight * per_micro + (acts.per_layer if s.ckpt else 0)  # one layer recomputed
+    candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={})
+    if cfg.get("peft") is not None:  # LoRA / QLoRA: the base frozen (data-parallel recipes only)
+        _partial_model_states(candidate, cfg, n, dims, s.compute, s.bf16, shape, s.layer_n, s.embedding_n, s.head_n,
+                              s.communication)
+    else:
+        _model_states(candidate, r, n, dims, s.compute, s.bf16, shape, s.layer_n, s.embedding_n, s.head_n,
+                      s.communication, experts_n=layers * shape.experts_layer, optimizer=plan.optimizer_name)
+    if r.get("fp8") and shape.decoder_linears:
+        _fp8_bytes(candidate, r, shape, s.rows * s.local_seq, s.compute, s.fsdp)
+    if s.replicated_bf16:  # quantized (NF4) weights are not cast
+        from llmtrain.models.quantize import is_quantized
+
+        quantized = sum(i * o for _, i, o in shape.decoder_linears) if is_quantized(cfg) else 0
+        candidate.temporaries["bf16 casts of the weights (one micro-batch's graph)"] = 2 * (n - quantized)
+    if dims.ep > 1:
+        # Dispatch and combine of one MoE layer: this rank's N k assignment rows sent and as
+        # many received (uniform routing), in the compute dtype.
+        candidate.temporaries["all-to-all buffers (one MoE layer's dispatch + combine)"] = (
+            2 * s.rows * s.local_seq * shape.top_k * shape.hidden * s.compute)
+    _add_buffers(s, candidate, n, last)
+    _add_sampling(s, candidate, n)
+    return candidate
+
+
+def _add_buffers(s: _Setting, candidate: RankPlan, n: int, last: bool) -> None:
+    """A stage's frozen reference or teacher, the loss's logits (last stage) and the pipeline's
+    receive buffers. ``n``: the stage's parameters on this rank."""
+    r, dims, shape = s.cfg.recipe, s.dims, s.shape
+    if s.frozen_copy:  # DPO's reference: the initial weights, frozen, laid out like the policy's
+        candidate.buffers["frozen reference model"] = _reference_bytes(r, n, dims, s.compute, shape, s.replicated_bf16)
+    teacher = s.teacher
+    if teacher is not None:  # distillation: the teacher, frozen, laid out like a reference copy
+        candidate.buffers["frozen teacher model"] = _reference_bytes(r, teacher.total, dims, s.compute, teacher,
+                                                                     s.replicated_bf16)
+        # Its log-probs of every micro-batch of the step wait on the device for the loss
+        # (rows x seq x vocab fp32 each), beside one teacher forward's logits.
+        candidate.buffers["teacher log-probs (the step's micro-batches)"] = (s.accumulation * s.rows * s.local_seq
+                                                                              * teacher.vocab * 4)
+        candidate.temporaries["teacher logits of one forward"] = s.rows * s.local_seq * teacher.vocab * 4
+    # The logits and their gradient, fp32, live on the last stage while the loss backpropagates.
+    tokens = s.rows * s.local_seq
+    # A reward model's head gives one score per token, not vocabulary logits.
+    outputs = 1 if s.pairs and s.cfg.objective.name == "reward" else shape.vocab
+    if last and s.chunk:  # one chunk's logits (recomputed in backward, gradient formed in place)
+        vocab_local = shape.vocab // (dims.tp if shape.head_tp else 1)
+        candidate.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] = (
+            min(s.chunk, tokens) * vocab_local * 4)
+    elif last:
+        candidate.temporaries["logits and their gradient"] = 2 * tokens * outputs * 4
+    if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps
+        candidate.buffers["pipeline receive buffers (one per micro-batch)"] = s.accumulation * tokens * shape.hidden * 4
+
+
+def _add_sampling(s: _Setting, candidate: RankPlan, n: int) -> None:
+    """What an online objective's sampling adds on a stage of ``n`` parameters on this rank."""
+    cfg, r, dims = s.cfg, s.cfg.recipe, s.dims
+    if s.online and cfg.rollout.engine == "vllm":
+        # The server holds its own weights and KV cache (another process, outside this plan);
+        # rank 0 gathers the whole fp32 state, rebuilds a model from it and copies it for the file.
+        candidate.sampling["whole fp32 model x3 on rank 0 (gathered, rebuilt, written for vLLM)"] = 3 * n * dims.tp * 4
+    elif s.online:
+        if (r.engine == "deepspeed" and r.zero_stage == 3) or s.fsdp:
+            candidate.sampling["weights gathered whole for sampling"] = max(0, s.compute * n - candidate.params)
+        candidate.sampling[f"KV cache of one group ({s.group} x data.seq_len tokens)"] = kv_cache_bytes(
+            s.hf_config, s.group, cfg.data.seq_len, s.compute, dims.tp)
+        candidate.sampling["logits of one decode step (fp32)"] = s.group * s.shape.vocab * 4
 
 
 def kv_cache_bytes(hf_config: Any, rows: int, tokens: int, dtype_bytes: int, tp: int = 1) -> int:

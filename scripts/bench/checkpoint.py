@@ -59,7 +59,8 @@ from llmtrain.checkpoint.state import TrainState  # noqa: E402
 from llmtrain.common import collection  # noqa: E402
 from llmtrain.config.layout import gradient_accumulation_steps  # noqa: E402
 from llmtrain.config.compose import register_configs  # noqa: E402
-from llmtrain.engine import build_engine, dcp_state  # noqa: E402
+from llmtrain.checkpoint.format import dcp_writer  # noqa: E402
+from llmtrain.engine import build_engine  # noqa: E402
 from llmtrain.models.build import build_model, byte_tokenizer  # noqa: E402
 from llmtrain.objectives import build_objective  # noqa: E402
 from llmtrain.parallel.dims import ParallelDims  # noqa: E402
@@ -226,11 +227,11 @@ def main() -> None:
                 if who == "stock":
                     step += 1
                     state.step = step
-                    dcp_state.FRAMED_ARCHIVES = False
+                    dcp_writer.FRAMED_ARCHIVES = False
                     try:
                         timed("stock_save", lambda: save_and_prune())
                     finally:
-                        dcp_state.FRAMED_ARCHIVES = True
+                        dcp_writer.FRAMED_ARCHIVES = True
                     continue
                 if who == "plain":
                     plain_file = plain_files[r % 2]

@@ -10,8 +10,8 @@ a few seconds:
    compares names, offsets and sizes but not ``TensorProperties``, so a second save of the same
    names and shapes in another dtype reuses the first save's metadata, which states the old dtype.
 
-llmtrain works around both in ``llmtrain/engine/dcp_state.py`` (``_CompleteWriter``,
-``_CachedSavePlanner``).
+llmtrain works around both in ``llmtrain/checkpoint/format/`` (``dcp_writer._CompleteWriter``,
+``plan_cache.CachedSavePlanner``).
 
     python scripts/repro/dcp_writer_thread_error.py
 """

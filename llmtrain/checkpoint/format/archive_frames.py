@@ -8,7 +8,7 @@ went through DCP's stream wrapper and llmtrain's checksumming writer one by one:
 writes a save, 0.2-0.3 s of the rank's time besides copying the data.
 
 With its zip CRC-32s off (every file llmtrain writes through
-:func:`llmtrain.engine.dcp_state.hashed_open` has a checksum of its own, so it turns them off),
+:func:`llmtrain.checkpoint.format.dcp_writer.hashed_open` has a checksum of its own, so it turns them off),
 such an archive is the same bytes before and after the tensor's data for every tensor of the
 same dtype, shape and strides: the pickle names no data, the record offsets depend on sizes
 only, and the serialization id is derived from the (zero) CRC-32s. :func:`write_tensor` takes
