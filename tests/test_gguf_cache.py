@@ -118,6 +118,7 @@ def test_second_load_does_not_read_the_gguf_file(converted, gguf_reads):
     assert model.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_cached_load_is_identical_to_the_gguf_load(converted, monkeypatch):
     """Weights bit for bit, the config, the generation config and the tokenizer (ids of varied
     text, special tokens, the chat template) against transformers' own GGUF load."""
