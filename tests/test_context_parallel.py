@@ -185,6 +185,7 @@ def _attention_errors(rank: int, world: int, style: str, packed: bool) -> dict[s
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_over_split_rows_equals_whole_row_sdpa(world):
     """Every style (Ulysses; ring on the CPU flash kernel and on plain ops), unpacked and packed
@@ -266,6 +267,7 @@ def per_step(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.parametrize("name", [*TWO, *FOUR])
 def test_split_rows_train_like_one_process(name, runs):
     kind = (TWO | FOUR)[name][0]
@@ -277,7 +279,7 @@ def test_split_rows_train_like_one_process(name, runs):
     assert one[-1]["train/loss"] < one[0]["train/loss"] - 0.05  # it trained
 
 
-@pytest.mark.slow
+@pytest.mark.alone
 def test_packed_rows_hold_several_documents(shared_data):
     from llmtrain import data
     from llmtrain.models.build import build_tokenizer
@@ -289,6 +291,7 @@ def test_packed_rows_hold_several_documents(shared_data):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_sigkill_under_cp_then_resume_on_one_process_continues_exactly(shared_data, runs, tmp_path):
     overrides = common(shared_data / "tinyshakespeare.txt") + [f"run_dir={tmp_path}"]
     env = subprocess_env()

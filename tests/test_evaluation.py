@@ -238,6 +238,7 @@ def trained(tmp_path_factory, shared_data) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_checkpoint_scores_equal_the_harness_cli_on_its_export_and_go_to_the_run(trained, tmp_path):
     """Acceptance 1 (tiny model): ``python -m llmtrain.evaluate RUN_DIR`` (its newest checkpoint,
     rebuilt as an export) gives exactly the metrics and document counts of ``lm_eval --model hf``
@@ -291,6 +292,7 @@ def test_adapter_scores_equal_its_checkpoints(trained):
     assert 1 < by_adapter["eval/alpaca_local/byte_perplexity"] < 320  # trained a little, below uniform over bytes
 
 
+@pytest.mark.slow
 def test_smollm2_scores_equal_the_harness_cli(tmp_path, shared_data):
     """Acceptance 1 on the real model: SmolLM2-135M-Instruct (from its GGUF, written as a
     Hugging Face folder) scores the same through llmtrain.evaluate and lm_eval's CLI."""
@@ -407,6 +409,7 @@ def test_the_result_file_keeps_the_larger_evaluation_of_a_step(tmp_path):
     assert harness.read_result(tmp_path / "eval" / "step_20.json")["n_samples"]["hh_local"]["effective"] == 2277
 
 
+@pytest.mark.slow
 def test_evaluate_logs_request_progress_and_ends_in_one_line_on_ctrl_c(trained, tmp_path):
     """In a log (not a terminal) lm-eval's requests show as progress lines, not nothing; Ctrl-C
     ends the command in one line, exit status 130, with no result and no temporary export left

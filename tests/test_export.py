@@ -22,6 +22,7 @@ def logits_of(folder) -> torch.Tensor:
 
 
 # The torch-engine path of the same code is covered by tests/test_recipes.py (resume checks).
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe,nproc", [("zero3", 2)])
 def test_export_round_trip_keeps_ties_and_logits(recipe, nproc, tmp_path):
     run_dir = tmp_path / "run"
@@ -58,6 +59,7 @@ def _export(checkpoint, out) -> None:
                              capture_output=True, text=True, env=subprocess_env(), cwd=REPO))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["zero2", "zero3"])
 def test_deepspeeds_zero_to_fp32_runs_as_documented_and_reproduces_the_export(recipe, zero_runs, tmp_path):
     import json
@@ -83,6 +85,7 @@ def test_deepspeeds_zero_to_fp32_runs_as_documented_and_reproduces_the_export(re
             assert torch.equal(got[name], tensor), (folder.name, name, (got[name] - tensor).abs().max().item())
 
 
+@pytest.mark.slow
 def test_zero0_checkpoints_export_under_weights_only(zero_runs, tmp_path):
     from safetensors.torch import load_file
 
@@ -93,6 +96,7 @@ def test_zero0_checkpoints_export_under_weights_only(zero_runs, tmp_path):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_a_crafted_deepspeed_checkpoint_is_refused_by_export_and_resume(zero_runs, tmp_path):
     import shutil
 
@@ -117,6 +121,7 @@ def test_a_crafted_deepspeed_checkpoint_is_refused_by_export_and_resume(zero_run
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_crafted_rank_file_of_rank_1_stops_both_ranks_on_resume(zero_runs, tmp_path):
     import shutil
 

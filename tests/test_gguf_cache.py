@@ -89,7 +89,7 @@ def gguf_reads(monkeypatch):
     return calls
 
 
-@pytest.mark.slow  # reads the shared cache's root: no other test converts meanwhile (conftest.machine_alone)
+@pytest.mark.alone  # reads the shared cache's root: no other test converts meanwhile (conftest.machine_alone)
 def test_entry_is_complete_and_keyed_by_content_and_versions(converted):
     import transformers
 
@@ -118,6 +118,7 @@ def test_second_load_does_not_read_the_gguf_file(converted, gguf_reads):
     assert model.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_cached_load_is_identical_to_the_gguf_load(converted, monkeypatch):
     """Weights bit for bit, the config, the generation config and the tokenizer (ids of varied
     text, special tokens, the chat template) against transformers' own GGUF load."""
@@ -251,7 +252,8 @@ WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # 3 processes (conftest.machine_alone)
+@pytest.mark.slow
+@pytest.mark.alone  # 3 processes (conftest.machine_alone)
 def test_concurrent_builders_leave_one_valid_entry(tmp_path):
     """Three processes ask for the same entry at once: one converts, all get the same complete
     folder, nothing temporary is left."""

@@ -120,6 +120,7 @@ def _worker(rank: int, world: int, micro: int, rendezvous: str, out: str) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.parametrize("micro", [1, 2])
 def test_two_ranks_equal_one_big_batch(tmp_path, micro):
     out = str(tmp_path / "grads.pt")

@@ -80,11 +80,24 @@ def runs(questions, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+def test_every_two_rank_run_composes_with_its_share_of_the_prompts(questions):
+    """In-process, for the fast tier: each run of the 2-rank launch composes and validates on 2
+    ranks; a data-parallel layout takes 2 of a step's 4 prompts a rank (accumulating 2 of micro-batch
+    1), tp gives both ranks all 4."""
+    from conftest import make_cfg
+    from llmtrain.config.validate import validate
+
+    for name, recipe in CASES:
+        shape = validate(make_cfg(overrides_of(name, questions) + [f"+recipe={recipe}"]), 2)
+        assert (shape.dp, shape.accumulation) == ((1, 4) if recipe == "tp" else (2, 2)), (name, recipe)
+
+
 KEYS = ("train/loss", "train/grad_norm", "train/entropy", "train/reward", "train/reward_std",
         "train/completions/mean_length")
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.parametrize("name,recipe", CASES)
 def test_two_ranks_sample_the_same_completions_and_equal_one_process(name, recipe, runs):
     one, two = train_rows(runs[name], STEPS), train_rows(runs[f"{name}-{recipe}"], STEPS)
@@ -106,6 +119,7 @@ def test_two_ranks_sample_the_same_completions_and_equal_one_process(name, recip
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_rollout_records_and_outputs(runs):
     rows = train_rows(runs["lora"], STEPS)
     # num_iterations=2: a generation batch at steps 1, 3 and 5, reused at 2, 4 and 6.
@@ -124,6 +138,7 @@ def test_rollout_records_and_outputs(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_completions_of_every_rank_are_gathered_in_global_order(runs):
     """``rollout.log_completions=16`` on 2 ranks: each step's file holds the whole global batch
     (4 prompts x G=4), rank 0's 8 then rank 1's 8 (prompt, then completion within its group),
@@ -140,6 +155,7 @@ def test_completions_of_every_rank_are_gathered_in_global_order(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_sigkill_inside_a_generation_batch_then_rerun_continues_exactly(runs, questions, tmp_path):
     overrides = overrides_of("lora", questions) + ["+recipe=zero3", f"run_dir={tmp_path}"]
     proc = launch(overrides, nproc=2)
@@ -159,6 +175,7 @@ def test_sigkill_inside_a_generation_batch_then_rerun_continues_exactly(runs, qu
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_staleness_zero_is_the_synchronous_run_bit_for_bit(runs):
     keys = ("train/loss", "train/grad_norm", "train/reward", "data/sample_digest", "train/entropy")
     for a, b in zip(train_rows(runs["dapo-ddp"], STEPS), train_rows(runs["stale0-ddp"], STEPS)):
@@ -177,6 +194,7 @@ def _exported(checkpoint: Path, out: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_async_generation_loss_equals_truncated_importance_sampling_written_out(runs, questions, tmp_path):
     """Step s trains on completions the weights after step s - 2 sampled, with the weights after
     step s - 1: per token -A · min(π_{s-1} / π_{s-2}, 3) (the on-policy clipped surrogate's value
@@ -229,6 +247,7 @@ def test_async_generation_loss_equals_truncated_importance_sampling_written_out(
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_sigkill_with_a_batch_sampled_ahead_then_rerun_continues_exactly(runs, questions, tmp_path):
     overrides = overrides_of("async", questions) + ["+recipe=ddp", f"run_dir={tmp_path}"]
     proc = launch(overrides, nproc=2)
@@ -246,6 +265,7 @@ def test_sigkill_with_a_batch_sampled_ahead_then_rerun_continues_exactly(runs, q
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_calculator_episodes_are_recorded_turn_by_turn(runs):
     rows = train_rows(runs["tools-zero3"], STEPS)
     assert all(r["train/episodes/turns_mean"] == 2.0 and r["train/episodes/tool_calls_mean"] == 1.0 for r in rows)
@@ -268,6 +288,7 @@ def test_calculator_episodes_are_recorded_turn_by_turn(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.parametrize("recipe", PACKED)
 def test_packed_rollouts_equal_the_padded_run(recipe, runs):
     """``rollout.packing``: each micro-batch's 4 sequences (prompts of ~14 tokens, completions

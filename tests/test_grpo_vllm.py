@@ -171,6 +171,7 @@ def test_vllm_samples_with_the_policys_weights_before_and_after_a_sync(questions
 
 @needs_vllm
 @pytest.mark.slow
+@pytest.mark.alone
 def test_lora_on_two_ranks_and_full_fine_tuning_train_with_weights_in_sync(questions, tmp_path):
     runs = {"lora": (2, ["+peft=lora", "peft.r=4", "+recipe=ddp"]), "full": (1, [])}
     for name, (nproc, extra) in runs.items():
@@ -187,6 +188,7 @@ def test_lora_on_two_ranks_and_full_fine_tuning_train_with_weights_in_sync(quest
 
 @needs_vllm
 @pytest.mark.slow
+@pytest.mark.alone
 def test_asynchronous_generation_samples_the_next_batch_while_the_step_trains(questions, tmp_path):
     """LoRA on 2 ranks, ``rollout.async_generation=true``: step k's batch was sampled by the
     server with the weights of step k - 1 (staleness 1 from step 2), in the background while
@@ -219,6 +221,7 @@ def _servers_of(run_dir: Path) -> list[int]:
 
 @needs_vllm
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.parametrize("ending", ["sigterm", "reward error"])
 def test_the_server_stops_with_the_run_on_sigterm_and_on_errors(questions, tmp_path, ending):
     from conftest import subprocess_env

@@ -46,6 +46,7 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", list(RECIPES) + [f"qlora_{name}" for name in RECIPES])
 def test_lora_on_two_ranks_matches_one_process(recipe, runs):
     want, got = _losses(runs["qlora_single" if recipe.startswith("qlora") else "single"]), _losses(runs[recipe])
@@ -61,6 +62,7 @@ def _logits(model) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["single", "zero3", "fsdp", "zero2_bf16"])
 def test_adapter_and_merged_exports_load_and_agree(recipe, runs):
     from peft import PeftModel
@@ -82,6 +84,7 @@ def test_adapter_and_merged_exports_load_and_agree(recipe, runs):
     assert (_logits(merged) - untouched).abs().max() > 1e-3  # the adapter changed the model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["single", "zero2", "zero3", "fsdp", "qlora_zero3", "qlora_fsdp"])
 def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(recipe, runs, tmp_path):
     engine_dir = runs[recipe] / "checkpoints" / "step_6" / "engine"
@@ -114,6 +117,7 @@ def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(recipe, ru
     assert state["base_fingerprint"].startswith("config:")
 
 
+@pytest.mark.slow
 def test_model_freeze_keeps_patterns_frozen_and_out_of_the_checkpoint(runs, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from safetensors.torch import load_file
@@ -130,6 +134,7 @@ def test_model_freeze_keeps_patterns_frozen_and_out_of_the_checkpoint(runs, tmp_
     assert torch.equal(embed, initial_value("model.embed_tokens.weight", embed.shape, 1234, 0.02))  # never moved
 
 
+@pytest.mark.slow
 def test_a_lora_checkpoint_resumes_only_with_lora_and_the_same_base(runs, tmp_path):
     import shutil
 
@@ -200,6 +205,7 @@ def test_freeze_patterns_must_match():
         adapters.apply(build_model(cfg.model, 0), make_cfg(["model.freeze=[*]"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["qlora_single", "qlora_zero3", "qlora_fsdp"])
 def test_qlora_exports_merge_into_the_dequantized_base_and_load_in_plain_transformers(recipe, runs):
     from peft import PeftModel
@@ -223,6 +229,7 @@ def test_qlora_exports_merge_into_the_dequantized_base_and_load_in_plain_transfo
     torch.testing.assert_close(_logits(merged), adapted, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_llmtrain_export_writes_the_adapter_or_the_merged_model_from_a_lora_checkpoint(runs, tmp_path):
     from safetensors.torch import load_file
 
@@ -239,6 +246,7 @@ def test_llmtrain_export_writes_the_adapter_or_the_merged_model_from_a_lora_chec
     assert all(torch.equal(merged[k], at_end[k]) for k in at_end)
 
 
+@pytest.mark.slow
 def test_a_two_rank_lora_checkpoint_resumes_on_one_process(runs, tmp_path):
     # The FSDP2 adapter shards of 2 ranks (step 4), loaded by one plain process: DCP reshards by
     # name and the frozen base is rebuilt from its source.
@@ -253,6 +261,7 @@ def test_a_two_rank_lora_checkpoint_resumes_on_one_process(runs, tmp_path):
         assert abs(got[step] - want[step]) < 1e-6, (step, got[step], want[step])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["head_single", "head_zero3"])
 def test_adapter_base_is_the_untrained_base_when_modules_to_save_train(recipe, runs, tmp_path):
     # peft.modules_to_save=[lm_head] trains the head in full: the adapter carries the trained head,
@@ -285,6 +294,7 @@ def test_adapter_base_is_the_untrained_base_when_modules_to_save_train(recipe, r
         assert (_logits(merged) - untouched).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["single", "head_single"])
 def test_the_adapter_folder_loads_with_its_base_from_its_own_metadata(recipe, runs):
     # A model built from a config has no loadable base anywhere else: the run writes it to
@@ -304,6 +314,7 @@ def test_the_adapter_folder_loads_with_its_base_from_its_own_metadata(recipe, ru
         "eos_token_id"]
 
 
+@pytest.mark.slow
 def test_ask_answers_from_an_adapter_folder_also_after_the_run_folder_moved(runs, tmp_path):
     import shutil
 

@@ -16,7 +16,7 @@ from llmtrain.common import hardware
 from llmtrain.planning import flops
 
 # The machine to itself under xdist (conftest.machine_alone): measures the machine's peak FLOP/s.
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.alone
 
 CPU = torch.device("cpu")
 # Small sizes and budgets: the real probe, in well under a second per call.
@@ -162,6 +162,7 @@ def _rank(rank: int, world: int, rendezvous: str, cache_dir: str, out: str) -> N
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_sharing_a_cpu_probe_together_and_agree_on_the_mean(tmp_path):
     import torch.multiprocessing as mp
 

@@ -292,6 +292,7 @@ def _expert_load(run_dir: Path) -> list[list[float]]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.parametrize("name", [*TWO, *FOUR])
 def test_moe_layouts_train_like_one_process(name, runs):
     kind = (TWO | FOUR)[name][0]
@@ -315,6 +316,7 @@ def test_moe_layouts_train_like_one_process(name, runs):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_shared_expert_model_mixes_dense_and_sparse_layers(runs):
     load = json.loads((runs["shared"] / "expert_load.json").read_text())
     assert load["moe_layers"] == [0, 2, 3] and sum(load["tokens_per_expert"][1]) == 0
@@ -323,6 +325,7 @@ def test_shared_expert_model_mixes_dense_and_sparse_layers(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_expert_parallel_export_loads_with_from_pretrained_and_gives_the_trained_logits(runs):
     from transformers import AutoModelForCausalLM
 
@@ -336,6 +339,7 @@ def test_expert_parallel_export_loads_with_from_pretrained_and_gives_the_trained
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_lora_on_expert_tensors_exports_an_adapter_peft_loads_equal_to_the_merged_model(runs):
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -362,6 +366,7 @@ def _resumed_from(run_dir: Path) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.parametrize("resume_nproc", [2, 1])
 def test_sigkill_under_ep2_then_resume_continues_exactly(runs, resume_nproc):
     run = runs[f"killed-resumed_on_{resume_nproc}"]
@@ -378,6 +383,7 @@ def test_sigkill_under_ep2_then_resume_continues_exactly(runs, resume_nproc):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_one_process_checkpoint_resumes_under_ep2(runs):
     run = runs["two_steps-resumed_under_ep2"]
     assert _resumed_from(run)[-1].endswith("step_2")

@@ -30,6 +30,7 @@ def test_meta_model_counts_llama3_8b_and_70b_parameters():
         assert shape.total == shape.layers * shape.layer + shape.embedding + shape.head + shape.final_norm
 
 
+@pytest.mark.slow
 def test_plan_is_within_bounds_of_what_two_ranks_hold(tmp_path):
     """Bytes held after the optimizer step within 10%, peak bytes saved for backward within
     30%, for a DeepSpeed, an FSDP2 and a pipeline recipe (the other five: the closing note),

@@ -51,6 +51,7 @@ def runs(tmp_path_factory):
     return run_scenarios({**RUNS, **dpo}, 2, root)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "fsdp", "ddp"])
 def test_bf16_master_weights_start_at_the_initial_weights_and_are_exported(name, runs):
     # DeepSpeed casts the model to bf16 and copies its master weights from the rounded values;
@@ -62,6 +63,7 @@ def test_bf16_master_weights_start_at_the_initial_weights_and_are_exported(name,
         assert torch.equal(value, want), (key, (value - want).abs().max())
 
 
+@pytest.mark.slow
 def test_deepspeed_zero0_bf16_takes_one_update_per_step_and_exports_its_fp32_weights(runs, tmp_path):
     checkpoint = runs["zero0"] / "checkpoints" / "step_3"
     states = torch.load(checkpoint / "engine" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
@@ -105,6 +107,7 @@ def _floating_dtypes(node) -> set:
     return set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "fsdp", "ddp"])
 def test_bf16_master_weights_and_optimizer_state_are_fp32(name, runs, tmp_path):
     engine_dir = runs[name] / "checkpoints" / "step_1" / "engine"
@@ -172,6 +175,7 @@ def test_torch_engine_accumulates_bf16_micro_batch_gradients_in_fp32():
     assert error < one_rounding / 100, (error, one_rounding)
 
 
+@pytest.mark.slow
 def test_ddp_bf16_trains_deepspeed_bf16_zero1s_loss_curve(runs):
     # Both compute forward and backward on bf16 weights cast from fp32 masters and accumulate
     # gradients in fp32 (DeepSpeed's bf16 optimizer, grad_accum_dtype fp32). Step 1 checks the
@@ -185,6 +189,7 @@ def test_ddp_bf16_trains_deepspeed_bf16_zero1s_loss_curve(runs):
     assert reference[-1] < reference[0] - 0.3  # it trained
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", DPO_RECIPES)
 def test_bf16_dpo_starts_at_ln2_on_every_layout(recipe, runs):
     # The reference runs on the weights the policy computes on: the torch engine's bf16 casts,

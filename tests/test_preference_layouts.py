@@ -92,6 +92,7 @@ def per_step(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.parametrize("objective,recipe", CASES)
 def test_two_ranks_equal_one_process(objective, recipe, runs):
     one, two = per_step(runs[objective]), per_step(runs[f"{objective}-{recipe}"])
@@ -107,6 +108,7 @@ def test_two_ranks_equal_one_process(objective, recipe, runs):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_precomputed_reference_equals_the_live_frozen_copy(runs):
     live, stored = per_step(runs["dpo"]), per_step(runs["dpo_precompute"])
     for a, b in zip(live, stored):
@@ -117,7 +119,7 @@ def test_precomputed_reference_equals_the_live_frozen_copy(runs):
     assert (runs["dpo_precompute"] / "reference_logps.safetensors").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.alone
 def test_packed_rows_hold_several_pairs(pairs, short_pairs):
     from conftest import make_cfg
     from llmtrain import data
@@ -130,6 +132,7 @@ def test_packed_rows_hold_several_pairs(pairs, short_pairs):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_first_dpo_step_is_ln2_and_rewards_zero(runs):
     """Policy = reference at step 1: every implicit reward is 0 and the sigmoid loss is ln 2."""
     import math
@@ -141,6 +144,7 @@ def test_first_dpo_step_is_ln2_and_rewards_zero(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.parametrize("name,recipe", [("dpo_precompute", "zero3"), ("dpo_lora", "fsdp")])
 def test_sigkill_then_rerun_continues_exactly(name, recipe, runs, pairs, short_pairs, tmp_path):
     overrides = overrides_of(name, pairs, short_pairs) + [f"+recipe={recipe}", f"run_dir={tmp_path}"]

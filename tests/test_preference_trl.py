@@ -137,8 +137,10 @@ def _assert_steps(ours: list[dict], theirs: list[dict], keys: tuple[str, ...] = 
             assert o[f"train/{key}"] == pytest.approx(t[key], abs=TOL, rel=0 if step == 1 else rel), f"step {step} {key}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("loss_type,eps", [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0), ("robust", 0.1)])
+# The sigmoid loss stays in the fast tier: one preference run against TRL in the inner loop.
+@pytest.mark.alone
+@pytest.mark.parametrize("loss_type,eps", [("sigmoid", 0.0), *(pytest.param(*case, marks=pytest.mark.slow) for case in
+                                                                (("ipo", 0.0), ("hinge", 0.0), ("robust", 0.1)))])
 def test_dpo_equals_trl_dpo_trainer(hh_pairs, tmp_path, loss_type, eps):
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
@@ -175,6 +177,7 @@ def _paired_logs(logged: list[dict], accumulation: int) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.parametrize("objective", ["simpo", "orpo"])
 def test_simpo_and_orpo_equal_trl_cpo_and_orpo_trainers(hh_pairs, tmp_path, objective):
     """ORPO's NLL term is a token mean over TRL's whole micro-batch, the paper's (eq. 6) is per
@@ -209,6 +212,7 @@ def test_simpo_and_orpo_equal_trl_cpo_and_orpo_trainers(hh_pairs, tmp_path, obje
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_reward_model_equals_trl_reward_trainer(hh_pairs, tmp_path):
     from transformers import AutoModelForSequenceClassification
     from trl import RewardConfig, RewardTrainer
@@ -236,6 +240,7 @@ def test_reward_model_equals_trl_reward_trainer(hh_pairs, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_kto_equals_trl_kto_trainer(hh_pairs, tmp_path):
     """Unpaired HH examples (each pair's chosen as desirable, rejected as undesirable): TRL builds
     its KL examples by rotating completions within each per-device batch, llmtrain within each

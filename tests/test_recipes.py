@@ -138,6 +138,7 @@ def reference(runs):
     return lambda recipe, nproc: runs(nproc)[recipe]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero3_torch", "zero3"])
 def test_the_run_uses_the_recipe_the_composed_config_shows(name, runs):
     import yaml
@@ -151,6 +152,7 @@ def test_the_run_uses_the_recipe_the_composed_config_shows(name, runs):
     assert used["recipe"]["engine"] == ("torch" if name.endswith("torch") else "deepspeed")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_two_process_recipe_matches_plain_single_process(recipe, reference):
     plain, ours = reference("ddp", 1), reference(recipe, 2)  # one process + no recipe = plain torch
@@ -207,6 +209,7 @@ def resumed(runs, tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name, (saved, *_, recipe, _) in RESUMES.items() if saved == recipe])
 def test_resume_on_another_world_size(name, runs, resumed):
     assert_resumes_exactly(name, runs, resumed)
@@ -247,6 +250,24 @@ def assert_same_run(got_dir: Path, want_dir: Path, atol: float = 1e-5) -> None:
     assert got[6]["train/loss"] < got[1]["train/loss"]
 
 
+# (dp_replicate, dp_shard, tp, pp) each torch-native recipe file gives on its world size.
+DEGREES = {"fsdp": (1, 2, 1, 1), "tp": (1, 1, 2, 1), "pp": (1, 1, 1, 2), "hsdp": (2, 2, 1, 1),
+           "fsdp_tp": (1, 2, 2, 1), "pp_fsdp": (1, 2, 1, 2), "3d": (1, 2, 2, 2)}
+
+
+@pytest.mark.parametrize("nproc,name", [(n, name) for n, name in NATIVE_CASES if name in DEGREES])
+def test_native_recipes_compose_to_their_degrees_and_accumulation(nproc, name):
+    """In-process, for the fast tier: the layouts the launches below train, composed and validated
+    for their world size; 16 samples a step of micro-batches of 4 over the data-parallel ranks."""
+    from conftest import make_cfg
+    from llmtrain.config.validate import validate
+
+    shape = validate(make_cfg(COMMON + NATIVE[nproc][name]), nproc)
+    assert (shape.dp_replicate, shape.dp_shard, shape.tp, shape.pp) == DEGREES[name]
+    assert shape.accumulation == 16 // (4 * shape.dp)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc,name", NATIVE_CASES, ids=[name for _, name in NATIVE_CASES])
 def test_torch_native_layout_matches_plain_single_process(nproc, name, runs):
     ours = runs(nproc)[name]
@@ -259,6 +280,7 @@ def test_torch_native_layout_matches_plain_single_process(nproc, name, runs):
         torch.testing.assert_close(exported[key], base[key], rtol=0, atol=1e-5, msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", COMPILED_RECIPES)
 def test_compiled_layers_match_plain_single_process(recipe, runs):
     compiled, eager = runs(2)[f"{recipe}_compile"], runs(2)[recipe]
@@ -273,10 +295,12 @@ def test_compiled_layers_match_plain_single_process(recipe, runs):
     assert "perf/compiled_graphs" not in steps(eager)[1]
 
 
+@pytest.mark.slow
 def test_pipeline_on_padded_instruction_data_matches_plain_single_process(runs):
     assert_same_run(runs(2)["alpaca_pp"], runs(1)["alpaca"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,plain", [("alpaca_packed_pp", "alpaca_packed"), ("alpaca_packed_zero3", "alpaca_packed"),
                                         ("alpaca_packed_tp", "alpaca_packed"), ("docmask_pp", "docmask")])
 def test_packed_rows_on_two_ranks_match_plain_single_process(name, plain, runs):
@@ -286,6 +310,7 @@ def test_packed_rows_on_two_ranks_match_plain_single_process(name, plain, runs):
         assert steps(runs(1)["alpaca_packed"])[1]["train/tokens_seen"] > 2 * steps(runs(1)["alpaca"])[1]["train/tokens_seen"]
 
 
+@pytest.mark.slow
 def test_export_cli_consolidates_a_3d_checkpoint(runs, tmp_path):
     """pp 2 x tp 2 x FSDP 2 shards (tied embedding on both end stages) -> one HF folder."""
     import subprocess
@@ -303,17 +328,20 @@ def test_export_cli_consolidates_a_3d_checkpoint(runs, tmp_path):
         assert torch.equal(exported[key], live[key]), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["zero1", "zero2", "zero3", "zero3_offload"])
 def test_zero_recipe_on_the_torch_engine_matches_deepspeed(recipe, runs):
     assert_same_run(runs(2)[f"{recipe}_torch"], runs(2)[recipe])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name, (saved, *_, recipe, _) in RESUMES.items() if saved != recipe])
 def test_resume_across_a_layout_change(name, runs, resumed):
     """tp 2 -> one rank, pp 2 -> FSDP dp 2, pp 2 x tp 2 x dp 2 -> tp 2: DCP reshards."""
     assert_resumes_exactly(name, runs, resumed)
 
 
+@pytest.mark.slow
 def test_token_weighted_objective_reference_on_one_process(runs):
     """The 1-process run of the test objective (the reference of the two-process runs below)
     trained the weighted loss: on the same samples and initial weights, step 1's
@@ -329,6 +357,7 @@ def test_token_weighted_objective_reference_on_one_process(runs):
     assert got[6]["train/loss"] < got[1]["train/loss"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", WEIGHTED_RECIPES)
 def test_token_weighted_objective_on_two_processes_matches_single_process(recipe, runs):
     """A new objective trains on DDP, FSDP2, ZeRO-3 (DeepSpeed) and the pipeline engine without
@@ -350,6 +379,7 @@ MUON_ATOL = 1e-4
 
 
 # (muon on zero3 with engine=torch is the fsdp layout: FSDP2 full shard.)
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["muon_ddp", "muon_fsdp", "muon_tp", "adafactor_ddp",
                                   "adafactor_pp", "adamw_8bit_ddp", "adamw_8bit_fsdp"])
 def test_optimizer_on_two_processes_matches_single_process(name, runs):
@@ -364,6 +394,7 @@ def test_optimizer_on_two_processes_matches_single_process(name, runs):
 # adamw_8bit on fsdp equals one process because every shard of the tiny model holds >= 4096
 # elements in whole 256-element blocks (torchao quantizes per rank's shard: smaller shards would
 # keep fp32 moments where one process keeps 8-bit ones).
+@pytest.mark.slow
 @pytest.mark.parametrize("name,source", [("muon_fsdp_resumed_ddp", "muon_fsdp"), ("adafactor_ddp_resumed", "adafactor_ddp"),
                                          ("adamw_8bit_fsdp_resumed", "adamw_8bit_fsdp")])
 def test_optimizer_state_resumes_exactly(name, source, runs):
@@ -377,6 +408,7 @@ def test_optimizer_state_resumes_exactly(name, source, runs):
     assert got[6]["data/sample_digest"] == want[6]["data/sample_digest"]
 
 
+@pytest.mark.slow
 def test_resuming_with_another_optimizer_is_refused_by_name(runs):
     from omegaconf import OmegaConf
 
@@ -395,6 +427,7 @@ def test_resuming_with_another_optimizer_is_refused_by_name(runs):
 FP8_VS_BF16_ATOL = 2e-2
 
 
+@pytest.mark.slow
 def test_fp8_trains_within_float8_rounding_of_bf16_and_fsdp_matches_one_process(runs):
     bf16, fp8 = steps(runs(1)["bf16_1"]), steps(runs(1)["fp8_1"])
     for step in range(1, 7):

@@ -110,6 +110,7 @@ def reference(tmp_path_factory, mixture) -> dict:
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe,equal", [("ddp", False), ("pp", False), ("tp", True)])
 def test_each_data_parallel_rank_and_pipeline_stage_draws_its_own_dropout_stream(recipe, equal, reference):
     # Before: every rank seeded with trainer.seed, so both ranks saved equal states everywhere.
@@ -180,7 +181,8 @@ def wandb_history(run_dir: Path, key: str) -> list[tuple[int, float]]:
     return rows
 
 
-@pytest.mark.slow  # a 2-rank launch it kills or signals (conftest.machine_alone)
+@pytest.mark.slow
+@pytest.mark.alone  # a 2-rank launch it kills or signals (conftest.machine_alone)
 @pytest.mark.parametrize("recipe", KILL_RECIPES + list(LORA_RUNS))
 def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path, request):
     overrides = COMMON + LORA_RUNS.get(recipe, [f"+recipe={recipe}"]) + [f"run_dir={tmp_path}"]
@@ -299,7 +301,8 @@ def test_a_rerun_names_the_unfinished_process_and_the_steps_it_redoes(tmp_path):
     assert goodput.unfinished_process(tmp_path / "never-ran") is None
 
 
-@pytest.mark.slow  # a 2-rank launch it kills or signals (conftest.machine_alone)
+@pytest.mark.slow
+@pytest.mark.alone  # a 2-rank launch it kills or signals (conftest.machine_alone)
 def test_sigkill_of_a_packed_mixture_continues_exactly_and_counts_sources(mixture, reference, tmp_path):
     overrides = COMMON + mixture + [f"run_dir={tmp_path}"]
     proc = launch(overrides, nproc=2)
@@ -317,6 +320,7 @@ def test_sigkill_of_a_packed_mixture_continues_exactly_and_counts_sources(mixtur
     assert abs(share - 0.7) < 3 * (0.7 * 0.3 / (48 * len(counts))) ** 0.5, share  # within 3 sigma
 
 
+@pytest.mark.slow
 def test_kill_during_save_resumes_from_previous_checkpoint(reference, tmp_path):
     overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}"]
     env = subprocess_env()
@@ -336,6 +340,7 @@ def test_kill_during_save_resumes_from_previous_checkpoint(reference, tmp_path):
     assert wandb_history(tmp_path, "train/loss") == [(row[0], row[1]) for row in per_step(tmp_path)]
 
 
+@pytest.mark.slow
 def test_async_checkpoints_on_two_ranks_seal_every_save(reference):
     reference(2, "mix")
     root = reference.run_dir(2, "mix") / "checkpoints"
@@ -347,6 +352,7 @@ def test_async_checkpoints_on_two_ranks_seal_every_save(reference):
     assert len(stalls) == 3  # the saves of steps 2, 4 and 6, reported with the step after each
 
 
+@pytest.mark.slow
 def test_steps_report_the_largest_rank_memory_and_model_tflops(reference):
     from omegaconf import OmegaConf
 
@@ -368,6 +374,7 @@ def test_steps_report_the_largest_rank_memory_and_model_tflops(reference):
         assert r["perf/mfu"] == pytest.approx(r["perf/tflops_per_device"] / peak["tflops"])
 
 
+@pytest.mark.slow
 def test_kill_during_a_background_write_resumes_from_the_previous_checkpoint(reference, tmp_path):
     overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}", "trainer.async_checkpoint=true"]
     env = subprocess_env()
@@ -401,6 +408,7 @@ def finished_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage,problem", [
     (lambda d: (d / "COMPLETE.json").unlink(), "no completion marker"),
     (lambda d: _truncate(d / "engine" / "__0_0.distcp"), "truncated file engine/__0_0.distcp"),
@@ -418,6 +426,7 @@ def test_damaged_newest_checkpoint_is_skipped_loudly(damage, problem, finished_r
     assert per_step(run_dir) == reference(1, "ddp")
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_zero_and_continues_exactly(reference, tmp_path):
     overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}", "trainer.save_every=0"]
     proc = launch(overrides, nproc=1)
@@ -431,7 +440,8 @@ def test_sigterm_saves_exits_zero_and_continues_exactly(reference, tmp_path):
     assert per_step(tmp_path) == reference(1, "ddp")
 
 
-@pytest.mark.slow  # a 2-rank launch it kills or signals (conftest.machine_alone)
+@pytest.mark.slow
+@pytest.mark.alone  # a 2-rank launch it kills or signals (conftest.machine_alone)
 def test_preempt_signal_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
     overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}", "trainer.save_every=0"]
     proc = launch(overrides, nproc=2)
@@ -461,6 +471,7 @@ def _copy_of_finished_run(reference, tmp_path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_resume_never_refuses_to_clobber_checkpoints(reference, tmp_path):
     _copy_of_finished_run(reference, tmp_path)
     before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
@@ -474,6 +485,7 @@ def test_keep_k_newest_complete_checkpoints(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_7", "step_8"]
 
 
+@pytest.mark.slow
 def test_resume_with_another_global_batch_is_refused_before_writing(reference, tmp_path):
     _copy_of_finished_run(reference, tmp_path)
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
@@ -498,7 +510,8 @@ def test_resume_with_other_settings_is_refused_naming_them(tmp_path):
     assert metrics[4]["train/lr"] == pytest.approx(expected, rel=1e-12)  # step 5
 
 
-@pytest.mark.slow  # a 2-rank launch it kills or signals (conftest.machine_alone)
+@pytest.mark.slow
+@pytest.mark.alone  # a 2-rank launch it kills or signals (conftest.machine_alone)
 def test_orphaned_workers_die_with_their_launcher(tmp_path):
     import psutil
 

@@ -36,7 +36,8 @@ def stalled_env() -> dict:
     return env
 
 
-@pytest.mark.slow  # hang timeouts timing a 2-rank launch (conftest.machine_alone)
+@pytest.mark.slow
+@pytest.mark.alone  # hang timeouts timing a 2-rank launch (conftest.machine_alone)
 def test_a_stalled_rank_is_named_every_rank_dumps_its_stacks_and_the_job_exits(tmp_path):
     run_dir, log_file = tmp_path / "run", tmp_path / "out.log"
     with open(log_file, "w") as out:
@@ -73,7 +74,8 @@ def test_a_stalled_rank_is_named_every_rank_dumps_its_stacks_and_the_job_exits(t
     assert LATE in (hang_dir / "report.txt").read_text()
 
 
-@pytest.mark.slow  # hang timeouts timing a 2-rank launch (conftest.machine_alone)
+@pytest.mark.slow
+@pytest.mark.alone  # hang timeouts timing a 2-rank launch (conftest.machine_alone)
 def test_torchrun_max_restarts_resumes_a_hung_job_from_its_last_checkpoint(tmp_path):
     run_dir, env = tmp_path / "run", stalled_env()
     # torchrun's agent shares its rendezvous store with the workers by default, and a restarted
