@@ -288,7 +288,7 @@ def test_a_prompt_too_long_names_the_record_and_the_fixes(questions, tmp_path):
     from llmtrain.trainer import train
 
     run_dir = tmp_path / "run"
-    with pytest.raises(DataError, match=r"record 0: the prompt has 12 tokens, over the 8 that data.seq_len=16"):
+    with pytest.raises(DataError, match=r"q.jsonl line 1: the prompt has 12 tokens, over the 8 that data.seq_len=16"):
         train(make_cfg(_grpo_overrides(questions, "data.seq_len=16", f"run_dir={run_dir}")))
     assert not run_dir.exists()
     dropping = make_cfg(_grpo_overrides(questions, "data.seq_len=21", "data.truncation=drop", f"run_dir={run_dir}"))
@@ -307,7 +307,7 @@ def test_empty_prompts_and_too_few_records_are_refused_naming_them(tmp_path):
     run_dir = tmp_path / "run"
     path = tmp_path / "q.jsonl"
     path.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in ["What?", "", "Why?"]))
-    with pytest.raises(DataError, match=r"record 1: the prompt \('question'\) is empty"):
+    with pytest.raises(DataError, match=r"q.jsonl line 2: the prompt \('question'\) is empty"):
         train(make_cfg(_grpo_overrides(path, f"run_dir={run_dir}")))
     path.write_text(json.dumps({"question": "What?", "answer": "#### 1"}) + "\n")
     with pytest.raises(DataError, match="1 record\\(s\\); online RL needs at least 2 prompts"):
