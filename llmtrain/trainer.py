@@ -475,7 +475,7 @@ class Trainer:
                               f"of data.path lack (theirs: {', '.join(k for k in probe[0] if k != 'prompt_ids')}); add "
                               "it or set objective.lmbda=1")
         # gsm8k's answers are checked over more records than the probe: a few may lack a number.
-        answers = [self.splits.train[i]["answer"] for i in range(min(64, len(self.splits.train)))] \
+        answers = [self.splits.train[i].get("answer") for i in range(min(64, len(self.splits.train)))] \
             if probe and "answer" in probe[0] else None
         try:
             functions = build_rewards(self.cfg, probe, self.env.device, answers) if self.cfg.reward.functions else []
