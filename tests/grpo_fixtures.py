@@ -53,6 +53,22 @@ def not_a_number(completions, **_):
     return [float("nan")] * len(completions)
 
 
+def infinite(completions, **_):
+    return [float("inf")] * len(completions)
+
+
+def text_values(completions, **_):
+    """Numbers as text: TRL refuses them too."""
+    return ["0.5"] * len(completions)
+
+
+def numpy_values(completion_ids, **_):
+    """A numpy array of float32, as a vectorised checker returns (TRL takes it)."""
+    import numpy as np
+
+    return np.array([len(ids) % 3 for ids in completion_ids], dtype=np.float32)
+
+
 def fixed_completion(prompt_ids: list[int], index: int, max_length: int) -> list[int]:
     """Completion ``index`` of a prompt: random bytes seeded by the prompt and the index; about
     two in three end with EOS before ``max_length``, the others are cut at it."""

@@ -148,7 +148,7 @@ def test_a_rerendering_template_without_markers_is_refused_naming_it(tmp_path):
         name="t", format="chat", path=str(records), seq_len=512, val_fraction=0.25, template=str(plain)))
     with pytest.raises(DataError, match=re.escape(f"data.template={plain}")) as err:
         data.load_splits(data_cfg, byte_tokenizer(), seed=0)
-    assert "record 0" in str(err.value)
+    assert "train.jsonl line 1: " in str(err.value)
 
 
 @pytest.mark.parametrize("tokenizer", ["byte", "smollm2"])

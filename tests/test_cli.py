@@ -384,7 +384,7 @@ def test_help_and_cfg_job_answer_without_importing_torch():
      "data.format=chat renders conversations with a chat template, and this tokenizer has none. Set data.template=chatml"),
     ([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 4
      + [{"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "x"}]}], ["data.template=chatml"],
-     "record 4 turn 1: role='robot' is not a known role"),
+     "chats.jsonl line 5 turn 1: role='robot' is not a known role"),
 ])
 def test_bad_chat_data_on_two_ranks_fails_before_writing(records, extra, needle, tmp_path):
     path = tmp_path / "chats.jsonl"

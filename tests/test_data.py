@@ -272,3 +272,53 @@ def test_a_prepared_token_folder_holds_out_the_blocks_its_text_holds_out(tmp_pat
     raw, prepared = data.load_splits(text, tok, seed=5), data.load_splits(tokens, tok, seed=5)
     assert len(raw.val) == max(1, round((len(raw.train) + len(raw.val)) * fractions["text"])) > 1
     assert ids(prepared.val) == ids(raw.val) and ids(prepared.train) == ids(raw.train)
+
+
+@pytest.mark.parametrize("fmt,name", [("alpaca", "t.jsonl.gz"), ("text", "t.txt.gz"), ("alpaca", "t.jsonl.xz")])
+def test_a_truncated_or_plain_compressed_file_is_one_line_naming_it(tmp_path, fmt, name):
+    """A download cut short (gzip's EOFError, raised again by the JSON locator) and a plain file
+    named .gz (BadGzipFile) were double tracebacks; the data.max_bytes head of a text file too."""
+    import gzip
+    import lzma
+
+    compress = lzma.compress if name.endswith(".xz") else gzip.compress
+    body = (_jsonl([{"instruction": f"Add {i} and 3.", "output": str(i + 3)} for i in range(2000)]) if fmt == "alpaca"
+            else "".join(f"line {i}: the quick brown fox {i * i}\n" for i in range(5000))).encode()
+    path = tmp_path / name
+    assert len(compress(body)) > 2000
+    path.write_bytes(compress(body)[:1000])
+    kind = "xz" if name.endswith(".xz") else "gzip"
+    for max_bytes in (None, 10_000):
+        with pytest.raises(data.DataError, match=rf"^data.path: {path} is truncated or damaged {kind} data \(.*\); "
+                                                 r"re-download it \(see docs/data.md#downloads\) or compress it "
+                                                 r"again$"):
+            data.load_splits(text_cfg(path, format=fmt, max_bytes=max_bytes), byte_tokenizer(), seed=0)
+    path.write_bytes(body)
+    with pytest.raises(data.DataError, match=rf"^data.path: {path} is not {kind} data \(it does not start with "
+                                             rf"{kind}'s magic bytes\): a plain file named {path.suffix}\? rename "
+                                             r"it without "):
+        data.load_splits(text_cfg(path, format=fmt), byte_tokenizer(), seed=0)
+
+
+def test_a_refused_json_lines_record_is_named_by_its_line(tmp_path):
+    """A null field on line 51 was "record 50" (the 0-based index) while JSON errors say "line":
+    JSON lines name the line (blank lines counted, as an editor shows them) and, in a folder, the
+    file; a JSON array keeps the record index."""
+    lines = [json.dumps(r) for r in RECORDS * 20]
+    lines[50] = json.dumps({"instruction": "x", "output": None})
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(data.DataError, match=rf"^data.path: {tmp_path / 'a.jsonl'} line 51: field 'output' is missing"):
+        data.load_splits(text_cfg(tmp_path / "a.jsonl", format="alpaca", seq_len=64), byte_tokenizer(), seed=0)
+    (tmp_path / "a.jsonl").write_text("\n".join(lines[:10]) + "\n\n  \n" + "\n".join(lines[10:]) + "\n")
+    with pytest.raises(data.DataError, match=rf"{tmp_path / 'a.jsonl'} line 53: field 'output' is missing"):
+        data.load_splits(text_cfg(tmp_path / "a.jsonl", format="alpaca", seq_len=64), byte_tokenizer(), seed=0)
+    folder = tmp_path / "two"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("\n".join(lines[:40]) + "\n")
+    (folder / "b.jsonl").write_text("\n".join(lines[40:]) + "\n")
+    with pytest.raises(data.DataError, match=rf"^data.path: {folder / 'b.jsonl'} line 11: field 'output' is missing"):
+        data.load_splits(text_cfg(folder, format="alpaca", seq_len=64), byte_tokenizer(), seed=0)
+    (tmp_path / "a.json").write_text(json.dumps([json.loads(line) for line in lines], indent=1))
+    with pytest.raises(data.DataError, match=rf"^data.path: {tmp_path / 'a.json'} record 50: field 'output' is "
+                                             r"missing"):
+        data.load_splits(text_cfg(tmp_path / "a.json", format="alpaca", seq_len=64), byte_tokenizer(), seed=0)

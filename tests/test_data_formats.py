@@ -416,6 +416,24 @@ def test_text_and_records_that_are_not_utf8_are_named(tmp_path):
         data.load_splits(cfg(tmp_path / "latin1.jsonl", format="instruction"), byte_tokenizer(), seed=0)
 
 
+@pytest.mark.parametrize("fmt,fields", [("prompts", ("prompt", "answer")),
+                                        ("preference", ("prompt", "chosen", "rejected")),
+                                        ("kto", ("prompt", "completion"))])
+def test_prompts_and_preference_records_that_are_not_utf8_are_named(tmp_path, fmt, fields):
+    """Arrow decodes a JSON file's strings lazily: prompts and preference data gave a 70-line
+    UnicodeDecodeError from their encoding pass; one line, as instruction data's, with the line."""
+    good = [{**{f: f"{f} {i}" for f in fields}, **({"label": i % 2 == 0} if fmt == "kto" else {})} for i in range(6)]
+    bad = json.dumps({**good[0], fields[-1]: "caf\u00e9"}).replace("\\u00e9", "\xe9").encode("latin-1")
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in good[:3]) + bad + b"\n" +
+                     b"".join(json.dumps(r).encode() + b"\n" for r in good[3:]))
+    column = bad.index(b"\xe9") + 1
+    with pytest.raises(DataError, match=rf"^data.path: {path}: a record is not UTF-8 text \(line 4 column {column}: "
+                                        r"byte 0xe9\); convert the file to UTF-8 \(e.g. iconv -f latin1 -t utf-8\)$"):
+        data.load_splits(cfg(path, format=fmt, seq_len=128, max_prompt_tokens=32), byte_tokenizer(), seed=0,
+                         prompt_budget=64 if fmt == "prompts" else None)
+
+
 def test_a_failing_chat_template_names_the_record_and_the_template(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps(SHAREGPT))
     (tmp_path / "raise.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'user' and "

@@ -156,6 +156,8 @@ def questions(tmp_path):
     ("rollout.max_staleness=-1", "rollout.max_staleness=-1 must be >= 0"),
     ("objective.sampling_correction=clip", "objective.sampling_correction='clip' must be one of token_truncate"),
     ("objective.sampling_correction_min=4.0", "objective.sampling_correction_min=4.0 / _max=3.0"),
+    ("reward.weights=[inf]", "reward.weights=[inf] must be finite numbers"),
+    ("reward.weights=[nan]", "reward.weights=[nan] must be finite numbers"),
 ])
 def test_bad_online_configs_are_refused_naming_the_field(questions, override, message):
     from conftest import make_cfg
@@ -184,6 +186,9 @@ def test_prompts_and_rewards_only_with_an_online_objective(questions):
     ("no_such_module:f", r"reward.functions\[0\]='no_such_module:f' cannot be imported"),
     ("tests.grpo_fixtures:wrong_count", "wrong_count returned 1 values for 4 completions in the start-up check"),
     ("tests.grpo_fixtures:not_a_number", "not_a_number returned nan for completion 0 in the start-up check"),
+    ("tests.grpo_fixtures:infinite", "infinite returned inf for completion 0 in the start-up check"),
+    ("tests.grpo_fixtures:text_values", r"text_values returned '0.5' for completion 0 in the start-up check \(.*\): "
+                                        "rewards must be finite real numbers"),
     ("length:x", r"the argument is the penalty's window in tokens"),
 ])
 def test_a_bad_reward_function_fails_before_anything_is_written(questions, tmp_path, function, message):
@@ -195,6 +200,68 @@ def test_a_bad_reward_function_fails_before_anything_is_written(questions, tmp_p
     with pytest.raises(ConfigError, match=message):
         train(make_cfg(_grpo_overrides(questions, f"reward.functions=[{function}]", f"run_dir={run_dir}")))
     assert not run_dir.exists()
+
+
+def test_reward_values_trl_takes_are_taken_and_non_finite_ones_refused():
+    """TRL converts a function's values with torch.tensor(float32): numpy scalars and arrays, ints,
+    bools and 0-d tensors are numbers to it, and to the scorer; text and ±inf (at any step) are
+    not."""
+    import numpy as np
+
+    from llmtrain.rollout import RewardError, score
+    from llmtrain.rollout.rewards import RewardFunction
+
+    def scored(values):
+        f = RewardFunction("f", lambda completions, **_: values, 1.0)
+        return score([f], ["p"] * len(values), ["c"] * len(values), [[]] * len(values), {}, "at step 3")
+
+    taken = [np.float32(0.5), np.int64(2), 1, True, np.bool_(False), torch.tensor(0.25), np.array(-1.5), None]
+    assert scored(taken)[:, 0].tolist()[:-1] == [0.5, 2.0, 1.0, 1.0, 0.0, 0.25, -1.5]
+    assert scored(np.array([0.5, 1.0], dtype=np.float32))[:, 0].tolist() == [0.5, 1.0]
+    for bad, shown in ((float("-inf"), "-inf"), (np.float64("inf"), "np.float64(inf)"), (10 ** 400, "1000"),
+                       ("1", "'1'"), (np.array([1.0]), "array([1.])"), (1 + 2j, "(1+2j)")):
+        with pytest.raises(RewardError, match=re.escape(f"reward function f returned {shown}") + ".* for completion 1 "
+                                              "at step 3: rewards must be finite real numbers"):
+            scored([0.0, bad])
+
+
+def test_numpy_rewards_pass_the_start_up_check(questions):
+    from conftest import make_cfg
+    from llmtrain import data
+    from llmtrain.models.build import byte_tokenizer
+    from llmtrain.rollout import build_rewards
+
+    cfg = make_cfg(_grpo_overrides(questions, "reward.functions=[tests.grpo_fixtures:numpy_values]"))
+    splits = data.load_splits(cfg.data, byte_tokenizer(), 0, prompt_budget=64 - 8)
+    [f] = build_rewards(cfg, [splits.train[0], splits.train[1]])
+    assert f.name == "numpy_values"
+
+
+def test_gsm8k_answers_without_a_number_are_refused_naming_the_column(tmp_path):
+    """Answers with no number score every completion None: the run would train nothing. Refused at
+    start-up naming data.columns.answer; a few answers without one are fine (None for those)."""
+    import json
+
+    from conftest import make_cfg
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.rollout import build_rewards
+    from llmtrain.trainer import train
+
+    run_dir = tmp_path / "run"
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i}?", "solution": "see the book"}) + "\n"
+                            for i in range(6)))
+    cfg = make_cfg(_grpo_overrides(path, "reward.functions=[gsm8k]", "data.columns.answer=solution",
+                                   f"run_dir={run_dir}"))
+    with pytest.raises(ConfigError, match=re.escape("reward.functions[0]=gsm8k: no answer of the first 5 records, read "
+                                                    "from data.columns.answer=solution, holds a number (e.g. 'see the "
+                                                    "book')") + ".*GSM8K's '#### 42'"):
+        train(cfg)
+    assert not run_dir.exists()
+    samples = [{"prompt": "q", "prompt_ids": [1], "record": i, "answer": a} for i, a in enumerate(["none", "none"])]
+    build_rewards(cfg, samples, answers=["none", "none", "#### 3"])  # one with a number: that one scores
+    with pytest.raises(ConfigError, match="no answer of the first 2 records, read from data.columns.answer=solution"):
+        build_rewards(cfg, samples)
 
 
 @pytest.mark.parametrize("environment,message", [
@@ -221,7 +288,7 @@ def test_a_prompt_too_long_names_the_record_and_the_fixes(questions, tmp_path):
     from llmtrain.trainer import train
 
     run_dir = tmp_path / "run"
-    with pytest.raises(DataError, match=r"record 0: the prompt has 12 tokens, over the 8 that data.seq_len=16"):
+    with pytest.raises(DataError, match=r"q.jsonl line 1: the prompt has 12 tokens, over the 8 that data.seq_len=16"):
         train(make_cfg(_grpo_overrides(questions, "data.seq_len=16", f"run_dir={run_dir}")))
     assert not run_dir.exists()
     dropping = make_cfg(_grpo_overrides(questions, "data.seq_len=21", "data.truncation=drop", f"run_dir={run_dir}"))
@@ -240,7 +307,7 @@ def test_empty_prompts_and_too_few_records_are_refused_naming_them(tmp_path):
     run_dir = tmp_path / "run"
     path = tmp_path / "q.jsonl"
     path.write_text("".join(json.dumps({"question": q, "answer": "#### 1"}) + "\n" for q in ["What?", "", "Why?"]))
-    with pytest.raises(DataError, match=r"record 1: the prompt \('question'\) is empty"):
+    with pytest.raises(DataError, match=r"q.jsonl line 2: the prompt \('question'\) is empty"):
         train(make_cfg(_grpo_overrides(path, f"run_dir={run_dir}")))
     path.write_text(json.dumps({"question": "What?", "answer": "#### 1"}) + "\n")
     with pytest.raises(DataError, match="1 record\\(s\\); online RL needs at least 2 prompts"):

@@ -122,12 +122,12 @@ def test_packed_rows_give_the_unpacked_log_probs(tmp_path):
 
 @pytest.mark.parametrize("records,needle", [
     ([{"prompt": "a", "good": "b", "rejected": "c"}] * 4, "'chosen'"),
-    ([{"prompt": "Q", "chosen": " same", "rejected": " same"}] * 4, "record 0: fields 'chosen' and 'rejected' are identical"),
-    ([{"chosen": "Hello there", "rejected": "Goodbye"}] * 4, "record 0: fields 'chosen' and 'rejected' share no prefix"),
-    ([{"prompt": "Q", "chosen": 3, "rejected": " b"}] * 4, "record 0: field 'chosen' is a int, field 'chosen' a int"),
+    ([{"prompt": "Q", "chosen": " same", "rejected": " same"}] * 4, "line 1: fields 'chosen' and 'rejected' are identical"),
+    ([{"chosen": "Hello there", "rejected": "Goodbye"}] * 4, "line 1: fields 'chosen' and 'rejected' share no prefix"),
+    ([{"prompt": "Q", "chosen": 3, "rejected": " b"}] * 4, "line 1: field 'chosen' is a int, field 'chosen' a int"),
     ([{"prompt": [{"role": "user", "content": "Q"}], "chosen": [{"role": "robot", "content": "x"}],
-       "rejected": [{"role": "assistant", "content": "y"}]}] * 4, "record 0 field 'chosen' turn 0: role='robot' is not a known role"),
-    ([{"prompt": "Q", "chosen": None, "rejected": " b"}] * 4, "record 0: field 'chosen' is missing"),
+       "rejected": [{"role": "assistant", "content": "y"}]}] * 4, "line 1 field 'chosen' turn 0: role='robot' is not a known role"),
+    ([{"prompt": "Q", "chosen": None, "rejected": " b"}] * 4, "line 1: field 'chosen' is missing"),
 ])
 def test_bad_pairs_name_the_file_record_and_field(tmp_path, records, needle):
     path = _write(tmp_path / "bad.jsonl", records)
@@ -139,7 +139,7 @@ def test_bad_pairs_name_the_file_record_and_field(tmp_path, records, needle):
 @pytest.mark.parametrize("label,needle", [("yes", "field 'label' must be a boolean"), (None, "field 'label' must be a boolean")])
 def test_kto_labels_must_be_booleans(tmp_path, label, needle):
     records = [{"prompt": "Q", "completion": " a", "label": True}] * 3 + [{"prompt": "Q", "completion": " b", "label": label}]
-    with pytest.raises(DataError, match=f"record 3: {needle}"):
+    with pytest.raises(DataError, match=f"k.jsonl line 4: {needle}"):
         _splits(_write(tmp_path / "k.jsonl", records), "data.format=kto", "objective=kto")
 
 

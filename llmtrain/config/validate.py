@@ -720,6 +720,8 @@ def validate_online(cfg: Any, formats: set[str]) -> None:
     _require(not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.functions),
              f"reward.weights has {len(cfg.reward.weights)} values for {len(cfg.reward.functions)} reward.functions; "
              "give one weight per function (or none: 1 each)")
+    _require(all(math.isfinite(w) for w in cfg.reward.weights), f"reward.weights={list(cfg.reward.weights)} must be "
+             "finite numbers (an infinite or NaN weight makes every reward, and so every advantage, NaN or 0)")
     _require(t.eval_samples > 0 or not t.eval_every, "trainer.eval_samples=0 leaves no held-out prompts to score")
 
 

@@ -29,9 +29,9 @@ from llmtrain.data.formats import (ALPACA_PROMPT, apply_template_setting, end_of
                                    end_token_ids, encode_records, prompt_and_response, uses_chat_template)
 from llmtrain.data.order import (Collator, GlobalSampleOrder, MixtureOrder, StepBatches, StepBatchSampler,  # noqa: F401
                                  pack, packed_samples)
-from llmtrain.data.sources import (RECORD_BUILDERS, capped_text, column, explain_error, file_kind,  # noqa: F401
-                                   is_saved_dataset, load_hub, load_records, looks_like_local_path,
-                                   refuse_records_as_text, source_files)
+from llmtrain.data.sources import (RECORD_BUILDERS, capped_text, check_compressed, column, explain_error,  # noqa: F401
+                                   file_kind, is_saved_dataset, load_hub, load_records, looks_like_local_path,
+                                   record_errors, refuse_records_as_text, source_files, Where)
 from llmtrain.data.preference import (PackedPairs, PairCollator, WithReference, encode_examples,  # noqa: F401
                                      encode_pairs, pairs_of)
 from llmtrain.data.prompts import PromptCollator, encode_prompts
@@ -121,15 +121,16 @@ def text_documents(src: Any, key: str):
     files = source_files(src, key) if path is None or (path.exists() and not (
         path.is_dir() and is_saved_dataset(path))) else None
     if files is not None and all(file_kind(f) not in RECORD_BUILDERS for f in files):
+        check_compressed(files, key, whole=False)
         for f in files:
             refuse_records_as_text(f)
         where = str(files[0] if len(files) == 1 else src.path)
         # The standard library (path null) has a few files in other encodings: replaced, as they
         # are only a default corpus. A user's file that is not UTF-8 is an error naming it.
         errors = "replace" if src.path is None else "strict"
-        # data.max_bytes: the files that fit whole, then the head of the one the cap falls in.
-        whole, cut = capped_text(files, src.max_bytes) if src.max_bytes is not None else (files, None)
         try:
+            # data.max_bytes: the files that fit whole, then the head of the one the cap falls in.
+            whole, cut = capped_text(files, src.max_bytes) if src.max_bytes is not None else (files, None)
             parts = [datasets.load_dataset("text", data_files=[str(f) for f in whole], sample_by="document",
                                            split="train", cache_dir=str(CACHE_DIR / "datasets"),
                                            encoding_errors=errors)] if whole else []
@@ -139,6 +140,7 @@ def text_documents(src: Any, key: str):
                                                         features=datasets.Features({"text": datasets.Value("string")})))
             docs = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
         except Exception as err:  # noqa: BLE001 - the builder wraps the decoder's error
+            check_compressed(files, key)  # a download cut short: not an encoding to convert
             bad = next((f for f in files if not _is_utf8(f)), None)
             raise DataError(f"{key}.path: {bad or where} could not be read as text: {explain_error(err)}; convert it to "
                             "UTF-8 (e.g. iconv -f latin1 -t utf-8)") from err
@@ -149,9 +151,10 @@ def text_documents(src: Any, key: str):
         if name != "text":
             records = records.rename_column(name, "text")
         docs = records.select_columns(["text"])
-        bad = next((i for i, t in enumerate(docs["text"]) if not isinstance(t, str)), None)
+        with record_errors(Where.of(src, key)):
+            bad = next((i for i, t in enumerate(docs["text"]) if not isinstance(t, str)), None)
         if bad is not None:
-            raise DataError(f"{key}.path: {where} record {bad}: field {name!r} must be a string")
+            raise DataError(f"{Where.of(src, key).record(bad)}: field {name!r} must be a string")
     docs = docs.filter(lambda ex: len(ex["text"].strip()) > 0)
     if len(docs) == 0:
         raise DataError(f"{key}.path: {where} holds no text")
@@ -224,15 +227,15 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int, u
 
     def encode():
         records = load_records(src, key)
+        where = Where.of(src, key)  # "data.path: PATH", naming a refused record by its line
         if src.format == "prompts":
-            return encode_prompts(records, src, data_cfg, tokenizer, key, f"{key}.path: {src.path}",
+            return encode_prompts(records, src, data_cfg, tokenizer, key, where,
                                   prompt_budget if prompt_budget is not None else data_cfg.seq_len)
         if src.format == "kto" or (src.format == "preference" and unpair):
-            return encode_examples(records, src, data_cfg, tokenizer, key, f"{key}.path: {src.path}",
-                                   unpair=src.format == "preference")
+            return encode_examples(records, src, data_cfg, tokenizer, key, where, unpair=src.format == "preference")
         if src.format == "preference":
-            return encode_pairs(records, src, data_cfg, tokenizer, key, f"{key}.path: {src.path}")
-        return encode_records(records, src, data_cfg, tokenizer, key, f"{key}.path: {src.path}")
+            return encode_pairs(records, src, data_cfg, tokenizer, key, where)
+        return encode_records(records, src, data_cfg, tokenizer, key, where)
 
     samples, counts = _on_main_first(encode)
     if "group" in samples.column_names:  # KTO examples: split by the record (pair) they come from

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain.config.schema import canonical_format
-from llmtrain.data.sources import column
+from llmtrain.data.sources import column, record_errors
 from llmtrain.common.errors import ConfigError, DataError
 from llmtrain.common.labels import IGNORE_INDEX
 
@@ -412,13 +412,10 @@ def encode_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: s
             out["labels"].append(labels)
         return out
 
-    try:
+    with record_errors(where):  # a record refused names its line; one not UTF-8 names its byte
         encoded = records.map(encode_batch, batched=True, with_indices=True, remove_columns=records.column_names,
                               num_proc=data_cfg.num_proc if 1 < data_cfg.num_proc <= len(records) // 2 else None,
                               desc=f"encode {src.name}")
-    except UnicodeDecodeError as err:  # Arrow kept the bytes; Python cannot decode them
-        raise DataError(f"{where}: a record is not UTF-8 text ({err}); convert the file to UTF-8 "
-                        "(e.g. iconv -f latin1 -t utf-8)") from err
     outcomes = encoded["outcome"]
     counts = {"records": len(records)}
     for kind in ("truncated", "dropped_too_long", "dropped_no_target", "dropped_truncated_away"):

@@ -25,7 +25,7 @@ import torch
 
 from llmtrain.data.formats import _apply_template, conversation
 from llmtrain.data.order import pack
-from llmtrain.data.sources import column
+from llmtrain.data.sources import column, record_errors
 from llmtrain.common.errors import ConfigError, DataError
 from llmtrain.common.labels import IGNORE_INDEX
 
@@ -218,9 +218,10 @@ def encode_pairs(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str
             out["outcome"].append(outcome)
         return out
 
-    encoded = records.map(encode_batch, batched=True, with_indices=True, remove_columns=records.column_names,
-                          num_proc=data_cfg.num_proc if 1 < data_cfg.num_proc <= len(records) // 2 else None,
-                          desc=f"encode {src.name}")
+    with record_errors(where):  # a record refused names its line; one not UTF-8 names its byte
+        encoded = records.map(encode_batch, batched=True, with_indices=True, remove_columns=records.column_names,
+                              num_proc=data_cfg.num_proc if 1 < data_cfg.num_proc <= len(records) // 2 else None,
+                              desc=f"encode {src.name}")
     outcomes = encoded["outcome"]
     counts = {"records": len(records), "dropped_no_target": 0}
     for kind in ("truncated", "dropped_too_long", "dropped_truncated_away"):
@@ -291,22 +292,23 @@ def encode_examples(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: 
     # the train/validation split (no held-out prompt seen in training).
     out: dict[str, list] = {"ids": [], "prompt_len": [], "label": [], "completion_ids": [], "group": []}
     encode = (PairEncoder if unpair else ExampleEncoder)(records, src, data_cfg, tokenizer, key, where)
-    for i, rec in enumerate(records):
-        if unpair:
-            prompt, chosen, rejected = encode(rec, i)
-            examples = [(prompt, chosen, True), (prompt, rejected, False)]
-        else:
-            examples = [encode(rec, i)]
-        for prompt, completion, label in examples:
-            fitted, outcome = fit_example(prompt, completion, seq_len, max_prompt, drop_long)
-            if outcome in counts:
-                counts[outcome] += 1
-            if fitted is not None:
-                out["ids"].append(fitted["ids"])
-                out["prompt_len"].append(fitted["prompt_len"])
-                out["label"].append(int(label))
-                out["completion_ids"].append(completion[:seq_len])
-                out["group"].append(i)
+    with record_errors(where):  # as encode_pairs's
+        for i, rec in enumerate(records):
+            if unpair:
+                prompt, chosen, rejected = encode(rec, i)
+                examples = [(prompt, chosen, True), (prompt, rejected, False)]
+            else:
+                examples = [encode(rec, i)]
+            for prompt, completion, label in examples:
+                fitted, outcome = fit_example(prompt, completion, seq_len, max_prompt, drop_long)
+                if outcome in counts:
+                    counts[outcome] += 1
+                if fitted is not None:
+                    out["ids"].append(fitted["ids"])
+                    out["prompt_len"].append(fitted["prompt_len"])
+                    out["label"].append(int(label))
+                    out["completion_ids"].append(completion[:seq_len])
+                    out["group"].append(i)
     if len(out["ids"]) < 2:
         raise DataError(f"{where}: {len(out['ids'])} examples left at data.seq_len={seq_len}; need at least 2")
     counts["examples_read"] = sum(counts[k] for k in ("dropped_too_long", "dropped_truncated_away")) + len(out["ids"])

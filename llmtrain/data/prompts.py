@@ -15,7 +15,7 @@ from typing import Any
 
 from llmtrain.common.errors import ConfigError, DataError
 from llmtrain.data.formats import alpaca_prompt
-from llmtrain.data.sources import column
+from llmtrain.data.sources import column, record_errors
 from llmtrain.config.schema import mapped_columns
 
 
@@ -69,6 +69,9 @@ def encode_prompts(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: s
     lengths: list[int] = []
 
     def encode(record: dict, index: int) -> dict:
+        # Every column decoded now (a lazy row decodes only what is read): a record that is not
+        # UTF-8 fails here, named, and not when a reward function reads its answer mid-run.
+        record = dict(record)
         ids = render(record[name], tokenizer, str(data_cfg.template), f"{where} record {index}")
         if not ids:  # nothing to continue from: the model cannot sample a first token
             raise DataError(f"{where} record {index}: the prompt ({name!r}) is empty; give every record a prompt")
@@ -79,7 +82,8 @@ def encode_prompts(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: s
                             "such prompts")
         return {"prompt_ids": ids, "record": index}
 
-    encoded = records.map(encode, with_indices=True, desc=f"encode {src.name}")
+    with record_errors(where):  # a record refused names its line; one not UTF-8 names its byte
+        encoded = records.map(encode, with_indices=True, desc=f"encode {src.name}")
     lengths = [len(ids) for ids in encoded["prompt_ids"]]
     keep = [i for i, n in enumerate(lengths) if n <= budget]
     samples = encoded.select(keep)

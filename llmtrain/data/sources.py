@@ -14,19 +14,24 @@ import json
 import logging
 import lzma
 import os
+import re
 import socket
 import sysconfig
+import zlib
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlparse
 
-from llmtrain.common.errors import DataError
+from llmtrain.common.errors import DataError, LlmtrainError
 from llmtrain.common.paths import CACHE_DIR, DOWNLOADS_DOC, PRESET_DOWNLOADS
 
 # File suffix -> the `datasets` packaged builder that reads it.
 RECORD_BUILDERS = {".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet",
                    ".csv": "csv", ".arrow": "arrow"}
 COMPRESSIONS = (".gz", ".bz2", ".xz")
+OPENERS = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+# How each compressed format starts, and its name in messages.
+MAGIC = {".gz": (b"\x1f\x8b", "gzip"), ".bz2": (b"BZh", "bzip2"), ".xz": (b"\xfd7zXZ\x00", "xz")}
 DATASETS_CACHE = CACHE_DIR / "datasets"
 DOWNLOADED_FILES = {*PRESET_DOWNLOADS.values(), "gsm8k_test.jsonl"}
 
@@ -108,6 +113,44 @@ def missing_file_fix(src: Any, key: str) -> str:
     return f"download the example file {example} (see {DOWNLOADS_DOC}) or {own}"
 
 
+def compression_problem(path: Path, whole: bool = True) -> str | None:
+    """Why a compressed file (``.gz``, ``.bz2``, ``.xz``) cannot be read, naming it and the fix: it
+    does not start as its suffix says (a plain file named ``.gz``), or, with ``whole`` (it is read
+    through: a file's decompressed size in time), its data end early or are damaged (a download cut
+    short). None when it reads, or is not compressed."""
+    suffix = path.suffix.lower()
+    if suffix not in MAGIC:
+        return None
+    magic, name = MAGIC[suffix]
+    with open(path, "rb") as fh:
+        head = fh.read(len(magic))
+    if head != magic:
+        return (f"{path} is not {name} data (it does not start with {name}'s magic bytes): a plain file named "
+                f"{suffix}? rename it without {suffix}, or re-download it (see {DOWNLOADS_DOC})")
+    if not whole:
+        return None
+    try:
+        with OPENERS[suffix](path, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+    except (EOFError, OSError, lzma.LZMAError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
+        return (f"{path} is truncated or damaged {name} data ({err}); re-download it (see {DOWNLOADS_DOC}) or "
+                "compress it again")
+    return None
+
+
+def check_compressed(files: list[Path], key: str, whole: bool = True) -> None:
+    """:func:`compression_problem` of each of ``files``, raised.
+
+    Raises:
+        DataError: ``{key}.path: FILE is not gzip data ...`` or ``... is truncated or damaged ...``.
+    """
+    for f in files:
+        problem = compression_problem(f, whole)
+        if problem is not None:
+            raise DataError(f"{key}.path: {problem}")
+
+
 def capped_text(files: list[Path], max_bytes: int) -> tuple[list[Path], tuple[Path, bytes] | None]:
     """Plain-text ``files`` cut to ``max_bytes`` bytes of text in all (``data.max_bytes``; a
     compressed file counts its decompressed bytes): the files read whole, and the file the cap
@@ -115,7 +158,7 @@ def capped_text(files: list[Path], max_bytes: int) -> tuple[list[Path], tuple[Pa
     cap falls between files). Memory: at most ``max_bytes`` (one file's head at a time)."""
     whole, left = [], max_bytes
     for f in files:
-        opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(f.suffix.lower())
+        opener = OPENERS.get(f.suffix.lower())
         if opener is None and f.stat().st_size <= left:
             whole.append(f)
             left -= f.stat().st_size
@@ -152,7 +195,7 @@ def refuse_records_as_text(path: Path) -> None:
     Raises:
         DataError: ``path`` holds records; the message names the fields seen and what reads them.
     """
-    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(path.suffix.lower())
+    opener = OPENERS.get(path.suffix.lower())
     with (opener or open)(path, "rt", encoding="utf-8", errors="replace") as f:
         head = f.readline(1 << 20).lstrip("\ufeff \t\r\n")
     if not head.startswith("{"):
@@ -171,6 +214,7 @@ def refuse_records_as_text(path: Path) -> None:
 def _check_file(path: Path, builder: str, key: str) -> None:
     if path.stat().st_size == 0:
         raise DataError(f"{key}.path: {path} is empty")
+    check_compressed([path], key, whole=False)
     if builder == "parquet":
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -225,6 +269,107 @@ def _json_problem(value: Any) -> str | None:
     return None if isinstance(value, dict) else f"a JSON {type(value).__name__}, not an object"
 
 
+def is_json_lines(path: Path) -> bool | None:
+    """Whether a JSON file holds JSON lines (one record a line), as :func:`locate_json_error` reads
+    it: a ``.jsonl``/``.ndjson`` file not starting with ``[``, or any whose first non-blank line is
+    a JSON object on its own; None when that line is not UTF-8."""
+    with OPENERS.get(path.suffix.lower(), open)(path, "rb") as fh:
+        first = b""
+        for first in fh:
+            if first.strip():
+                break
+    try:
+        head = first.decode("utf-8-sig").strip()
+    except UnicodeDecodeError:
+        return None
+    if not head.startswith("[") and file_kind(path) in (".jsonl", ".ndjson"):
+        return True
+    if head.startswith("{"):
+        try:
+            return isinstance(json.loads(head), dict)
+        except ValueError:
+            pass
+    return False
+
+
+class Where(str):
+    """A source in messages, ``data.path: PATH`` (it is that string), which also names a record of
+    it (:meth:`record`) and the first line of its files that is not UTF-8 (:meth:`undecodable`).
+    ``files``: the source's local files (none for a Hub dataset or a ``save_to_disk`` folder)."""
+
+    key: str = "data"
+    files: tuple[Path, ...] = ()
+
+    @classmethod
+    def of(cls, src: Any, key: str) -> "Where":
+        """The :class:`Where` of source ``src`` (``key``: ``data`` or ``data.datasets.N``)."""
+        where = cls(f"{key}.path: {src.path}")
+        where.key = key
+        path = Path(str(src.path)).expanduser()
+        if src.path is not None and path.exists() and not (path.is_dir() and is_saved_dataset(path)):
+            where.files = tuple(source_files(src, key))
+        return where
+
+    def record(self, index: int) -> str:
+        """Record ``index`` (0-based, as ``datasets`` counts the records) as ``data.path: FILE line
+        N`` when every file is JSON lines (N 1-based and counting blank lines, as an editor shows
+        them: the reader skips those), else ``data.path: PATH record INDEX``. Reads the files up to
+        that line: called when a record is refused."""
+        if self.files and all(file_kind(f) in (".json", ".jsonl", ".ndjson") and is_json_lines(f) for f in self.files):
+            left = index
+            for f in self.files:
+                with OPENERS.get(f.suffix.lower(), open)(f, "rb") as fh:
+                    for number, raw in enumerate(fh, start=1):
+                        if raw.strip():
+                            if left == 0:
+                                return f"{self.key}.path: {f} line {number}"
+                            left -= 1
+        return f"{self} record {index}"
+
+    def undecodable(self) -> str | None:
+        """``[FILE ]line N column C: byte 0xNN`` for the first byte of the source's text files
+        (JSON, JSON lines, CSV) that is not UTF-8 (FILE when there are several), None when there
+        is none."""
+        for f in self.files:
+            if file_kind(f) not in (".json", ".jsonl", ".ndjson", ".csv"):
+                continue
+            with OPENERS.get(f.suffix.lower(), open)(f, "rb") as fh:
+                for number, raw in enumerate(fh, start=1):
+                    try:
+                        raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                    except UnicodeDecodeError as err:
+                        named = f"{f} " if len(self.files) > 1 else ""  # one file: the message names it
+                        return f"{named}line {number} column {err.start + 1}: byte 0x{raw[err.start]:02x}"
+        return None
+
+
+@contextlib.contextmanager
+def record_errors(where: str) -> Iterator[None]:
+    """Around a pass over a source's records (an encoding ``map``, whose per-record errors name
+    ``WHERE record INDEX``, the index ``datasets`` counts): a refused record is named by its line
+    (:meth:`Where.record`), found only then; and a record that is not UTF-8 text is an error naming
+    its file, line and byte (Arrow keeps a JSON file's bytes and Python decodes them lazily, in
+    that first pass, so the :class:`UnicodeDecodeError` comes from there, with no file or line).
+
+    Raises:
+        DataError: ``WHERE: a record is not UTF-8 text ([FILE ]line N column C: byte 0xNN); convert
+            the file to UTF-8 (e.g. iconv ...)``; the refused record's error (its own type), named
+            by its line.
+    """
+    try:
+        yield
+    except UnicodeDecodeError as err:
+        found = where.undecodable() if isinstance(where, Where) else None
+        raise DataError(f"{where}: a record is not UTF-8 text ({found or err}); convert the file to UTF-8 (e.g. "
+                        "iconv -f latin1 -t utf-8)") from err
+    except LlmtrainError as err:
+        text, prefix = str(err), f"{where} record "
+        index = re.match(r"\d+", text[len(prefix):]) if text.startswith(prefix) else None
+        if isinstance(where, Where) and index is not None and len(err.args) == 1:
+            err.args = (where.record(int(index.group())) + text[len(prefix) + index.end():],)
+        raise
+
+
 def locate_json_error(path: Path) -> str | None:
     """Where a JSON or JSON-lines file (also ``.gz``/``.bz2``/``.xz``) is malformed, read with
     the ``json`` module after ``datasets`` failed on it.
@@ -240,22 +385,10 @@ def locate_json_error(path: Path) -> str | None:
         The message, or None when the ``json`` module reads the file without error, or the file
         is not UTF-8 (the failure lies elsewhere: the caller reports ``datasets``' own message).
     """
-    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(path.suffix.lower(), open)
-    with opener(path, "rb") as fh:
-        first = b""
-        for first in fh:
-            if first.strip():
-                break
-    try:
-        head = first.decode("utf-8-sig").strip()
-    except UnicodeDecodeError:
+    opener = OPENERS.get(path.suffix.lower(), open)
+    json_lines = is_json_lines(path)
+    if json_lines is None:
         return None  # reported as not UTF-8 by the caller
-    json_lines = not head.startswith("[") and file_kind(path) in (".jsonl", ".ndjson")
-    if not json_lines and head.startswith("{"):
-        try:
-            json_lines = isinstance(json.loads(head), dict)
-        except ValueError:
-            pass
     if json_lines:
         with opener(path, "rb") as fh:
             for number, raw in enumerate(fh, start=1):
@@ -321,6 +454,7 @@ def load_records(src: Any, key: str):
             records = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",
                                             cache_dir=str(DATASETS_CACHE))
     except Exception as err:  # noqa: BLE001
+        check_compressed(files, key)  # a download cut short: named before its JSON is looked at
         if builder == "json":
             for f in files:
                 where = locate_json_error(f)

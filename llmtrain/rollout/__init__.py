@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.common.errors import ConfigError, import_object
+from llmtrain.config.schema import mapped_columns
 from llmtrain.rollout import rewards
 from llmtrain.rollout.engines import PolicySampler, RolloutEngine
 from llmtrain.rollout.environments import Environment, build_environment
@@ -20,19 +21,23 @@ from llmtrain.rollout.rollout import Rollout, RewardError, score
 from llmtrain.rollout.vllm_server import VLLMEngine
 
 __all__ = ["Environment", "Rollout", "RolloutEngine", "RewardError", "build_environment", "build_rewards",
-           "build_rollout_engine", "build_sampler", "environment_reward"]
+           "build_rollout_engine", "build_sampler", "check_answers", "environment_reward"]
 
 ENGINES: dict[str, type[RolloutEngine]] = {"hf": PolicySampler, "vllm": VLLMEngine}
 
 
-def build_rewards(cfg: Any, samples: list[dict], device: Any = "cpu") -> list[rewards.RewardFunction]:
+def build_rewards(cfg: Any, samples: list[dict], device: Any = "cpu", answers: list[Any] | None = None
+                  ) -> list[rewards.RewardFunction]:
     """``reward.functions`` built and tried once on ``samples`` (two prompts of the data, each with
     two placeholder completions, ``""`` and ``"0"``), so that a function that cannot be imported,
-    raises, returns another number of values or a non-number fails before anything is written.
+    raises, returns another number of values or a value that is not a finite number fails before
+    anything is written. ``answers``: the ``answer`` column of the data's first records (default:
+    the samples'), which the ``gsm8k`` reward needs a number in (:func:`check_answers`).
 
     Raises:
-        ConfigError: a function that cannot be built (:func:`rewards.build`), or a built-in whose
-            column the data lacks (``gsm8k`` without ``answer``, which ``data.columns.answer`` maps).
+        ConfigError: a function that cannot be built (:func:`rewards.build`), a built-in whose
+            column the data lacks (``gsm8k`` without ``answer``, which ``data.columns.answer``
+            maps), or ``gsm8k`` with answers that hold no number.
         RewardError: a function failed the check (naming it and what it returned).
     """
     functions = rewards.build(list(cfg.reward.functions), list(cfg.reward.weights), int(cfg.rollout.max_completion_length),
@@ -45,6 +50,8 @@ def build_rewards(cfg: Any, samples: list[dict], device: Any = "cpu") -> list[re
             raise ConfigError(f"reward.functions[{k}]={f.name} reads each record's {missing[0]!r} column, which the "
                               f"records of data.path do not have (theirs: {', '.join(extra) or 'none'} besides the "
                               f"prompt); map the column holding them with data.columns.{missing[0]}=YOUR_COLUMN")
+        if "answer" in f.columns and samples:
+            check_answers(k, cfg, answers if answers is not None else [s.get("answer") for s in samples])
     for sample in samples:
         for text in ("", "0"):
             prompts.append(sample["prompt"])
@@ -55,6 +62,30 @@ def build_rewards(cfg: Any, samples: list[dict], device: Any = "cpu") -> list[re
     score(functions, prompts, completions, ids, columns,
           "in the start-up check (2 prompts of the data, each with placeholder completions '' and '0')")
     return functions
+
+
+def check_answers(k: int, cfg: Any, answers: list[Any]) -> None:
+    """The ``gsm8k`` reward (``reward.functions[k]``) scores a completion against the number its
+    record's answer gives (:func:`rewards.final_number`, as the reward reads it); when no answer of
+    ``answers`` (the data's first records) gives one, every completion would score None and the
+    run would train nothing: refused.
+
+    Raises:
+        ConfigError: naming ``data.columns.answer``, the column, an answer read and what one
+            looks like.
+    """
+    if any(rewards.final_number(str(a)) is not None for a in answers if a is not None):
+        return
+    sources = [(f"data.datasets.{i}", src) for i, src in enumerate(cfg.data.datasets)] if cfg.data.datasets else \
+        [("data", cfg.data)]
+    column = ", ".join(f"{key}.columns.answer={mapped_columns(src.columns).get('answer', 'answer')}"
+                       for key, src in sources)
+    first = next((repr(a) for a in answers if a is not None), "null")
+    shown = first if len(first) <= 60 else first[:57] + "..."
+    raise ConfigError(f"reward.functions[{k}]=gsm8k: no answer of the first {len(answers)} records, read from "
+                      f"{column}, holds a number (e.g. {shown}), so every completion would score None and nothing "
+                      "would train; map the column holding the reference answers, each ending in its number as "
+                      "GSM8K's '#### 42'")
 
 
 def environment_reward() -> rewards.RewardFunction:

@@ -128,8 +128,11 @@ def setup_online(cfg: Any, objective: Objective, tokenizer: Any, splits: Any, en
                           "data's own completions, read from each record's 'completion' column, which the records "
                           f"of data.path lack (theirs: {', '.join(k for k in probe[0] if k != 'prompt_ids')}); add "
                           "it or set objective.lmbda=1")
+    # gsm8k's answers are checked over more records than the probe: a few may lack a number.
+    answers = [splits.train[i].get("answer") for i in range(min(64, len(splits.train)))] \
+        if probe and "answer" in probe[0] else None
     try:
-        functions = build_rewards(cfg, probe, env.device) if cfg.reward.functions else []
+        functions = build_rewards(cfg, probe, env.device, answers) if cfg.reward.functions else []
     except RewardError as err:
         raise ConfigError(f"reward.functions: {err}") from err.__cause__
     environment = build_environment(cfg)
