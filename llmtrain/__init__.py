@@ -1,6 +1,13 @@
 """llmtrain: a config-driven trainer for Hugging Face causal LMs (DDP, ZeRO 0-3, offload)."""
 
-import logging
+import sys
+
+if sys.argv[:1] == ["-m"]:  # runpy is importing this package for python -m llmtrain[.COMMAND]: first of all
+    from llmtrain.common.interrupt import defer_sigint
+
+    defer_sigint(sys.orig_argv)
+
+import logging  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -19,22 +19,7 @@ import time
 # gives 3.3 s). torchrun sets OMP_NUM_THREADS=1 for several ranks, where there is no waiting.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# Nothing here imports torch at module level: ``--help`` and ``--cfg job`` answer from the
-# config alone, in about a second. ``main`` imports llmtrain.parallel.distributed before anything imports
-# DeepSpeed (it picks DeepSpeed's accelerator).
-import hydra
-from omegaconf import DictConfig
-
-from llmtrain.common.errors import ConfigError, LlmtrainError, TrainingStopped, require_extra
-from llmtrain.common.paths import CONF_DIR
-from llmtrain.config.compose import check_overrides, keep_typed_strings, register_configs
-
-log = logging.getLogger("llmtrain")
-
-# Interpreter exit's last garbage collection would traverse every object the run leaves (torch's,
-# transformers', the model's: 0.3 s on the development machine); frozen, they are skipped. The
-# process is ending: nothing it holds needs finding.
-atexit.register(gc.freeze)
+from llmtrain.common.interrupt import keep_exit_status, was_interrupted, watch_sigint
 
 
 def _fail(err: Exception, status: int = 2, kind: str = "error") -> None:
@@ -62,12 +47,45 @@ def _fail(err: Exception, status: int = 2, kind: str = "error") -> None:
     else:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a preemption request any more: end now
         time.sleep(_OTHER_RANKS_WAIT_S)
+    if status == 130:
+        keep_exit_status()
     sys.exit(status)
 
 
 # Long enough for a rank 0 that is a few seconds behind (a loaded machine, a slower model load)
 # to reach the same error; only a rank that fails alone pays it.
 _OTHER_RANKS_WAIT_S = 5.0
+
+
+def _stop_if_interrupted(err: BaseException, phase: str) -> None:
+    """One line and exit status 130 where ``err`` ends a start-up the user stopped with Ctrl-C
+    (:func:`~llmtrain.common.interrupt.was_interrupted`); otherwise return, for the caller to
+    raise ``err`` again."""
+    if was_interrupted(err):
+        _fail(Exception(f"SIGINT (Ctrl-C) in start-up, {phase}: nothing was trained"), status=130, kind="interrupted")
+
+
+# Nothing here imports torch at module level: ``--help`` and ``--cfg job`` answer from the
+# config alone, in about a second. ``main`` imports llmtrain.parallel.distributed before anything imports
+# DeepSpeed (it picks DeepSpeed's accelerator).
+try:
+    watch_sigint()  # Ctrl-C from here to the first step ends in one line (exit status 130), not a traceback
+    import hydra
+    from omegaconf import DictConfig
+
+    from llmtrain.common.errors import ConfigError, LlmtrainError, TrainingStopped, require_extra
+    from llmtrain.common.paths import CONF_DIR
+    from llmtrain.config.compose import check_overrides, keep_typed_strings, register_configs
+except BaseException as err:  # (a second Ctrl-C in a half-done import can raise anything)
+    _stop_if_interrupted(err, "while importing llmtrain")
+    raise
+
+log = logging.getLogger("llmtrain")
+
+# Interpreter exit's last garbage collection would traverse every object the run leaves (torch's,
+# transformers', the model's: 0.3 s on the development machine); frozen, they are skipped. The
+# process is ending: nothing it holds needs finding.
+atexit.register(gc.freeze)
 
 
 def check_recipe_selection(args: list[str]) -> None:
@@ -127,6 +145,9 @@ try:
     sys.argv[1:] = keep_typed_strings(sys.argv[1:])
 except LlmtrainError as err:
     _fail(err)
+except BaseException as err:
+    _stop_if_interrupted(err, "while reading the config")
+    raise
 
 
 def _world_size(cfg: DictConfig) -> int:
@@ -192,9 +213,9 @@ def _record(task):
 def main(cfg: DictConfig) -> None:
     try:
         import llmtrain.parallel.distributed  # noqa: F401  (before anything imports DeepSpeed: picks its accelerator)
-    except KeyboardInterrupt:  # torch's import: seconds in which Ctrl-C is likely too
-        _fail(Exception("SIGINT (Ctrl-C) in start-up, while importing torch: nothing was trained"), status=130,
-              kind="interrupted")
+    except BaseException as err:  # torch's import: seconds in which Ctrl-C is likely too
+        _stop_if_interrupted(err, "while importing torch")
+        raise
     _record(_main)(cfg)
 
 
@@ -202,7 +223,11 @@ def _main(cfg: DictConfig) -> None:
     from llmtrain.parallel.distributed import shutdown
 
     try:
-        from llmtrain.trainer import train  # seconds of imports: Ctrl-C here ends in one line too
+        try:
+            from llmtrain.trainer import train  # seconds of imports (transformers): Ctrl-C is likely here too
+        except BaseException as err:
+            _stop_if_interrupted(err, "while importing transformers")
+            raise
 
         cfg = _layout(cfg)
         if cfg.trainer.dry_run:
@@ -239,9 +264,19 @@ def _main(cfg: DictConfig) -> None:
         # as one line naming the field or file; exit status 2, nothing trained.
         shutdown()  # every rank raises these alike, before or outside any collective
         _fail(err)
+    except Exception as err:
+        if not was_interrupted(err):
+            raise
+        # An import that Ctrl-C cut short can fail in other ways later on: still the user's Ctrl-C.
+        shutdown()
+        _stop_if_interrupted(err, "before the first step")
     # A finished run exits 0: the process group goes before interpreter exit, not during it.
     shutdown()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()  # Hydra composes the config here, before it calls main's body
+    except BaseException as err:
+        _stop_if_interrupted(err, "while reading the config")
+        raise

@@ -249,4 +249,9 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llmtrain.common.interrupt import one_line_on_ctrl_c
+
+    # Its imports are inside main(); one cut short by Ctrl-C can end in another exception
+    # (lm_eval's import: a RecursionError from a half-initialised numpy), reported as Ctrl-C too.
+    with one_line_on_ctrl_c("llmtrain.evaluate", after="no result written"):
+        sys.exit(main())

@@ -8,8 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from llmtrain.common.errors import ModelSourceError, ResumeError
-from llmtrain.checkpoint.export import export_checkpoint
+
+from llmtrain.common.interrupt import one_line_on_ctrl_c
+
+# Run as a command, Ctrl-C from here on (the imports: seconds, torch's) ends in one line.
+with one_line_on_ctrl_c("llmtrain.export", active=__name__ == "__main__"):
+    from llmtrain.common.errors import ModelSourceError, ResumeError
+    from llmtrain.checkpoint.export import export_checkpoint
 
 
 # ---------------------------------------------------------------- offline, from a checkpoint
@@ -63,4 +68,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with one_line_on_ctrl_c("llmtrain.export"):
+        sys.exit(main())

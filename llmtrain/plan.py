@@ -17,12 +17,16 @@ from __future__ import annotations
 import sys
 import time
 
-from llmtrain.common.errors import ConfigError, LlmtrainError
-from llmtrain.common.hardware import default_device, resolve_precision
-from llmtrain.config.compose import compose
-from llmtrain.config.validate import parse_bytes
-from llmtrain.planning.auto import check_auto_overrides, choose, chosen_config, plan_all, with_fitting_batch
-from llmtrain.planning.memory import describe, fmt_bytes, plan_recipe, table
+from llmtrain.common.interrupt import one_line_on_ctrl_c
+
+# Run as a command, Ctrl-C from here on (the imports: a second or more) ends in one line.
+with one_line_on_ctrl_c("llmtrain.plan", active=__name__ == "__main__"):
+    from llmtrain.common.errors import ConfigError, LlmtrainError
+    from llmtrain.common.hardware import default_device, resolve_precision
+    from llmtrain.config.compose import compose
+    from llmtrain.config.validate import parse_bytes
+    from llmtrain.planning.auto import check_auto_overrides, choose, chosen_config, plan_all, with_fitting_batch
+    from llmtrain.planning.memory import describe, fmt_bytes, plan_recipe, table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,4 +129,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with one_line_on_ctrl_c("llmtrain.plan"):
+        raise SystemExit(main())

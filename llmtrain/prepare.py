@@ -66,4 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from llmtrain.common.interrupt import one_line_on_ctrl_c
+
+    with one_line_on_ctrl_c("llmtrain.prepare"):  # its imports are inside main()
+        sys.exit(main())

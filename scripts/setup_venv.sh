@@ -23,7 +23,9 @@ else
        "on Linux x86-64; TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu gets the CPU build)"
   python -m pip install "torch==$TORCH_VERSION"
 fi
-python -c 'import torch; print(f"setup_venv: torch {torch.__version__} installed (" + (f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build") + ")")'
+# -W ignore: numpy arrives with llmtrain's dependencies, after this check, and torch warns that it
+# is missing ("Failed to initialize NumPy"), which means nothing here.
+python -W ignore -c 'import torch; print(f"setup_venv: torch {torch.__version__} installed (" + (f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build") + ")")'
 echo "setup_venv: installing llmtrain${LLMTRAIN_EXTRAS:- (no extras)} and its dependencies"
 python -m pip install ".${LLMTRAIN_EXTRAS:-}"
 echo "setup_venv: done; $VENV is active"

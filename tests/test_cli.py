@@ -336,6 +336,10 @@ def test_layout_errors_on_two_ranks_fail_before_writing(overrides, needle, tmp_p
      "data.datasets.0.pth is not a field of data.datasets.0: did you mean data.datasets.0.path?"),
     # A value of the wrong type: Hydra would print six lines and exit 1.
     (["+peft=lora", "peft.r=eight"], "peft.r=eight: peft.r takes a whole number, not 'eight'"),
+    # A list field given one value, and a whole command quoted as one argument (Hydra: exit 1).
+    (["reward.functions=gsm8k"], "reward.functions takes a list: reward.functions=[gsm8k]"),
+    (["trainer.lr=1e-3 trainer.max_steps=5"], "'trainer.lr=1e-3 trainer.max_steps=5' is one argument holding several "
+                                              "overrides; give each as its own argument"),
     # A group given twice, added to the default, or overridden without a default: Hydra's
     # "Multiple values for peft", "Multiple values for data", "Could not override 'peft'" (exit 1).
     (["+peft=lora", "+peft=qlora"], "the peft group is given 2 times (+peft=lora, +peft=qlora); give one of them "

@@ -364,6 +364,18 @@ def test_sweeps_hydra_expands_itself_pass_the_option_check():
     (["trainer.progress_bar=maybe"], "trainer.progress_bar=maybe: trainer.progress_bar takes true or false, not 'maybe'"),
     (["-m", "trainer.max_steps=2,x"], "trainer.max_steps=2,x: trainer.max_steps takes a whole number, not 'x'"),
     (["+peft=lora", "peft.r=eight"], "peft.r=eight: peft.r takes a whole number, not 'eight'"),
+    # A list field given one value (brackets forgotten): Hydra's "str is not a ListConfig", exit 1.
+    (["reward.functions=gsm8k"], "reward.functions takes a list: reward.functions=[gsm8k]"),
+    (["trainer.eval_tasks=hh_local"], "trainer.eval_tasks takes a list: trainer.eval_tasks=[hh_local]"),
+    (["data.weights=0.5"], "data.weights takes a list: data.weights=[0.5]"),
+    (["+peft=lora", "peft.modules_to_save=lm_head"], "peft.modules_to_save takes a list: peft.modules_to_save=[lm_head]"),
+    (["-m", "reward.functions=a,b"],
+     "reward.functions takes a list: reward.functions=[a,b] (a sweep over lists, with -m: reward.functions=[a],[b])"),
+    (["data.weights=[0.5,half]"], "data.weights=[0.5,half]: data.weights takes a list of numbers, not 'half'"),
+    # A whole command quoted as one argument: Hydra's "mismatched input '='", exit 1.
+    (["trainer.lr=1e-3 trainer.max_steps=5"], "'trainer.lr=1e-3 trainer.max_steps=5' is one argument holding several "
+     "overrides; give each as its own argument (no quotes around the whole): python -m llmtrain trainer.lr=1e-3 "
+     "trainer.max_steps=5"),
 ])
 def test_a_value_of_the_wrong_type_is_one_line_naming_the_field(args, message):
     from llmtrain.config.compose import check_overrides
@@ -378,3 +390,5 @@ def test_values_omegaconf_converts_pass_the_type_check():
     check_overrides(["trainer.max_steps=10", "trainer.lr=3e-4", "trainer.lr=1", "trainer.progress_bar=false",
                      "trainer.max_steps=${trainer.save_every}", "-m", "trainer.max_steps=range(1,3)",
                      "trainer.peak_tflops=null", "trainer.seed=0"])
+    check_overrides(["reward.functions=[gsm8k]", "reward.functions=[]", "data.weights=[1,0.5]", "reward.functions=null",
+                     "trainer.eval_tasks=${tracker.tags}", "name='a b=c'", "-m", "reward.functions=[a],[b]"])

@@ -373,3 +373,20 @@ def test_peft_lora_brings_the_lora_learning_rate_unless_one_is_given(overrides, 
     assert cfg.trainer.lr == pytest.approx(lr)
     if "+peft=lora" in overrides:
         assert cfg.peft.r == 8 and cfg.trainer.max_steps == (30 if "trainer=finetune" in overrides else 200)
+
+
+def test_ask_says_what_it_loads_and_how_much_it_generates(tmp_path):
+    # Loading and generating take minutes on a CPU for a real model: lines on stderr tell that
+    # from a hang (before: nothing until the answer); stdout holds the answer alone.
+    from llmtrain.models.build import build_model, build_tokenizer
+
+    cfg = make_cfg([])
+    build_model(cfg.model, seed=0).save_pretrained(tmp_path / "hf")
+    build_tokenizer(cfg.model).save_pretrained(tmp_path / "hf")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "tools" / "ask.py"), str(tmp_path / "hf"), "Hi",
+                           "--max-new-tokens", "2"], capture_output=True, text=True, env=subprocess_env(), cwd=tmp_path)
+    assert_ok(proc)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ask.py: ")]
+    assert said == [f"ask.py: loading the model in {tmp_path / 'hf'}",
+                    "ask.py: generating at most 2 new tokens (greedy, on the CPU)"], proc.stderr
+    assert proc.stdout.strip() and "ask.py" not in proc.stdout

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import FAST, REPO, subprocess_env
+from conftest import FAST, REPO, make_cfg, subprocess_env
 
 
 def test_a_wandb_offline_run_ends_with_llmtrains_closing_lines(tmp_path):
@@ -107,3 +107,47 @@ def test_ctrl_c_in_start_up_ends_in_one_line(tmp_path):
     assert [(e["event"], e.get("reason")) for e in events if e["event"] in ("start", "end")] == [
         ("start", None), ("end", "interrupted")]  # a rerun does not report a crash
     assert not any((run_dir / "checkpoints").glob("*")) and not (run_dir / "hf").exists()
+
+
+@pytest.mark.parametrize("module,args,line", [
+    ("llmtrain", [*FAST, "trainer.max_steps=2", "run_dir=run"],
+     r"llmtrain: interrupted: SIGINT \(Ctrl-C\) in start-up, [\w ,()-]+: nothing was trained(; .*)?"),
+    # A Hugging Face folder (made below): evaluate imports lm_eval and torch and loads it.
+    ("llmtrain.evaluate", ["hf", "tasks=[hh_local]", "limit=2", "out_dir=eval"],
+     r"llmtrain\.evaluate: interrupted: SIGINT \(Ctrl-C\): no result written"),
+    ("llmtrain.plan", ["model=smollm2_135m", "world_size=2"], r"llmtrain\.plan: interrupted: SIGINT \(Ctrl-C\): stopped"),
+    ("llmtrain.export", ["no-such-checkpoint", "out"], r"llmtrain\.export: interrupted: SIGINT \(Ctrl-C\): stopped"),
+    ("llmtrain.prepare", ["out=tokens"], r"llmtrain\.prepare: interrupted: SIGINT \(Ctrl-C\): stopped"),
+], ids=["llmtrain", "evaluate", "plan", "export", "prepare"])
+def test_ctrl_c_at_any_moment_of_the_first_seconds_ends_in_one_line(module, args, line, tmp_path):
+    """SIGINT 0.1, 0.5, 1 and 2 s after the command starts (imports, reading the config, importing
+    torch or lm_eval, the trainer's start-up: whichever phase each lands in) ends in one line and
+    exit status 130 (before: 12 to 117 lines of traceback from the schema's import, Hydra's parser
+    or its compose). No moment is asserted to land in a given phase; a command that already ended
+    on its own (the short ones, on a fast machine) is not signalled."""
+    import re
+    import signal
+    import time
+
+    if module == "llmtrain.evaluate":
+        from llmtrain.models.build import build_model, build_tokenizer
+
+        cfg = make_cfg([])
+        build_model(cfg.model, seed=0).save_pretrained(tmp_path / "hf")
+        build_tokenizer(cfg.model).save_pretrained(tmp_path / "hf")
+    signalled = []
+    for moment in (0.1, 0.5, 1.0, 2.0):
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=subprocess_env(), cwd=tmp_path)
+        time.sleep(moment)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            signalled.append(moment)
+        out, err = proc.communicate(timeout=300)
+        if signalled[-1:] != [moment] or re.match(r"\S+: error: ", err):
+            continue  # ended on its own (the last: just as the signal came)
+        assert proc.returncode == 130, (moment, out[-2000:], err[-3000:])
+        said = [s for s in err.splitlines() if s.strip() and not re.match(r"\[[\d:]+\]\[llmtrain\] ", s)]  # (logs)
+        assert len(said) == 1 and re.fullmatch(line, said[0]), (moment, err[-3000:])
+        assert "Traceback" not in out, (moment, out[-2000:])
+    assert signalled[:2] == [0.1, 0.5], signalled

@@ -510,6 +510,27 @@ def test_resume_with_other_settings_is_refused_naming_them(tmp_path):
     assert metrics[4]["train/lr"] == pytest.approx(expected, rel=1e-12)  # step 5
 
 
+def test_a_max_steps_below_the_checkpoint_says_what_it_exports_and_how_to_go_on(tmp_path):
+    """trainer.max_steps lowered below the checkpoint's step: the warning says the checkpoint is
+    past it, what is exported (that step's weights, or nothing with export_hf=false) and how to
+    train more or start over (before: "step 4 >= trainer.max_steps=2 ...; exporting only", also
+    with export_hf=false)."""
+    assert_ok(run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.max_steps=4"]))  # checkpoints of steps 2 and 4
+    checkpoint = tmp_path / "checkpoints" / "step_4"
+    go_on = "To train more, raise trainer.max_steps above 4; to start over, give a new name= (or run_dir=)"
+    proc = run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.max_steps=2"])
+    assert_ok(proc)
+    assert (f"checkpoint {checkpoint} (step 4) is past trainer.max_steps (4 > 2); nothing to train, exporting "
+            f"nothing (trainer.export_hf=false). {go_on}") in proc.stdout, proc.stdout[-3000:]
+    assert not (tmp_path / "hf").exists()
+    proc = run_cli(COMMON + [f"run_dir={tmp_path}", "trainer.max_steps=4", "trainer.export_hf=true"])
+    assert_ok(proc)
+    assert (f"checkpoint {checkpoint} (step 4) is at trainer.max_steps=4: the run is finished; nothing to train, "
+            f"exporting step 4's weights. {go_on}") in proc.stdout, proc.stdout[-3000:]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert [r["step"] for r in read_metrics(tmp_path) if "train/loss" in r] == [1, 2, 3, 4]
+
+
 @pytest.mark.slow
 @pytest.mark.alone  # a 2-rank launch it kills or signals (conftest.machine_alone)
 def test_orphaned_workers_die_with_their_launcher(tmp_path):

@@ -160,6 +160,17 @@ def check_resumable(resume_from: Path, cfg: Any, checkpoints: CheckpointManager,
                     "the Distributed Checkpoint is resharded" if cfg.recipe.engine == "torch" else
                     "each row's tokens are split anew; the ZeRO partitions follow the world size")
     if saved.step >= cfg.trainer.max_steps:
-        log.warning("checkpoint %s is at step %d >= trainer.max_steps=%d: nothing to train (raise "
-                    "trainer.max_steps to continue); exporting only", resume_from, saved.step,
-                    cfg.trainer.max_steps)
+        log.warning("%s", past_max_steps(resume_from, saved.step, cfg))
+
+
+def past_max_steps(resume_from: Path, step: int, cfg: Any) -> str:
+    """What a run resumed from a checkpoint at ``step`` >= ``trainer.max_steps`` does: it trains
+    nothing and exports that checkpoint's weights (``trainer.export_hf``) or nothing, and how to
+    train more or start over."""
+    max_steps = cfg.trainer.max_steps
+    where = (f"is past trainer.max_steps ({step} > {max_steps})" if step > max_steps
+             else f"is at trainer.max_steps={max_steps}: the run is finished")
+    does = (f"exporting step {step}'s weights" if cfg.trainer.export_hf
+            else "exporting nothing (trainer.export_hf=false)")
+    return (f"checkpoint {resume_from} (step {step}) {where}; nothing to train, {does}. To train more, raise "
+            f"trainer.max_steps above {step}; to start over, give a new name= (or run_dir=)")

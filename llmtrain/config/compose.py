@@ -184,6 +184,7 @@ def check_overrides(args: list[str]) -> None:
         try:
             overrides.append((arg, parser.parse_override(arg)))
         except Exception:  # noqa: BLE001  (malformed: Hydra's parser reports it, with its grammar)
+            _check_one_override_each(arg)
             continue
     groups = config_groups()
     if any(a in ("--config-dir", "-cd") or a.startswith("--config-dir=") for a in args):
@@ -224,6 +225,7 @@ def check_overrides(args: list[str]) -> None:
             prefix = ".".join(parts[:depth])
             raise _unknown_key(".".join(parts[:depth + 1]), f"{prefix}." if prefix else "", fields)
         _check_scalar_type(arg, key, hint, override)
+        _check_list_type(arg, key, hint, override)
     if groups and not any(a in ("--config-name", "-cn") or a.startswith("--config-name=") for a in args):
         # (another primary config has other defaults)
         _check_group_selections(selected, deleted={a[1:].split("=")[0] for a in args if a.startswith("~")})
@@ -303,6 +305,60 @@ def _check_scalar_type(arg: str, key: str, hint: Any, override: Any) -> None:
             node(value=one)
         except ValidationError:
             raise ConfigError(f"{arg}: {key} takes {_SCALAR_KINDS[hint]}, not {one!r}") from None
+
+
+def _check_one_override_each(arg: str) -> None:
+    """An argument Hydra cannot parse that holds several overrides (a whole command quoted as
+    one: ``"trainer.lr=1e-3 trainer.max_steps=5"``), which Hydra's parser would answer with its
+    grammar error ("mismatched input '='", exit status 1), as one line asking to split it.
+
+    Raises:
+        ConfigError: the argument has a space followed by ``key=``.
+    """
+    if re.search(r"\s(\+{0,2}|~)[A-Za-z_][\w.@/-]*=", arg):
+        parts = " ".join(arg.split())
+        raise ConfigError(f"{arg!r} is one argument holding several overrides; give each as its own argument "
+                          f"(no quotes around the whole): python -m llmtrain {parts}")
+
+
+def _check_list_type(arg: str, key: str, hint: Any, override: Any) -> None:
+    """A single value given to a list field (``reward.functions=gsm8k``, brackets forgotten), which
+    OmegaConf would refuse while Hydra composes ("str is not a ListConfig", exit status 1), as
+    one line showing the list form; elements of a list of numbers are checked as numbers. Sweeps
+    check each value; null, interpolations and other sweeps are left to Hydra.
+
+    Raises:
+        ConfigError: naming the override, the field and the value as a list.
+    """
+    from hydra.core.override_parser.types import ChoiceSweep, Sweep
+    from omegaconf import ValidationError
+    from omegaconf.nodes import BooleanNode, FloatNode, IntegerNode
+
+    if typing.get_origin(hint) is not list:
+        return
+    value = override.value()
+    if isinstance(value, Sweep) and not isinstance(value, ChoiceSweep):
+        return
+    element = typing.get_args(hint)[0]
+    node = {int: IntegerNode, float: FloatNode, bool: BooleanNode}.get(element)
+    for one in value.list if isinstance(value, ChoiceSweep) else [value]:
+        if one is None or (isinstance(one, str) and "${" in one):
+            continue  # null where the field allows it, or an interpolation: Hydra resolves them
+        if not isinstance(one, list):
+            typed = arg.split("=", 1)[1]
+            sweep = (f" (a sweep over lists, with -m: {key}={','.join(f'[{v}]' for v in value.list)})"
+                     if isinstance(value, ChoiceSweep) else "")
+            raise ConfigError(f"{key} takes a list: {key}=[{typed}]{sweep}")
+        for item in one if node is not None else []:
+            if isinstance(item, str) and "${" in item:
+                continue
+            try:
+                node(value=item)
+            except ValidationError:
+                raise ConfigError(f"{arg}: {key} takes a list of {_LIST_KINDS[element]}, not {item!r}") from None
+
+
+_LIST_KINDS = {int: "whole numbers", float: "numbers", bool: "true or false values"}
 
 
 def run_dir_of(cfg: Any) -> Path:

