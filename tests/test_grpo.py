@@ -592,6 +592,19 @@ def test_step_lines_show_rewards_and_a_flat_reward_is_warned_of_once(questions, 
     assert not [line for line in lines if "got the same reward" in line]
 
 
+def test_a_slow_steps_sampling_says_how_far_it_is(questions, tmp_path, caplog, monkeypatch):
+    """A GRPO step on a CPU samples for minutes; past ``SAMPLING_QUIET_S`` (0 here) it logs its
+    prompts done between step lines, as the held-out evaluation does (before: nothing)."""
+    import llmtrain.rollout.rollout as rollout
+
+    monkeypatch.setattr(rollout, "SAMPLING_QUIET_S", 0.0)
+    lines = _logged(caplog, _grpo_overrides(questions, f"run_dir={tmp_path / 'run'}"))
+    sampling = [line.split(",")[:2] for line in lines if ", sampling: " in line]
+    assert sampling == [["step 1", " sampling: 1/2 prompts"], ["step 1", " sampling: 2/2 prompts"],
+                        ["step 2", " sampling: 1/2 prompts"], ["step 2", " sampling: 2/2 prompts"]], lines
+    assert all(" prompts/s, eta " in line for line in lines if ", sampling: " in line)
+
+
 def test_held_out_evaluation_shows_progress_and_eval_every_0_skips_step_0(questions, tmp_path, caplog):
     """The held-out generation logs its progress (prompts done of all, rate); its default size is
     twice a step's prompts; trainer.eval_every=0 means no step-0 evaluation (the last step's stays)."""

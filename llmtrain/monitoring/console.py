@@ -21,7 +21,7 @@ import io
 import logging
 import sys
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from llmtrain.common import lazy_datasets
 
@@ -220,6 +220,17 @@ class Progress:
         log.info("step %d/%d: train loss %.4f, lr %.2e, grad norm %.3f, %s%s tokens/s, eta %s",
                  step, self.total, loss, lr, grad_norm, f"{detail}, " if detail else "", f"{tokens_per_s:,.0f}", eta)
 
+    @property
+    def on_bar(self) -> bool:
+        """Whether a bar is drawn (a terminal and ``trainer.progress_bar``)."""
+        return self._bar is not None
+
+    def note(self, text: str) -> None:
+        """Show ``text`` in the bar's postfix until the next step's values replace it (progress
+        within a step: an online objective's sampling); nothing without a bar."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=True)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -247,13 +258,18 @@ class CountProgress:
 
         held-out evaluation: 1/64 prompts, 0.21 prompts/s, eta 0:05:00
 
-    A no-op where not ``enabled`` (other ranks). ``advance(n)`` counts ``n`` more items done."""
+    A no-op where not ``enabled`` (other ranks). ``advance(n)`` counts ``n`` more items done.
+    ``quiet_s``: no line before the work has taken that long (work that is usually fast, an
+    online step's sampling, stays silent); ``say``: where the lines go instead of the log (the
+    step bar's postfix, :meth:`Progress.note`)."""
 
     def __init__(self, what: str, total: int, unit: str, enabled: bool = True, bar: bool = False,
-                 every_s: float = 10.0):
-        self.what, self.total, self.unit, self.every_s = what, total, unit, every_s
+                 every_s: float = 10.0, quiet_s: float = 0.0, say: Callable[[str], None] | None = None):
+        self.what, self.total, self.unit, self.every_s, self.quiet_s = what, total, unit, every_s, quiet_s
         self.enabled, self.done = enabled and total > 0, 0
+        self._say = say
         self._started = self._said = time.perf_counter()
+        self._quiet = True  # nothing said yet
         self._bar = None
         if self.enabled and bar:
             from tqdm.auto import tqdm
@@ -270,12 +286,17 @@ class CountProgress:
             self._bar.update(n)
             return
         now = time.perf_counter()
-        if self.done == n or self.done >= self.total or now - self._said >= self.every_s:
-            self._said = now
+        if now - self._started < self.quiet_s:
+            return
+        if self._quiet or self.done >= self.total or now - self._said >= self.every_s:
+            self._said, self._quiet = now, False
             rate = self.done / max(now - self._started, 1e-9)
             eta = datetime.timedelta(seconds=round(max(self.total - self.done, 0) / rate))
-            log.info("%s: %d/%d %s, %.2f %s/s, eta %s", self.what, self.done, self.total, self.unit, rate,
-                     self.unit, eta)
+            line = f"{self.what}: {self.done}/{self.total} {self.unit}, {rate:.2f} {self.unit}/s, eta {eta}"
+            if self._say is not None:
+                self._say(line)
+            else:
+                log.info("%s", line)
 
     def close(self) -> None:
         if self._bar is not None:
