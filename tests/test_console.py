@@ -138,6 +138,16 @@ def test_counted_progress_stays_quiet_until_the_work_is_slow(caplog):
     assert [line.split(",")[:2] for line in shown] == [["step 2", " sampling: 1/3 prompts"],
                                                        ["step 2", " sampling: 3/3 prompts"]]
     assert shown[-1].endswith(" prompts/s, eta 0:00:00")
+    # A timer's tick says a line before any item is done (one prompt takes a minute on a CPU),
+    # then none until every_s has passed or the work is done.
+    shown.clear()
+    ticked = console.CountProgress("step 3, sampling", 2, "prompts", quiet_s=0.0, every_s=1e9, say=shown.append)
+    ticked.tick()
+    ticked.advance()
+    ticked.tick()
+    ticked.advance()
+    assert shown[0].startswith("step 3, sampling: 0/2 prompts, ") and shown[0].endswith(" s so far")
+    assert [line.split(",")[1] for line in shown] == [" sampling: 0/2 prompts", " sampling: 2/2 prompts"]
 
 
 def test_a_note_goes_to_the_bar_postfix_and_nowhere_without_a_bar(caplog):

@@ -20,6 +20,7 @@ import datetime
 import io
 import logging
 import sys
+import threading
 import time
 from typing import Callable, Iterator
 
@@ -270,6 +271,7 @@ class CountProgress:
         self._say = say
         self._started = self._said = time.perf_counter()
         self._quiet = True  # nothing said yet
+        self._lock = threading.Lock()
         self._bar = None
         if self.enabled and bar:
             from tqdm.auto import tqdm
@@ -285,14 +287,27 @@ class CountProgress:
         if self._bar is not None:
             self._bar.update(n)
             return
-        now = time.perf_counter()
-        if now - self._started < self.quiet_s:
-            return
-        if self._quiet or self.done >= self.total or now - self._said >= self.every_s:
+        self._maybe_say(self.done >= self.total)
+
+    def tick(self) -> None:
+        """Say where the work stands if a line is due, though no item finished since the last
+        (called every second by a timer where each item takes long: one prompt of a CPU step)."""
+        if self.enabled and self._bar is None:
+            self._maybe_say(False)
+
+    def _maybe_say(self, last: bool) -> None:
+        with self._lock:  # advance() and a timer's tick() may race
+            now = time.perf_counter()
+            if now - self._started < self.quiet_s or not (self._quiet or last or now - self._said >= self.every_s):
+                return
             self._said, self._quiet = now, False
-            rate = self.done / max(now - self._started, 1e-9)
-            eta = datetime.timedelta(seconds=round(max(self.total - self.done, 0) / rate))
-            line = f"{self.what}: {self.done}/{self.total} {self.unit}, {rate:.2f} {self.unit}/s, eta {eta}"
+            line = f"{self.what}: {self.done}/{self.total} {self.unit}"
+            if self.done:
+                rate = self.done / max(now - self._started, 1e-9)
+                eta = datetime.timedelta(seconds=round(max(self.total - self.done, 0) / rate))
+                line += f", {rate:.2f} {self.unit}/s, eta {eta}"
+            else:  # no rate yet
+                line += f", {now - self._started:.0f} s so far"
             if self._say is not None:
                 self._say(line)
             else:

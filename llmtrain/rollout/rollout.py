@@ -25,6 +25,7 @@ import logging
 import math
 import numbers
 import random
+import threading
 import time
 import zlib
 from concurrent.futures import Future
@@ -246,12 +247,20 @@ class Rollout:
         share = " (rank 0's share)" if distributed.is_initialized() and dist.get_world_size() > 1 else ""
         progress = console.CountProgress(f"step {step + 1}, sampling{share}", prompts, "prompts", enabled,
                                          quiet_s=SAMPLING_QUIET_S, say=self.show)
-        previous = self.sampler.on_sampled
+        previous, stop = self.sampler.on_sampled, threading.Event()
+
+        def ticking() -> None:
+            while not stop.wait(1.0):
+                progress.tick()
+
         if progress.enabled:
             self.sampler.on_sampled = progress.advance
+            # One prompt can take a minute on a CPU: a timer says the step is sampling before any is done.
+            threading.Thread(target=ticking, name="llmtrain-sampling-progress", daemon=True).start()
         try:
             yield
         finally:
+            stop.set()
             self.sampler.on_sampled = previous
             progress.close()
 
