@@ -174,6 +174,8 @@ class Trainer:
         self.task_evals = self._setup_task_evals()
         self.progress = console.Progress(self.t.progress_bar and self.env.is_main, self.t.max_steps, self.state.step,
                                          self.t.log_every)
+        if self.objective.online and self.progress.on_bar:  # a slow step's sampling shows in the bar, not as lines
+            self.batches.show = self.progress.note
         self.skipped_in_a_row = 0
         self.flat_rewards = FlatRewards()
         self.watchdog = self._setup_watchdog()

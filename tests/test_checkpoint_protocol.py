@@ -189,3 +189,79 @@ def test_a_failed_background_write_is_raised_and_never_sealed(tmp_path):
         manager.finish_background()
     assert not (tmp_path / "checkpoints" / "step_4").exists()
     assert (tmp_path / "checkpoints" / ".tmp-step_4").is_dir()
+
+
+def test_a_killed_save_folder_is_removed_once_the_run_holds_the_lock(tmp_path, caplog):
+    """A SIGKILL mid-save leaves ``.tmp-step_<N>`` for good (before: the rerun only warned that it
+    ignored it); the rerun, holding the run's lock, removes llmtrain's own unfinished folders only."""
+    import logging
+
+    import llmtrain.checkpoint.protocol as protocol
+
+    root = tmp_path / "checkpoints"
+    save(CheckpointManager(tmp_path, ENV, keep=3), 10)
+    (root / ".tmp-step_14" / "engine").mkdir(parents=True)
+    (root / ".tmp-step_14" / "engine" / "shard.distcp").write_bytes(b"half")
+    (root / ".tmp-step_notmine").mkdir()
+    try:
+        with caplog.at_level(logging.INFO, logger="llmtrain"):
+            resumed = CheckpointManager(tmp_path, ENV, keep=3).resolve("auto")
+    finally:
+        held = [h for h in protocol._RUN_LOCKS if Path(h.name) == tmp_path / ".lock"]
+        for handle in held:
+            protocol._RUN_LOCKS.remove(handle)
+            handle.close()
+    assert resumed == root / "step_10"
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-step_notmine", "step_10"]
+    removed = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+    assert removed == [f"removed .tmp-step_14 in {root}: unfinished checkpoint of a save that was interrupted "
+                       "(never complete, never resumed)"]
+
+
+def test_a_killed_save_folder_stays_while_another_process_holds_the_lock(tmp_path):
+    import fcntl
+
+    import pytest
+
+    from llmtrain.common.errors import ResumeError
+
+    save(CheckpointManager(tmp_path, ENV, keep=3), 10)
+    (tmp_path / "checkpoints" / ".tmp-step_14").mkdir()
+    with open(tmp_path / ".lock", "a+") as other:  # another open file: flock conflicts as with another process
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ResumeError, match="in use by another llmtrain process"):
+            CheckpointManager(tmp_path, ENV, keep=3).resolve("auto")
+    assert (tmp_path / "checkpoints" / ".tmp-step_14").is_dir()
+
+
+def test_the_crash_report_of_a_rerun_waits_for_announce(tmp_path, caplog):
+    """``resume=auto: the previous process ... redone`` was logged as the checkpoints were opened,
+    before start-up checks (a reward function's import error) could fail; now announce() says it,
+    after the decision."""
+    import logging
+
+    import llmtrain.checkpoint.protocol as protocol
+    from llmtrain.checkpoint.checkpointer import open_checkpoints
+
+    from conftest import FAST, make_cfg
+
+    (tmp_path / "timeline.jsonl").write_text(
+        json.dumps({"event": "start", "time": 100.0, "step": 0, "host": "n1", "pid": 12708}) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0, "time": 110.0}) + "\n")
+    cfg = make_cfg(FAST + [f"run_dir={tmp_path}"])
+    try:
+        with caplog.at_level(logging.INFO, logger="llmtrain"):
+            manager, resume_from, _ = open_checkpoints(tmp_path, cfg, ENV, None)
+            opened = [r.getMessage() for r in caplog.records]
+            manager.announce()
+    finally:
+        for handle in [h for h in protocol._RUN_LOCKS if Path(h.name) == tmp_path / ".lock"]:
+            protocol._RUN_LOCKS.remove(handle)
+            handle.close()
+    assert resume_from is None and opened == []
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[0].startswith("resume=auto: no complete checkpoint in ")
+    assert said[1].startswith("resume=auto: the previous process (started 1970-01-01 00:01:40 UTC on n1, pid 12708) "
+                              "ended after step 1 without its final save"), said
+    manager.announce()
+    assert len(caplog.records) == 2  # once

@@ -119,3 +119,45 @@ def test_expected_library_warnings_are_quiet_unless_debugging():
             assert [str(w.message) for w in caught] == ([peft_guess] if debug else []) + ["something else"]
     finally:
         logger.setLevel(level)
+
+
+def test_counted_progress_stays_quiet_until_the_work_is_slow(caplog):
+    """``quiet_s``: work that ends before it says nothing (a fast online step's sampling); with 0 it
+    says the first item and the last, as the held-out evaluation does; ``say`` takes the lines
+    instead of the log (the step bar's postfix)."""
+    with caplog.at_level(logging.INFO, logger="llmtrain"):
+        quiet = console.CountProgress("step 1, sampling", 3, "prompts", quiet_s=1e9)
+        for _ in range(3):
+            quiet.advance()
+        assert caplog.records == []
+        shown: list[str] = []
+        told = console.CountProgress("step 2, sampling", 3, "prompts", quiet_s=0.0, say=shown.append)
+        for _ in range(3):
+            told.advance()
+    assert caplog.records == []
+    assert [line.split(",")[:2] for line in shown] == [["step 2", " sampling: 1/3 prompts"],
+                                                       ["step 2", " sampling: 3/3 prompts"]]
+    assert shown[-1].endswith(" prompts/s, eta 0:00:00")
+    # A timer's tick says a line before any item is done (one prompt takes a minute on a CPU),
+    # then none until every_s has passed or the work is done.
+    shown.clear()
+    ticked = console.CountProgress("step 3, sampling", 2, "prompts", quiet_s=0.0, every_s=1e9, say=shown.append)
+    ticked.tick()
+    ticked.advance()
+    ticked.tick()
+    ticked.advance()
+    assert shown[0].startswith("step 3, sampling: 0/2 prompts, ") and shown[0].endswith(" s so far")
+    assert [line.split(",")[1] for line in shown] == [" sampling: 0/2 prompts", " sampling: 2/2 prompts"]
+
+
+def test_a_note_goes_to_the_bar_postfix_and_nowhere_without_a_bar(caplog):
+    progress = console.Progress(True, total_steps=2, start_step=0, every=1, on_terminal=True)
+    assert progress.on_bar
+    with caplog.at_level(logging.INFO, logger="llmtrain"):
+        progress.note("step 1, sampling: 1/2 prompts")
+    assert progress._bar.postfix == "step 1, sampling: 1/2 prompts"
+    progress.close()
+    plain = console.Progress(True, total_steps=2, start_step=0, every=1, on_terminal=False)
+    with caplog.at_level(logging.INFO, logger="llmtrain"):
+        plain.note("step 1, sampling: 1/2 prompts")
+    assert not plain.on_bar and caplog.records == []

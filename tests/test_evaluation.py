@@ -437,3 +437,28 @@ def test_evaluate_logs_request_progress_and_ends_in_one_line_on_ctrl_c(trained, 
     assert seen[-1].rstrip("\n") == "llmtrain.evaluate: interrupted: SIGINT (Ctrl-C): no result written", seen[-5:]
     assert "Traceback" not in "".join(seen), "".join(seen)[-3000:]
     assert not out.exists() and not folder.exists()
+
+
+def test_a_cut_short_or_mislabelled_gz_task_file_names_the_file_and_the_fix(tmp_path):
+    """A download cut short (or a plain file named .gz) was an EOFError from inside the harness,
+    under the generic "could not be loaded"; now the file, its problem and the fix."""
+    import gzip
+
+    records = "".join(json.dumps({"question": f"What is {i}+{i}?", "answer": f"#### {2 * i}"}) + "\n"
+                      for i in range(2000)).encode()
+    whole = gzip.compress(records)
+    cut = tmp_path / "gsm8k_test.jsonl.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError) as err:
+        harness.check_tasks(["gsm8k_local"], harness.include_paths(), data_file=str(cut))
+    assert str(err.value).startswith(f"{cut} is truncated or damaged gzip data (")
+    assert "re-download it (see docs/data.md#downloads)" in str(err.value)
+    plain = tmp_path / "plain" / "gsm8k_test.jsonl.gz"
+    plain.parent.mkdir()
+    plain.write_bytes(records)
+    from llmtrain.evaluation.local_tasks import gsm8k_problems
+
+    with pytest.raises(DataError, match="is not gzip data"):
+        gsm8k_problems(data_dir=str(plain.parent))
+    cut.write_bytes(whole)
+    assert len(gsm8k_problems(data_file=str(cut))["test"]) == 2000

@@ -592,6 +592,22 @@ def test_step_lines_show_rewards_and_a_flat_reward_is_warned_of_once(questions, 
     assert not [line for line in lines if "got the same reward" in line]
 
 
+def test_a_slow_steps_sampling_says_how_far_it_is(questions, tmp_path, caplog, monkeypatch):
+    """A GRPO step on a CPU samples for minutes; past ``SAMPLING_QUIET_S`` (0 here) it logs its
+    prompts done between step lines, as the held-out evaluation does (before: nothing)."""
+    import llmtrain.rollout.rollout as rollout
+
+    monkeypatch.setattr(rollout, "SAMPLING_QUIET_S", 0.0)
+    lines = _logged(caplog, _grpo_overrides(questions, f"run_dir={tmp_path / 'run'}"))
+    sampling = [line for line in lines if ", sampling: " in line]
+    for step in (1, 2):
+        said = [line.split(", ")[1] for line in sampling if line.startswith(f"step {step}, ")]
+        # The first prompt done (or, on a loaded machine, the timer's line before it), then the last.
+        assert said[0] in ("sampling: 0/2 prompts", "sampling: 1/2 prompts") and said[-1] == "sampling: 2/2 prompts"
+    assert len(sampling) <= 4 and all(" prompts/s, eta " in line or " s so far" in line for line in sampling), lines
+    assert sampling[-1].startswith("step 2, sampling: 2/2 prompts, ")
+
+
 def test_held_out_evaluation_shows_progress_and_eval_every_0_skips_step_0(questions, tmp_path, caplog):
     """The held-out generation logs its progress (prompts done of all, rate); its default size is
     twice a step's prompts; trainer.eval_every=0 means no step-0 evaluation (the last step's stays)."""

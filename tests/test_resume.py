@@ -333,7 +333,8 @@ def test_kill_during_save_resumes_from_previous_checkpoint(reference, tmp_path):
     resumed = run_cli(overrides, nproc=1)
     assert_ok(resumed)
     out = resumed.stdout + resumed.stderr
-    assert "ignoring unfinished checkpoint" in out and "step_4" in out
+    assert f"removed .tmp-step_6 in {tmp_path / 'checkpoints'}: unfinished checkpoint" in out and "step_4" in out
+    assert not (tmp_path / "checkpoints" / ".tmp-step_6").exists()
     assert per_step(tmp_path) == reference(1, "ddp")
     # wandb too: the killed process never wrote steps 1-4 to its offline folder (wandb buffers);
     # the resumed one logged them from metrics.jsonl, so a sync in order uploads each step once.

@@ -149,7 +149,9 @@ def open_checkpoints(run_dir: Path, cfg: Any, env: Any,
         previous = goodput.unfinished_process(run_dir)
         resumed_step = step_of(resume_from) if resume_from is not None else 0
         if previous is not None and previous["last_step"] > resumed_step:
-            log.warning("resume=%s: %s", t.resume, goodput.describe_unfinished(previous, resumed_step))
+            # Said by announce(), once start-up checks pass: a config error would follow it otherwise.
+            manager.notes.append((logging.WARNING,
+                                  f"resume={t.resume}: {goodput.describe_unfinished(previous, resumed_step)}"))
     return manager, resume_from, rollout_state
 
 

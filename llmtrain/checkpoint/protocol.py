@@ -65,6 +65,7 @@ log = logging.getLogger("llmtrain")
 MARKER = "COMPLETE.json"
 ENGINE_DIR = "engine"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_DIR = re.compile(r"^\.tmp-step_\d+$")  # a save in progress (or interrupted): see save()
 _TRASH = ".deleting-"  # a pruned checkpoint's folder while its files are deleted
 
 
@@ -213,10 +214,11 @@ def run_dir_in_use(run_dir: Path) -> bool:
     return False
 
 
-def lock_run_dir(run_dir: Path) -> None:
+def lock_run_dir(run_dir: Path) -> bool:
     """Hold an exclusive lock on ``run_dir`` for the life of this process (rank 0 calls it), so
     a second run in the same folder (or orphaned workers of a killed one) cannot interleave
-    checkpoints. The OS drops the lock when the process dies.
+    checkpoints. The OS drops the lock when the process dies. Returns True when this call took
+    the lock (no other live process held it), False when this process already held it.
 
     Raises:
         ResumeError: another live process holds the lock.
@@ -224,7 +226,7 @@ def lock_run_dir(run_dir: Path) -> None:
     import fcntl
 
     if any(Path(h.name) == run_dir / ".lock" for h in _RUN_LOCKS):
-        return
+        return False
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         handle = open(run_dir / ".lock", "a+")
@@ -241,6 +243,7 @@ def lock_run_dir(run_dir: Path) -> None:
     handle.write(f"pid {os.getpid()}")
     handle.flush()
     _RUN_LOCKS.append(handle)
+    return True
 
 
 class CheckpointManager:
@@ -251,6 +254,9 @@ class CheckpointManager:
         self.env, self.keep = env, keep
         self._verified: set[Path] = set()  # checkpoints this process wrote or hashed and found whole
         self.decision = ""  # resolve()'s outcome, logged by announce()
+        # More of what the resume decision says, (level, message), logged by announce() after it:
+        # what a crash cost, a new branch. Warnings about damaged checkpoints are logged at once.
+        self.notes: list[tuple[int, str]] = []
         self._background: tuple | None = None  # (future, tmp folder, final folder, hash, step) in flight
         # Steps whose checkpoints pruning keeps beyond ``keep`` (rank 0): a task evaluation still
         # reading them (llmtrain.evaluation.in_loop).
@@ -304,15 +310,19 @@ class CheckpointManager:
     def announce(self) -> None:
         """Rank 0 logs what :meth:`resolve` decided (resuming from a checkpoint, or starting
         fresh), once. The trainer calls it after the config's start-up checks have passed: an
-        error found by them would otherwise follow a line that reads as if the run had begun."""
-        if self.env.is_main and self.decision:
-            log.info("%s", self.decision)
-        self.decision = ""
+        error found by them would otherwise follow a line that reads as if the run had begun.
+        Then :attr:`notes` (what a crash cost, a new branch), in the order they were noted."""
+        if self.env.is_main:
+            if self.decision:
+                log.info("%s", self.decision)
+            for level, message in self.notes:
+                log.log(level, "%s", message)
+        self.decision, self.notes = "", []
 
     def _candidates(self, resume: str) -> list[str]:
         """Rank 0: the folders ``resume`` may resume from, newest first (not yet verified)."""
-        if self.root.parent.is_dir():
-            lock_run_dir(self.root.parent)
+        if self.root.parent.is_dir() and lock_run_dir(self.root.parent):
+            self._remove_unfinished()  # just locked: the process that wrote them is gone
         if resume == "never":
             existing = self.step_dirs()
             if existing:
@@ -320,14 +330,26 @@ class CheckpointManager:
                                   "use a new run_dir, or trainer.resume=auto to continue it")
             return []
         if resume == "auto":
-            for path in sorted(self.root.glob(".tmp-step_*")) if self.root.is_dir() else []:
-                log.warning("resume=auto: ignoring unfinished checkpoint %s (a save was interrupted)", path)
             return [str(path) for _, path in self.step_dirs()]
         path = self.root / f"step_{resume}" if resume.isdigit() else Path(resume).expanduser()
         if not path.is_dir():
             what = f"step {resume}" if resume.isdigit() else f"path {resume}"
             raise ResumeError(f"trainer.resume={resume}: checkpoint {what} does not exist ({path})")
         return [str(path)]
+
+    def _remove_unfinished(self) -> None:
+        """Rank 0, having just taken the run's lock (:func:`lock_run_dir`; its holder is the only
+        writer of ``checkpoints/``, so whoever wrote them is gone): delete the ``.tmp-step_<N>``
+        folders of saves a killed process left unsealed (never a checkpoint: they were never
+        renamed to ``step_<N>``), except this manager's own background write, and say which."""
+        own = self._background[1] if self._background is not None else None
+        stale = sorted(p for p in self.root.glob(".tmp-step_*") if _TMP_DIR.match(p.name) and p.is_dir()
+                       and p != own) if self.root.is_dir() else []
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+        if stale:
+            log.warning("removed %s in %s: unfinished checkpoint%s of a save that was interrupted (never complete, "
+                        "never resumed)", ", ".join(p.name for p in stale), self.root, "s" if len(stale) > 1 else "")
 
     @staticmethod
     def read_state(path: Path) -> TrainState:
@@ -354,8 +376,9 @@ class CheckpointManager:
             os.rename(path, dest / path.name)
             self._verified.discard(path)
         _fsync_dir(self.root)
-        log.warning("resuming from %s starts a new branch: the later checkpoints %s were moved to %s (kept; "
-                    "resume=auto now continues this branch)", resumed.name, ", ".join(p.name for p in later), dest)
+        self.notes.append((logging.WARNING, f"resuming from {resumed.name} starts a new branch: the later checkpoints "
+                                            f"{', '.join(p.name for p in later)} were moved to {dest} (kept; "
+                                            "resume=auto now continues this branch)"))
         return dest
 
     def read_rank_state(self, path: Path, name: str) -> dict[str, torch.Tensor]:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from llmtrain.common.errors import DataError
 from llmtrain.data.formats import alpaca_prompt
 from llmtrain.data.preference import extract_prompt
+from llmtrain.data.sources import compression_problem
 
 DATA_DIR_ENV = "LLMTRAIN_DATA_DIR"
 HH_FILES = ("hh_rlhf_harmless_test.jsonl.gz",)  # anthropics/hh-rlhf harmless-base/test.jsonl.gz, saved so
@@ -62,6 +63,23 @@ def _dataset(rows: list[dict], where: Path) -> dict[str, Any]:
     return {"test": datasets.Dataset.from_list(rows)}
 
 
+def _open_text(path: Path) -> IO[str]:
+    """``path`` opened as UTF-8 text, a ``.gz`` file decompressed once it has been checked to be
+    whole gzip data (a download cut short gave an EOFError from deep in the harness).
+
+    Raises:
+        DataError: naming the file, what is wrong with it and the fix (:func:`compression_problem`).
+    """
+    import gzip
+
+    if path.suffix == ".gz":
+        problem = compression_problem(path)
+        if problem is not None:
+            raise DataError(problem)
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
 def hh_rlhf_pairs(data_dir: str | None = None, data_file: str | None = None, max_completion_chars: int | None = None,
                   **_: Any) -> dict[str, Any]:
     """Anthropic HH-RLHF preference pairs as two-choice documents ``{"prompt", "choices":
@@ -76,14 +94,12 @@ def hh_rlhf_pairs(data_dir: str | None = None, data_file: str | None = None, max
     1,024 positions; the shipped task keeps 2,277 of the 2,312 pairs).
 
     Raises:
-        DataError: the file is missing (:func:`data_file`) or a line is not a pair.
+        DataError: the file is missing (:func:`data_file`), not whole gzip data (a ``.gz`` one), or a
+            line is not a pair.
     """
-    import gzip
-
     path = _data_file(HH_FILES, data_dir, data_file)
-    opener = gzip.open if path.suffix == ".gz" else open
     rows = []
-    with opener(path, "rt", encoding="utf-8") as file:
+    with _open_text(path) as file:
         for number, line in enumerate(file, 1):
             if not line.strip():
                 continue
@@ -140,14 +156,12 @@ def gsm8k_problems(data_dir: str | None = None, data_file: str | None = None, **
     Reads JSON lines, gzipped or not.
 
     Raises:
-        DataError: the file is missing, or a line is not a ``{question, answer}`` record.
+        DataError: the file is missing, not whole gzip data (a ``.gz`` one), or a line is not a
+            ``{question, answer}`` record.
     """
-    import gzip
-
     path = _data_file(GSM8K_FILES, data_dir, data_file)
     rows = []
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as lines:
+    with _open_text(path) as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue

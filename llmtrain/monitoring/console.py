@@ -20,8 +20,9 @@ import datetime
 import io
 import logging
 import sys
+import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from llmtrain.common import lazy_datasets
 
@@ -220,6 +221,17 @@ class Progress:
         log.info("step %d/%d: train loss %.4f, lr %.2e, grad norm %.3f, %s%s tokens/s, eta %s",
                  step, self.total, loss, lr, grad_norm, f"{detail}, " if detail else "", f"{tokens_per_s:,.0f}", eta)
 
+    @property
+    def on_bar(self) -> bool:
+        """Whether a bar is drawn (a terminal and ``trainer.progress_bar``)."""
+        return self._bar is not None
+
+    def note(self, text: str) -> None:
+        """Show ``text`` in the bar's postfix until the next step's values replace it (progress
+        within a step: an online objective's sampling); nothing without a bar."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=True)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -247,13 +259,19 @@ class CountProgress:
 
         held-out evaluation: 1/64 prompts, 0.21 prompts/s, eta 0:05:00
 
-    A no-op where not ``enabled`` (other ranks). ``advance(n)`` counts ``n`` more items done."""
+    A no-op where not ``enabled`` (other ranks). ``advance(n)`` counts ``n`` more items done.
+    ``quiet_s``: no line before the work has taken that long (work that is usually fast, an
+    online step's sampling, stays silent); ``say``: where the lines go instead of the log (the
+    step bar's postfix, :meth:`Progress.note`)."""
 
     def __init__(self, what: str, total: int, unit: str, enabled: bool = True, bar: bool = False,
-                 every_s: float = 10.0):
-        self.what, self.total, self.unit, self.every_s = what, total, unit, every_s
+                 every_s: float = 10.0, quiet_s: float = 0.0, say: Callable[[str], None] | None = None):
+        self.what, self.total, self.unit, self.every_s, self.quiet_s = what, total, unit, every_s, quiet_s
         self.enabled, self.done = enabled and total > 0, 0
+        self._say = say
         self._started = self._said = time.perf_counter()
+        self._quiet = True  # nothing said yet
+        self._lock = threading.Lock()
         self._bar = None
         if self.enabled and bar:
             from tqdm.auto import tqdm
@@ -269,13 +287,31 @@ class CountProgress:
         if self._bar is not None:
             self._bar.update(n)
             return
-        now = time.perf_counter()
-        if self.done == n or self.done >= self.total or now - self._said >= self.every_s:
-            self._said = now
-            rate = self.done / max(now - self._started, 1e-9)
-            eta = datetime.timedelta(seconds=round(max(self.total - self.done, 0) / rate))
-            log.info("%s: %d/%d %s, %.2f %s/s, eta %s", self.what, self.done, self.total, self.unit, rate,
-                     self.unit, eta)
+        self._maybe_say(self.done >= self.total)
+
+    def tick(self) -> None:
+        """Say where the work stands if a line is due, though no item finished since the last
+        (called every second by a timer where each item takes long: one prompt of a CPU step)."""
+        if self.enabled and self._bar is None:
+            self._maybe_say(False)
+
+    def _maybe_say(self, last: bool) -> None:
+        with self._lock:  # advance() and a timer's tick() may race
+            now = time.perf_counter()
+            if now - self._started < self.quiet_s or not (self._quiet or last or now - self._said >= self.every_s):
+                return
+            self._said, self._quiet = now, False
+            line = f"{self.what}: {self.done}/{self.total} {self.unit}"
+            if self.done:
+                rate = self.done / max(now - self._started, 1e-9)
+                eta = datetime.timedelta(seconds=round(max(self.total - self.done, 0) / rate))
+                line += f", {rate:.2f} {self.unit}/s, eta {eta}"
+            else:  # no rate yet
+                line += f", {now - self._started:.0f} s so far"
+            if self._say is not None:
+                self._say(line)
+            else:
+                log.info("%s", line)
 
     def close(self) -> None:
         if self._bar is not None:

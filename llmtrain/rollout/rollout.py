@@ -19,11 +19,13 @@ training rows (:meth:`Rollout._layout`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import numbers
 import random
+import threading
 import time
 import zlib
 from concurrent.futures import Future
@@ -32,8 +34,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from llmtrain.common.labels import IGNORE_INDEX
+from llmtrain.monitoring import console
 from llmtrain.objectives.grpo import group_advantages, nanstd
 from llmtrain.parallel import distributed
 from llmtrain.rollout.engines import RolloutEngine
@@ -46,6 +50,10 @@ log = logging.getLogger("llmtrain")
 
 # The tensors of a training micro-batch that a checkpoint keeps for a pending generation batch.
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "completion_mask", "advantages", "old_logps", "behaviour_logps")
+
+# A step's sampling says how far it is (``step 3, sampling: 1/2 prompts, ..., eta``) only once it
+# has taken this many seconds, then every 10 s: minutes a step on a CPU, silent when it is fast.
+SAMPLING_QUIET_S = 10.0
 
 
 @dataclass
@@ -177,6 +185,8 @@ class Rollout:
         # Generation batches sampled ahead, by generation (asynchronous generation; else the one being made).
         self.sampled: dict[int, Sampled] = {}
         self.warned_unscorable = False
+        # Where a slow step's sampling progress goes instead of the log (the step bar's postfix).
+        self.show: Callable[[str], None] | None = None
 
     # ---- a training step -------------------------------------------------------------------
     def for_step(self, step: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
@@ -222,10 +232,37 @@ class Rollout:
             finally:
                 self.engine.train(True)
             return Sampled(generation, step, micro_batches, future)
-        groups = self._sample(samples, seeds)
+        with self._sampling_progress(step, len(samples)):
+            groups = self._sample(samples, seeds)
         if self.asynchronous and not all(c.logps is not None for group in groups for c in group):
             self._behaviour_logps(micro_batches, groups)
         return Sampled(generation, step, micro_batches, groups)
+
+    @contextlib.contextmanager
+    def _sampling_progress(self, step: int, prompts: int) -> Iterator[None]:
+        """Rank 0's progress through this step's prompts while they are sampled, said once it
+        has taken :data:`SAMPLING_QUIET_S` (a CPU takes minutes). Not for multi-turn episodes,
+        whose engine calls count turns, not prompts."""
+        enabled = self.is_main and self.environment is None
+        share = " (rank 0's share)" if distributed.is_initialized() and dist.get_world_size() > 1 else ""
+        progress = console.CountProgress(f"step {step + 1}, sampling{share}", prompts, "prompts", enabled,
+                                         quiet_s=SAMPLING_QUIET_S, say=self.show)
+        previous, stop = self.sampler.on_sampled, threading.Event()
+
+        def ticking() -> None:
+            while not stop.wait(1.0):
+                progress.tick()
+
+        if progress.enabled:
+            self.sampler.on_sampled = progress.advance
+            # One prompt can take a minute on a CPU: a timer says the step is sampling before any is done.
+            threading.Thread(target=ticking, name="llmtrain-sampling-progress", daemon=True).start()
+        try:
+            yield
+        finally:
+            stop.set()
+            self.sampler.on_sampled = previous
+            progress.close()
 
     def _data_completions(self, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
         """Each sample's own ``completion`` column (tokenized, ending with the end token, cut at
