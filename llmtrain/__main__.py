@@ -19,7 +19,7 @@ import time
 # gives 3.3 s). torchrun sets OMP_NUM_THREADS=1 for several ranks, where there is no waiting.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from llmtrain.common.interrupt import keep_exit_status, was_interrupted, watch_sigint
+from llmtrain.common.interrupt import hold_sigint, keep_exit_status, was_interrupted, watch_sigint
 
 
 def _fail(err: Exception, status: int = 2, kind: str = "error") -> None:
@@ -212,6 +212,11 @@ def _record(task):
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
+        watch_sigint()  # raises a Ctrl-C held back while Hydra composed (hold_sigint)
+    except BaseException as err:
+        _stop_if_interrupted(err, "while reading the config")
+        raise
+    try:
         import llmtrain.parallel.distributed  # noqa: F401  (before anything imports DeepSpeed: picks its accelerator)
     except BaseException as err:  # torch's import: seconds in which Ctrl-C is likely too
         _stop_if_interrupted(err, "while importing torch")
@@ -275,6 +280,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    hold_sigint()  # until main's body starts: Hydra would report a Ctrl-C in its compose as its own error
     try:
         main()  # Hydra composes the config here, before it calls main's body
     except BaseException as err:

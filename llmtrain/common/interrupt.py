@@ -61,6 +61,14 @@ def watch_sigint() -> None:
         raise KeyboardInterrupt
 
 
+def hold_sigint() -> None:
+    """Hold SIGINT back (recorded, not raised) until the next :func:`watch_sigint`: Hydra turns
+    any exception raised while it composes, a KeyboardInterrupt that OmegaConf wrapped included,
+    into its own report and exit status 1."""
+    if signal.getsignal(signal.SIGINT) is _record_sigint:
+        signal.signal(signal.SIGINT, _defer_sigint)
+
+
 def was_interrupted(err: BaseException) -> bool:
     """Whether ``err``, caught by an entry point's outermost frame, ends a command the user
     stopped with Ctrl-C: a KeyboardInterrupt, or any exception once SIGINT was recorded
