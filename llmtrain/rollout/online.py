@@ -21,7 +21,7 @@ from llmtrain.common.errors import ConfigError
 from llmtrain.monitoring import console
 from llmtrain.objectives import Objective, reference
 from llmtrain.rollout import build_environment, build_rewards, build_sampler, environment_reward
-from llmtrain.rollout.rollout import RewardError, Rollout
+from llmtrain.rollout.rollout import RewardError, Rollout, counting
 
 
 class Online:
@@ -80,13 +80,10 @@ class Online:
         prompts (a bar on a terminal, else lines): minutes on a CPU."""
         prompts = sum(len(b["prompts"]) for b in val_batches)
         share = " (rank 0's share)" if self.dims.dp > 1 else ""
-        with console.CountProgress(f"held-out evaluation{share}", prompts, "prompts", self.env.is_main,
-                                   progress_bar and console.interactive()) as progress:
-            self.sampler.on_sampled = progress.advance
-            try:
-                return rollout.evaluate(val_batches)
-            finally:
-                self.sampler.on_sampled = None
+        progress = console.CountProgress(f"held-out evaluation{share}", prompts, "prompts", self.env.is_main,
+                                         progress_bar and console.interactive())
+        with counting(self.sampler, progress):
+            return rollout.evaluate(val_batches)
 
     def close(self) -> None:
         """Stop what the rollout engine started (a vLLM server); idempotent."""

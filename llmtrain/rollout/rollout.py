@@ -105,6 +105,29 @@ def reward_value(value: Any) -> float | None:
         return float("inf")
 
 
+@contextlib.contextmanager
+def counting(sampler: RolloutEngine, progress: console.CountProgress, tick_s: float | None = None) -> Iterator[None]:
+    """Inside, each prompt ``sampler`` finishes advances ``progress`` (its ``on_sampled`` hook,
+    restored after); ``tick_s``: a timer also ticks it every that many seconds, so work whose items
+    are slow still says where it stands. ``progress`` is closed on the way out."""
+    previous, stop = sampler.on_sampled, threading.Event()
+
+    def ticking() -> None:
+        while not stop.wait(tick_s):
+            progress.tick()
+
+    if progress.enabled:
+        sampler.on_sampled = progress.advance
+        if tick_s is not None:
+            threading.Thread(target=ticking, name="llmtrain-sampling-progress", daemon=True).start()
+    try:
+        yield
+    finally:
+        stop.set()
+        sampler.on_sampled = previous
+        progress.close()
+
+
 def score(functions: list[RewardFunction], prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
           columns: dict[str, list[Any]], where: str) -> torch.Tensor:
     """float64 ``[completions, functions]``: each function's values (NaN where it returned None).
@@ -247,22 +270,9 @@ class Rollout:
         share = " (rank 0's share)" if distributed.is_initialized() and dist.get_world_size() > 1 else ""
         progress = console.CountProgress(f"step {step + 1}, sampling{share}", prompts, "prompts", enabled,
                                          quiet_s=SAMPLING_QUIET_S, say=self.show)
-        previous, stop = self.sampler.on_sampled, threading.Event()
-
-        def ticking() -> None:
-            while not stop.wait(1.0):
-                progress.tick()
-
-        if progress.enabled:
-            self.sampler.on_sampled = progress.advance
-            # One prompt can take a minute on a CPU: a timer says the step is sampling before any is done.
-            threading.Thread(target=ticking, name="llmtrain-sampling-progress", daemon=True).start()
-        try:
+        # One prompt can take a minute on a CPU: a timer says the step is sampling before any is done.
+        with counting(self.sampler, progress, tick_s=1.0):
             yield
-        finally:
-            stop.set()
-            self.sampler.on_sampled = previous
-            progress.close()
 
     def _data_completions(self, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
         """Each sample's own ``completion`` column (tokenized, ending with the end token, cut at
