@@ -151,3 +151,28 @@ def test_ctrl_c_at_any_moment_of_the_first_seconds_ends_in_one_line(module, args
         assert len(said) == 1 and re.fullmatch(line, said[0]), (moment, err[-3000:])
         assert "Traceback" not in out, (moment, out[-2000:])
     assert signalled[:2] == [0.1, 0.5], signalled
+
+
+def test_torchs_start_up_runs_with_ctrl_c_held():
+    """A SIGINT that lands inside torch's C++ start-up (torch.distributed's ``_c10d_init`` calls
+    back into Python through pybind11) cannot unwind there: the process aborted, SIGABRT, in about
+    1 of 50 Ctrl-Cs half a second into ``python -m llmtrain.evaluate`` (CI, 2026-12-06). So the
+    package, read by runpy for a command, imports torch while Ctrl-C is held: a SIGINT as torch's
+    import begins is recorded, not raised, and the import completes."""
+    code = """if True:
+        import importlib.abc, signal, sys
+        class Ring(importlib.abc.MetaPathFinder):  # Ctrl-C as torch's C++ start-up begins
+            def find_spec(self, name, path, target=None):
+                if name == "torch._C":
+                    signal.raise_signal(signal.SIGINT)
+        sys.meta_path.insert(0, Ring())
+        sys.argv[:1] = ["-m"]  # as runpy sets it while it imports the package of python -m llmtrain.plan
+        sys.orig_argv[:] = [sys.executable, "-m", "llmtrain.plan"]
+        import llmtrain
+        from llmtrain.common import interrupt
+        print("torch" in sys.modules and sys.modules["torch"].__spec__._initializing is False, interrupt._seen)
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
+                          cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"], (done.stdout, done.stderr[-2000:])

@@ -41,11 +41,16 @@ def defer_sigint(argv: list[str]) -> None:
     """Hold SIGINT back while Python reads ``python -m COMMAND``'s module (``argv``: the
     interpreter's own, ``sys.orig_argv``), when COMMAND is one of :data:`COMMANDS`: without
     bytecode files (``PYTHONDONTWRITEBYTECODE``) it compiles ``llmtrain/__main__.py`` before a
-    line of it runs, a Ctrl-C there would be runpy's traceback. :func:`watch_sigint`, the
-    command's first act, raises it."""
+    line of it runs, a Ctrl-C there would be runpy's traceback; torch is imported meanwhile
+    (below). :func:`watch_sigint`, the command's first act, raises it."""
     command = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else None
     if command in COMMANDS and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _defer_sigint)
+        # torch's C++ start-up (torch.distributed's _c10d_init) calls back into Python through
+        # pybind11, where a KeyboardInterrupt cannot unwind: the process aborts (SIGABRT, "terminate
+        # called after throwing pybind11::error_already_set"). Every command imports torch, so it
+        # is imported here, while Ctrl-C is held.
+        import torch  # noqa: F401
 
 
 def watch_sigint() -> None:
