@@ -139,6 +139,34 @@ def pytest_collection_modifyitems(items):
         COLLECTED_TIERS[path] = COLLECTED_TIERS.get(path, False) or not item.get_closest_marker("slow")
 
 
+# test file -> [seconds of setup + call + teardown, tests]: summed from every worker's reports (the
+# controller of -n 2 receives them all), printed at the end of a run beside --durations' slowest
+# tests. A module's launches shared through a module fixture count where its first test needs them;
+# setup includes the waits for the core locks (below).
+_MODULE_SECONDS: dict[str, list] = {}
+
+
+def pytest_runtest_logreport(report):
+    seconds = _MODULE_SECONDS.setdefault(report.nodeid.split("::")[0], [0.0, 0])
+    seconds[0] += report.duration
+    seconds[1] += report.when == "call"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Seconds spent per test module, the slowest first: the per-module figures that
+    docs/development.md reports. With ``LLMTRAIN_MODULE_TIMES=path`` all modules also go to a
+    JSON file (``{module: [seconds, tests]}``) to compare two runs."""
+    if not _MODULE_SECONDS or hasattr(terminalreporter.config, "workerinput"):
+        return
+    ranked = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1][0])
+    terminalreporter.write_sep("=", f"seconds per test module (slowest 25 of {len(ranked)}, all workers)")
+    for module, (seconds, tests) in ranked[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {tests:5d} tests  {module}")
+    terminalreporter.write_line(f"{sum(s for s, _ in _MODULE_SECONDS.values()):8.1f}s in all")
+    if os.environ.get("LLMTRAIN_MODULE_TIMES"):
+        Path(os.environ["LLMTRAIN_MODULE_TIMES"]).write_text(json.dumps(dict(ranked), indent=1))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     global _item
