@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 from llmtrain.common.labels import IGNORE_INDEX
 from llmtrain.monitoring import console
@@ -267,7 +266,7 @@ class Rollout:
         has taken :data:`SAMPLING_QUIET_S` (a CPU takes minutes). Not for multi-turn episodes,
         whose engine calls count turns, not prompts."""
         enabled = self.is_main and self.environment is None
-        share = " (rank 0's share)" if distributed.is_initialized() and dist.get_world_size() > 1 else ""
+        share = " (rank 0's share)" if self.engine.dims.dp > 1 else ""  # tp/pp/cp ranks sample every prompt
         progress = console.CountProgress(f"step {step + 1}, sampling{share}", prompts, "prompts", enabled,
                                          quiet_s=SAMPLING_QUIET_S, say=self.show)
         # One prompt can take a minute on a CPU: a timer says the step is sampling before any is done.
