@@ -33,6 +33,9 @@ def _defer_sigint(signum: int, frame: Optional[FrameType]) -> None:
     _seen = True
 
 
+# Flags whose answer reads the config only (tests/test_cli.py: no torch import for them).
+ANSWERS_WITHOUT_TORCH = {"-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion"}
+
 # The commands whose outermost frame reports Ctrl-C (they call watch_sigint first).
 COMMANDS = ("llmtrain", "llmtrain.evaluate", "llmtrain.plan", "llmtrain.export", "llmtrain.prepare")
 
@@ -48,9 +51,11 @@ def defer_sigint(argv: list[str]) -> None:
         signal.signal(signal.SIGINT, _defer_sigint)
         # torch's C++ start-up (torch.distributed's _c10d_init) calls back into Python through
         # pybind11, where a KeyboardInterrupt cannot unwind: the process aborts (SIGABRT, "terminate
-        # called after throwing pybind11::error_already_set"). Every command imports torch, so it
-        # is imported here, while Ctrl-C is held.
-        import torch  # noqa: F401
+        # called after throwing pybind11::error_already_set"). Every command that works imports
+        # torch, so it is imported here, while Ctrl-C is held; the answers that read the config
+        # only (--help, Hydra's --cfg/--info) stay without it.
+        if not set(argv[argv.index("-m") + 2:]) & ANSWERS_WITHOUT_TORCH:
+            import torch  # noqa: F401
 
 
 def watch_sigint() -> None:
