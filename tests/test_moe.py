@@ -3,9 +3,12 @@
 * Against an independent reference: the architecture configs' parameter counts against the
   published ones; the load-balancing loss from the router monitor's sums against
   ``transformers``' own ``load_balancing_loss_func`` (value and router gradient, with padding).
+* The ep=2 expert layer against the unsharded module on each rank's tokens: outputs, input
+  gradients and weight gradients bitwise equal (2 processes, gloo; native and AVX2 kernels).
 * Training runs (one launch per world size, ``tests/scenarios.py``): tiny Qwen3-MoE and tiny
   Mixtral, fp32, 4 steps; per-step loss (aux loss included) and pre-clip gradient norm within
-  1e-5 of the 1-process run on ddp, zero2, zero3, fsdp, ep=2 (2 processes) and fsdp x ep
+  1e-5 of the 1-process run (a measured bound: data parallelism sums gradients in another
+  order, and routing is discrete; docs/moe.md) on ddp, zero2, zero3, fsdp, ep=2 (2 processes) and fsdp x ep
   (4 processes), with tokens per expert per layer equal; pp and the shared-expert Qwen2-MoE
   too, and tp (exact at step 1; its other summation order later moves a few near-tie tokens to
   another expert); LoRA on the expert tensors (peft's ``target_parameters``) on fsdp and LoRA on attention
