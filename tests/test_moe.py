@@ -3,9 +3,12 @@
 * Against an independent reference: the architecture configs' parameter counts against the
   published ones; the load-balancing loss from the router monitor's sums against
   ``transformers``' own ``load_balancing_loss_func`` (value and router gradient, with padding).
+* The ep=2 expert layer against the unsharded module on each rank's tokens: outputs, input
+  gradients and weight gradients bitwise equal (2 processes, gloo; native and AVX2 kernels).
 * Training runs (one launch per world size, ``tests/scenarios.py``): tiny Qwen3-MoE and tiny
   Mixtral, fp32, 4 steps; per-step loss (aux loss included) and pre-clip gradient norm within
-  1e-5 of the 1-process run on ddp, zero2, zero3, fsdp, ep=2 (2 processes) and fsdp x ep
+  1e-5 of the 1-process run (a measured bound: data parallelism sums gradients in another
+  order, and routing is discrete; docs/moe.md) on ddp, zero2, zero3, fsdp, ep=2 (2 processes) and fsdp x ep
   (4 processes), with tokens per expert per layer equal; pp and the shared-expert Qwen2-MoE
   too, and tp (exact at step 1; its other summation order later moves a few near-tie tokens to
   another expert); LoRA on the expert tensors (peft's ``target_parameters``) on fsdp and LoRA on attention
@@ -125,6 +128,80 @@ def test_step_metrics_read_world_summed_counters():
     assert metrics["moe/layer0/load_max_over_mean"] == 1.0 and metrics["moe/layer1/load_max_over_mean"] == 4.0
     assert metrics["moe/layer0/entropy"] == 10 / 8 and metrics["moe/layer1/dropped_fraction"] == 0.5
     assert metrics["moe/aux_loss"] == 0.5 and grid == counts.tolist()
+
+
+# ---- expert-parallel layer against the unsharded module ---------------------------------------
+def _expert_layer_worker(rank: int, world: int, rendezvous: str, out: str) -> None:
+    """Each rank: the unsharded experts on every rank's tokens (what 1 process or fsdp computes
+    per rank) against the same experts under ep=``world``; writes which tensors are equal."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from llmtrain.parallel.expert_parallel import ExpertParallelExperts
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+    found, E, H = {}, 8, 32
+    for impl in ("grouped_mm", "batched_mm", "eager"):
+        for k, n in ((2, 7), (2, 300), (4, 50)):  # 7 tokens: groups of 1-3 rows, where GEMMs round by row count
+            config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=16, num_experts=E, num_experts_per_tok=k,
+                                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                    intermediate_size=64, vocab_size=64)
+            torch.manual_seed(0)
+            ref = AutoModelForCausalLM.from_config(config, experts_implementation=impl).model.layers[0].mlp.experts
+            for p in ref.parameters():
+                torch.nn.init.normal_(p, std=0.2)
+            ep = copy.deepcopy(ref)
+            # Skewed routing (experts 0, 1 busiest), the same tokens on every rank's generator.
+            g = torch.Generator().manual_seed(1)
+            xs = [torch.randn(n, H, generator=g) for _ in range(world)]
+            tops = [torch.topk((torch.randn(n, E, generator=g) + torch.linspace(3, 0, E)).softmax(-1), k)
+                    for _ in range(world)]
+            probe = torch.cos(torch.arange(H, dtype=torch.float32))
+            wanted, grads = None, []
+            for r in range(world):
+                ref.zero_grad()
+                x = xs[r].clone().requires_grad_()
+                y = ref(x, tops[r].indices, tops[r].values)
+                (y * probe).sum().backward()
+                wanted = (y, x.grad) if r == rank else wanted
+                grads.append({name: p.grad.clone() for name, p in ref.named_parameters()})
+            ExpertParallelExperts(ep, mesh)
+            x = xs[rank].clone().requires_grad_()
+            y = ep(x, tops[rank].indices, tops[rank].values)
+            (y * probe).sum().backward()
+            key = f"{impl} k={k} tokens={n}"
+            found[f"{key} output"] = torch.equal(y, wanted[0])
+            found[f"{key} input gradient"] = torch.equal(x.grad, wanted[1])
+            local = slice(rank * E // world, (rank + 1) * E // world)
+            for name, p in ep.named_parameters():  # the ranks' gradients summed in rank order, averaged
+                total = grads[0][name]
+                for more in grads[1:]:
+                    total = total + more[name]
+                found[f"{key} {name} gradient"] = torch.equal(p.grad.to_local(), (total / world)[local])
+    Path(f"{out}.{rank}").write_text(json.dumps(found))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("kernels", ["native", "avx2"])
+def test_expert_parallel_layer_is_bitwise_the_unsharded_module_per_rank(tmp_path, monkeypatch, kernels):
+    """Under ep=2 a rank's expert outputs and input gradients equal, bit for bit, the unsharded
+    module's on that rank's tokens, and each local expert's weight gradient equals the two
+    ranks' gradients summed then halved, for every ``experts_implementation``, top-2 and
+    top-4. ``avx2`` runs the ranks with AVX2 kernels (another machine's GEMMs: there a GEMM row
+    rounds differently with the row count, which the dispatch used to change)."""
+    import torch.multiprocessing as mp
+
+    if kernels == "avx2":
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+        monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    out = str(tmp_path / "found")
+    mp.spawn(_expert_layer_worker, args=(2, str(tmp_path / "rendezvous"), out), nprocs=2, join=True)
+    for rank in range(2):
+        found = json.loads(Path(f"{out}.{rank}").read_text())
+        assert len(found) == 3 * 3 * 4
+        assert [key for key, equal in found.items() if not equal] == [], f"rank {rank}"
 
 
 # ---- bad input --------------------------------------------------------------------------------
