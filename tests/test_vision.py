@@ -188,3 +188,28 @@ def test_the_digits_folder_encodes(shared_data):
     sample = splits.train[0]
     targets = tokenizer.decode([t for t in sample["labels"] if t != -100])
     assert len(targets) == len("0<|im_end|>") and targets[0].isdigit() and len(sample["images"]) == 1
+
+
+def test_make_digits_writes_the_shared_folders_records_and_pixels(tmp_path, shared_data):
+    """scripts/make_digits.py (docs/vision.md) rebuilds the shared digits folder from
+    scikit-learn's bundled copy: the same records and the same pixels (PNG bytes may differ)."""
+    import importlib.util
+
+    import numpy as np
+    from PIL import Image
+
+    from conftest import REPO
+
+    pytest.importorskip("sklearn")
+    shared = shared_data / "digits"
+    if not (shared / "train.jsonl").is_file():
+        pytest.skip(f"{shared} not present")
+    spec = importlib.util.spec_from_file_location("make_digits", REPO / "scripts" / "make_digits.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.write_digits(tmp_path, limit=5) == 5
+    ours = (tmp_path / "train.jsonl").read_text().splitlines()
+    assert ours == (shared / "train.jsonl").read_text().splitlines()[:5]
+    for i in range(5):
+        name = f"images/{i:04d}.png"
+        assert np.array_equal(np.asarray(Image.open(tmp_path / name)), np.asarray(Image.open(shared / name)))
