@@ -186,6 +186,15 @@ def model_config(model_cfg: Any):
     return AutoConfig.from_pretrained(_local_or_hub("model.path", model_cfg.path))
 
 
+def language_config(model_cfg: Any):
+    """The config of the model's language part (:func:`model_config`; a vision-language model's
+    text config): the layers, heads and vocabulary that parallel layouts and memory plans count.
+    A vision tower is not counted (docs/vision.md#not-yet)."""
+    from llmtrain.models.vision import text_config
+
+    return text_config(model_config(model_cfg))
+
+
 def build_model(model_cfg: Any, seed: int, head: str = "logits", pad_token_id: int | None = None) -> torch.nn.Module:
     """Build the model in fp32. Call inside the engine's ``model_init_context()``.
 
