@@ -120,7 +120,7 @@ def test_bad_records_are_data_errors_naming_the_line_and_field(rows, message, tm
     assert str(err.value).startswith(f"data.path: {path} " + message.format(folder=tmp_path)), str(err.value)
 
 
-def test_images_for_a_text_only_model_and_packing_are_refused(tmp_path):
+def test_images_for_a_text_only_model_and_packing_are_refused_and_text_only_records_are_chat(tmp_path):
     from llmtrain.common.errors import ConfigError, DataError
 
     path = write_dataset(tmp_path)
@@ -128,6 +128,12 @@ def test_images_for_a_text_only_model_and_packing_are_refused(tmp_path):
         loaded("tiny_llama", path, "data.template=chatml")
     with pytest.raises(ConfigError, match="data.packing=true: image-text samples are not packed yet"):
         loaded("tiny_llava", path, "data.packing=true")
+    # The same layout without images is plain chat for a text-only model.
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                         {"role": "assistant", "content": "yo"}], "images": []}
+    _, tokenizer, splits = loaded("tiny_llama", write_dataset(tmp_path / "text", [chat] * 4), "data.template=chatml")
+    assert tokenizer.decode([t for t in splits.train[0]["labels"] if t != -100]) == "yo<|im_end|>"
+    assert splits.train[0]["images"] == []
 
 
 def test_a_missing_image_exits_2_with_one_line(tmp_path):

@@ -114,14 +114,22 @@ class ImageChatEncoder:
         if layout != "messages":
             raise DataError(f"{where}: images go with the OpenAI messages layout (role/content parts), not "
                             f"{layout}")
-        self.images, self.where, self.tokenizer = images, where, tokenizer
+        self.images, self.where, self.tokenizer, self.data_cfg = images, where, tokenizer, data_cfg
         self.processor = processor_of(tokenizer)
+        self.chat: ChatEncoder | None = None
         path = Path(str(src.path)).expanduser()
         self.base = path if path.is_dir() else path.parent  # relative image paths: next to the data file
         if self.processor is not None:
-            uses_chat_template(data_cfg, "chat", tokenizer)
-            self.chat = ChatEncoder(tokenizer, template_name(data_cfg, tokenizer))
             self.image_token = self.processor.image_token
+            self._chat()
+
+    def _chat(self) -> ChatEncoder:
+        """The chat encoder, made at the first record that needs it: a text-only model's records
+        with images are refused for that before its template is asked for."""
+        if self.chat is None:
+            uses_chat_template(self.data_cfg, "chat", self.tokenizer)
+            self.chat = ChatEncoder(self.tokenizer, template_name(self.data_cfg, self.tokenizer))
+        return self.chat
 
     def __call__(self, record: dict, i: int) -> tuple[list[int], list[int], list[str]] | None:
         at = f"{self.where} record {i}"
@@ -139,7 +147,7 @@ class ImageChatEncoder:
         if self.processor is None:  # a text-only model and records without images: plain chat
             text = [{"role": t["role"], "content": t["content"] if isinstance(t["content"], str) else "".join(
                 p.get("text", "") for p in t["content"])} for t in turns]
-            ids, labels = ChatEncoder(self.tokenizer)(text, at)
+            ids, labels = self._chat()(text, at)
             return ids, labels, []
         pictures = [load_image(p, at, self.images) for p in paths]
         return self._encode(turns, pictures, at) + ([str(p) for p in paths],)
@@ -152,7 +160,7 @@ class ImageChatEncoder:
         if full.count(self.image_token) != len(pictures):
             raise DataError(f"{at}: the text holds {self.image_token} {full.count(self.image_token)} time(s) besides "
                             f"the {len(pictures)} image part(s); remove it from the text")
-        spans = [self.chat._span(turns, j, full, at) for j, t in enumerate(turns) if t["role"] == "assistant"]
+        spans = [self._chat()._span(turns, j, full, at) for j, t in enumerate(turns) if t["role"] == "assistant"]
         out = self.processor(text=[full], images=[pictures] if pictures else None, add_special_tokens=False,
                              return_offsets_mapping=True, return_text_replacement_offsets=True)
         ids, offsets = list(out["input_ids"][0]), [tuple(o) for o in out["offset_mapping"][0]]
