@@ -219,3 +219,18 @@ def test_make_digits_writes_the_shared_folders_records_and_pixels(tmp_path, shar
     for i in range(5):
         name = f"images/{i:04d}.png"
         assert np.array_equal(np.asarray(Image.open(tmp_path / name)), np.asarray(Image.open(shared / name)))
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_as_the_uninterrupted_one(tmp_path):
+    """3 steps, a checkpoint, then on to 5: steps 4 and 5 as in one 5-step run (tiny_llava's
+    unused post_layernorm is frozen, or its missing optimizer state would refuse the resume)."""
+    path = write_dataset(tmp_path, n=16)
+    common = ["model=tiny_llava", "data=vlm_chat", f"data.path={path}", *FAST, "trainer.global_batch_size=4",
+              "trainer.micro_batch_size=2", "trainer.save_every=3"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert_ok(run_cli(common + ["trainer.max_steps=5", f"run_dir={whole}"]))
+    assert_ok(run_cli(common + ["trainer.max_steps=3", f"run_dir={parts}"]))
+    assert_ok(run_cli(common + ["trainer.max_steps=5", f"run_dir={parts}"]))
+    losses = {run: {r["step"]: r["train/loss"] for r in read_metrics(run) if "train/loss" in r} for run in (whole, parts)}
+    assert [losses[parts][s] for s in (4, 5)] == pytest.approx([losses[whole][s] for s in (4, 5)], abs=1e-5)
