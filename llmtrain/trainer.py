@@ -45,7 +45,7 @@ from llmtrain.engine.step import StepResult, StepScalars, forward_backward  # no
 from llmtrain.evaluation import in_loop
 from llmtrain.evaluation.validation import Evaluator, evaluate, log_eval
 from llmtrain.models import adapters, moe, quantize
-from llmtrain.models.build import build_model, build_tokenizer, check_sequence_length, model_config
+from llmtrain.models.build import build_model, build_tokenizer, check_sequence_length, language_config, model_config
 from llmtrain.monitoring import console, goodput
 from llmtrain.monitoring.health import FlatRewards, loss_spike, on_nonfinite, peak_memory_bytes
 from llmtrain.monitoring.preemption import Preemption
@@ -267,9 +267,10 @@ class Trainer:
         return ParallelDims.from_layout(layout), layout.accumulation
 
     def _setup_tokenizer(self) -> tuple[Any, Any]:
-        """The tokenizer and the model's ``transformers`` config, checked against each other and
-        the data's sequence length before the data is tokenized."""
-        tokenizer, hf_config = build_tokenizer(self.cfg.model), model_config(self.cfg.model)
+        """The tokenizer and the model's ``transformers`` config (a vision-language model's
+        language part: layers, heads and vocabulary), checked against each other and the data's
+        sequence length before the data is tokenized."""
+        tokenizer, hf_config = build_tokenizer(self.cfg.model), language_config(self.cfg.model)
         if len(tokenizer) > hf_config.vocab_size:
             raise ConfigError(f"model.architecture.vocab_size={hf_config.vocab_size} is smaller than the tokenizer's "
                               f"{len(tokenizer)} tokens; raise it to at least {len(tokenizer)}")

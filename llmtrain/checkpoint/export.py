@@ -32,6 +32,7 @@ from llmtrain.common.paths import follow_umask
 from llmtrain.common.safe_load import load_weights_only
 from llmtrain.models import adapters, quantize
 from llmtrain.models.build import build_tokenizer, canonical_name, model_config, resolve_gguf
+from llmtrain.models.vision import auto_class, save_processor
 from llmtrain.monitoring import console
 
 log = logging.getLogger("llmtrain")
@@ -118,7 +119,7 @@ def write_policy(engine, cfg: Any, tokenizer: Any, directory: Path, part: str,
         fresh.generation_config.eos_token_id = _eos_token_id(end_token_ids)
         fresh.generation_config.save_pretrained(directory)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(directory)
+    save_processor(tokenizer, directory)  # a vision-language model's processor too
     follow_umask(directory)
     return directory
 
@@ -133,7 +134,7 @@ def model_from_state(state: dict[str, torch.Tensor], model_cfg: Any, pad_token_i
     Raises:
         RuntimeError: the state does not fit the model (names listed).
     """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
     config = model_config(model_cfg)
     if hasattr(config, "quantization_config"):
@@ -144,7 +145,7 @@ def model_from_state(state: dict[str, torch.Tensor], model_cfg: Any, pad_token_i
             config.pad_token_id = pad_token_id
         fresh = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     else:
-        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        fresh = auto_class(config).from_config(config, dtype=torch.float32)  # image-text models too
     result = fresh.load_state_dict(state, strict=False)
     fresh.tie_weights()
     loaded = {fresh.get_parameter(k).data_ptr() for k in state if k in dict(fresh.named_parameters())}
@@ -169,7 +170,7 @@ def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: An
         fresh.generation_config.eos_token_id = _eos_token_id(end_token_ids)
     out_dir.mkdir(parents=True, exist_ok=True)
     fresh.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    save_processor(tokenizer, out_dir)
     follow_umask(out_dir)
     return out_dir
 
@@ -313,7 +314,7 @@ def export_lora(state: dict[str, torch.Tensor], cfg: Any, tokenizer: Any, adapte
         written["base"] = str(base_dir)
     merged = save_adapter(state, cfg, adapter_dir, base_reference(cfg, base_dir))
     if adapter_dir is not None:
-        tokenizer.save_pretrained(adapter_dir)
+        save_processor(tokenizer, adapter_dir)
         if end_token_ids:  # what generate() stops on, as in the merged and base folders
             merged.generation_config.eos_token_id = _eos_token_id(end_token_ids)
             merged.generation_config.save_pretrained(adapter_dir)

@@ -80,6 +80,9 @@ class ModelConfig:
     router_aux_loss_coef: Optional[float] = None
     moe_capacity_factor: float = 0.0
     quantize: str = "none"
+    # An image-text model built from config: its processor's settings (image_processor: the image
+    # processor's; the rest: the processor's own, e.g. image_seq_len), llmtrain.models.vision.
+    processor: Dict[str, Any] = field(default_factory=dict)
 
 
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
@@ -133,7 +136,7 @@ def canonical_format(fmt: str) -> str:
 FORMAT_COLUMNS = {
     "text": ("text",),
     "instruction": ("instruction", "input", "output"),
-    "chat": ("messages", "conversations"),
+    "chat": ("messages", "conversations", "images"),  # images: paths of TRL's vision layout
     "prompt_completion": ("prompt", "completion"),
     "tokens": (),
     "preference": ("prompt", "chosen", "rejected", "margin"),
@@ -160,6 +163,7 @@ class ColumnsConfig:
     margin: Optional[str] = None
     label: Optional[str] = None
     answer: Optional[str] = None  # format prompts: the reference answers (reward gsm8k)
+    images: Optional[str] = None  # format chat: image paths of each record (llmtrain.data.vision)
 
 
 def mapped_columns(columns: Any) -> dict[str, str]:

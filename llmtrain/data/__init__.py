@@ -9,6 +9,7 @@ records (``packing``). Modules, one job each:
 * :mod:`~llmtrain.data.formats`: records -> samples (chat templates, label masks, truncation).
 * :mod:`~llmtrain.data.tokens`: token folders read without loading them (``llmtrain.prepare``; text cache).
 * :mod:`~llmtrain.data.order`: global sample order, mixtures, packing, batching.
+* :mod:`~llmtrain.data.vision`: image-text conversations (TRL's vision layout) and their collator.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from llmtrain.data.sources import (RECORD_BUILDERS, capped_text, check_compresse
 from llmtrain.data.preference import (PackedPairs, PairCollator, WithReference, encode_examples,  # noqa: F401
                                      encode_pairs, pairs_of)
 from llmtrain.data.prompts import PromptCollator, encode_prompts
+from llmtrain.data.vision import ImageCollator, encode_image_records, images_column, refuse_packing
 from llmtrain.data.tokens import MANIFEST, Complement, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
 from llmtrain.common.errors import ConfigError, DataError
+from llmtrain.common.images import processor_of
 from llmtrain.common.labels import IGNORE_INDEX  # noqa: F401  (public here too)
 from llmtrain.common.paths import CACHE_DIR
 from llmtrain.config.schema import mapped_columns
@@ -235,6 +238,10 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int, u
             return encode_examples(records, src, data_cfg, tokenizer, key, where, unpair=src.format == "preference")
         if src.format == "preference":
             return encode_pairs(records, src, data_cfg, tokenizer, key, where)
+        if src.format == "chat" and images_column(records, src) is not None:  # TRL's vision layout
+            refuse_packing(data_cfg)
+            return encode_image_records(records, src, data_cfg, tokenizer, key, where,
+                                        column(records, src, "images", key, "chat (with images)", where))
         return encode_records(records, src, data_cfg, tokenizer, key, where)
 
     samples, counts = _on_main_first(encode)
@@ -342,6 +349,8 @@ def collator_for(data_cfg: Any, tokenizer: Any):
         return PairCollator(pad_id_of(tokenizer), data_cfg.seq_len)
     if is_prompts(data_cfg):
         return PromptCollator()
+    if processor_of(tokenizer) is not None:  # a vision-language model: the samples' images too
+        return ImageCollator(pad_id_of(tokenizer), processor_of(tokenizer))
     return Collator(pad_id_of(tokenizer))
 
 

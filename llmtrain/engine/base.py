@@ -85,10 +85,15 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Keyword arguments of the model's forward for ``batch``. Packed rows carry ``position_ids``
     restarting at each sample: then the attention mask is left out, so ``transformers`` builds
     block-diagonal causal attention from the positions (``masking_utils.find_packed_sequence_indices``;
-    it needs no cache, hence ``use_cache=False``). Unpacked batches pass their padding mask."""
+    it needs no cache, hence ``use_cache=False``). Unpacked batches pass their padding mask. A
+    vision-language batch's image tensors (``pixel_values`` and the family's others,
+    :data:`llmtrain.common.images.IMAGE_INPUTS`) go to the forward as they are."""
+    from llmtrain.common.images import IMAGE_INPUTS
+
+    images = {key: batch[key] for key in IMAGE_INPUTS if key in batch}
     if "position_ids" in batch:
-        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False, **images}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], **images}
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

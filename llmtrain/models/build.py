@@ -118,7 +118,17 @@ def _local_or_hub(field: str, value: str) -> str:
 
 
 def build_tokenizer(model_cfg: Any):
-    """The tokenizer named by ``model.tokenizer`` (``byte``, ``model`` or a folder path)."""
+    """The tokenizer named by ``model.tokenizer`` (``byte``, ``model`` or a folder path); an
+    image-text model's carries its processor (:func:`llmtrain.models.vision.attach_processor`)."""
+    from llmtrain.models.vision import attach_processor
+
+    tokenizer = _named_tokenizer(model_cfg)
+    if model_cfg.source == "gguf":  # GGUF files hold text-only models
+        return tokenizer
+    return attach_processor(model_cfg, tokenizer, model_config(model_cfg))
+
+
+def _named_tokenizer(model_cfg: Any):
     if model_cfg.tokenizer == "byte":
         return byte_tokenizer()
     if model_cfg.tokenizer != "model":
@@ -142,6 +152,9 @@ def check_sequence_length(config: Any, seq_len: int) -> str | None:
     Raises:
         ConfigError: learned absolute positions (GPT-2, OPT, ...) cannot index past the table.
     """
+    from llmtrain.models.vision import text_config
+
+    config = text_config(config)
     limit = getattr(config, "max_position_embeddings", None)
     if limit is None or seq_len <= limit:
         return None
@@ -173,6 +186,15 @@ def model_config(model_cfg: Any):
     return AutoConfig.from_pretrained(_local_or_hub("model.path", model_cfg.path))
 
 
+def language_config(model_cfg: Any):
+    """The config of the model's language part (:func:`model_config`; a vision-language model's
+    text config): the layers, heads and vocabulary that parallel layouts and memory plans count.
+    A vision tower is not counted (docs/vision.md#not-yet)."""
+    from llmtrain.models.vision import text_config
+
+    return text_config(model_config(model_cfg))
+
+
 def build_model(model_cfg: Any, seed: int, head: str = "logits", pad_token_id: int | None = None) -> torch.nn.Module:
     """Build the model in fp32. Call inside the engine's ``model_init_context()``.
 
@@ -190,13 +212,18 @@ def build_model(model_cfg: Any, seed: int, head: str = "logits", pad_token_id: i
     kwargs = dict(attn_implementation=model_cfg.attn_implementation, dtype=torch.float32)
     if model_cfg.get("experts_implementation"):
         kwargs["experts_implementation"] = model_cfg.experts_implementation
+    from llmtrain.models.vision import auto_class
+
     auto, head_config = AutoModelForCausalLM, {}
     if head == "scores":
         from transformers import AutoModelForSequenceClassification
 
         auto, head_config = AutoModelForSequenceClassification, dict(num_labels=1, pad_token_id=pad_token_id)
+    config = model_config(model_cfg) if head == "logits" else None
+    if config is not None:
+        auto = auto_class(config)  # AutoModelForImageTextToText for a vision-language model
     if model_cfg.source == "config":
-        config = model_config(model_cfg)
+        config = config if config is not None else model_config(model_cfg)
         for key, value in head_config.items():
             setattr(config, key, value)
         model = auto.from_config(config, **kwargs)

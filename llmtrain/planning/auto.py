@@ -110,10 +110,10 @@ def plan_all(cfg: Any, world_size: int, checkpointing: bool | None = None, fit_b
     (``checkpointing``: override ``trainer.activation_checkpointing``; ``fit_batch``: each recipe
     at its :func:`fitting_global_batch`); for a mixture of experts also each FSDP2 recipe at ep 2,
     4 and 8 where that layout is valid."""
-    from llmtrain.models.build import model_config
+    from llmtrain.models.build import language_config
 
     cp, style = cfg.recipe.get("cp", 1), cfg.recipe.get("cp_style", "ulysses")
-    hf_config = model_config(cfg.model)
+    hf_config = language_config(cfg.model)
     plans = []
     for name in expert_parallel_candidates(recipe_names(), hf_config):
         candidate = with_recipe(cfg, name, cp, style)
@@ -157,9 +157,9 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
     reasons = [f"budget per rank: {fmt_bytes(budget)} = device memory {fmt_bytes(device_memory)} x (1 - margin "
                f"{margin:g}); preference (communication per step, then pipeline bubble, then offload): "
                f"{', '.join(PREFERENCE)}"]
-    from llmtrain.models.build import model_config
+    from llmtrain.models.build import language_config
 
-    hf_config = model_config(cfg.model)  # read once for every candidate
+    hf_config = language_config(cfg.model)  # read once for every candidate
     smallest: RankPlan | None = None
     names = expert_parallel_candidates([n for n in PREFERENCE if n in recipe_names()], hf_config)
     micros = [m for m in range(cfg.trainer.micro_batch_size, 0, -1) if cfg.trainer.global_batch_size % m == 0]

@@ -70,7 +70,7 @@ def dry_run(cfg: Any, world_size: int) -> str:
             batch divisibility), as a real launch would report it.
     """
     from llmtrain.config.validate import validate
-    from llmtrain.models.build import model_config
+    from llmtrain.models.build import language_config
     from llmtrain.parallel.dims import ParallelDims
     from llmtrain.planning.preflight import preflight
 
@@ -79,7 +79,7 @@ def dry_run(cfg: Any, world_size: int) -> str:
     preflight(cfg)  # as the launch would: a dry run answers whether this run would start
     r = cfg.recipe
     dims = ParallelDims.from_layout(layout)
-    hf_config = model_config(cfg.model)
+    hf_config = language_config(cfg.model)
     dims.check_model_config(hf_config, r.pp_stages_per_rank)
     from llmtrain.parallel.context_parallel import check_model
     from llmtrain.models.moe import num_experts_of

@@ -39,7 +39,7 @@ def check_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], world_size
     launch with llmtrain's one-line error (exit status 2) before anything is submitted."""
     from llmtrain.config.validate import validate
     from llmtrain.common.errors import LlmtrainError
-    from llmtrain.models.build import model_config
+    from llmtrain.models.build import language_config
     from llmtrain.parallel.dims import ParallelDims
 
     params = launcher.params
@@ -59,7 +59,7 @@ def check_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], world_size
                 check(cfg.trainer)
             layout = validate(cfg, world_size)
             # The degrees against the model's heads and layers (its config only, no weights).
-            ParallelDims.from_layout(layout).check_model_config(model_config(cfg.model), cfg.recipe.pp_stages_per_rank)
+            ParallelDims.from_layout(layout).check_model_config(language_config(cfg.model), cfg.recipe.pp_stages_per_rank)
         except LlmtrainError as err:
             where = " ".join(overrides) or "(no overrides)"
             print(f"llmtrain: error: sweep job {number} ({where}) on hydra.launcher.nodes x tasks_per_node = "

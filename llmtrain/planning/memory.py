@@ -139,10 +139,10 @@ def plan_recipe(cfg: Any, world_size: int, hf_config: Any | None = None, micro_b
 
     The steps: the layout checked (:func:`_checked_layout`), what the run computes on
     (:func:`_setting`), then each pipeline rank's plan (:func:`_stage_plan`); the largest wins."""
-    from llmtrain.models.build import model_config
+    from llmtrain.models.build import language_config
 
     r, t = cfg.recipe, cfg.trainer
-    hf_config = hf_config or model_config(cfg.model)
+    hf_config = hf_config or language_config(cfg.model)
     micro = micro_batch or t.micro_batch_size
     ckpt = t.activation_checkpointing if checkpointing is None else checkpointing
     plan = RankPlan(recipe=r.name, world_size=world_size, micro_batch=micro, checkpointing=ckpt, ep=r.get("ep", 1),

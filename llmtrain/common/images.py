@@ -1,0 +1,26 @@
+"""What the layers of an image-text (vision-language) run share without importing each other: the
+image tensors a model's forward takes, and the processor a tokenizer carries.
+
+:mod:`llmtrain.models.vision` builds the processor and puts it on the tokenizer; the data
+(:mod:`llmtrain.data.vision`), the engines and the exports read it back here, from the tokenizer
+they already receive."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Keyword arguments of an image-text model's forward that come from the image processor, besides
+# input_ids/attention_mask: the engines pass those a batch holds (llmtrain.engine.base.model_inputs).
+IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes")
+_PROCESSOR_ATTR = "_llmtrain_processor"
+
+
+def processor_of(tokenizer: Any) -> Any | None:
+    """The processor :func:`attach` put on ``tokenizer``, or None (a text-only model)."""
+    return getattr(tokenizer, _PROCESSOR_ATTR, None)
+
+
+def attach(tokenizer: Any, processor: Any) -> Any:
+    """Put ``processor`` on ``tokenizer`` (its own ``processor.tokenizer``); returns ``tokenizer``."""
+    setattr(tokenizer, _PROCESSOR_ATTR, processor)
+    return tokenizer

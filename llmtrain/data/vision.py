@@ -1,0 +1,260 @@
+"""Image-text conversations (TRL's conversational vision layout) -> samples, and their collator.
+
+A record holds ``messages`` whose ``content`` is a string or a list of parts, ``{"type": "text",
+"text": ...}`` and ``{"type": "image"}``, and an ``images`` column: the paths of the record's
+images, one per image part in order, relative to the data file's folder (or absolute)::
+
+    {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which digit?"}]},
+                  {"role": "assistant", "content": [{"type": "text", "text": "7"}]}],
+     "images": ["images/0007.png"]}
+
+The conversation is rendered with the chat template, which writes an image part as the
+processor's placeholder (``<image>``); the processor expands each placeholder into the image's
+tokens, as many as the model's vision tower gives. Labels are the assistant turns' tokens (as in
+:class:`llmtrain.data.formats.ChatEncoder`), never an image's tokens. A sample keeps its image
+paths; the collator (:class:`ImageCollator`) reads the images again and runs the image processor,
+so the dataset holds token ids and paths, not pixels.
+"""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmtrain.common.errors import ConfigError, DataError
+from llmtrain.common.labels import IGNORE_INDEX
+from llmtrain.data.formats import ChatEncoder, MESSAGE_ROLES, chat_field, render, template_name, uses_chat_template
+from llmtrain.data.order import Collator
+from llmtrain.data.sources import record_errors
+from llmtrain.common.images import IMAGE_INPUTS, processor_of
+
+
+def images_column(records: Any, src: Any) -> str | None:
+    """The column of image paths of a chat source: ``columns.images`` when mapped, else
+    ``images`` when the records have it; None: a text-only chat source."""
+    from llmtrain.config.schema import mapped_columns
+
+    mapped = mapped_columns(src.columns).get("images")
+    if mapped is not None:
+        return mapped
+    return "images" if "images" in records.column_names else None
+
+
+def parts_conversation(record: dict, field: str, where: str) -> tuple[list[dict], int]:
+    """A record's OpenAI-layout turns with list-of-parts content checked, and its number of image
+    parts.
+
+    Raises:
+        DataError: not a list of turns, an unknown role, or content that is neither a string nor
+            a list of ``text``/``image`` parts (names the record, turn and part).
+    """
+    turns = record[field]
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: field {field!r} must be a non-empty list of turns")
+    out, images = [], 0
+    for j, turn in enumerate(turns):
+        if not isinstance(turn, dict) or turn.get("role") not in MESSAGE_ROLES:
+            raise DataError(f"{where} turn {j}: needs a 'role' of {', '.join(MESSAGE_ROLES)} and a 'content'")
+        content = turn.get("content")
+        if isinstance(content, list):
+            parts = []
+            for k, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "image":
+                    images += 1
+                    parts.append({"type": "image"})
+                elif kind == "text" and isinstance(part.get("text"), str):
+                    parts.append({"type": "text", "text": part["text"]})
+                else:
+                    raise DataError(f"{where} turn {j} part {k}: a content part is {{'type': 'text', 'text': "
+                                    f"str}} or {{'type': 'image'}}, got {part!r:.80}")
+            content = parts
+        elif not isinstance(content, str):
+            raise DataError(f"{where} turn {j}: 'content' must be a string or a list of parts, got "
+                            f"{type(content).__name__}")
+        out.append({"role": turn["role"], "content": content})
+    return out, images
+
+
+def load_image(path: Path, where: str, field: str):
+    """The RGB image at ``path`` (PIL).
+
+    Raises:
+        DataError: the file is missing or not an image PIL reads (names ``where``, the field and
+            the path).
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except FileNotFoundError:
+        raise DataError(f"{where}: field {field!r}: image {path} does not exist") from None
+    except (UnidentifiedImageError, OSError) as err:
+        raise DataError(f"{where}: field {field!r}: image {path} cannot be read: {err}") from None
+
+
+def _image_paths(value: Any, base: Path, where: str, field: str) -> list[Path]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise DataError(f"{where}: field {field!r} must be a list of image paths, got {value!r:.80}")
+    return [Path(v).expanduser() if Path(v).expanduser().is_absolute() else base / v for v in value]
+
+
+class ImageChatEncoder:
+    """``(record, index) -> (input_ids, labels, image paths) | None`` of one image-text
+    conversation (None: no assistant turn), for :func:`encode_image_records`."""
+
+    def __init__(self, records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str, images: str):
+        self.field, layout = chat_field(records, src, key, where)
+        if layout != "messages":
+            raise DataError(f"{where}: images go with the OpenAI messages layout (role/content parts), not "
+                            f"{layout}")
+        self.images, self.where, self.tokenizer, self.data_cfg = images, where, tokenizer, data_cfg
+        self.processor = processor_of(tokenizer)
+        self.chat: ChatEncoder | None = None
+        path = Path(str(src.path)).expanduser()
+        self.base = path if path.is_dir() else path.parent  # relative image paths: next to the data file
+        if self.processor is not None:
+            self.image_token = self.processor.image_token
+            self._chat()
+
+    def _chat(self) -> ChatEncoder:
+        """The chat encoder, made at the first record that needs it: a text-only model's records
+        with images are refused for that before its template is asked for."""
+        if self.chat is None:
+            uses_chat_template(self.data_cfg, "chat", self.tokenizer)
+            self.chat = ChatEncoder(self.tokenizer, template_name(self.data_cfg, self.tokenizer))
+        return self.chat
+
+    def __call__(self, record: dict, i: int) -> tuple[list[int], list[int], list[str]] | None:
+        at = f"{self.where} record {i}"
+        turns, placeholders = parts_conversation(record, self.field, at)
+        paths = _image_paths(record.get(self.images), self.base, at, self.images)
+        if paths and self.processor is None:
+            raise DataError(f"{at}: field {self.images!r} holds {len(paths)} image(s), and the model is text-only "
+                            "(no image processor); use an image-text model (e.g. model=tiny_idefics3) or drop "
+                            "the images")
+        if placeholders != len(paths):
+            raise DataError(f"{at}: {placeholders} image part(s) in field {self.field!r} but {len(paths)} path(s) in "
+                            f"field {self.images!r}; each {{'type': 'image'}} part needs one image, in order")
+        if not any(t["role"] == "assistant" for t in turns):
+            return None
+        if self.processor is None:  # a text-only model and records without images: plain chat
+            text = [{"role": t["role"], "content": t["content"] if isinstance(t["content"], str) else "".join(
+                p.get("text", "") for p in t["content"])} for t in turns]
+            ids, labels = self._chat()(text, at)
+            return ids, labels, []
+        pictures = [load_image(p, at, self.images) for p in paths]
+        return self._encode(turns, pictures, at) + ([str(p) for p in paths],)
+
+    def _encode(self, turns: list[dict], pictures: list, at: str) -> tuple[list[int], list[int]]:
+        """Ids and labels: assistant spans of the rendered text (:meth:`ChatEncoder._span`) moved
+        past the placeholders the processor expanded before them; tokens of an expansion are
+        never targets."""
+        full = render(self.tokenizer, turns, False, at)
+        if full.count(self.image_token) != len(pictures):
+            raise DataError(f"{at}: the text holds {self.image_token} {full.count(self.image_token)} time(s) besides "
+                            f"the {len(pictures)} image part(s); remove it from the text")
+        spans = [self._chat()._span(turns, j, full, at) for j, t in enumerate(turns) if t["role"] == "assistant"]
+        out = self.processor(text=[full], images=[pictures] if pictures else None, add_special_tokens=False,
+                             return_offsets_mapping=True, return_text_replacement_offsets=True)
+        ids, offsets = list(out["input_ids"][0]), [tuple(o) for o in out["offset_mapping"][0]]
+        replaced = (out.get("text_replacement_offsets") or [[]])[0]
+        ends = [r["span"][1] for r in replaced]
+        gained = [0]
+        for r in replaced:
+            gained.append(r["new_span"][1] - r["span"][1])
+        expanded = [r["new_span"] for r in replaced]
+        # A span's ends shift by the characters the expansions before them added.
+        spans = [tuple(c + gained[bisect.bisect_right(ends, c)] for c in span) for span in spans]
+        labels = []
+        for token, (start, _) in zip(ids, offsets):
+            in_image = any(a <= start < b for a, b in expanded)
+            trained = not in_image and any(a <= start < b for a, b in spans)
+            labels.append(int(token) if trained else IGNORE_INDEX)
+        return [int(t) for t in ids], labels
+
+
+def encode_image_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str, images: str):
+    """Encode every image-text record into samples ``{"input_ids", "labels", "images"}`` (image
+    paths as strings), truncating at ``data.seq_len`` (``data.truncation=right``) only after the
+    last image token; a sample whose image tokens do not fit is dropped as too long.
+
+    Returns:
+        (``datasets.Dataset``, counts) as :func:`llmtrain.data.formats.encode_records` does.
+
+    Raises:
+        DataError: a malformed record, a missing or unreadable image, a count mismatch, images for
+            a text-only model (names the record and field); fewer than 2 usable samples.
+    """
+    from llmtrain.common import lazy_datasets
+    from llmtrain.data.formats import fit_to_length
+
+    encode = ImageChatEncoder(records, src, data_cfg, tokenizer, key, where, images)
+    processor = processor_of(tokenizer)
+    image_ids = set() if processor is None else {processor.image_token_id}
+    seq_len, drop_long = data_cfg.seq_len, data_cfg.truncation == "drop"
+    rows: dict[str, list] = {"input_ids": [], "labels": [], "images": []}
+    counts = {"records": len(records), "truncated": 0, "dropped_too_long": 0, "dropped_no_target": 0,
+              "dropped_truncated_away": 0}
+    with record_errors(where):
+        for i, record in enumerate(records):
+            encoded = encode(record, i)
+            paths = encoded[2] if encoded is not None else []
+            if encoded is not None and len(encoded[0]) > seq_len and image_ids & set(encoded[0][seq_len:]):
+                counts["dropped_too_long"] += 1  # cutting through an image would orphan its features
+                continue
+            ids, labels, outcome = fit_to_length(encoded[:2] if encoded is not None else None, seq_len, drop_long)
+            if outcome not in ("kept", "truncated"):
+                counts[outcome] += 1
+                continue
+            counts["truncated"] += outcome == "truncated"
+            rows["input_ids"].append(ids)
+            rows["labels"].append(labels)
+            rows["images"].append(paths)
+    if len(rows["input_ids"]) < 2:
+        raise DataError(f"{where}: {len(rows['input_ids'])} of {len(records)} records give a usable sample at "
+                        f"data.seq_len={seq_len} (dropped as too long {counts['dropped_too_long']}, without an "
+                        f"assistant turn {counts['dropped_no_target']}); need at least 2")
+    datasets = lazy_datasets.module()
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "labels": datasets.Sequence(datasets.Value("int32")),
+                                  "images": datasets.Sequence(datasets.Value("string"))})
+    return datasets.Dataset.from_dict(rows, features=features), counts
+
+
+def refuse_packing(data_cfg: Any) -> None:
+    """Packing several image-text samples into one row is not supported yet.
+
+    Raises:
+        ConfigError: ``data.packing=true`` with image-text data.
+    """
+    if data_cfg.packing:
+        raise ConfigError("data.packing=true: image-text samples are not packed yet (each row's images must stay "
+                          "with its tokens); set data.packing=false")
+
+
+class ImageCollator(Collator):
+    """:class:`~llmtrain.data.order.Collator`'s padded ``input_ids``/``labels``/``attention_mask``
+    plus the image processor's tensors of the samples' images (``pixel_values`` and, per family,
+    ``pixel_attention_mask``, ``image_grid_thw``, ``image_sizes``), in sample order; samples
+    without images add none. Shapes are the processor's: Idefics3 ``pixel_values``
+    ``[samples with images, images, 3, H, W]``, LLaVA ``[images, 3, H, W]``."""
+
+    def __init__(self, pad_id: int, processor: Any):
+        super().__init__(pad_id)
+        self.processor = processor
+
+    def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        batch = super().__call__(samples)
+        nested = [[load_image(Path(p), "data", "images") for p in s["images"]] for s in samples if s.get("images")]
+        if nested:
+            pixels = self.processor.image_processor(images=nested, return_tensors="pt")
+            batch.update({key: pixels[key] for key in IMAGE_INPUTS if key in pixels})
+        return batch
+

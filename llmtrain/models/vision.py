@@ -1,0 +1,147 @@
+"""Image-text-to-text models (vision-language models): ``AutoModelForImageTextToText`` and the
+``AutoProcessor`` that turns images and text into the model's inputs.
+
+A model is image-text when its ``transformers`` config type is one ``AutoModelForImageTextToText``
+builds and it has a vision tower (``vision_config``). Such a model gets a processor next to its
+tokenizer: a pretrained model's own (``AutoProcessor.from_pretrained``); for a model built from
+config (``model.source=config``, no download), one built here from the family's classes with the
+byte tokenizer, the family's image tokens added to it, and ``model.processor`` settings (small
+image sizes for tiny models). The processor rides on the tokenizer (:func:`processor_of`), so the
+data, the collator and the exports reach it through the tokenizer they already receive.
+
+Only families whose processors need no torchvision are built from config: Idefics3 (SmolVLM) and
+LLaVA (``Qwen2VLProcessor`` needs a video processor, which needs torchvision).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmtrain.common.errors import ConfigError, ModelSourceError
+from llmtrain.common.images import IMAGE_INPUTS, attach, processor_of  # noqa: F401  (public here too)
+
+# ChatML whose content may be a list of parts (TRL's conversational vision layout): an image part
+# renders as the processor's image placeholder, which the processor expands into the image's tokens.
+CHATML_WITH_IMAGES = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '@IMAGE@' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build a processor for a model type from config: the image processor and processor
+    classes (``transformers`` attribute names) and the special tokens its text uses, added to the
+    byte tokenizer in this order (ids 260, 261, ...: the preset's ``image_token_id`` must match)."""
+
+    image_processor: str
+    processor: str
+    tokens: tuple[str, ...]
+
+
+FAMILIES = {
+    # Idefics3 / SmolVLM: <image> expands to <fake_token_around_image><global-img><image>*n<fake...>.
+    "idefics3": Family("Idefics3ImageProcessorPil", "Idefics3Processor",
+                       ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")),
+    # LLaVA: a fixed-size tower (CLIP); <image> expands to one token per patch (+1 for CLS).
+    "llava": Family("CLIPImageProcessorPil", "LlavaProcessor", ("<image>",)),
+}
+
+
+def is_image_text(config: Any) -> bool:
+    """Whether ``config`` (a ``transformers`` config) is an image-text-to-text model with a vision
+    tower, built by ``AutoModelForImageTextToText``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return (getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+            and getattr(config, "vision_config", None) is not None)
+
+
+def auto_class(config: Any):
+    """``AutoModelForImageTextToText`` for an image-text config, else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_image_text(config) else AutoModelForCausalLM
+
+
+def attach_processor(model_cfg: Any, tokenizer: Any, config: Any) -> Any:
+    """The tokenizer to train with: ``tokenizer`` unchanged for a text-only ``config``; for an
+    image-text model, the processor's tokenizer (for config models: ``tokenizer`` with the
+    family's image tokens added) carrying the processor (:func:`processor_of`).
+
+    Raises:
+        ConfigError: a model type built from config without a processor recipe here, or a
+            preset whose ``image_token_id`` is not the tokenizer's image token.
+        ModelSourceError: a pretrained model folder without a processor.
+    """
+    if not is_image_text(config):
+        return tokenizer
+    if model_cfg.source == "config":
+        processor = _processor_from_config(model_cfg, tokenizer, config)
+    else:
+        import transformers
+
+        try:
+            processor = transformers.AutoProcessor.from_pretrained(str(Path(str(model_cfg.path)).expanduser())
+                                                                   if str(model_cfg.path).startswith(("/", ".", "~"))
+                                                                   else model_cfg.path)
+        except (OSError, ValueError, ImportError) as err:
+            raise ModelSourceError(f"model.path={model_cfg.path}: no image processor could be loaded for this "
+                                   f"{config.model_type} model: {str(err).splitlines()[0]}") from err
+    return attach(processor.tokenizer, processor)
+
+
+def _processor_from_config(model_cfg: Any, tokenizer: Any, config: Any) -> Any:
+    import transformers
+    from omegaconf import OmegaConf
+
+    family = FAMILIES.get(config.model_type)
+    if family is None:
+        raise ConfigError(f"model.architecture.model_type={config.model_type} is an image-text model that "
+                          "llmtrain cannot build a processor for from config (it can: "
+                          f"{', '.join(sorted(FAMILIES))}); use model.source=pretrained with a folder that "
+                          "holds its processor")
+    settings = model_cfg.get("processor") or {}
+    settings = OmegaConf.to_container(settings, resolve=True) if OmegaConf.is_config(settings) else dict(settings)
+    image_settings = settings.pop("image_processor", {})
+    # As special tokens (never split, skipped when decoding), without replacing the tokenizer's
+    # own special-token list (ChatML's markers stay special).
+    tokenizer.add_tokens([t for t in family.tokens if t not in tokenizer.get_vocab()], special_tokens=True)
+    image_processor = getattr(transformers, family.image_processor, None)
+    if image_processor is None:  # the PIL backends live in their model's module
+        module = {"idefics3": "idefics3.image_processing_pil_idefics3", "llava": "clip.image_processing_pil_clip"}
+        import importlib
+
+        image_processor = getattr(importlib.import_module(f"transformers.models.{module[config.model_type]}"),
+                                  family.image_processor)
+    processor_cls = getattr(transformers, family.processor)
+    processor = processor_cls(image_processor=image_processor(**image_settings), tokenizer=tokenizer, **settings)
+    template = CHATML_WITH_IMAGES.replace("@IMAGE@", processor.image_token)
+    processor.chat_template = tokenizer.chat_template = template
+    expected = tokenizer.convert_tokens_to_ids(processor.image_token)
+    declared = getattr(config, "image_token_id", None)
+    if declared is not None and declared != expected:
+        raise ConfigError(f"model.architecture.image_token_id={declared}, but the tokenizer's "
+                          f"{processor.image_token} is id {expected}; set image_token_id={expected}")
+    return processor
+
+
+def save_processor(tokenizer: Any, directory: Path) -> None:
+    """Save ``tokenizer`` into ``directory``, with its processor when it has one (the processor's
+    ``save_pretrained`` writes the tokenizer and ``processor_config.json``, so
+    ``AutoProcessor.from_pretrained(directory)`` loads both)."""
+    processor = processor_of(tokenizer)
+    if processor is None:
+        tokenizer.save_pretrained(directory)
+    else:
+        processor.save_pretrained(directory)
+
+
+def text_config(config: Any) -> Any:
+    """The language model's part of ``config`` (its vocabulary, positions and layers): the text
+    config of an image-text model, else ``config`` itself."""
+    return config.get_text_config() if is_image_text(config) else config
