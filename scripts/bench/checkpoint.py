@@ -18,17 +18,29 @@ Builds the configured model with the chosen recipe on one process, or on each of
 * llmtrain resume: verify the marker (checksums) + engine load;
 * plain load: ``torch.load`` and copying the state into the live model and optimizer
   (one process: ``load_state_dict``; N ranks: each rank its own file, copied into its shards);
+* plain+xxh3 load, the peer of a verified load: the plain load after a checksum pass over the
+  plain file's bytes with the verifier's own function (:func:`llmtrain.checkpoint.protocol._checksum`:
+  ``--hash``, XXH3-128 by default, one ``update`` over the memory-mapped file). The two plain
+  loads run in alternating order after each plain save;
+* with ``--overlap`` (one process, torch engine), the overlapped resume: the same verification
+  in a thread while the load builds its state dicts, reads DCP's metadata and plans, and the
+  first copy into the model waits for it (a damaged checkpoint is refused before any tensor is
+  modified). It alternates with the resume after each llmtrain save;
 * the training stall of a background save (``trainer.async_checkpoint=true``, torch engine):
   the time until ``save`` returns (state copied to host memory), and the write's total time.
 
 On N ranks every timed operation starts and ends with a barrier, so the wall time is the
-slowest rank's; CPU time is summed over the ranks. Prints the times, bytes/s and the
-ratios (plain time / llmtrain time, so above 1 is faster) in wall clock and CPU time, and the time a resume adds before the first step. Examples:
+slowest rank's; CPU time is summed over the ranks. Peak memory of each timed operation is the
+resident set's high-water mark (``VmHWM``, reset before it through ``/proc/self/clear_refs``)
+above the resident set at its start, largest rank; it counts mapped file pages the operation
+touched. Prints the times, bytes/s and the ratios (plain time / llmtrain time, so above 1 is
+faster) in wall clock and CPU time, and the time a resume adds before the first step. Examples:
 
     python scripts/bench/checkpoint.py model.architecture.hidden_size=512 model.architecture.num_hidden_layers=8
     python scripts/bench/checkpoint.py --smollm2                       # the 135 M shape, random init
     torchrun --nproc_per_node 2 scripts/bench/checkpoint.py --smollm2 +recipe=fsdp
     torchrun --nproc_per_node 2 scripts/bench/checkpoint.py --smollm2 +recipe=zero3
+    python scripts/bench/checkpoint.py --smollm2 --overlap             # + the overlapped resume
     python scripts/bench/checkpoint.py --smollm2 --profile save        # cProfile of one save
     torchrun --nproc_per_node 2 scripts/bench/checkpoint.py --smollm2 --stock-writer +recipe=fsdp
         # and a third arm: the same save with DCP's own writer (one torch.save per item)
@@ -40,9 +52,11 @@ import argparse
 import cProfile
 import os
 import pstats
+import re
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import benchlib  # noqa: F401,E402  (the checkout's llmtrain first on the path)
@@ -54,7 +68,9 @@ import torch.distributed as dist  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from llmtrain import data  # noqa: E402
-from llmtrain.checkpoint.protocol import CheckpointManager, HASHES, verify_collective  # noqa: E402
+from llmtrain.checkpoint.protocol import CheckpointManager, HASHES, _checksum, verify, verify_collective  # noqa: E402
+from llmtrain.common.errors import ResumeError  # noqa: E402
+from llmtrain.engine import dcp_state  # noqa: E402
 from llmtrain.checkpoint.state import TrainState  # noqa: E402
 from llmtrain.common import collection  # noqa: E402
 from llmtrain.config.layout import gradient_accumulation_steps  # noqa: E402
@@ -114,6 +130,44 @@ def plain_state(engine) -> dict:
     return _local({"model": engine.model.state_dict(), "optimizer": engine.optimizer.state_dict()})
 
 
+def _reset_peak() -> int | None:
+    """Reset this process's resident high-water mark; returns the resident set now (bytes), or
+    None where the kernel offers no reset (then no peak is reported)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5: reset VmHWM to the current resident set (Linux 4.0+)
+        return _status_kib("VmRSS") * 1024
+    except OSError:
+        return None
+
+
+def _status_kib(field: str) -> int:
+    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+
+
+def overlapped_resume(manager: CheckpointManager, engine, path: Path) -> None:
+    """Load ``path`` with its verification in a thread: the checksums are computed while the load
+    builds its state dicts, reads DCP's metadata and plans; the mapped reader's first copy into
+    the model waits for them, so a damaged checkpoint is refused before any tensor is modified.
+    (One process: :func:`verify_collective`'s gather would run beside DCP's own collectives.)"""
+    original = dcp_state._MappedReader.read_data
+    with ThreadPoolExecutor(1, thread_name_prefix="verify") as pool:
+        checked = pool.submit(verify, path)
+
+        def gated(reader, plan, planner):
+            problem = checked.result()
+            if problem is not None:
+                raise ResumeError(f"checkpoint {path} is not usable: {problem}")
+            return original(reader, plan, planner)
+
+        dcp_state._MappedReader.read_data = gated
+        try:
+            manager.load(engine, path)
+        finally:
+            dcp_state._MappedReader.read_data = original
+        assert checked.result() is None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
@@ -123,6 +177,8 @@ def main() -> None:
                         help="instead of timing: cProfile one save / resume / background save (rank 0), top 25")
     parser.add_argument("--stock-writer", action="store_true",
                         help="also time llmtrain's save with DCP's own archive writer (a torch.save per item)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also time the resume with its verification in a thread, overlapping the load's planning")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     register_configs()
@@ -144,18 +200,25 @@ def main() -> None:
     forward_backward(engine, [batch])
     engine.step()
     can_async = cfg.recipe.engine == "torch"
+    if args.overlap and (world != 1 or not can_async):
+        parser.error("--overlap times one process on the torch engine (DCP's reader)")
 
-    kinds = ("save", "plain_save", "resume", "plain_load", "async_stall", "async_total", "stock_save")
+    kinds = ("save", "plain_save", "resume", "plain_load", "plain_xxh3", "plain_hash", "resume_overlap",
+             "async_stall", "async_total", "stock_save")
     wall: dict[str, list[float]] = {k: [] for k in kinds}
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
+    peak: dict[str, list[float]] = {k: [] for k in kinds}  # bytes above the resident set at the start
 
     def timed(kind: str, fn):
         distributed.barrier()
+        resident = _reset_peak()
         w, c = time.perf_counter(), time.process_time()
         result = fn()
         distributed.barrier()
         wall[kind].append(time.perf_counter() - w)
         cpu[kind].append(time.process_time() - c)
+        if resident is not None:
+            peak[kind].append(_status_kib("VmHWM") * 1024 - resident)
         return result
 
     def plain_save(path: Path) -> None:
@@ -179,6 +242,15 @@ def main() -> None:
             engine.optimizer.load_state_dict(blob["optimizer"])
         else:
             _copy_into(plain_state(engine), torch.load(path, weights_only=False))
+
+    def plain_xxh3(path: Path) -> None:
+        # The verifier's own checksum function over the plain file's bytes, then the plain load:
+        # what verifying a plain checkpoint would cost (the expected digest is not stored).
+        w, c = time.perf_counter(), time.process_time()
+        _checksum(path, args.hash)
+        wall["plain_hash"].append(time.perf_counter() - w)
+        cpu["plain_hash"].append(time.process_time() - c)
+        plain_load(path)
 
     def save_and_prune() -> Path:
         # The save and the deletion of the checkpoint it replaces (keep=1), which the manager
@@ -236,13 +308,16 @@ def main() -> None:
                 if who == "plain":
                     plain_file = plain_files[r % 2]
                     timed("plain_save", lambda: plain_save(plain_file))
-                    timed("plain_load", lambda: plain_load(plain_file))
+                    for load in benchlib.alternating(("plain_load", "plain_xxh3"), r):
+                        timed(load, lambda: (plain_load if load == "plain_load" else plain_xxh3)(plain_file))
                     continue
                 step += 1
                 state.step = step
                 saved = timed("save", lambda: save_and_prune())
                 ours_bytes = folder_bytes(saved)
-                timed("resume", lambda: resume(saved))
+                for load in benchlib.alternating(("resume", "resume_overlap") if args.overlap else ("resume",), r):
+                    timed(load, lambda: (resume if load == "resume" else
+                                         lambda p: overlapped_resume(manager, engine, p))(saved))
                 if can_async:
                     step += 1
                     state.step = step
@@ -260,29 +335,54 @@ def main() -> None:
 
             shutil.rmtree(base, ignore_errors=True)
 
-    if distributed.is_initialized():  # CPU time of all ranks; bytes of all ranks' plain files
+    if distributed.is_initialized():  # CPU time of all ranks; peak memory of the largest; bytes of all plain files
         for kind in kinds:
             summed = torch.tensor(cpu[kind], dtype=torch.float64)
             dist.all_reduce(summed)
             cpu[kind] = summed.tolist()
+            largest = torch.tensor(peak[kind], dtype=torch.float64)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+            peak[kind] = largest.tolist()
         total = torch.tensor([plain_bytes], dtype=torch.float64)
         dist.all_reduce(total)
         plain_bytes = int(total.item())
-    if not env.is_main:
-        return
+    if env.is_main:
+        # Full counts: ZeRO-3 partitions its parameters (ds_numel), FSDP2 shards them (DTensor numel).
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        print(f"recipe {cfg.recipe.name} x {world} process(es), model {params / 1e6:.1f} M parameters, "
+              f"checkpoint {ours_bytes / 2**20:.1f} MiB (plain files {plain_bytes / 2**20:.1f} MiB), checksum "
+              f"{args.hash}, median of {args.rounds} alternating rounds")
+        report(args, can_async, ours_bytes, plain_bytes, wall, cpu, peak)
+
+
+def report(args, can_async: bool, ours_bytes: int, plain_bytes: int, wall: dict, cpu: dict, peak: dict) -> None:
+    """Print the medians: times (s), byte rates (MiB/s), ratios (plain time / llmtrain time, wall
+    clock and CPU time: above 1, llmtrain is faster) and peak memory (MiB above the start)."""
     med = {k: statistics.median(v) for k, v in wall.items() if v}
     cmed = {k: statistics.median(v) for k, v in cpu.items() if v}
-    # Full counts: ZeRO-3 partitions its parameters (ds_numel), FSDP2 shards them (DTensor numel).
-    params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    print(f"recipe {cfg.recipe.name} x {world} process(es), model {params / 1e6:.1f} M parameters, "
-          f"checkpoint {ours_bytes / 2**20:.1f} MiB (plain files {plain_bytes / 2**20:.1f} MiB), checksum {args.hash}, "
-          f"median of {args.rounds} alternating rounds")
+    pmed = {k: statistics.median(v) / 2**20 for k, v in peak.items() if v}
+
+    def mib(kind: str) -> str:
+        return f"{pmed[kind]:.0f} MiB" if kind in pmed else "n/a"
+
     # The ratio is speed on the same state: plain time / llmtrain time (above 1: llmtrain is faster).
     # Byte rates are shown too; the files differ in size (DCP writes a tied weight under both names).
     for ours, plain, label in (("save", "plain_save", "save"), ("resume", "plain_load", "load")):
         print(f"{label:5s} llmtrain {med[ours]:7.3f} s ({ours_bytes / med[ours] / 2**20:7.1f} MiB/s)   plain "
               f"{med[plain]:7.3f} s ({plain_bytes / med[plain] / 2**20:7.1f} MiB/s)   ratio wall {med[plain] / med[ours]:.2f}"
-              f"   ratio CPU time {cmed[plain] / cmed[ours]:.2f} (CPU {cmed[ours]:.2f} s vs {cmed[plain]:.2f} s)")
+              f"   ratio CPU time {cmed[plain] / cmed[ours]:.2f} (CPU {cmed[ours]:.2f} s vs {cmed[plain]:.2f} s)"
+              f"   peak memory {mib(ours)} vs {mib(plain)}")
+    # The verified load's peer: the same checksum pass over the plain file, then the plain load.
+    print(f"verified load: llmtrain {med['resume']:.3f} s (CPU {cmed['resume']:.2f} s), plain+{args.hash} "
+          f"{med['plain_xxh3']:.3f} s (CPU {cmed['plain_xxh3']:.2f} s; its checksum pass {med['plain_hash']:.3f} s, "
+          f"CPU {cmed['plain_hash']:.2f} s)   ratio wall {med['plain_xxh3'] / med['resume']:.2f}   ratio CPU time "
+          f"{cmed['plain_xxh3'] / cmed['resume']:.2f}   peak memory {mib('resume')} vs {mib('plain_xxh3')}")
+    if args.overlap:
+        print(f"overlapped resume (verification in a thread, copies wait for it): {med['resume_overlap']:.3f} s "
+              f"(CPU {cmed['resume_overlap']:.2f} s, peak {mib('resume_overlap')}); sequential / overlapped: wall "
+              f"{med['resume'] / med['resume_overlap']:.2f}, CPU time {cmed['resume'] / cmed['resume_overlap']:.2f}; "
+              f"against plain+{args.hash}: wall {med['plain_xxh3'] / med['resume_overlap']:.2f}, CPU time "
+              f"{cmed['plain_xxh3'] / cmed['resume_overlap']:.2f}")
     if args.stock_writer:
         print(f"save with DCP's own archive writer {med['stock_save']:.3f} s (CPU {cmed['stock_save']:.2f} s): framed "
               f"archives are {med['stock_save'] / med['save']:.2f}x its speed in wall clock, "
@@ -296,7 +396,6 @@ def main() -> None:
               f"(CPU time {cmed['plain_save'] / cmed['async_stall']:.2f})")
     else:
         print(f"training stall per save: synchronous {med['save']:.3f} s (background saves need engine=torch)")
-
 
 if __name__ == "__main__":
     main()
