@@ -22,10 +22,12 @@ Builds the configured model with the chosen recipe on one process, or on each of
   plain file's bytes with the verifier's own function (:func:`llmtrain.checkpoint.protocol._checksum`:
   ``--hash``, XXH3-128 by default, one ``update`` over the memory-mapped file). The two plain
   loads run in alternating order after each plain save;
-* with ``--overlap`` (one process, torch engine), the overlapped resume: the same verification
-  in a thread while the load builds its state dicts, reads DCP's metadata and plans, and the
-  first copy into the model waits for it (a damaged checkpoint is refused before any tensor is
-  modified). It alternates with the resume after each llmtrain save;
+* with ``--overlap`` (one process, torch engine), two ways to overlap the checksums with the
+  load, each refusing a damaged checkpoint before any tensor is modified, in alternating order
+  with the resume after each llmtrain save: the overlapped resume (the same verification in a
+  thread while the load builds its state dicts, reads DCP's metadata and plans; the first copy
+  into the model waits for it) and the staged resume (each DCP data file read once into host
+  memory and hashed chunk by chunk as it is read, all verified, then copied in);
 * the training stall of a background save (``trainer.async_checkpoint=true``, torch engine):
   the time until ``save`` returns (state copied to host memory), and the write's total time.
 
@@ -40,7 +42,7 @@ faster) in wall clock and CPU time, and the time a resume adds before the first 
     python scripts/bench/checkpoint.py --smollm2                       # the 135 M shape, random init
     torchrun --nproc_per_node 2 scripts/bench/checkpoint.py --smollm2 +recipe=fsdp
     torchrun --nproc_per_node 2 scripts/bench/checkpoint.py --smollm2 +recipe=zero3
-    python scripts/bench/checkpoint.py --smollm2 --overlap             # + the overlapped resume
+    python scripts/bench/checkpoint.py --smollm2 --overlap             # + overlapped and staged resumes
     python scripts/bench/checkpoint.py --smollm2 --profile save        # cProfile of one save
     torchrun --nproc_per_node 2 scripts/bench/checkpoint.py --smollm2 --stock-writer +recipe=fsdp
         # and a third arm: the same save with DCP's own writer (one torch.save per item)
@@ -53,6 +55,7 @@ import cProfile
 import os
 import pstats
 import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -233,7 +236,77 @@ def staged_resume(manager: CheckpointManager, engine, path: Path) -> None:
     assert not unread, "the reader mapped a file instead of taking its staged copy"
 
 
-def main() -> None:
+KINDS = ("save", "plain_save", "resume", "plain_load", "plain_xxh3", "plain_hash", "resume_overlap", "resume_staged",
+         "async_stall", "async_total", "stock_save")
+
+
+class Timings:
+    """Per kind of operation, each round's wall clock and CPU time (s) and peak memory (bytes
+    above the resident set at its start); ``waits``: the overlapped resumes' waits (s)."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, list[float]] = {k: [] for k in KINDS}
+        self.cpu: dict[str, list[float]] = {k: [] for k in KINDS}
+        self.peak: dict[str, list[float]] = {k: [] for k in KINDS}
+        self.waits: list[float] = []
+
+    def timed(self, kind: str, fn):
+        """``fn()`` timed between barriers (wall: the slowest rank's); returns its result."""
+        distributed.barrier()
+        resident = _reset_peak()
+        w, c = time.perf_counter(), time.process_time()
+        result = fn()
+        distributed.barrier()
+        self.wall[kind].append(time.perf_counter() - w)
+        self.cpu[kind].append(time.process_time() - c)
+        if resident is not None:
+            self.peak[kind].append(_status_kib("VmHWM") * 1024 - resident)
+        return result
+
+    def gather(self, plain_bytes: int) -> int:
+        """On N ranks: CPU time summed over the ranks, peak memory of the largest rank; returns
+        ``plain_bytes`` (this rank's plain file) summed over the ranks. Collective."""
+        if distributed.is_initialized():
+            total = torch.tensor([plain_bytes], dtype=torch.float64)
+            dist.all_reduce(total)
+            plain_bytes = int(total.item())
+            for kind in KINDS:
+                summed = torch.tensor(self.cpu[kind], dtype=torch.float64)
+                dist.all_reduce(summed)
+                self.cpu[kind] = summed.tolist()
+                largest = torch.tensor(self.peak[kind], dtype=torch.float64)
+                dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+                self.peak[kind] = largest.tolist()
+        return plain_bytes
+
+
+def plain_save(engine, rank: int, path: Path) -> None:
+    """``torch.save`` of this rank's plain state into ``path``, fsynced; then the rank's previous file goes."""
+    # A new file beside the previous one, which goes once this one is written: what llmtrain's
+    # save with keep=1 does (and any save that survives a crash mid-write). Overwriting one
+    # file in place instead reuses the page-cache pages its truncation just freed, which on a
+    # machine short of free pages made the same 768 MB torch.save 1.45 s into new pages and
+    # 0.33 s into reused ones.
+    with open(path, "wb") as f:
+        torch.save(plain_state(engine), f)
+        f.flush()
+        os.fsync(f.fileno())
+    for older in path.parent.glob(f"plain_rank{rank}_*.pt"):
+        if older != path:
+            older.unlink()
+
+
+def plain_load(engine, world: int, path: Path) -> None:
+    """``torch.load`` of ``path`` copied into the live model and optimizer (see the module doc)."""
+    if world == 1 and hasattr(engine, "optimizer") and not hasattr(engine, "ds"):
+        blob = torch.load(path, weights_only=False)
+        engine.model.load_state_dict(blob["model"])
+        engine.optimizer.load_state_dict(blob["optimizer"])
+    else:
+        _copy_into(plain_state(engine), torch.load(path, weights_only=False))
+
+
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--hash", choices=HASHES, default="xxh3")
@@ -243,9 +316,14 @@ def main() -> None:
     parser.add_argument("--stock-writer", action="store_true",
                         help="also time llmtrain's save with DCP's own archive writer (a torch.save per item)")
     parser.add_argument("--overlap", action="store_true",
-                        help="also time the resume with its verification in a thread, overlapping the load's planning")
+                        help="also time the overlapped and the staged resume (one process, torch engine)")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    return parser, parser.parse_args()
+
+
+def build(args):
+    """(config, process env, engine, model): the configured model on its engine, one optimizer
+    step taken so that Adam's state exists."""
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         cfg = compose("config", overrides=["tracker=none"] + (SMOLLM2_135M if args.smollm2 else []) + args.overrides)
@@ -253,8 +331,7 @@ def main() -> None:
     # its full collections; llmtrain.common.collection), for both arms alike.
     collection.CollectionSchedule(cfg.trainer.gc_every).set_up()
     env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
-    world = env.world_size
-    dims = ParallelDims.from_recipe(cfg.recipe, world)
+    dims = ParallelDims.from_recipe(cfg.recipe, env.world_size)
     engine = build_engine(cfg, env, gradient_accumulation_steps(cfg.trainer, dims.dp), dims,
                           build_objective(cfg.objective))
     with engine.model_init_context():
@@ -264,50 +341,38 @@ def main() -> None:
     batch = data.Collator(tok.pad_token_id)([{"input_ids": list(range(64)), "labels": list(range(64))}] * 2)
     forward_backward(engine, [batch])
     engine.step()
+    return cfg, env, engine, model
+
+
+def profile_one(what: str, manager: CheckpointManager, engine, state: TrainState, hash_kind: str, resume) -> None:
+    """cProfile of one save / resume / background save; rank 0 prints the top functions."""
+    saved = manager.save(engine, state, "", hash_kind)
+    state.step = 2
+    profiler = cProfile.Profile()
+    distributed.barrier()
+    profiler.enable()
+    if what == "save":
+        manager.save(engine, state, "", hash_kind)
+    elif what == "resume":
+        resume(saved)
+    else:
+        manager.save(engine, state, "", hash_kind, background=True)
+        manager.finish_background()
+    profiler.disable()
+    if manager.env.is_main:
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+
+
+def main() -> None:
+    parser, args = parse_args()
+    cfg, env, engine, model = build(args)
+    world = env.world_size
     can_async = cfg.recipe.engine == "torch"
     if args.overlap and (world != 1 or not can_async):
         parser.error("--overlap times one process on the torch engine (DCP's reader)")
-
-    kinds = ("save", "plain_save", "resume", "plain_load", "plain_xxh3", "plain_hash", "resume_overlap", "resume_staged",
-             "async_stall", "async_total", "stock_save")
-    wall: dict[str, list[float]] = {k: [] for k in kinds}
-    cpu: dict[str, list[float]] = {k: [] for k in kinds}
-    peak: dict[str, list[float]] = {k: [] for k in kinds}  # bytes above the resident set at the start
-    waits: list[float] = []  # seconds the overlapped resume's copies waited for its checksums
-
-    def timed(kind: str, fn):
-        distributed.barrier()
-        resident = _reset_peak()
-        w, c = time.perf_counter(), time.process_time()
-        result = fn()
-        distributed.barrier()
-        wall[kind].append(time.perf_counter() - w)
-        cpu[kind].append(time.process_time() - c)
-        if resident is not None:
-            peak[kind].append(_status_kib("VmHWM") * 1024 - resident)
-        return result
-
-    def plain_save(path: Path) -> None:
-        # A new file beside the previous one, which goes once this one is written: what llmtrain's
-        # save with keep=1 does (and any save that survives a crash mid-write). Overwriting one
-        # file in place instead reuses the page-cache pages its truncation just freed, which on a
-        # machine short of free pages made the same 768 MB torch.save 1.45 s into new pages and
-        # 0.33 s into reused ones.
-        with open(path, "wb") as f:
-            torch.save(plain_state(engine), f)
-            f.flush()
-            os.fsync(f.fileno())
-        for older in path.parent.glob(f"plain_rank{env.rank}_*.pt"):
-            if older != path:
-                older.unlink()
-
-    def plain_load(path: Path) -> None:
-        if world == 1 and hasattr(engine, "optimizer") and not hasattr(engine, "ds"):
-            blob = torch.load(path, weights_only=False)
-            engine.model.load_state_dict(blob["model"])
-            engine.optimizer.load_state_dict(blob["optimizer"])
-        else:
-            _copy_into(plain_state(engine), torch.load(path, weights_only=False))
+    t = Timings()
+    timed, wall = t.timed, t.wall
 
     def plain_xxh3(path: Path) -> None:
         # The verifier's own checksum function over the plain file's bytes, then the plain load:
@@ -315,8 +380,8 @@ def main() -> None:
         w, c = time.perf_counter(), time.process_time()
         _checksum(path, args.hash)
         wall["plain_hash"].append(time.perf_counter() - w)
-        cpu["plain_hash"].append(time.process_time() - c)
-        plain_load(path)
+        t.cpu["plain_hash"].append(time.process_time() - c)
+        plain_load(engine, world, path)
 
     def save_and_prune() -> Path:
         # The save and the deletion of the checkpoint it replaces (keep=1), which the manager
@@ -340,22 +405,7 @@ def main() -> None:
     plain_file = plain_files[0]
     try:
         if args.profile:
-            saved = manager.save(engine, state, "", args.hash)
-            state.step = 2
-            profiler = cProfile.Profile()
-            distributed.barrier()
-            profiler.enable()
-            if args.profile == "save":
-                manager.save(engine, state, "", args.hash)
-            elif args.profile == "resume":
-                resume(saved)
-            else:
-                manager.save(engine, state, "", args.hash, background=True)
-                manager.finish_background()
-            profiler.disable()
-            if env.is_main:
-                pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
-                pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+            profile_one(args.profile, manager, engine, state, args.hash, resume)
             return
         step = 0
         arms = ("ours", "plain") + (("stock",) if args.stock_writer else ())
@@ -373,9 +423,10 @@ def main() -> None:
                     continue
                 if who == "plain":
                     plain_file = plain_files[r % 2]
-                    timed("plain_save", lambda: plain_save(plain_file))
+                    timed("plain_save", lambda: plain_save(engine, env.rank, plain_file))
                     for load in benchlib.alternating(("plain_load", "plain_xxh3"), r):
-                        timed(load, lambda: (plain_load if load == "plain_load" else plain_xxh3)(plain_file))
+                        timed(load, lambda: plain_load(engine, world, plain_file) if load == "plain_load"
+                              else plain_xxh3(plain_file))
                     continue
                 step += 1
                 state.step = step
@@ -383,12 +434,11 @@ def main() -> None:
                 ours_bytes = folder_bytes(saved)
                 loads = ("resume", "resume_overlap", "resume_staged") if args.overlap else ("resume",)
                 for load in benchlib.alternating(loads, r):
-                    if load == "resume":
-                        timed("resume", lambda: resume(saved))
-                    elif load == "resume_staged":
-                        timed("resume_staged", lambda: staged_resume(manager, engine, saved))
-                    else:
-                        waits.append(timed("resume_overlap", lambda: overlapped_resume(manager, engine, saved)))
+                    waited = timed(load, lambda: resume(saved) if load == "resume" else
+                                   staged_resume(manager, engine, saved) if load == "resume_staged" else
+                                   overlapped_resume(manager, engine, saved))
+                    if load == "resume_overlap":
+                        t.waits.append(waited)
                 if can_async:
                     step += 1
                     state.step = step
@@ -402,34 +452,22 @@ def main() -> None:
     finally:
         distributed.barrier()
         if env.is_main:
-            import shutil
-
             shutil.rmtree(base, ignore_errors=True)
 
-    if distributed.is_initialized():  # CPU time of all ranks; peak memory of the largest; bytes of all plain files
-        for kind in kinds:
-            summed = torch.tensor(cpu[kind], dtype=torch.float64)
-            dist.all_reduce(summed)
-            cpu[kind] = summed.tolist()
-            largest = torch.tensor(peak[kind], dtype=torch.float64)
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-            peak[kind] = largest.tolist()
-        total = torch.tensor([plain_bytes], dtype=torch.float64)
-        dist.all_reduce(total)
-        plain_bytes = int(total.item())
+    plain_bytes = t.gather(plain_bytes)
     if env.is_main:
         # Full counts: ZeRO-3 partitions its parameters (ds_numel), FSDP2 shards them (DTensor numel).
         params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         print(f"recipe {cfg.recipe.name} x {world} process(es), model {params / 1e6:.1f} M parameters, "
               f"checkpoint {ours_bytes / 2**20:.1f} MiB (plain files {plain_bytes / 2**20:.1f} MiB), checksum "
               f"{args.hash}, median of {args.rounds} alternating rounds")
-        report(args, can_async, ours_bytes, plain_bytes, wall, cpu, peak, waits)
+        report(args, can_async, ours_bytes, plain_bytes, t)
 
 
-def report(args, can_async: bool, ours_bytes: int, plain_bytes: int, wall: dict, cpu: dict, peak: dict,
-           waits: list[float]) -> None:
+def report(args, can_async: bool, ours_bytes: int, plain_bytes: int, t: Timings) -> None:
     """Print the medians: times (s), byte rates (MiB/s), ratios (plain time / llmtrain time, wall
     clock and CPU time: above 1, llmtrain is faster) and peak memory (MiB above the start)."""
+    wall, cpu, peak, waits = t.wall, t.cpu, t.peak, t.waits
     med = {k: statistics.median(v) for k, v in wall.items() if v}
     cmed = {k: statistics.median(v) for k, v in cpu.items() if v}
     pmed = {k: statistics.median(v) / 2**20 for k, v in peak.items() if v}
