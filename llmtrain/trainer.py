@@ -597,3 +597,5 @@ def train(cfg: Any) -> dict[str, Any]:
     finally:
         trainer.watchdog.stop()  # also when the loop raises: a process that lives on is not watched
         trainer.close_sampler()  # a server started for the run stops with it, on errors too
+        if trainer.env.is_main:
+            trainer.task_evals.stop()  # so do task evaluations (a resume redoes them)
