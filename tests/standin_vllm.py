@@ -7,7 +7,7 @@ starts a ``worker`` (vLLM's ``Worker``); both stay in the leader's process group
 a ``/dev/shm`` file (vLLM's shared-memory message queues) that its worker maps too, removed when
 the engine is stopped with SIGTERM.
 As in vLLM, the API server shuts its engine down on SIGTERM and exits when its engine dies, the
-engine shuts down (cleanly) when its worker dies, and an engine whose API server was killed stays
+engine stops its worker on SIGTERM and shuts down (cleanly) when its worker dies, and an engine whose API server was killed stays
 alive, re-parented to init.
 
 The server answers ``/health``, ``/v1/models``, ``/v1/completions`` (a few token ids below 256
@@ -72,12 +72,15 @@ def engine() -> None:
         file.flush()
         mapped = mmap.mmap(file.fileno(), 4096)  # held as vLLM's message queues hold theirs
 
-    def shut_down(*_):
+    child = subprocess.Popen([sys.executable, __file__, "--worker", str(path)])
+
+    def shut_down(*_):  # vLLM's engine core stops its workers and frees its queues on SIGTERM
+        child.kill()
+        child.wait()
         path.unlink(missing_ok=True)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, shut_down)
-    child = subprocess.Popen([sys.executable, __file__, "--worker", str(path)])
     _watch(child, lambda: (path.unlink(missing_ok=True), os._exit(1)))  # vLLM: "Worker died", engine shuts down
     while mapped:
         time.sleep(60)
