@@ -91,6 +91,7 @@ class Trainer:
             raise StartupInterrupted(self._interrupted()) from None
         except BaseException:
             collection.restore()  # a process that lives on (a sweep, a benchmark) collects as before
+            self.stop_children()  # a server the first evaluation started, evaluations a resume restarted
             raise
 
     def _interrupted(self) -> str:
@@ -570,6 +571,13 @@ class Trainer:
         distributed.barrier()
         return summary
 
+    def stop_children(self) -> None:
+        """Stop every process this run started and still runs (a vLLM server, task evaluations),
+        each one's whole process group; idempotent, for an ending on an error."""
+        self.close_sampler()
+        if getattr(self, "task_evals", None) is not None and self.env.is_main:
+            self.task_evals.stop()  # a resume evaluates their checkpoints again
+
     def close_sampler(self) -> None:
         """Stop what an online objective's rollout engine started (a vLLM server); idempotent."""
         if getattr(self, "online", None):
@@ -596,6 +604,4 @@ def train(cfg: Any) -> dict[str, Any]:
         return trainer.train()
     finally:
         trainer.watchdog.stop()  # also when the loop raises: a process that lives on is not watched
-        trainer.close_sampler()  # a server started for the run stops with it, on errors too
-        if trainer.env.is_main:
-            trainer.task_evals.stop()  # so do task evaluations (a resume redoes them)
+        trainer.stop_children()  # a server started for the run stops with it, on errors too
