@@ -124,6 +124,7 @@ def server(port: int) -> None:
 
     signal.signal(signal.SIGTERM, shut_down)
     _watch(child, lambda: os._exit(1))  # vLLM: "Engine core died", the API server exits
+    ThreadingHTTPServer.request_queue_size = 256  # a rank sends up to 32 requests at once (uvicorn's backlog: 2048)
     http = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
     http.served = False
     http.serve_forever()
