@@ -243,7 +243,10 @@ def lock_run_dir(run_dir: Path) -> bool:
         raise ResumeError(f"run_dir={run_dir} is in use by another llmtrain process ({handle.read().strip() or 'pid unknown'}); "
                           "wait for it to end (or kill it), or use another run_dir") from None
     handle.truncate(0)
-    handle.write(f"pid {os.getpid()}")
+    import socket
+
+    # What the refusal of a second run names: a run of another host (a shared file system) by its host.
+    handle.write(f"pid {os.getpid()} on host {socket.gethostname()}")
     handle.flush()
     _RUN_LOCKS.append(handle)
     # The last process in this folder is gone: what it started and could not stop (it was killed)
