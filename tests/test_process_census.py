@@ -69,6 +69,7 @@ class Census:
     def __init__(self, folder: Path):
         self.file = folder / "pids.txt"
         self.env = {"STANDIN_PIDS": str(self.file)}
+        self.sessions: set[int] = set()  # the trainers' own sessions (a CLI run is started in one)
 
     def roles(self) -> dict[str, list[int]]:
         found: dict[str, list[int]] = {}
@@ -87,12 +88,13 @@ class Census:
         return self.roles()[role][0]
 
     def left(self, timeout_s: float = 0) -> tuple[list[int], list[Path]]:
-        """``(live processes of the stand-ins and their sessions, their /dev/shm files)``,
-        waiting up to ``timeout_s`` seconds for both to be empty."""
+        """``(live processes of the stand-ins, of their sessions and of the trainers' sessions, their
+        /dev/shm files)``, waiting up to ``timeout_s`` seconds for both to be empty."""
         deadline = time.monotonic() + timeout_s
         while True:
             pids = {p for role, ps in self.roles().items() if role != "served" for p in ps}
-            processes = sorted({p for p in pids if _live(p)} | set(_in_sessions(set(self.roles().get("server", [])))))
+            sessions = set(self.roles().get("server", [])) | self.sessions
+            processes = sorted({p for p in pids if _live(p)} | set(_in_sessions(sessions)))
             shm = [SHM / f"{standin_vllm.SHM_PREFIX}{p}" for p in pids
                    if (SHM / f"{standin_vllm.SHM_PREFIX}{p}").exists()]
             if (not processes and not shm) or time.monotonic() >= deadline:
@@ -252,8 +254,10 @@ def _start(tmp_path: Path, census: Census, steps: int, *extra: str) -> subproces
         "trainer.micro_batch_size=2", "trainer.export_hf=false", "trainer.save_every=0",
         f"run_dir={tmp_path / 'run'}", *extra]
     env = {**subprocess_env(), **census.env}
-    return subprocess.Popen([sys.executable, "-m", "llmtrain", *overrides], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
+    process = subprocess.Popen([sys.executable, "-m", "llmtrain", *overrides], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
+    census.sessions.add(process.pid)
+    return process
 
 
 def _end(process: subprocess.Popen, timeout_s: float = 300) -> tuple[int, str]:
