@@ -335,7 +335,6 @@ class VLLMEngine(RolloutEngine):
         return Completion(ids, truncated=choice.get("finish_reason") == "length",
                           logps=[float(v) for v in logps] if logps and seed is not None else None)
 
-
     def _gone(self, err: Exception) -> Exception:
         """The error for a request that failed: one line naming the server, how it ended (for the
         one this rank started) and the fix, when it is dead or does not answer
@@ -350,11 +349,13 @@ class VLLMEngine(RolloutEngine):
                 pass
         if process is not None and process.returncode is not None:
             status = process.returncode
-            how = (f"was killed by {signal.Signals(-status).name}" if status < 0 and -status in signal.valid_signals()
-                   else f"exited with status {status}")
-            return ChildDied(f"rollout.engine=vllm: the vLLM server (pid {process.pid}) {how} mid-run (the OOM killer "
-                             f"or a node agent?); its engine processes are stopped; its log: {logfile}. Rerun the "
-                             "same command: the run continues from its last checkpoint")
+            how = (f"was killed by {_signal_name(-status)} mid-run" if status < 0 else
+                   f"exited with status {status} mid-run (an engine process died: its log says why)")
+            if status == -signal.SIGKILL:
+                how += " (the OOM killer or a node agent?)"
+            return ChildDied(f"rollout.engine=vllm: the vLLM server (pid {process.pid}) {how}; its engine processes "
+                             f"are stopped; its log: {logfile}. Rerun the same command: the run continues from its "
+                             "last checkpoint")
         refused = isinstance(err, ConnectionError) or isinstance(getattr(err, "reason", None), ConnectionError)
         if refused:
             return ChildDied(f"rollout.engine=vllm: the vLLM server at {self.url} stopped answering mid-run ({err}); "
@@ -362,6 +363,13 @@ class VLLMEngine(RolloutEngine):
                              "last checkpoint)")
         return err if isinstance(err, VLLMServerError) else VLLMServerError(
             f"rollout.engine=vllm: a request to {self.url} failed: {err!r}")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name of its own
+        return f"signal {number}"
 
 
 def _tail(path: Path, lines: int = 25) -> str:
