@@ -13,8 +13,9 @@ Rank 0 records each child it starts in ``run_dir/.children.json`` (pid, start ti
 line; :func:`remember`) and drops the record once the child is stopped (:func:`forget`). A
 trainer killed with SIGKILL cannot stop anything: its children get their parent-death signal,
 and a rerun in the same run folder stops whatever of them still runs (:func:`stop_leftovers`),
-after checking that the recorded pid is still the process it started (same start time and
-command line), so a pid the system has since given to another process is never signalled.
+after checking that the recorded pid is still the process it started (same boot and start time;
+the command line is recorded for the reader), so a pid the system has since given to another
+process is never signalled.
 """
 
 from __future__ import annotations
@@ -192,13 +193,14 @@ def _describe(record: dict) -> str:
 def stop_leftovers(run_dir: Path, grace_s: float = GRACE_S) -> list[str]:
     """Stop the children a previous process in ``run_dir`` recorded and left running (it was
     killed before it could stop them), each only while its pid is still the process recorded
-    (same boot, start time and command line); the caller holds the run folder's lock, so that
+    (same boot and start time); the caller holds the run folder's lock, so that
     process is gone. A recorded leader that has died is stopped through the members of its group
 left alive. Returns one line per child stopped (also logged)."""
     lines = []
     for record in _read(run_dir):
         now = _identity(record["pid"])
-        if now is not None and any(now[k] != record.get(k) for k in ("start", "boot", "cmdline")):
+        # Boot and start time identify a process (the command line does not: vLLM retitles its processes).
+        if now is not None and any(now[k] != record.get(k) for k in ("start", "boot")):
             continue  # the pid is another process's now (and so is any group of that id)
         if now is None and not members(record["pid"]):
             continue  # ended with all of its group
