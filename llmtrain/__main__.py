@@ -73,7 +73,7 @@ try:
     import hydra
     from omegaconf import DictConfig
 
-    from llmtrain.common.errors import ConfigError, LlmtrainError, TrainingStopped, require_extra
+    from llmtrain.common.errors import ChildDied, ConfigError, LlmtrainError, TrainingStopped, require_extra
     from llmtrain.common.paths import CONF_DIR
     from llmtrain.config.compose import check_overrides, keep_typed_strings, register_configs
 except BaseException as err:  # (a second Ctrl-C in a half-done import can raise anything)
@@ -264,6 +264,9 @@ def _main(cfg: DictConfig) -> None:
     except TrainingStopped as err:  # an LlmtrainError too: caught first, for its own status
         shutdown()
         _fail(err, status=3, kind="stopped")
+    except ChildDied as err:  # a helper process (the vLLM server) died mid-run: its remains are stopped
+        shutdown()
+        _fail(err, status=5)
     except LlmtrainError as err:
         # Bad input (ConfigError, DataError, ModelSourceError, LaunchError, ResumeError), reported
         # as one line naming the field or file; exit status 2, nothing trained.

@@ -91,6 +91,7 @@ class Trainer:
             raise StartupInterrupted(self._interrupted()) from None
         except BaseException:
             collection.restore()  # a process that lives on (a sweep, a benchmark) collects as before
+            self.stop_children()  # a server the first evaluation started, evaluations a resume restarted
             raise
 
     def _interrupted(self) -> str:
@@ -571,6 +572,13 @@ class Trainer:
         distributed.barrier()
         return summary
 
+    def stop_children(self) -> None:
+        """Stop every process this run started and still runs (a vLLM server, task evaluations),
+        each one's whole process group; idempotent, for an ending on an error."""
+        self.close_sampler()
+        if getattr(self, "task_evals", None) is not None and self.env.is_main:
+            self.task_evals.stop()  # a resume evaluates their checkpoints again
+
     def close_sampler(self) -> None:
         """Stop what an online objective's rollout engine started (a vLLM server); idempotent."""
         if getattr(self, "online", None):
@@ -597,4 +605,4 @@ def train(cfg: Any) -> dict[str, Any]:
         return trainer.train()
     finally:
         trainer.watchdog.stop()  # also when the loop raises: a process that lives on is not watched
-        trainer.close_sampler()  # a server started for the run stops with it, on errors too
+        trainer.stop_children()  # a server started for the run stops with it, on errors too

@@ -365,7 +365,9 @@ def test_in_loop_results_are_logged_once_across_resumes(tmp_path, monkeypatch):
     assert len(tracker.logged) == 1
     # An evaluation that ends unpins its checkpoint and lets pruning take it (keep_checkpoints).
     evals.manager.pinned.add(6)
-    evals._reaped(6, type("Done", (), {"returncode": 0, "args": ["python"]})())
+    # Its group is stopped too (what it left): a pid above Linux's largest (2**22) names no group.
+    evals._reaped(6, type("Done", (), {"returncode": 0, "args": ["python"], "pid": 2**22 + 1,
+                                       "wait": lambda self, timeout=None: 0})())
     assert 6 not in evals.manager.pinned and evals.manager.pruned == 1
     assert [s for s in range(1, 10) if evals.due(s)] == [2, 4, 6, 8, 9]
 

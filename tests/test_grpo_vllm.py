@@ -8,7 +8,8 @@ real server, checked against the policy itself (transformers): its greedy comple
 ``hf`` engine's, the log-probs it reports for sampled tokens equal the policy's recomputed ones
 (fp32, 1e-3) before and after weights change and are synced; and training runs (LoRA on 2 ranks,
 full fine-tuning on 1) whose every step reports ``rollout/logp_diff_max`` within 1e-3, and whose
-server is gone at the end and after SIGTERM.
+server is gone at the end and after SIGTERM; and SIGKILL of the API server or of the trainer mid-run
+leaves no process of the server's session (its engine core and workers) and no ``/dev/shm`` file.
 """
 
 from __future__ import annotations
@@ -252,3 +253,56 @@ def test_the_server_stops_with_the_run_on_sigterm_and_on_errors(questions, tmp_p
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _live_in_session(session: int) -> list[int]:
+    """Live processes of session ``session`` (the server's API server, engine core, workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            text = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split() if text else []
+        if fields and fields[0] not in "ZX" and session in (int(fields[2]), int(fields[3])):
+            found.append(int(entry.name))
+    return found
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.alone
+@pytest.mark.parametrize("killed", ["api server", "trainer"])
+def test_no_vllm_process_outlives_a_run_whose_server_or_trainer_was_killed(questions, tmp_path, killed):
+    """Issue 61: SIGKILL of the API server mid-run (the OOM killer) left its ``VLLM::EngineCore``
+    and ``VLLM::Worker`` running; now the run ends in one line (exit status 5) and nothing of the
+    server's session, nor a ``/dev/shm`` file it made, remains. SIGKILL of the trainer: the
+    server's parent-death signal shuts it down."""
+    from conftest import subprocess_env
+
+    run_dir = tmp_path / "run"
+    shm_before = set(Path("/dev/shm").iterdir())
+    log = tmp_path / "out.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "llmtrain", *overrides(questions, f"run_dir={run_dir}",
+                                                                               "trainer.max_steps=200")],
+                                env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and not (
+            (run_dir / "metrics.jsonl").exists() and "train/loss" in (run_dir / "metrics.jsonl").read_text()):
+        assert proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(1)
+    server = json.loads((run_dir / ".children.json").read_text())[0]["pid"]
+    assert len(_live_in_session(server)) > 1, "no engine process beside the API server"
+    os.kill(server if killed == "api server" else proc.pid, signal.SIGKILL)
+    status = proc.wait(timeout=600)
+    if killed == "api server":
+        text = log.read_text()
+        assert status == 5 and "Traceback" not in text, text[-3000:]
+        assert f"llmtrain: error: rollout.engine=vllm: the vLLM server (pid {server}) was killed by SIGKILL" in text
+    for _ in range(60):
+        if not _live_in_session(server):
+            break
+        time.sleep(1)
+    assert not _live_in_session(server), f"vLLM processes outlived the run ({killed})"
+    assert not [p for p in set(Path("/dev/shm").iterdir()) - shm_before if p.exists()], "/dev/shm files left"

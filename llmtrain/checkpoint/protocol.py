@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.checkpoint.state import RNG_FORMAT, STATE_FILE, TrainState, capture_rng, read_rng, read_state
+from llmtrain.common import children
 from llmtrain.common.errors import ResumeError
 from llmtrain.parallel import distributed
 
@@ -217,7 +218,9 @@ def run_dir_in_use(run_dir: Path) -> bool:
 def lock_run_dir(run_dir: Path) -> bool:
     """Hold an exclusive lock on ``run_dir`` for the life of this process (rank 0 calls it), so
     a second run in the same folder (or orphaned workers of a killed one) cannot interleave
-    checkpoints. The OS drops the lock when the process dies. Returns True when this call took
+    checkpoints. The OS drops the lock when the process dies. Taking it, it stops the children
+    the folder's last process recorded and left running (:func:`llmtrain.common.children.stop_leftovers`).
+    Returns True when this call took
     the lock (no other live process held it), False when this process already held it.
 
     Raises:
@@ -240,9 +243,15 @@ def lock_run_dir(run_dir: Path) -> bool:
         raise ResumeError(f"run_dir={run_dir} is in use by another llmtrain process ({handle.read().strip() or 'pid unknown'}); "
                           "wait for it to end (or kill it), or use another run_dir") from None
     handle.truncate(0)
-    handle.write(f"pid {os.getpid()}")
+    import socket
+
+    # What the refusal of a second run names: a run of another host (a shared file system) by its host.
+    handle.write(f"pid {os.getpid()} on host {socket.gethostname()}")
     handle.flush()
     _RUN_LOCKS.append(handle)
+    # The last process in this folder is gone: what it started and could not stop (it was killed)
+    # goes before this one starts anything (a vLLM server holding the GPU memory and the port).
+    children.stop_leftovers(run_dir)
     return True
 
 

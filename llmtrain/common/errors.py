@@ -4,7 +4,8 @@ launch and checkpoint code raise them without importing each other (or any paral
 All derive from :class:`LlmtrainError`; :func:`require_extra` refuses a feature whose optional
 package is missing with a :class:`MissingExtra` naming the extra that installs it, and
 :func:`import_object` loads a user's ``module:name`` or refuses it naming the config field. ``python -m llmtrain`` turns each into one
-``llmtrain: error: ...`` line and exit status 2, except :class:`TrainingStopped` (status 3).
+``llmtrain: error: ...`` line and exit status 2, except :class:`TrainingStopped` (status 3) and
+:class:`ChildDied` (status 5).
 Each also keeps the built-in base it had before the common base existed (``ValueError``,
 ``RuntimeError``), so ``except ValueError`` and the like still catch it.
 """
@@ -41,6 +42,12 @@ class TrainingStopped(LlmtrainError, RuntimeError):
     """Training stopped itself to protect the run (a non-finite loss or gradient norm): nothing
     was saved or exported from the bad state; the message names the step, the value and the
     last healthy checkpoint. ``python -m llmtrain`` exits with status 3."""
+
+
+class ChildDied(LlmtrainError, RuntimeError):
+    """A process the run started and depends on (the vLLM server of ``rollout.engine=vllm``)
+    died mid-run; the message names it, how it ended, its log and the fix. What was left of it
+    has been stopped. ``python -m llmtrain`` exits with status 5."""
 
 
 class MissingExtra(LlmtrainError, ImportError):

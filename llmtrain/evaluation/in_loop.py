@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain.checkpoint.protocol import CheckpointManager, verify
+from llmtrain.common import children
 from llmtrain.evaluation import harness
 from llmtrain.parallel.distributed import die_with_parent
 from llmtrain.monitoring.tracking.jsonl import move_aside
@@ -60,7 +61,7 @@ class TaskEvals:
         self.every, self.max_steps = t.eval_tasks_every, t.max_steps
         self.wait_for_each = not t.eval_tasks_async
         self.t, self.is_main, self.tracker, self.manager, self.device = t, is_main, tracker, manager, device
-        self.folder = run_dir / "eval"
+        self.folder, self.run_dir = run_dir / "eval", run_dir
         self.running: dict[int, tuple[subprocess.Popen, Path]] = {}  # step -> (process, checkpoint)
         self.queued: list[tuple[int, Path]] = []  # one evaluation runs at a time: the others wait here
         self.logged: dict[int, dict[str, int]] = {}  # step -> {task-score key: documents it was logged from}
@@ -132,9 +133,7 @@ class TaskEvals:
         while self.running:
             step, (process, _) = next(iter(self.running.items()))
             if preempted:
-                process.terminate()
-                process.wait()
-                self.running.pop(step)
+                self._stop(step, process)
                 continue
             if process.poll() is None:
                 log.info("waiting for the task evaluation of step %d (pid %d, output in %s)%s", step, process.pid,
@@ -148,7 +147,21 @@ class TaskEvals:
             self.poll()
         (self.folder / CLOSED).touch()
 
+    def stop(self) -> None:
+        """Rank 0, a run ending on an error: stop the evaluations still running (each one's whole
+        process group) and drop the queued ones; a resume evaluates their checkpoints again.
+        Idempotent."""
+        self.queued = []
+        for step, (process, _) in list(self.running.items()):
+            self._stop(step, process)
+
     # ---- inside ----------------------------------------------------------------------------
+    def _stop(self, step: int, process: subprocess.Popen) -> None:
+        """End evaluation ``step``'s process group (SIGTERM first: it removes its temporary export)."""
+        self.running.pop(step, None)
+        if not children.stop_group(process.pid, process):
+            children.forget(self.run_dir, process.pid)
+
     def _command(self, path: Path) -> list[str]:
         t = self.t
         command = [sys.executable, "-m", "llmtrain.evaluate", str(path), f"tasks=[{','.join(self.tasks)}]",
@@ -175,16 +188,20 @@ class TaskEvals:
     def _spawn(self, step: int, path: Path) -> None:
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith("SUBMITIT_")}
         output = open(self.folder / f"step_{step}.log", "w", encoding="utf-8")
+        # A session of its own: its whole group can be stopped (and the terminal's Ctrl-C reaches the
+        # trainer alone, which stops it); it gets SIGTERM when the trainer dies.
         process = subprocess.Popen(self._command(path), stdout=output, stderr=subprocess.STDOUT, env=env,
-                                   stdin=subprocess.DEVNULL,
-                                   preexec_fn=lambda: die_with_parent(signal.SIGTERM))  # dies with the trainer
+                                   stdin=subprocess.DEVNULL, start_new_session=True,
+                                   preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         output.close()
+        children.remember(self.run_dir, "task evaluation", process.pid, step=step)
         self.running[step] = (process, path)
         log.info("task eval of step %d started (%s; pid %d, output in %s)", step, ", ".join(self.tasks), process.pid,
                  self.folder / f"step_{step}.log")
 
     def _reaped(self, step: int, process: subprocess.Popen) -> None:
         self.running.pop(step, None)
+        self._stop(step, process)  # anything it started and left behind
         self.manager.pinned.discard(step)
         self.manager.prune()  # what trainer.keep_checkpoints held back for this evaluation goes now
         if process.returncode != 0 or harness.read_result(harness.result_path(self.folder, step)) is None:

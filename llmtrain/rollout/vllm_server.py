@@ -44,7 +44,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from llmtrain.common.errors import ConfigError
+from llmtrain.common import children
+from llmtrain.common.errors import ChildDied, ConfigError
 from llmtrain.parallel import distributed
 from llmtrain.rollout.engines import RolloutEngine
 from llmtrain.rollout.generate import Completion, Sampling
@@ -157,7 +158,8 @@ class VLLMEngine(RolloutEngine):
         self.own_server = not self.url
         self.sync_every = int(cfg.rollout.sync_every)
         self.lora = cfg.get("peft") is not None
-        self.work = Path(str(cfg.run_dir)) / "rollout-weights"
+        self.run_dir = Path(str(cfg.run_dir))
+        self.work = self.run_dir / "rollout-weights"
         self.process: subprocess.Popen | None = None
         self.version: int | None = None  # the optimizer step whose weights the server holds
         self.model_name = SERVED_NAME
@@ -187,6 +189,10 @@ class VLLMEngine(RolloutEngine):
 
     def _launch(self, model_dir: Path) -> None:
         port = int(self.cfg.rollout.vllm_port) or _free_port()
+        holder = children.port_holder(port) if int(self.cfg.rollout.vllm_port) else ""
+        if holder:  # the run folder's own leftovers were stopped when its lock was taken: this is another's
+            raise VLLMServerError(f"rollout.vllm_port={port} is held by {holder}, not by a server of this run "
+                                  "folder: stop it, or set rollout.vllm_port=0 (a free port)")
         command = server_command(self.cfg, model_dir, port)
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -200,6 +206,7 @@ class VLLMEngine(RolloutEngine):
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True,
                                             preexec_fn=lambda: distributed.die_with_parent(signal.SIGTERM))
+        children.remember(self.run_dir, "vLLM server", self.process.pid, port=port)  # a rerun stops it if we cannot
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + float(self.cfg.rollout.vllm_start_timeout_s)
         started = time.monotonic()
@@ -217,21 +224,20 @@ class VLLMEngine(RolloutEngine):
                               f"{self.cfg.rollout.vllm_start_timeout_s}; its log ({logfile}) ends:\n{_tail(logfile)}")
 
     def close(self) -> None:
-        """Stop the server this run started (its whole process group: the API server, its engine
-        core and workers), and remove the weights written for it."""
+        """Stop the server this run started: its whole process group (the API server, its engine
+        core and workers), also when the API server itself has died and left its engine running
+        (:func:`llmtrain.common.children.stop_group`: SIGTERM, 30 s, SIGKILL); remove the weights
+        written for it."""
         process, self.process = self.process, None
         background, self.background = self.background, None
         if background is not None:  # requests in flight fail once the server is gone; nobody reads them
             background.shutdown(wait=False, cancel_futures=True)
-        if process is not None and process.poll() is None:
-            try:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        if process is not None:
+            left = children.stop_group(process.pid, process)
+            if left:
+                log.warning("rollout: vLLM server processes %s did not end after SIGKILL", left)
+            else:
+                children.forget(self.run_dir, process.pid)
         if self.own_server and self.work.is_dir():
             shutil.rmtree(self.work, ignore_errors=True)
 
@@ -252,15 +258,18 @@ class VLLMEngine(RolloutEngine):
         distributed.barrier()
         folder = self.work / f"step_{step}"
         self.publish(folder, "adapter" if self.lora else "model")
-        error = ""
+        error, died = "", False
         if policy.env.is_main:
             try:
                 self._load(folder, step)
             except (OSError, VLLMServerError) as err:
-                error = f"rollout.engine=vllm: sending the weights of step {step} to {self.url} failed: {err}"
-        errors = [e for e in distributed.all_gather_objects(error) if e]
+                gone = self._gone(err)
+                died = isinstance(gone, ChildDied)
+                error = str(gone) if died else (f"rollout.engine=vllm: sending the weights of step {step} to "
+                                                f"{self.url} failed: {err}")
+        errors = [e for e in distributed.all_gather_objects((died, error) if error else None) if e]
         if errors:
-            raise VLLMServerError(errors[0])
+            raise (ChildDied if errors[0][0] else VLLMServerError)(errors[0][1])
         previous, self.version = self.version, step
         self.model_name = f"policy-step{step}" if self.lora else SERVED_NAME
         if policy.env.is_main and previous is not None and previous >= 0:
@@ -317,12 +326,50 @@ class VLLMEngine(RolloutEngine):
             body["stop"] = list(s.stop)
         try:
             choice = _request(self.url, "/v1/completions", body)["choices"][0]
-        except (OSError, KeyError, IndexError) as err:
+        except (OSError, VLLMServerError) as err:
+            raise self._gone(err) from None
+        except (KeyError, IndexError) as err:
             raise VLLMServerError(f"rollout.engine=vllm: a completion request to {self.url} failed: {err!r}") from None
         ids = [int(t) for t in choice["token_ids"]]
         logps = (choice.get("logprobs") or {}).get("token_logprobs")
         return Completion(ids, truncated=choice.get("finish_reason") == "length",
                           logps=[float(v) for v in logps] if logps and seed is not None else None)
+
+    def _gone(self, err: Exception) -> Exception:
+        """The error for a request that failed: one line naming the server, how it ended (for the
+        one this rank started) and the fix, when it is dead or does not answer
+        (:class:`~llmtrain.common.errors.ChildDied`); a :class:`VLLMServerError` for another
+        failure of a live server."""
+        process = self.process
+        logfile = self.run_dir / "vllm_server.log"
+        if process is not None:
+            try:  # a killed server's connections close a moment before the process can be reaped
+                process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+        if process is not None and process.returncode is not None:
+            status = process.returncode
+            how = (f"was killed by {_signal_name(-status)} mid-run" if status < 0 else
+                   f"exited with status {status} mid-run (an engine process died: its log says why)")
+            if status == -signal.SIGKILL:
+                how += " (the OOM killer or a node agent?)"
+            return ChildDied(f"rollout.engine=vllm: the vLLM server (pid {process.pid}) {how}; its engine processes "
+                             f"are stopped; its log: {logfile}. Rerun the same command: the run continues from its "
+                             "last checkpoint")
+        refused = isinstance(err, ConnectionError) or isinstance(getattr(err, "reason", None), ConnectionError)
+        if refused:
+            return ChildDied(f"rollout.engine=vllm: the vLLM server at {self.url} stopped answering mid-run ({err}); "
+                             "restart it (a server of rank 0: rerun the same command, the run continues from its "
+                             "last checkpoint)")
+        return err if isinstance(err, VLLMServerError) else VLLMServerError(
+            f"rollout.engine=vllm: a request to {self.url} failed: {err!r}")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name of its own
+        return f"signal {number}"
 
 
 def _tail(path: Path, lines: int = 25) -> str:
