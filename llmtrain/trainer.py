@@ -137,7 +137,9 @@ class Trainer:
                                                                                   self.fingerprint)
         self.objective = build_objective(cfg.get("objective"))
         self.objective.setup(cfg)
-        self._check_data_for_objective()
+        # What the objective needs that only the data can tell (a margin column, a resumed run's
+        # precomputed reference log-probs matching it), before anything is written: DataError, ResumeError.
+        reference.check_data(self.cfg, self.objective, self.splits, self.run_dir, self.resume_from is not None)
         self.online = setup_online(cfg, self.objective, self.tokenizer, self.splits, self.env, self.dims, phases,
                                    lambda m: model_config(m).vocab_size, self.hf_config.vocab_size, self._publish)
         # Dynamo's count is per process: another run earlier in it (a sweep, a test) is not ours.
@@ -307,16 +309,6 @@ class Trainer:
         engine.setup(model)
         engine.train(True)
         return engine
-
-    def _check_data_for_objective(self) -> None:
-        """What the objective needs of the data that only the data can tell, before anything is
-        written: a margin column for ``objective.margin_column``, and a resumed run's precomputed
-        reference log-probs matching the data (:func:`reference.check_stored`).
-
-        Raises:
-            DataError, ResumeError: naming the field or file and the fix.
-        """
-        reference.check_data(self.cfg, self.objective, self.splits, self.run_dir, self.resume_from is not None)
 
     def _build_model(self):
         """The model with its initial weights (the policy, or its frozen reference copy)."""
@@ -556,7 +548,10 @@ class Trainer:
             goodput.timeline_event(self.run_dir, "end", step=self.state.step,
                                    reason="preempted" if "preempted_at" in summary else "finished")
             self._write_expert_load()
-            if self.cfg.tracker.report and (png := _write_report_or_warn(self.run_dir)):
+            # matplotlib (about 0.5 s) is imported only by runs that write a report, and only when they end.
+            from llmtrain.monitoring.report import write_report_or_warn
+
+            if self.cfg.tracker.report and (png := write_report_or_warn(self.run_dir)):
                 summary["report"] = png
                 closing.append(f"run report: {png} and {Path(png).with_suffix('.md')}")
                 self.tracker.log_files([self.run_dir / "report.png", self.run_dir / "report.md"])  # MLflow, wandb
@@ -573,8 +568,7 @@ class Trainer:
         return summary
 
     def stop_children(self) -> None:
-        """Stop every process this run started and still runs (a vLLM server, task evaluations),
-        each one's whole process group; idempotent, for an ending on an error."""
+        """Stop each process group this run started (a vLLM server, task evaluations): an error's ending."""
         self.close_sampler()
         if getattr(self, "task_evals", None) is not None and self.env.is_main:
             self.task_evals.stop()  # a resume evaluates their checkpoints again
@@ -583,13 +577,6 @@ class Trainer:
         """Stop what an online objective's rollout engine started (a vLLM server); idempotent."""
         if getattr(self, "online", None):
             self.online.close()
-
-
-def _write_report_or_warn(run_dir: Path) -> str | None:
-    # matplotlib (about 0.5 s) is imported only by runs that write a report, and only when they end.
-    from llmtrain.monitoring.report import write_report_or_warn
-
-    return write_report_or_warn(run_dir)
 
 
 def train(cfg: Any) -> dict[str, Any]:
