@@ -90,19 +90,26 @@ def cache_argument(model: torch.nn.Module) -> str:
 @torch.no_grad()
 def sample_group(model: torch.nn.Module, prompt_ids: list[int], seeds: list[int | None], sampling: Sampling,
                  device: torch.device, decode: Callable[[list[int]], str] | None = None,
-                 autocast: Callable[[], ContextManager] | None = None) -> list[Completion]:
+                 autocast: Callable[[], ContextManager] | None = None,
+                 images: dict[str, torch.Tensor] | None = None) -> list[Completion]:
     """One completion per seed of ``prompt_ids``, decoded as one batch with a KV cache (``model``
     in eval mode; no collectives: call it where the model's weights are whole on this rank).
-    A seed of None decodes greedily. ``decode`` (ids -> text) is needed for ``sampling.stop``."""
+    A seed of None decodes greedily. ``decode`` (ids -> text) is needed for ``sampling.stop``.
+    ``images``: an image-text prompt's image tensors for one row (the image processor's, e.g.
+    ``pixel_values``), repeated for each row of the group and given to the prompt's forward only:
+    later steps read the image tokens' keys and values from the cache."""
     from transformers import DynamicCache
 
     rows = len(seeds)
     generators = [torch.Generator().manual_seed(s) if s is not None and sampling.temperature else None for s in seeds]
     ids = torch.tensor([prompt_ids] * rows, dtype=torch.long, device=device)
     cache = {cache_argument(model): DynamicCache()}
+    # Every family's image tensors lead with the row (Idefics3) or the image (LLaVA): G copies of
+    # one row's are the group's, in row order.
+    pixels = {k: v.to(device).repeat(rows, *[1] * (v.dim() - 1)) for k, v in (images or {}).items()}
     context = autocast or torch.no_grad
     with context():
-        logits = model(input_ids=ids, use_cache=True, **cache).logits[:, -1].float().cpu()
+        logits = model(input_ids=ids, use_cache=True, **cache, **pixels).logits[:, -1].float().cpu()
     out: list[list[int]] = [[] for _ in range(rows)]
     done = [False] * rows
     for _ in range(sampling.max_new):
