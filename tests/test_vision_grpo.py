@@ -94,7 +94,9 @@ def test_grpo_on_image_prompts_uses_the_pixels_in_generation_and_in_the_loss(tmp
     logged = [json.loads(line) for line in (run / "completions" / "step_1.jsonl").read_text().splitlines()]
     # Two prompts a step (two micro-batches of one), two completions each, each scored by the answer reward.
     assert len(logged) == 4 and all(r["rewards"]["answer"] in (0.0, 1.0) for r in logged)
-    assert logged[0]["record"] == logged[1]["record"] and logged[0]["prompt"][0]["content"][0] == {"type": "image"}
+    assert logged[0]["record"] == logged[1]["record"]
+    assert [turn["role"] for turn in logged[0]["prompt"]] == ["user"]  # the reference answer's turn left out
+    assert logged[0]["prompt"][0]["content"][0]["type"] == "image"
 
     batch = seen[0]
     assert batch["pixel_values"].shape == (2, 1, 3, 16, 16)  # Idefics3: rows, images, channels, 16x16

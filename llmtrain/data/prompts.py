@@ -7,6 +7,15 @@ with the chat template and its generation prompt; a string is too when the token
 template (``data.template=auto``, or ``chatml`` / a Jinja file), as one user message, or is the
 Alpaca prompt's instruction (``data.template=alpaca``); otherwise it is the text itself (TRL's
 "standard" prompts). A sample is ``{"prompt_ids": [...], "record": i, **the record}``.
+
+Image prompts (an image-text model): a message-list prompt with ``{"type": "image"}`` parts and an
+``images`` column (``data.columns.images`` maps another) of paths relative to the data file's
+folder, TRL's conversational vision layout. The prompt's ids have each image placeholder expanded
+into the image's tokens (:func:`llmtrain.data.vision.encode_image_prompt`), and the sample's
+``images`` holds the absolute paths, which the rollout reads again for generation and for the
+policy's forward. Such a prompt's trailing assistant turns are left out (of its ids and of the
+``prompt`` the reward functions and the completion logs get): in an SFT-layout file such as the
+digits' they hold the reference answer, which the ``answer`` column gives.
 """
 
 from __future__ import annotations
@@ -82,8 +91,11 @@ def encode_prompts(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: s
             if not isinstance(record[name], list):
                 raise DataError(f"{where} record {index}: a prompt with images is a message list with "
                                 "{'type': 'image'} parts, one per path of field " + repr(images))
-            ids = encode_image_prompt(record[name], paths, tokenizer, f"{where} record {index}")
-            extra = {"images": [str(p) for p in paths]}
+            turns = list(record[name])
+            while turns and isinstance(turns[-1], dict) and turns[-1].get("role") == "assistant":
+                turns.pop()  # the reference answer of an SFT-layout file: not the prompt (logged, rewarded)
+            ids = encode_image_prompt(turns, paths, tokenizer, f"{where} record {index}")
+            extra = {"images": [str(p) for p in paths], name: turns}
         else:
             ids = render(record[name], tokenizer, str(data_cfg.template), f"{where} record {index}")
             extra = {"images": []} if images else {}
