@@ -144,3 +144,21 @@ def test_image_prompts_on_another_engine_are_refused_in_one_line(tmp_path, overr
     with pytest.raises(ConfigError, match=re.escape(message)):
         train(make_cfg(overrides(write_prompts(tmp_path), run, override)))
     assert not (run / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("model,parts,message", [
+    ("tiny_llama", 1, "train.jsonl line 1: field 'images' holds 1 image(s), and the model is text-only (no image processor)"),
+    ("tiny_idefics3", 2, "train.jsonl line 1: 2 image part(s) in the prompt but 1 path(s) in field 'images'"),
+])
+def test_bad_image_prompts_are_data_errors_naming_the_line(tmp_path, model, parts, message):
+    from llmtrain import data
+    from llmtrain.common.errors import DataError
+    from llmtrain.models.build import build_tokenizer
+
+    path = write_prompts(tmp_path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[0]["messages"][0]["content"] = [{"type": "image"}] * parts + [{"type": "text", "text": "which colour?"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = make_cfg([a for a in overrides(path, tmp_path / "run") if not a.startswith("model=")] + [f"model={model}"])
+    with pytest.raises(DataError, match=re.escape(message)):
+        data.load_splits(cfg.data, build_tokenizer(cfg.model), 0, prompt_budget=256 - 4)
