@@ -125,7 +125,8 @@ def test_grpo_on_image_prompts_uses_the_pixels_in_generation_and_in_the_loss(tmp
     key = record * 2**32 + zlib.crc32(str(prompt_ids).encode())
     seeds = [completion_seed(cfg.trainer.seed, 0, key, k) for k in range(2)]
     sampling = Sampling(temperature=float(cfg.rollout.temperature), max_new=4,
-                        end_ids=frozenset(data.end_token_ids(cfg.data, tokenizer)))
+                        end_ids=frozenset(data.end_token_ids(cfg.data, tokenizer)),
+                        suppress=frozenset([processor_of(tokenizer).image_token_id]))
     one = {k: v[:1] for k, v in pixels.items()}
     drawn = sample_group(model, prompt_ids, seeds, sampling, torch.device("cpu"), images=one)
     assert [c.ids for c in drawn] == [batch["labels"][k][mask[k]].tolist() for k in range(2)]
@@ -162,3 +163,21 @@ def test_bad_image_prompts_are_data_errors_naming_the_line(tmp_path, model, part
     cfg = make_cfg([a for a in overrides(path, tmp_path / "run") if not a.startswith("model=")] + [f"model={model}"])
     with pytest.raises(DataError, match=re.escape(message)):
         data.load_splits(cfg.data, build_tokenizer(cfg.model), 0, prompt_budget=256 - 4)
+
+
+def test_the_image_token_is_never_sampled():
+    """A completion holding the image token would stand for an image without pixels (the model's
+    forward refuses the batch: "Image features and image tokens do not match"): the sampler of an
+    image-text model suppresses it, greedy or sampled, as transformers' SuppressTokensLogitsProcessor."""
+    from llmtrain.models.build import build_tokenizer
+    from llmtrain.rollout import build_sampler
+    from llmtrain.rollout.generate import Sampling, next_token
+
+    cfg = make_cfg(overrides(Path("unused.jsonl"), Path("run")))
+    sampler = build_sampler(cfg, build_tokenizer(cfg.model), [259])
+    assert sampler.sampling.suppress == frozenset([261])  # tiny_idefics3's <image>
+    logits = torch.full((320,), -5.0)
+    logits[261], logits[7] = 10.0, 1.0
+    assert next_token(logits, sampler.sampling, None) == 7  # greedy: the best token that is not <image>
+    drawn = {next_token(logits, sampler.sampling, torch.Generator().manual_seed(s)) for s in range(50)}
+    assert 261 not in drawn and next_token(logits, Sampling(), None) == 261

@@ -30,7 +30,9 @@ def completion_seed(seed: int, generation: int, record: int, index: int) -> int:
 class Sampling:
     """How to draw tokens: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off),
     at most ``max_new`` tokens, ending at any of ``end_ids`` (kept) or once the text contains one
-    of ``stop`` (kept)."""
+    of ``stop`` (kept); never one of ``suppress`` (an image-text model's image token: in a
+    completion it would stand for an image that the forward has no pixels for, and the model's
+    forward refuses a batch whose image tokens and images do not match)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -38,10 +40,14 @@ class Sampling:
     max_new: int = 256
     end_ids: frozenset[int] = field(default_factory=frozenset)
     stop: tuple[str, ...] = ()
+    suppress: frozenset[int] = field(default_factory=frozenset)
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """One token from fp32 ``logits`` ``[vocab]`` (CPU) under ``sampling`` (see the module)."""
+    if sampling.suppress:  # as transformers' SuppressTokensLogitsProcessor: -inf, before anything else
+        logits = logits.clone()
+        logits[[t for t in sampling.suppress if t < logits.numel()]] = float("-inf")
     if sampling.temperature == 0 or generator is None:
         return int(torch.argmax(logits))
     scores = logits / sampling.temperature
