@@ -367,7 +367,7 @@ def test_an_error_found_in_start_up_is_not_preceded_by_the_resume_decision(tmp_p
                     "trainer.global_batch_size=2", "trainer.micro_batch_size=1", *FAST, f"run_dir={run_dir}"])
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == ["llmtrain: error: reward.functions[0]='gsm8kk': did you mean gsm8k? it is "
-                                        "neither a built-in (format, gsm8k, length, model) nor module:function"]
+                                        "neither a built-in (answer, format, gsm8k, length, model) nor module:function"]
     assert "start-up: checkpoints" in proc.stdout and "resume=" not in proc.stdout, proc.stdout[-3000:]
     assert not run_dir.exists()
 

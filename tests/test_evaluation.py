@@ -169,7 +169,7 @@ def test_missing_data_and_unknown_tasks_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(DataError, match=r"hh_rlhf_harmless_test.jsonl.gz is not in .*data_dir=DIR"):
         harness.check_tasks(["hh_local"], harness.include_paths(), data_dir=str(tmp_path))
     with pytest.raises(ConfigError, match=r"unknown evaluation task\(s\) no_such_task: not among the local tasks "
-                                          r"\(alpaca_local, gsm8k_local, hh_local"):
+                                          r"\(alpaca_local, digits_local, gsm8k_local, hh_local"):
         harness.task_manager(["no_such_task"], harness.include_paths())
     with pytest.raises(ConfigError, match="task folder .* does not exist"):
         harness.include_paths([str(tmp_path / "missing")])

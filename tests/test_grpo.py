@@ -344,7 +344,7 @@ def test_a_misspelt_reward_name_gets_the_closest_one():
     from llmtrain.rollout import rewards
 
     with pytest.raises(ConfigError, match=re.escape("reward.functions[1]='gsm8kk': did you mean gsm8k? it is neither a "
-                                                    "built-in (format, gsm8k, length, model) nor module:function")):
+                                                    "built-in (answer, format, gsm8k, length, model) nor module:function")):
         rewards.build(["format", "gsm8kk"], [], 8)
     with pytest.raises(ConfigError, match=re.escape("(module 'tests.grpo_fixtures' has no 'odd_token'); did you mean "
                                                     "odd_tokens? give importable.module:function")):

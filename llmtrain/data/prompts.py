@@ -7,15 +7,26 @@ with the chat template and its generation prompt; a string is too when the token
 template (``data.template=auto``, or ``chatml`` / a Jinja file), as one user message, or is the
 Alpaca prompt's instruction (``data.template=alpaca``); otherwise it is the text itself (TRL's
 "standard" prompts). A sample is ``{"prompt_ids": [...], "record": i, **the record}``.
+
+Image prompts (an image-text model): a message-list prompt with ``{"type": "image"}`` parts and an
+``images`` column (``data.columns.images`` maps another) of paths relative to the data file's
+folder, TRL's conversational vision layout. The prompt's ids have each image placeholder expanded
+into the image's tokens (:func:`llmtrain.data.vision.encode_image_prompt`), and the sample's
+``images`` holds the absolute paths, which the rollout reads again for generation and for the
+policy's forward. Such a prompt's trailing assistant turns are left out (of its ids and of the
+``prompt`` the reward functions and the completion logs get): in an SFT-layout file such as the
+digits' they hold the reference answer, which the ``answer`` column gives.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from llmtrain.common.errors import ConfigError, DataError
 from llmtrain.data.formats import alpaca_prompt
 from llmtrain.data.sources import column, record_errors
+from llmtrain.data.vision import encode_image_prompt, image_paths, images_column
 from llmtrain.config.schema import mapped_columns
 
 
@@ -67,12 +78,27 @@ def encode_prompts(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: s
     answer = column(records, src, "answer", key, "prompts", where) if "answer" in mapped_columns(src.columns) else None
     drop = data_cfg.truncation == "drop"
     lengths: list[int] = []
+    images = images_column(records, src)
+    path = Path(str(src.path)).expanduser()
+    base = path if path.is_dir() else path.parent  # relative image paths: next to the data file
 
     def encode(record: dict, index: int) -> dict:
         # Every column decoded now (a lazy row decodes only what is read): a record that is not
         # UTF-8 fails here, named, and not when a reward function reads its answer mid-run.
         record = dict(record)
-        ids = render(record[name], tokenizer, str(data_cfg.template), f"{where} record {index}")
+        paths = image_paths(record.get(images), base, f"{where} record {index}", images) if images else []
+        if paths:
+            if not isinstance(record[name], list):
+                raise DataError(f"{where} record {index}: a prompt with images is a message list with "
+                                "{'type': 'image'} parts, one per path of field " + repr(images))
+            turns = list(record[name])
+            while turns and isinstance(turns[-1], dict) and turns[-1].get("role") == "assistant":
+                turns.pop()  # the reference answer of an SFT-layout file: not the prompt (logged, rewarded)
+            ids = encode_image_prompt(turns, paths, tokenizer, f"{where} record {index}")
+            extra = {"images": [str(p) for p in paths], name: turns}
+        else:
+            ids = render(record[name], tokenizer, str(data_cfg.template), f"{where} record {index}")
+            extra = {"images": []} if images else {}
         if not ids:  # nothing to continue from: the model cannot sample a first token
             raise DataError(f"{where} record {index}: the prompt ({name!r}) is empty; give every record a prompt")
         if len(ids) > budget and not drop:
@@ -80,7 +106,7 @@ def encode_prompts(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: s
                             f"data.seq_len={data_cfg.seq_len} leaves beside rollout.max_completion_length; raise "
                             "data.seq_len, lower rollout.max_completion_length, or set data.truncation=drop to drop "
                             "such prompts")
-        return {"prompt_ids": ids, "record": index}
+        return {"prompt_ids": ids, "record": index, **extra}
 
     with record_errors(where):  # a record refused names its line; one not UTF-8 names its byte
         encoded = records.map(encode, with_indices=True, desc=f"encode {src.name}")

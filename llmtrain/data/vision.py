@@ -97,7 +97,12 @@ def load_image(path: Path, where: str, field: str):
         raise DataError(f"{where}: field {field!r}: image {path} cannot be read: {err}") from None
 
 
-def _image_paths(value: Any, base: Path, where: str, field: str) -> list[Path]:
+def image_paths(value: Any, base: Path, where: str, field: str) -> list[Path]:
+    """A record's image paths (``value``: a list of strings, or None), relative ones under ``base``.
+
+    Raises:
+        DataError: ``value`` is not a list of strings (naming ``where`` and ``field``).
+    """
     if value is None:
         return []
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -134,7 +139,7 @@ class ImageChatEncoder:
     def __call__(self, record: dict, i: int) -> tuple[list[int], list[int], list[str]] | None:
         at = f"{self.where} record {i}"
         turns, placeholders = parts_conversation(record, self.field, at)
-        paths = _image_paths(record.get(self.images), self.base, at, self.images)
+        paths = image_paths(record.get(self.images), self.base, at, self.images)
         if paths and self.processor is None:
             raise DataError(f"{at}: field {self.images!r} holds {len(paths)} image(s), and the model is text-only "
                             "(no image processor); use an image-text model (e.g. model=tiny_idefics3) or drop "
@@ -252,9 +257,53 @@ class ImageCollator(Collator):
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         batch = super().__call__(samples)
-        nested = [[load_image(Path(p), "data", "images") for p in s["images"]] for s in samples if s.get("images")]
-        if nested:
-            pixels = self.processor.image_processor(images=nested, return_tensors="pt")
-            batch.update({key: pixels[key] for key in IMAGE_INPUTS if key in pixels})
+        batch.update(image_tensors(self.processor, [s.get("images") or [] for s in samples]))
         return batch
+
+
+def image_tensors(processor: Any, paths: list[list[str]]) -> dict[str, torch.Tensor]:
+    """The image processor's forward tensors (:data:`~llmtrain.common.images.IMAGE_INPUTS` it
+    gives) of each row's images, read from ``paths`` (one list per row, in order; rows without
+    images add none), as :class:`ImageCollator` hands them to the model: Idefics3
+    ``pixel_values`` ``[rows with images, images, 3, H, W]``, LLaVA ``[images, 3, H, W]``;
+    ``{}`` when no row has an image.
+
+    Raises:
+        DataError: an image missing or unreadable (naming its path).
+    """
+    nested = [[load_image(Path(p), "data", "images") for p in row] for row in paths if row]
+    if not nested:
+        return {}
+    pixels = processor.image_processor(images=nested, return_tensors="pt")
+    return {key: pixels[key] for key in IMAGE_INPUTS if key in pixels}
+
+
+def encode_image_prompt(turns: list[dict], paths: list[Path], tokenizer: Any, where: str) -> list[int]:
+    """The token ids an image-text model is prompted with for the conversation ``turns`` (OpenAI
+    layout with ``{"type": "image"}`` parts) and its images at ``paths``: the processor's chat
+    template with the generation prompt, each image placeholder expanded into the image's tokens
+    (as :class:`ImageChatEncoder` does for SFT). Trailing assistant turns are left out: in an SFT
+    file such as the digits' they hold the reference answer, which the ``answer`` column gives.
+
+    Raises:
+        DataError: images for a text-only model, image parts that do not match the paths in
+            number, a missing or unreadable image (naming ``where`` and the field).
+    """
+    from llmtrain.data.formats import render as render_chat
+
+    processor = processor_of(tokenizer)
+    if processor is None:
+        raise DataError(f"{where}: field 'images' holds {len(paths)} image(s), and the model is text-only (no image "
+                        "processor); use an image-text model (e.g. model=tiny_idefics3) or drop the images")
+    checked, _ = parts_conversation({"prompt": turns}, "prompt", where)
+    while checked and checked[-1]["role"] == "assistant":
+        checked = checked[:-1]
+    parts = sum(1 for t in checked if isinstance(t["content"], list) for p in t["content"] if p["type"] == "image")
+    if parts != len(paths):
+        raise DataError(f"{where}: {parts} image part(s) in the prompt but {len(paths)} path(s) in field 'images'; "
+                        "each {'type': 'image'} part needs one image, in order")
+    text = render_chat(tokenizer, checked, True, where)
+    pictures = [load_image(p, where, "images") for p in paths]
+    out = processor(text=[text], images=[pictures] if pictures else None, add_special_tokens=False)
+    return [int(t) for t in out["input_ids"][0]]
 

@@ -14,6 +14,12 @@ Scores are flattened as ``eval/TASK/METRIC`` (a harness filter other than ``none
 documents it was scored on, and written with the harness's whole results to ``eval/step_N.json``
 (:func:`write_result`). A score is logged once per step, unless a later evaluation of the same step
 covers more documents, which supersedes it (:func:`unlogged`).
+
+An image-text model's export (a ``config.json`` with a ``vision_config``) is loaded by the
+harness's multimodal wrapper instead (``HFMultimodalLM``, ``lm_eval --model hf-multimodal``) and
+prompted through its processor's chat template (``--apply_chat_template``, the layout it was
+fine-tuned in): image tasks (``digits_local``) hand it their images; text-only requests fall back
+to ``HFLM``'s own code.
 """
 
 from __future__ import annotations
@@ -313,10 +319,38 @@ def check_source(source: EvalSource) -> None:
                               "and has no language-model head for lm-eval's tasks")
     if source.kind == "export":
         architectures = json.loads((source.path / "config.json").read_text()).get("architectures") or []
-        if not any(a.endswith("ForCausalLM") for a in architectures):
+        if not any(a.endswith("ForCausalLM") for a in architectures) and not is_image_text(source.path):
             raise ConfigError(f"export {source.path} is a {', '.join(architectures) or 'model without a stated '}"
                               " architecture, not a causal language model (a reward model scores sequences): "
                               "lm-eval's tasks need a language-model head")
+
+
+def is_image_text(folder: Path) -> bool:
+    """Whether the Hugging Face folder holds an image-text model (its ``config.json`` has a
+    ``vision_config``, as every ``AutoModelForImageTextToText`` family's does)."""
+    config = Path(folder) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
+
+
+def _harness_model(folder: str, dtype: str, batch_size: int | str, device: str) -> tuple[Any, bool]:
+    """(the harness's model wrapper of ``folder``, whether to apply its chat template): ``HFLM``
+    and False for a language model; ``HFMultimodalLM`` and True (when its processor has a chat
+    template) for an image-text one (see the module).
+
+    Raises:
+        ConfigError: ``batch_size=auto`` for an image-text model (the harness does not size its batches).
+    """
+    if not is_image_text(Path(folder)):
+        from lm_eval.models.huggingface import HFLM
+
+        return HFLM(pretrained=folder, dtype=dtype, batch_size=batch_size, device=device), False
+    if not isinstance(batch_size, int):
+        raise ConfigError(f"batch_size={batch_size}: lm-eval's multimodal model takes a number of documents, not "
+                          "auto; give batch_size=8")
+    from lm_eval.models.hf_vlms import HFMultimodalLM
+
+    lm = HFMultimodalLM(pretrained=folder, dtype=dtype, batch_size=batch_size, device=device)
+    return lm, bool(getattr(lm.processor, "chat_template", None))
 
 
 def evaluate(source: EvalSource, tasks: list[str], include: list[str] | None = None, data_dir: str | None = None,
@@ -335,15 +369,14 @@ def evaluate(source: EvalSource, tasks: list[str], include: list[str] | None = N
     """
     lazy_datasets.module()  # the harness imports datasets: its bars as the run set them
     import lm_eval
-    from lm_eval.models.huggingface import HFLM
 
     include = include if include is not None else include_paths()
     manager = manager if manager is not None else check_tasks(tasks, include, data_dir, data_file)
     with model_folder(source) as pretrained, _quiet_harness(), _git_hash_without_stderr():
-        lm = HFLM(pretrained=pretrained, dtype=dtype, batch_size=batch_size, device=device)
+        lm, chat = _harness_model(pretrained, dtype, batch_size, device)
         results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
                                           num_fewshot=num_fewshot, bootstrap_iters=bootstrap_iters,
-                                          log_samples=False)
+                                          log_samples=False, apply_chat_template=chat)
     return results
 
 

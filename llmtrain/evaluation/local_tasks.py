@@ -26,6 +26,7 @@ DATA_DIR_ENV = "LLMTRAIN_DATA_DIR"
 HH_FILES = ("hh_rlhf_harmless_test.jsonl.gz",)  # anthropics/hh-rlhf harmless-base/test.jsonl.gz, saved so
 ALPACA_FILES = ("alpaca_data.json", "alpaca_5000.json")  # Stanford Alpaca's download, or a 5,000-record subset
 GSM8K_FILES = ("gsm8k_test.jsonl", "gsm8k_test.jsonl.gz")  # openai/grade-school-math's test.jsonl, saved so
+DIGITS_FILES = ("digits/test.jsonl",)  # scripts/make_digits.py's folder (docs/vision.md), images beside it
 
 
 def _data_file(names: tuple[str, ...], data_dir: str | None = None, data_file: str | None = None) -> Path:
@@ -181,3 +182,56 @@ def gsm8k_scores(doc: dict, results: list[str]) -> dict[str, Any]:
     from llmtrain.rollout.rewards import gsm8k_reward
 
     return {"exact_match": float(gsm8k_reward([results[0]], answer=[doc["answer"]])[0] or 0.0)}
+
+
+def digits_images(data_dir: str | None = None, data_file: str | None = None, **_: Any) -> dict[str, Any]:
+    """The digits test set (``digits/test.jsonl``, TRL's conversational vision layout with an
+    ``answer`` column; docs/vision.md) as ``{"prompt", "image", "answer"}`` documents: the prompt
+    is the record's user text after lm-eval's ``<image>`` placeholder (which ``hf-multimodal``
+    turns into an image part of the chat, or the model's image token), ``image`` the path of its
+    one image (relative paths are relative to the file's folder; :func:`digit_image` opens it).
+
+    Raises:
+        DataError: the file is missing, or a line is not a one-image record with an answer.
+    """
+    path = _data_file(DIGITS_FILES, data_dir, data_file)
+    rows = []
+    with _open_text(path) as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                [user] = [m for m in record["messages"] if m["role"] == "user"]
+                parts = user["content"] if isinstance(user["content"], list) else [{"type": "text", "text": user["content"]}]
+                text = " ".join(p["text"] for p in parts if p.get("type") == "text").strip()
+                [image] = record["images"]
+                answer = str(record["answer"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+                raise DataError(f"{path} line {number}: not a one-image record with a user turn and an answer "
+                                f"({type(err).__name__}: {err})") from err
+            image_path = Path(image).expanduser()
+            rows.append({"prompt": f"<image>{text}", "image": str(image_path if image_path.is_absolute()
+                                                                   else path.parent / image_path), "answer": answer})
+    return _dataset(rows, path)
+
+
+def digit_image(doc: dict) -> list[Any]:
+    """lm-eval ``doc_to_image`` of ``digits_local``: the document's image, RGB (PIL), in a list
+    (``hf-multimodal`` reads each request's ``visual`` list).
+
+    Raises:
+        DataError: the image is missing or PIL cannot read it (naming the path).
+    """
+    from llmtrain.data.vision import load_image
+
+    return [load_image(Path(doc["image"]), "digits_local", "images")]
+
+
+def digit_scores(doc: dict, results: list[str]) -> dict[str, Any]:
+    """lm-eval ``process_results`` of ``digits_local``: ``exact_match`` is 1 when the generated
+    text's final answer is the digit (online RL's ``answer`` reward: "7", " 7." and "The digit is
+    7" match "7"), so the task and a GRPO run's reward check answers the same way."""
+    from llmtrain.rollout.rewards import answer_matches
+
+    return {"exact_match": float(answer_matches(results[0], doc["answer"]))}

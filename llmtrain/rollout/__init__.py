@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.common.errors import ConfigError, import_object
+from llmtrain.common.images import processor_of
 from llmtrain.config.schema import mapped_columns
 from llmtrain.rollout import rewards
 from llmtrain.rollout.engines import PolicySampler, RolloutEngine
@@ -50,7 +51,7 @@ def build_rewards(cfg: Any, samples: list[dict], device: Any = "cpu", answers: l
             raise ConfigError(f"reward.functions[{k}]={f.name} reads each record's {missing[0]!r} column, which the "
                               f"records of data.path do not have (theirs: {', '.join(extra) or 'none'} besides the "
                               f"prompt); map the column holding them with data.columns.{missing[0]}=YOUR_COLUMN")
-        if "answer" in f.columns and samples:
+        if f.fn is rewards.gsm8k_reward and samples:  # the answer reward takes any string
             check_answers(k, cfg, answers if answers is not None else [s.get("answer") for s in samples])
     for sample in samples:
         for text in ("", "0"):
@@ -97,14 +98,18 @@ def environment_reward() -> rewards.RewardFunction:
 
 def build_sampler(cfg: Any, tokenizer: Any, end_ids: list[int]) -> RolloutEngine:
     """``rollout.engine``'s sampler with the ``rollout`` section's sampling fields, ending
-    completions at ``end_ids`` (the tokenizer's end tokens) and ``rollout.stop``.
+    completions at ``end_ids`` (the tokenizer's end tokens) and ``rollout.stop``, never sampling
+    an image-text model's image token (:class:`Sampling`'s ``suppress``).
 
     Raises:
         ConfigError: an engine that cannot be built (:func:`build_rollout_engine`).
     """
     r = cfg.rollout
+    processor = processor_of(tokenizer)
+    image_token = getattr(processor, "image_token_id", None) if processor is not None else None
     sampling = Sampling(temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
-                        max_new=int(r.max_completion_length), end_ids=frozenset(end_ids), stop=tuple(r.stop))
+                        max_new=int(r.max_completion_length), end_ids=frozenset(end_ids), stop=tuple(r.stop),
+                        suppress=frozenset([image_token] if image_token is not None else []))
     return build_rollout_engine(cfg, tokenizer, sampling)
 
 

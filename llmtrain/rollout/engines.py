@@ -6,7 +6,7 @@ objective. The seam is :class:`RolloutEngine`'s one method; the rest of a genera
   (:mod:`llmtrain.rollout.generate`) on the policy's own weights under the run's layout (the
   engine's :meth:`~llmtrain.engine.base.Engine.generation_model`: whole on DDP and ZeRO 0-2,
   gathered under ZeRO-3 and FSDP2, tensor-parallel peers in lockstep; LoRA through the adapted
-  model).
+  model; image prompts too: their pixels go to each group's prompt forward).
 * ``vllm`` (:class:`llmtrain.rollout.vllm_server.VLLMEngine`): a vLLM server in its own Python
   environment, started and stopped by llmtrain (or one you run), the policy's weights sent to it
   after optimizer steps.
@@ -21,6 +21,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
+from llmtrain.common.images import processor_of
+from llmtrain.data.vision import image_tensors
 from llmtrain.rollout.generate import Completion, Sampling, sample_group
 
 
@@ -76,11 +78,14 @@ class PolicySampler(RolloutEngine):
     def sample(self, policy: Any, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.sampling.stop else None
         groups = []
+        processor = processor_of(self.tokenizer)
         with policy.generation_model() as model:
             model.eval()
             for sample, row_seeds in zip(samples, seeds):
+                # An image prompt's pixels, read as the training batch reads them (one row's).
+                images = image_tensors(processor, [sample["images"]]) if sample.get("images") else None
                 groups.append(sample_group(model, list(sample["prompt_ids"]), row_seeds, self.sampling,
-                                           policy.env.device, decode, policy.generation_autocast))
+                                           policy.env.device, decode, policy.generation_autocast, images))
                 if self.on_sampled is not None:
                     self.on_sampled(1)
         return groups

@@ -30,7 +30,9 @@ def completion_seed(seed: int, generation: int, record: int, index: int) -> int:
 class Sampling:
     """How to draw tokens: ``temperature`` (0: greedy), ``top_k`` (0: off), ``top_p`` (1: off),
     at most ``max_new`` tokens, ending at any of ``end_ids`` (kept) or once the text contains one
-    of ``stop`` (kept)."""
+    of ``stop`` (kept); never one of ``suppress`` (an image-text model's image token: in a
+    completion it would stand for an image that the forward has no pixels for, and the model's
+    forward refuses a batch whose image tokens and images do not match)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -38,10 +40,14 @@ class Sampling:
     max_new: int = 256
     end_ids: frozenset[int] = field(default_factory=frozenset)
     stop: tuple[str, ...] = ()
+    suppress: frozenset[int] = field(default_factory=frozenset)
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """One token from fp32 ``logits`` ``[vocab]`` (CPU) under ``sampling`` (see the module)."""
+    if sampling.suppress:  # as transformers' SuppressTokensLogitsProcessor: -inf, before anything else
+        logits = logits.clone()
+        logits[[t for t in sampling.suppress if t < logits.numel()]] = float("-inf")
     if sampling.temperature == 0 or generator is None:
         return int(torch.argmax(logits))
     scores = logits / sampling.temperature
@@ -90,19 +96,26 @@ def cache_argument(model: torch.nn.Module) -> str:
 @torch.no_grad()
 def sample_group(model: torch.nn.Module, prompt_ids: list[int], seeds: list[int | None], sampling: Sampling,
                  device: torch.device, decode: Callable[[list[int]], str] | None = None,
-                 autocast: Callable[[], ContextManager] | None = None) -> list[Completion]:
+                 autocast: Callable[[], ContextManager] | None = None,
+                 images: dict[str, torch.Tensor] | None = None) -> list[Completion]:
     """One completion per seed of ``prompt_ids``, decoded as one batch with a KV cache (``model``
     in eval mode; no collectives: call it where the model's weights are whole on this rank).
-    A seed of None decodes greedily. ``decode`` (ids -> text) is needed for ``sampling.stop``."""
+    A seed of None decodes greedily. ``decode`` (ids -> text) is needed for ``sampling.stop``.
+    ``images``: an image-text prompt's image tensors for one row (the image processor's, e.g.
+    ``pixel_values``), repeated for each row of the group and given to the prompt's forward only:
+    later steps read the image tokens' keys and values from the cache."""
     from transformers import DynamicCache
 
     rows = len(seeds)
     generators = [torch.Generator().manual_seed(s) if s is not None and sampling.temperature else None for s in seeds]
     ids = torch.tensor([prompt_ids] * rows, dtype=torch.long, device=device)
     cache = {cache_argument(model): DynamicCache()}
+    # Every family's image tensors lead with the row (Idefics3) or the image (LLaVA): G copies of
+    # one row's are the group's, in row order.
+    pixels = {k: v.to(device).repeat(rows, *[1] * (v.dim() - 1)) for k, v in (images or {}).items()}
     context = autocast or torch.no_grad
     with context():
-        logits = model(input_ids=ids, use_cache=True, **cache).logits[:, -1].float().cpu()
+        logits = model(input_ids=ids, use_cache=True, **cache, **pixels).logits[:, -1].float().cpu()
     out: list[list[int]] = [[] for _ in range(rows)]
     done = [False] * rows
     for _ in range(sampling.max_new):

@@ -115,11 +115,12 @@ def setup_online(cfg: Any, objective: Objective, tokenizer: Any, splits: Any, en
         return None
     if objective.reference_model() is not None:
         _check_teacher(cfg, objective, vocab_of, vocab_size)
+    probe = [splits.train[i] for i in range(min(2, len(splits.train)))]
+    _check_image_prompts(cfg, probe)
     end_ids = data.end_token_ids(cfg.data, tokenizer)
     sampler = build_sampler(cfg, tokenizer, end_ids)
     sampler.check()
     sampler.publish = lambda directory, part: publish(directory, part, end_ids)
-    probe = [splits.train[i] for i in range(min(2, len(splits.train)))]
     if getattr(objective, "lmbda", 1.0) < 1 and probe and "completion" not in probe[0]:
         raise ConfigError(f"objective.lmbda={objective.lmbda}: the batches the student does not sample are the "
                           "data's own completions, read from each record's 'completion' column, which the records "
@@ -136,6 +137,26 @@ def setup_online(cfg: Any, objective: Objective, tokenizer: Any, splits: Any, en
     if environment is not None and environment.gives_rewards:  # one more function: weighted, logged
         functions.append(environment_reward())
     return Online(cfg, objective, tokenizer, env, dims, phases, sampler, functions, environment)
+
+
+def _check_image_prompts(cfg: Any, probe: list[dict]) -> None:
+    """Image prompts (samples with ``images``: :mod:`llmtrain.data.prompts`) sample on the ``hf``
+    engine, one sequence per row, single-turn: what is not built for them yet is refused.
+
+    Raises:
+        ConfigError: image prompts with ``rollout.engine`` other than ``hf``, ``rollout.packing``
+            or a multi-turn ``rollout.environment`` (each naming the field).
+    """
+    if not probe or "images" not in probe[0]:  # (every sample has it when the data has an images column)
+        return
+    r = cfg.rollout
+    for field, value, fine, fix in (("rollout.engine", r.engine, "hf", "rollout.engine=hf"),
+                                    ("rollout.packing", r.packing, False, "rollout.packing=false"),
+                                    ("rollout.environment", r.environment or "", "", "leave rollout.environment unset")):
+        if value != fine:
+            value = str(value).lower() if isinstance(value, bool) else value
+            raise ConfigError(f"{field}={value}: image prompts (the data's images column) are sampled on the hf "
+                              f"engine only, one sequence per row, single-turn, for now; {fix}")
 
 
 def _check_teacher(cfg: Any, objective: Objective, vocab_of: Callable[[Any], int], vocab_size: int) -> None:

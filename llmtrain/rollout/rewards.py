@@ -15,6 +15,13 @@ Built-ins (a name, optionally ``name:argument``):
 * ``gsm8k``: 1.0 when the completion's final number equals the ``answer`` column's (the number
   after GSM8K's ``#### `` marker; ``data.columns.answer`` maps a column of another name); the completion's final number is the first after its own
   ``####``, else its last number (:func:`final_number`). With ``math-verify`` installed the two are compared by it.
+* ``answer``: 1.0 when the completion's final answer equals the ``answer`` column's (any dataset;
+  ``data.columns.answer`` maps a column of another name), else 0.0; None where the record's answer
+  is null. The final answer of a text (:func:`final_answer`) is the content of its last
+  ``\\boxed{...}``, else what follows its last ``####``, else its last non-empty line. The two
+  are compared as numbers when both final answers hold one (each one's last number, commas and
+  dollar signs dropped: "7", "7.0", "#### 7" and "The answer is 7." all read 7; equal within
+  1e-6), else as strings, stripped of spaces and a trailing period (case kept).
 * ``format[:REGEX]``: 1.0 when the completion matches the regular expression (``re.search``;
   default GSM8K's final line ``#### N`` at the end).
 * ``length[:CACHE]``: DAPO's soft overlong penalty (Yu et al. 2025, eq. 13): 0 up to
@@ -67,6 +74,57 @@ def _text(completion: Any) -> str:
     if isinstance(completion, list):
         return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
     return str(completion)
+
+
+_BOXED = "\\boxed{"
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the text's last ``\\boxed{...}`` (braces inside balanced), or None."""
+    start = text.rfind(_BOXED)
+    if start < 0:
+        return None
+    depth, begin = 1, start + len(_BOXED)
+    for k in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[k], 0)
+        if depth == 0:
+            return text[begin:k]
+    return None  # unclosed: no boxed answer
+
+
+def final_answer(text: str) -> str:
+    """A text's final answer, as the ``answer`` reward reads it: the content of its last
+    ``\\boxed{...}`` (the MATH convention), else what follows its last ``####`` (GSM8K's), else its
+    last non-empty line; stripped of spaces and of one trailing period."""
+    text = str(text or "")
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        found = boxed
+    elif GSM8K_MARKER in text:
+        found = text.rsplit(GSM8K_MARKER, 1)[1]
+    else:
+        found = next((line for line in reversed(text.splitlines()) if line.strip()), "")
+    found = found.strip()
+    return found[:-1].rstrip() if found.endswith(".") else found
+
+
+def answer_matches(completion: str, reference: str) -> bool:
+    """Whether ``completion``'s final answer equals ``reference``'s (:func:`final_answer` of each):
+    as numbers (each's last number, equal within 1e-6) when both hold one, else as strings."""
+    got, expected = final_answer(completion), final_answer(reference)
+    got_number, expected_number = _number(got), _number(expected)
+    if got_number is not None and expected_number is not None:
+        return math.isclose(got_number, expected_number, rel_tol=0, abs_tol=1e-6)
+    return got == expected
+
+
+def answer_reward(completions: list[Any], answer: list[Any] | None = None, **_: Any) -> list[float | None]:
+    """The ``answer`` reward: 1.0 where the completion's final answer matches the record's
+    ``answer`` (:func:`answer_matches`), else 0.0; None where the record's answer is null."""
+    if answer is None:
+        return [None] * len(completions)
+    return [None if reference is None else float(answer_matches(_text(completion), str(reference)))
+            for completion, reference in zip(completions, answer)]
 
 
 def gsm8k_reward(completions: list[Any], answer: list[str] | None = None, **_: Any) -> list[float | None]:
@@ -152,7 +210,7 @@ class RewardModel:
         return scores
 
 
-BUILT_IN = {"gsm8k", "format", "length", "model"}
+BUILT_IN = {"answer", "gsm8k", "format", "length", "model"}
 
 
 @dataclass
@@ -187,6 +245,8 @@ def build(functions: list[str], weights: list[float], max_completion_length: int
         weight = float(weights[k]) if weights else 1.0
         if name == "gsm8k" and not argument:
             built.append(RewardFunction("gsm8k", gsm8k_reward, weight, columns=("answer",)))
+        elif name == "answer" and not argument:
+            built.append(RewardFunction("answer", answer_reward, weight, columns=("answer",)))
         elif name == "format":
             pattern = argument or None
             try:

@@ -35,7 +35,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from llmtrain.common.images import IMAGE_INPUTS, processor_of
 from llmtrain.common.labels import IGNORE_INDEX
+from llmtrain.data.vision import image_tensors
 from llmtrain.monitoring import console
 from llmtrain.objectives.grpo import group_advantages, nanstd
 from llmtrain.parallel import distributed
@@ -524,6 +526,8 @@ class Rollout:
             for i, end in enumerate(used):
                 positions[i, end:] = torch.arange(shape[1] - end)
             batch["position_ids"] = positions
+        # Image prompts: their pixels, row by row, for the policy's (and the old policy's) forward.
+        batch.update(image_tensors(processor_of(self.tokenizer), [s.get("images") or [] for s, _, _ in rows]))
         return batch
 
     def _completion_logps(self, batch: dict[str, torch.Tensor], rows: list[tuple[dict, Completion]]) -> list[
@@ -670,8 +674,9 @@ class Rollout:
         if self.pending is not None and step % mu != 0 and step // mu == self.pending.generation:
             flat["generation"] = torch.tensor([self.pending.generation])
             for i, batch in enumerate(self.pending.batches):
-                for key in BATCH_KEYS:
-                    flat[f"b{i}.{key}"] = batch[key].contiguous()
+                for key in (*BATCH_KEYS, *IMAGE_INPUTS):
+                    if key in batch:  # (image tensors only in image prompts' batches)
+                        flat[f"b{i}.{key}"] = batch[key].contiguous()
         self._resolve()
         for g, entry in self.sampled.items():
             flat.update(_flatten_sampled(entry, f"s{g}."))
@@ -686,7 +691,7 @@ class Rollout:
             count = 1 + max(int(k.split(".")[0][1:]) for k in flat if k.startswith("b"))
             batches = []
             for i in range(count):
-                batch = {key: flat[f"b{i}.{key}"] for key in BATCH_KEYS if f"b{i}.{key}" in flat}
+                batch = {key: flat[f"b{i}.{key}"] for key in (*BATCH_KEYS, *IMAGE_INPUTS) if f"b{i}.{key}" in flat}
                 for key in ("ref_logps", "behaviour_logps"):
                     batch.setdefault(key, torch.zeros(batch["input_ids"].shape, dtype=torch.float32))
                 batches.append(batch)
