@@ -81,6 +81,25 @@ def _open_text(path: Path) -> IO[str]:
     return open(path, encoding="utf-8")
 
 
+def _json_lines(path: Path, document: Any, what: str) -> list[dict]:
+    """``document(record)`` for each non-empty JSON line of ``path`` (gzipped or not).
+
+    Raises:
+        DataError: ``path line N: not WHAT (...)``, for a line that is not JSON or a record
+            ``document`` cannot read.
+    """
+    rows = []
+    with _open_text(path) as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(document(json.loads(line)))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
+                raise DataError(f"{path} line {number}: not {what} ({type(err).__name__}: {err})") from err
+    return rows
+
+
 def hh_rlhf_pairs(data_dir: str | None = None, data_file: str | None = None, max_completion_chars: int | None = None,
                   **_: Any) -> dict[str, Any]:
     """Anthropic HH-RLHF preference pairs as two-choice documents ``{"prompt", "choices":
@@ -160,19 +179,12 @@ def gsm8k_problems(data_dir: str | None = None, data_file: str | None = None, **
         DataError: the file is missing, not whole gzip data (a ``.gz`` one), or a line is not a
             ``{question, answer}`` record.
     """
+    def document(record: dict) -> dict:
+        question, answer = record["question"].strip(), str(record["answer"])
+        return {"prompt": f"Question: {question}\nAnswer:", "question": question, "answer": answer}
+
     path = _data_file(GSM8K_FILES, data_dir, data_file)
-    rows = []
-    with _open_text(path) as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                question, answer = record["question"].strip(), str(record["answer"])
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-                raise DataError(f"{path} line {number}: not a GSM8K record with question/answer ({err})") from err
-            rows.append({"prompt": f"Question: {question}\nAnswer:", "question": question, "answer": answer})
-    return _dataset(rows, path)
+    return _dataset(_json_lines(path, document, "a GSM8K record with question/answer"), path)
 
 
 def gsm8k_scores(doc: dict, results: list[str]) -> dict[str, Any]:
@@ -194,26 +206,17 @@ def digits_images(data_dir: str | None = None, data_file: str | None = None, **_
     Raises:
         DataError: the file is missing, or a line is not a one-image record with an answer.
     """
+    def document(record: dict) -> dict:
+        [user] = [m for m in record["messages"] if m["role"] == "user"]
+        parts = user["content"] if isinstance(user["content"], list) else [{"type": "text", "text": user["content"]}]
+        text = " ".join(p["text"] for p in parts if p.get("type") == "text").strip()
+        [image] = record["images"]
+        image_path = Path(image).expanduser()
+        return {"prompt": f"<image>{text}", "answer": str(record["answer"]),
+                "image": str(image_path if image_path.is_absolute() else path.parent / image_path)}
+
     path = _data_file(DIGITS_FILES, data_dir, data_file)
-    rows = []
-    with _open_text(path) as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                [user] = [m for m in record["messages"] if m["role"] == "user"]
-                parts = user["content"] if isinstance(user["content"], list) else [{"type": "text", "text": user["content"]}]
-                text = " ".join(p["text"] for p in parts if p.get("type") == "text").strip()
-                [image] = record["images"]
-                answer = str(record["answer"])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-                raise DataError(f"{path} line {number}: not a one-image record with a user turn and an answer "
-                                f"({type(err).__name__}: {err})") from err
-            image_path = Path(image).expanduser()
-            rows.append({"prompt": f"<image>{text}", "image": str(image_path if image_path.is_absolute()
-                                                                   else path.parent / image_path), "answer": answer})
-    return _dataset(rows, path)
+    return _dataset(_json_lines(path, document, "a one-image record with a user turn and an answer"), path)
 
 
 def digit_image(doc: dict) -> list[Any]:
