@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, REPO, assert_ok, read_metrics, run_cli, run_scenarios, subprocess_env
+from conftest import FAST, REPO, SHARED_DATA, assert_ok, read_metrics, run_cli, run_scenarios, subprocess_env
 
 STEPS = 8
 # max_bytes=8000 gives 123 training blocks of 64 tokens: a resume at step 4 (192 samples consumed)
@@ -181,6 +181,19 @@ def wandb_history(run_dir: Path, key: str) -> list[tuple[int, float]]:
     return rows
 
 
+def _hh_pairs_file(folder: Path) -> Path:
+    """``folder`` holding a ``hh_rlhf_harmless_test.jsonl.gz`` of 16 made-up pairs in HH-RLHF's
+    layout: hh_local's file for a machine without the downloads (../shared/data)."""
+    import gzip
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with gzip.open(folder / "hh_rlhf_harmless_test.jsonl.gz", "wt", encoding="utf-8") as f:
+        for i in range(16):
+            prompt = f"\n\nHuman: What is {i} plus {i}?\n\nAssistant:"
+            f.write(json.dumps({"chosen": f"{prompt} It is {2 * i}.", "rejected": f"{prompt} No idea, figure it out."}) + "\n")
+    return folder
+
+
 @pytest.mark.slow
 @pytest.mark.alone  # a 2-rank launch it kills or signals (conftest.machine_alone)
 @pytest.mark.parametrize("recipe", KILL_RECIPES + list(LORA_RUNS))
@@ -194,13 +207,16 @@ def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path
                       # Task scores of checkpoints 4 and 8, each in a process of its own: the kill
                       # after step 5 meets the evaluation of step 4 running (or just logged).
                       "trainer.eval_tasks=[hh_local]", "trainer.eval_tasks_every=4", "trainer.eval_tasks_limit=8"]
-    proc = launch(overrides, nproc=2)
+    env = subprocess_env()
+    if recipe == "zero3" and not SHARED_DATA.is_dir():  # hh_local's file, where the downloads are not here
+        env["LLMTRAIN_DATA_DIR"] = str(_hh_pairs_file(tmp_path.parent / f"{tmp_path.name}-data"))
+    proc = launch(overrides, nproc=2, env=env)
     wait_for_step(proc, tmp_path, 5)          # a checkpoint at step 4 exists, step 5+ is lost
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     read_metrics_before_rerun = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
                                  if line.endswith("}") and "train/loss" in line]
-    resumed = run_cli(overrides, nproc=2)
+    resumed = run_cli(overrides, nproc=2, env=env)
     assert_ok(resumed)
     output = resumed.stdout + resumed.stderr
     assert "resuming from" in output
