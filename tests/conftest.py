@@ -190,6 +190,23 @@ def _test_cores(request):
         yield
 
 
+def live_processes_in(sessions: set[int]) -> list[int]:
+    """Live processes (zombies left out: they hold nothing but their exit status) whose session or
+    process group is one of ``sessions``, read from /proc by the tests themselves: the census that
+    checks llmtrain's own stopping of its children (llmtrain.common.children) does not use it."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                text = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+            if fields[0] not in "ZX" and {int(fields[2]), int(fields[3])} & sessions:
+                found.append(int(entry.name))
+    return found
+
+
 def subprocess_env() -> dict:
     env = dict(os.environ)
     # A test that ran wandb in this process left its service's address here; a child inheriting it

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import FAST, assert_ok, run_cli, train_rows
+from conftest import FAST, assert_ok, live_processes_in, run_cli, train_rows
 from llmtrain.common.errors import ConfigError
 from llmtrain.config.compose import compose
 from llmtrain.rollout.vllm_server import vllm_python
@@ -255,20 +255,6 @@ def test_the_server_stops_with_the_run_on_sigterm_and_on_errors(questions, tmp_p
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def _live_in_session(session: int) -> list[int]:
-    """Live processes of session ``session`` (the server's API server, engine core, workers)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            text = (entry / "stat").read_text() if entry.name.isdigit() else ""
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2:].split() if text else []
-        if fields and fields[0] not in "ZX" and session in (int(fields[2]), int(fields[3])):
-            found.append(int(entry.name))
-    return found
-
-
 @needs_vllm
 @pytest.mark.slow
 @pytest.mark.alone
@@ -293,7 +279,7 @@ def test_no_vllm_process_outlives_a_run_whose_server_or_trainer_was_killed(quest
         assert proc.poll() is None, log.read_text()[-3000:]
         time.sleep(1)
     server = json.loads((run_dir / ".children.json").read_text())[0]["pid"]
-    assert len(_live_in_session(server)) > 1, "no engine process beside the API server"
+    assert len(live_processes_in({server})) > 1, "no engine process beside the API server"
     os.kill(server if killed == "api server" else proc.pid, signal.SIGKILL)
     status = proc.wait(timeout=600)
     if killed == "api server":
@@ -301,8 +287,8 @@ def test_no_vllm_process_outlives_a_run_whose_server_or_trainer_was_killed(quest
         assert status == 5 and "Traceback" not in text, text[-3000:]
         assert f"llmtrain: error: rollout.engine=vllm: the vLLM server (pid {server}) was killed by SIGKILL" in text
     for _ in range(60):
-        if not _live_in_session(server):
+        if not live_processes_in({server}):
             break
         time.sleep(1)
-    assert not _live_in_session(server), f"vLLM processes outlived the run ({killed})"
+    assert not live_processes_in({server}), f"vLLM processes outlived the run ({killed})"
     assert not [p for p in set(Path("/dev/shm").iterdir()) - shm_before if p.exists()], "/dev/shm files left"

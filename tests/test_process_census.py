@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 import standin_vllm
-from conftest import FAST, REPO, cores_for, subprocess_env
+from conftest import FAST, REPO, cores_for, live_processes_in, subprocess_env
 
 SHM = Path("/dev/shm")
 FIXTURES = "tests.grpo_fixtures"
@@ -46,21 +46,6 @@ def _live(pid: int) -> bool:
     except OSError:
         return False
     return text[text.rindex(")") + 2] not in "ZX"  # a zombie holds nothing but its status
-
-
-def _in_sessions(sessions: set[int]) -> list[int]:
-    """Live processes whose session or process group is one of ``sessions``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                text = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = text[text.rindex(")") + 2:].split()
-            if fields[0] not in "ZX" and {int(fields[2]), int(fields[3])} & sessions:
-                found.append(int(entry.name))
-    return found
 
 
 class Census:
@@ -94,7 +79,7 @@ class Census:
         while True:
             pids = {p for role, ps in self.roles().items() if role != "served" for p in ps}
             sessions = set(self.roles().get("server", [])) | self.sessions
-            processes = sorted({p for p in pids if _live(p)} | set(_in_sessions(sessions)))
+            processes = sorted({p for p in pids if _live(p)} | set(live_processes_in(sessions)))
             shm = [SHM / f"{standin_vllm.SHM_PREFIX}{p}" for p in pids
                    if (SHM / f"{standin_vllm.SHM_PREFIX}{p}").exists()]
             if (not processes and not shm) or time.monotonic() >= deadline:
