@@ -125,7 +125,8 @@ def build_tokenizer(model_cfg: Any):
     tokenizer = _named_tokenizer(model_cfg)
     if model_cfg.source == "gguf":  # GGUF files hold text-only models
         return tokenizer
-    return attach_processor(model_cfg, tokenizer, model_config(model_cfg))
+    source = _local_or_hub("model.path", model_cfg.path) if model_cfg.source == "pretrained" else None
+    return attach_processor(model_cfg, tokenizer, model_config(model_cfg), source)
 
 
 def _named_tokenizer(model_cfg: Any):

@@ -68,10 +68,12 @@ def auto_class(config: Any):
     return AutoModelForImageTextToText if is_image_text(config) else AutoModelForCausalLM
 
 
-def attach_processor(model_cfg: Any, tokenizer: Any, config: Any) -> Any:
+def attach_processor(model_cfg: Any, tokenizer: Any, config: Any, source: str | None) -> Any:
     """The tokenizer to train with: ``tokenizer`` unchanged for a text-only ``config``; for an
     image-text model, the processor's tokenizer (for config models: ``tokenizer`` with the
-    family's image tokens added) carrying the processor (:func:`processor_of`).
+    family's image tokens added) carrying the processor (:func:`processor_of`). ``source``: the
+    pretrained model's folder or hub id, as :func:`llmtrain.models.build.model_config` reads it
+    (None for ``model.source=config``).
 
     Raises:
         ConfigError: a model type built from config without a processor recipe here, or a
@@ -86,9 +88,7 @@ def attach_processor(model_cfg: Any, tokenizer: Any, config: Any) -> Any:
         import transformers
 
         try:
-            processor = transformers.AutoProcessor.from_pretrained(str(Path(str(model_cfg.path)).expanduser())
-                                                                   if str(model_cfg.path).startswith(("/", ".", "~"))
-                                                                   else model_cfg.path)
+            processor = transformers.AutoProcessor.from_pretrained(source)
         except (OSError, ValueError, ImportError) as err:
             raise ModelSourceError(f"model.path={model_cfg.path}: no image processor could be loaded for this "
                                    f"{config.model_type} model: {str(err).splitlines()[0]}") from err
