@@ -185,6 +185,16 @@ def forget(run_dir: Path, pid: int) -> None:
         _write(run_dir, [r for r in records if r["pid"] != pid])
 
 
+def stop(run_dir: Path, process: Any) -> list[int]:
+    """Stop the child ``process`` (a ``subprocess.Popen`` that :func:`remember` recorded in
+    ``run_dir``) with its whole group (:func:`stop_group`), and drop its record once nothing of it
+    is left. Returns the pids still alive (the record stays for a rerun to stop them)."""
+    left = stop_group(process.pid, process)
+    if not left:
+        forget(run_dir, process.pid)
+    return left
+
+
 def _describe(record: dict) -> str:
     details = ", ".join(f"{k} {v}" for k, v in record.items() if k not in ("kind", "pid", "start", "boot", "cmdline"))
     return f"{record.get('kind', 'process')} (pid {record['pid']}{', ' + details if details else ''})"

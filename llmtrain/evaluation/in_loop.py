@@ -159,8 +159,7 @@ class TaskEvals:
     def _stop(self, step: int, process: subprocess.Popen) -> None:
         """End evaluation ``step``'s process group (SIGTERM first: it removes its temporary export)."""
         self.running.pop(step, None)
-        if not children.stop_group(process.pid, process):
-            children.forget(self.run_dir, process.pid)
+        children.stop(self.run_dir, process)
 
     def _command(self, path: Path) -> list[str]:
         t = self.t
@@ -200,7 +199,6 @@ class TaskEvals:
                  self.folder / f"step_{step}.log")
 
     def _reaped(self, step: int, process: subprocess.Popen) -> None:
-        self.running.pop(step, None)
         self._stop(step, process)  # anything it started and left behind
         self.manager.pinned.discard(step)
         self.manager.prune()  # what trainer.keep_checkpoints held back for this evaluation goes now

@@ -226,18 +226,14 @@ class VLLMEngine(RolloutEngine):
     def close(self) -> None:
         """Stop the server this run started: its whole process group (the API server, its engine
         core and workers), also when the API server itself has died and left its engine running
-        (:func:`llmtrain.common.children.stop_group`: SIGTERM, 30 s, SIGKILL); remove the weights
+        (:func:`llmtrain.common.children.stop`: SIGTERM, 30 s, SIGKILL); remove the weights
         written for it."""
         process, self.process = self.process, None
         background, self.background = self.background, None
         if background is not None:  # requests in flight fail once the server is gone; nobody reads them
             background.shutdown(wait=False, cancel_futures=True)
-        if process is not None:
-            left = children.stop_group(process.pid, process)
-            if left:
-                log.warning("rollout: vLLM server processes %s did not end after SIGKILL", left)
-            else:
-                children.forget(self.run_dir, process.pid)
+        if process is not None and (left := children.stop(self.run_dir, process)):
+            log.warning("rollout: vLLM server processes %s did not end after SIGKILL", left)
         if self.own_server and self.work.is_dir():
             shutil.rmtree(self.work, ignore_errors=True)
 
