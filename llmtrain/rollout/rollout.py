@@ -527,7 +527,9 @@ class Rollout:
                 positions[i, end:] = torch.arange(shape[1] - end)
             batch["position_ids"] = positions
         # Image prompts: their pixels, row by row, for the policy's (and the old policy's) forward.
-        batch.update(image_tensors(processor_of(self.tokenizer), [s.get("images") or [] for s, _, _ in rows]))
+        images = [s.get("images") or [] for s, _, _ in rows]
+        if any(images):  # a text-only rollout needs no processor
+            batch.update(image_tensors(processor_of(self.tokenizer), images))
         return batch
 
     def _completion_logps(self, batch: dict[str, torch.Tensor], rows: list[tuple[dict, Completion]]) -> list[
