@@ -10,6 +10,7 @@ from a checkout or from an installed wheel."""
 
 from __future__ import annotations
 
+import copy
 import re
 import typing
 from pathlib import Path
@@ -24,6 +25,10 @@ from llmtrain.common.errors import ConfigError, did_you_mean
 from llmtrain.common.paths import RECIPES_DIR
 
 
+# The recipe files (name, mtime, size) the ConfigStore holds, or None before the first register.
+_registered: Optional[tuple] = None
+
+
 def register_configs() -> None:
     """Store the schema as ``base_config`` and every ``recipes/*.yaml`` as group ``recipe``.
 
@@ -31,10 +36,20 @@ def register_configs() -> None:
         ConfigError: a recipe file has an unknown key or a value of the wrong type (the message
             names the file and the key).
     """
+    global _registered
+    files = sorted(Path(RECIPES_DIR).glob("*.yaml"))
+    # Building the schema and 13 recipes takes 0.5 s, and a process that composes many runs (a
+    # sweep's in-process jobs, the test scenarios) would pay it at each: the store is kept for as
+    # long as the recipe files are those it was built from (a recipe edited, added or removed
+    # since: built again).
+    stamp = tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files)
     cs = ConfigStore.instance()
+    if stamp == _registered and "base_config.yaml" in cs.repo:
+        return
     cs.store(name="base_config", node=Config)
-    for recipe_file in sorted(Path(RECIPES_DIR).glob("*.yaml")):
+    for recipe_file in files:
         cs.store(group="recipe", name=recipe_file.stem, node=load_recipe(recipe_file.stem))
+    _registered = stamp
 
 
 def compose(overrides: list[str]) -> Any:
@@ -135,12 +150,27 @@ def load_recipe(name: str) -> Any:
         ConfigError: no such recipe, or the file has an unknown key or a value of the wrong type
             (the message names the file and the key).
     """
-    from omegaconf.errors import OmegaConfBaseException
-
     recipe_file = Path(RECIPES_DIR) / f"{name}.yaml"
     if not recipe_file.is_file():
         known = ", ".join(sorted(p.stem for p in Path(RECIPES_DIR).glob("*.yaml")))
         raise ConfigError(f"no recipe {name!r} in {RECIPES_DIR}; the recipes are {known}")
+    # The planner reads each recipe hundreds of times (+recipe=auto tries every layout): the
+    # schema merge is kept per file version, and each caller gets its own copy to change.
+    stat = recipe_file.stat()
+    key = (name, stat.st_mtime_ns, stat.st_size)
+    if key not in _recipe_nodes:
+        _recipe_nodes[key] = _read_recipe(recipe_file)
+    return copy.deepcopy(_recipe_nodes[key])
+
+
+# Recipe nodes read (name, mtime, size) -> node; load_recipe hands out copies.
+_recipe_nodes: dict[tuple, Any] = {}
+
+
+def _read_recipe(recipe_file: Path) -> Any:
+    """:func:`load_recipe`'s node, read from ``recipe_file``."""
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         node = OmegaConf.merge(OmegaConf.structured(RecipeConfig), OmegaConf.load(recipe_file))
     except OmegaConfBaseException as err:

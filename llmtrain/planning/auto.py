@@ -172,11 +172,12 @@ def choose(cfg: Any, world_size: int, device_memory: int, margin: float = DEFAUL
                             for ckpt in ([False, True] if not cfg.trainer.activation_checkpointing else [True])]:
         skip: set[str] = set()  # recipes invalid at this cp (a batch that does not divide dp may at another)
         for name in group:
+            candidate = None  # one copy of the config per recipe and cp, for all its micro-batches
             for micro in micros:
                 if name in invalid if cp == 1 else name in skip:
                     break
-                plan = plan_recipe(with_recipe(cfg, name, cp, auto_cp_style(hf_config, cp)), world_size, hf_config,
-                                   micro_batch=micro, checkpointing=ckpt)
+                candidate = candidate or with_recipe(cfg, name, cp, auto_cp_style(hf_config, cp))
+                plan = plan_recipe(candidate, world_size, hf_config, micro_batch=micro, checkpointing=ckpt)
                 if plan.error:
                     if micro == micros[0]:  # a layout error, not one of this micro-batch
                         if cp == 1:
