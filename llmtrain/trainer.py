@@ -549,9 +549,12 @@ class Trainer:
                                    reason="preempted" if "preempted_at" in summary else "finished")
             self._write_expert_load()
             # matplotlib (about 0.5 s) is imported only by runs that write a report, and only when they end.
-            from llmtrain.monitoring.report import write_report_or_warn
+            png = None
+            if self.cfg.tracker.report:
+                from llmtrain.monitoring.report import write_report_or_warn
 
-            if self.cfg.tracker.report and (png := write_report_or_warn(self.run_dir)):
+                png = write_report_or_warn(self.run_dir)
+            if png:
                 summary["report"] = png
                 closing.append(f"run report: {png} and {Path(png).with_suffix('.md')}")
                 self.tracker.log_files([self.run_dir / "report.png", self.run_dir / "report.md"])  # MLflow, wandb

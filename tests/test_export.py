@@ -162,3 +162,32 @@ def test_export_names_a_bad_out_dir_and_keeps_log_files_quiet(tmp_path):
     assert proc.stdout == f"exported {step} -> {tmp_path / 'out'}\n", proc.stdout
     assert "\r" not in proc.stderr and "it/s" not in proc.stderr and "zero checkpoint" not in proc.stderr, proc.stderr
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_an_export_imports_neither_deepspeed_nor_a_report_library(tmp_path):
+    """A torch-engine run's export goes through transformers' save_pretrained, which imported
+    DeepSpeed (and mlflow through DeepSpeed's autotuner) at every run's end only to test for a
+    DeepSpeedEngine, 2-3 s of CPU time; the folder it writes is the same, and loads."""
+    script = (
+        "import sys, torch\n"
+        "from conftest import make_cfg\n"
+        "from llmtrain.checkpoint.export import save_hf_folder\n"
+        "from llmtrain.models.build import build_model, build_tokenizer\n"
+        "cfg = make_cfg([])\n"
+        "model = build_model(cfg.model, 0)\n"
+        f"save_hf_folder({{k: v.detach() for k, v in model.state_dict().items()}}, cfg.model, build_tokenizer(cfg.model), "
+        f"__import__('pathlib').Path({str(tmp_path / 'hf')!r}))\n"
+        "print(sorted(m for m in ('deepspeed', 'mlflow', 'matplotlib') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(),
+                          cwd=REPO / "tests", timeout=300)
+    assert_ok(proc)
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.models.build import build_model
+    from conftest import make_cfg
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    built = build_model(make_cfg([]).model, 0)
+    for name, tensor in built.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name

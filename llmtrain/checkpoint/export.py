@@ -31,7 +31,7 @@ from llmtrain.common.errors import ResumeError
 from llmtrain.common.paths import follow_umask
 from llmtrain.common.safe_load import load_weights_only
 from llmtrain.models import adapters, quantize
-from llmtrain.models.build import build_tokenizer, canonical_name, model_config, resolve_gguf
+from llmtrain.models.build import build_tokenizer, canonical_name, model_config, resolve_gguf, save_pretrained
 from llmtrain.models.vision import auto_class, save_processor
 from llmtrain.monitoring import console
 
@@ -169,7 +169,7 @@ def save_hf_folder(state: dict[str, torch.Tensor], model_cfg: Any, tokenizer: An
     if end_token_ids and getattr(fresh, "generation_config", None) is not None:  # a reward model generates nothing
         fresh.generation_config.eos_token_id = _eos_token_id(end_token_ids)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fresh.save_pretrained(out_dir, safe_serialization=True)
+    save_pretrained(fresh, out_dir)
     save_processor(tokenizer, out_dir)
     follow_umask(out_dir)
     return out_dir

@@ -286,7 +286,9 @@ def _write_model(source: EvalSource, out_dir: Path) -> Path:
             raise ConfigError(f"adapter {source.path} names no base model (base_model_name_or_path)")
         with quiet_library_warnings():
             merged = AutoPeftModelForCausalLM.from_pretrained(str(source.path), dtype="float32").merge_and_unload()
-        merged.save_pretrained(out_dir, safe_serialization=True)
+        from llmtrain.models.build import save_pretrained
+
+        save_pretrained(merged, out_dir)
         tokenizer_dir = source.path if (source.path / "tokenizer_config.json").is_file() else base
         AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out_dir)
         return out_dir

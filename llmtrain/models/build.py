@@ -304,3 +304,29 @@ def parameter_numel(param: torch.Tensor, name: str = "") -> int:
 
 
 PACKED_NF4 = "weight_nf4"  # the name of llmtrain.models.quantize.NF4Linear's codes
+
+
+def save_pretrained(model: Any, out_dir: Path) -> None:
+    """``model.save_pretrained(out_dir, safe_serialization=True)`` without importing DeepSpeed.
+
+    transformers unwraps the model through accelerate's ``extract_model_from_parallel``, which
+    imports ``deepspeed`` whenever it is installed, only to test ``isinstance(model,
+    DeepSpeedEngine)``: 2-3 s of CPU time here, mlflow included (DeepSpeed's autotuner imports
+    it), at the end of every run that exports, torch-engine runs too. A model that is a
+    DeepSpeedEngine exists only once deepspeed is imported, so until then the check is skipped;
+    after, it runs as accelerate wrote it."""
+    import sys
+
+    try:
+        from accelerate.utils import other
+    except ImportError:  # accelerate absent or reorganised: transformers' own path
+        other = None
+    patched = other is not None and hasattr(other, "is_deepspeed_available") and "deepspeed" not in sys.modules
+    saved = other.is_deepspeed_available if patched else None
+    if patched:
+        other.is_deepspeed_available = lambda: "deepspeed" in sys.modules
+    try:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    finally:
+        if patched:
+            other.is_deepspeed_available = saved
