@@ -76,10 +76,12 @@ class _Engine:
         return self.model(**model_inputs(batch)).logits
 
 
-def _step(objective, batch, chunk: int | None, bounded: bool = True):
-    """Loss / normaliser, metrics, gradients by parameter name, and the old-policy pass's
-    log-probs, from whole logits (``chunk`` None) or the label head (:func:`install`'s)."""
+def _step(objective, batch, chunk: int | None, bounded: bool = True, frozen_head: bool = False):
+    """Loss / normaliser, metrics, gradients by parameter name (of those that get one), and the
+    old-policy pass's log-probs, from whole logits (``chunk`` None) or the label head
+    (:func:`install`'s); ``frozen_head``: the output layer trains not (as under LoRA)."""
     model = _tiny_llama()
+    model.lm_head.requires_grad_(not frozen_head)
     head = None if chunk is None else install(model, chunk, bounded)
     engine = _Engine(model, objective, head)
     sums = engine._loss_sums(batch, training=True)
@@ -87,7 +89,7 @@ def _step(objective, batch, chunk: int | None, bounded: bool = True):
     (sums.loss / normaliser).backward()
     with torch.no_grad(), engine.labelling(batch):
         logps = objective.token_logps(engine.forward(batch), batch["labels"])
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return float(sums.loss.detach() / normaliser), {k: float(v) for k, v in sums.metrics.items()}, grads, logps
 
 
@@ -133,3 +135,17 @@ def test_a_bounded_head_never_holds_more_than_a_chunk_of_logits(monkeypatch):
     _step(objective, batch, 4)
     assert max(seen) == 4
     assert sum(seen) == 3 * 25  # forward, backward's recomputation, the old-policy pass
+
+
+def test_a_frozen_output_layer_gets_no_gradient_and_the_rest_the_same():
+    """LoRA's frozen output layer: the chunks' backward skips its weight gradient (no
+    ``[vocab, hidden]`` matmul per chunk), and every trained parameter's gradient is unchanged."""
+    objective = GRPO({"loss_type": "grpo", "beta": 0.04})
+    objective.temperature = TEMPERATURE
+    batch = _batch(objective, packed=True)
+    loss, _, grads, _ = _step(objective, batch, None, frozen_head=True)
+    got_loss, _, got_grads, _ = _step(objective, batch, 4, frozen_head=True)
+    assert "lm_head.weight" not in grads and got_grads.keys() == grads.keys() and len(grads) > 10
+    assert got_loss == pytest.approx(loss, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-6, atol=1e-6, msg=name)

@@ -112,8 +112,11 @@ class ChunkedLabelLogps(torch.autograd.Function):
         grad = grad.reshape(-1) / ctx.temperature  # d(z / T) / dz
         enabled, dtype, device = ctx.autocast
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None else None
+        # A frozen output layer (LoRA) needs no d W: skip its matmul, as costly as the forward's.
+        grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                       if ctx.needs_input_grad[1] else None)
+        grad_bias = (torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+                     if bias is not None and ctx.needs_input_grad[2] else None)
         v_local = weight.shape[0]
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             for start in range(0, hidden.shape[0], ctx.chunk):
@@ -129,12 +132,13 @@ class ChunkedLabelLogps(torch.autograd.Function):
                 rows = torch.nonzero(mine)[:, 0]
                 d_logits[rows, local[rows]] += g[rows]
                 grad_hidden[start:stop] = (d_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-                grad_weight += (d_logits.t() @ h.float())
+                if grad_weight is not None:
+                    grad_weight += (d_logits.t() @ h.float())
                 if grad_bias is not None:
                     grad_bias += d_logits.sum(0)
         _reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)  # each rank's vocabulary rows add to dh
         # Trailing Nones for temperature and entropy (torch drops those past the inputs given).
-        return (grad_hidden, grad_weight.to(weight.dtype),
+        return (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None, None, None)
 
 

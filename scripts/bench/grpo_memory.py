@@ -10,6 +10,8 @@ machine may be shared: compare the modes within a round). ``full logits`` is one
 ``[rows, seq, vocab]`` fp32 logits, the unit the issue measured the peak in. The model is a
 random-weight Llama of the given shape (memory depends on shapes, not values); ``--lora``
 trains LoRA adapters (r=16, every linear layer but the output one) as the issue's job did.
+Peak RSS includes what glibc's heap keeps after frees (several micro-batches in a row ratchet it
+up); ``--mmap-threshold 65536`` makes it follow the live tensors more closely.
 
     python scripts/bench/grpo_memory.py --model tiny --grid 2x4x64,2x8x128 --micro 1,2 --rounds 2
     python scripts/bench/grpo_memory.py --model smollm2 --lora --grid 2x8x128 --micro 1
@@ -110,6 +112,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=0, help="tokens per chunk (0: the default)")
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
+                        help="children's MALLOC_MMAP_THRESHOLD_ (glibc): allocations above it go back to the system "
+                             "when freed, so peak RSS follows live tensors rather than the heap's high-water mark")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -118,17 +123,21 @@ def main() -> None:
         print(json.dumps(one_cell(args.model, mode, prompts, g, length, int(micro), args.chunk, args.lora)))
         return
     print(f"model {args.model}{' + LoRA r=16' if args.lora else ''}, prompt {PROMPT_TOKENS} tokens, "
+          f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'glibc default'}, "
           f"chunk {args.chunk or 'default'}, {os.cpu_count()} cores, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
     print(f"{'cell':>10} {'mb':>3} {'round':>5} {'mode':>8} {'peak GiB':>9} {'step +GiB':>9} {'logits GiB':>10} "
           f"{'CPU s':>7}", flush=True)
     results: dict[tuple, dict[str, list[dict]]] = {}
+    env = {**os.environ, "PYTHONPATH": str(benchlib.REPO)}
+    if args.mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     for cell in args.grid.split(","):
         for micro in (int(m) for m in args.micro.split(",")):
             for r in range(args.rounds):
                 for mode in benchlib.alternating(("whole", "chunked"), r):
                     run = subprocess.run([sys.executable, __file__, "--model", args.model, "--chunk", str(args.chunk),
                                           *(["--lora"] if args.lora else []), "--child", f"{mode}:{cell}:{micro}"],
-                                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(benchlib.REPO)})
+                                         capture_output=True, text=True, env=env)
                     if run.returncode:
                         print(f"{cell:>10} {micro:>3} {r:>5} {mode:>8} failed (exit {run.returncode}): "
                               f"{run.stderr.strip().splitlines()[-1:]}", flush=True)
