@@ -208,7 +208,7 @@ class LabelHead:
         :data:`BOUNDED_CHUNK_TOKENS`, else 0 (the layer's own forward on every kept row)."""
         if self.chunk or not self.bounded:
             return self.chunk
-        return BOUNDED_CHUNK_TOKENS if type(module) is torch.nn.Linear else 0
+        return BOUNDED_CHUNK_TOKENS if isinstance(module, torch.nn.Linear) else 0  # FSDP2 subclasses it
 
     def _label_logps(self, module: torch.nn.Module, hidden, targets: torch.Tensor, plain):
         from torch.distributed.tensor import DTensor, Replicate, Shard
