@@ -326,7 +326,8 @@ def test_frozen_reference_copy_gets_the_policys_label_head():
     from llmtrain.engine.base import Engine as BaseEngine
 
     class Engine:
-        label_head = SimpleNamespace(chunk=0)
+        label_head = SimpleNamespace(chunk=0, bounded=False)
+        objective = SimpleNamespace(label_temperature=1.0)
         frozen_reference = BaseEngine.frozen_reference
 
         def frozen_copy(self, make):

@@ -473,7 +473,7 @@ def validate_expert_parallel(r: Any) -> None:
 
 
 # Built-in objectives whose loss reads the logits only through next-label log-probs.
-CHUNKABLE_OBJECTIVES = ("causal_lm", "dpo", "simpo", "kto")
+CHUNKABLE_OBJECTIVES = ("causal_lm", "dpo", "simpo", "kto", "grpo")
 
 
 def validate_chunked_loss(cfg: Any) -> None:

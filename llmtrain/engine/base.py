@@ -305,7 +305,9 @@ class Engine(ABC):
         """The objective's sums of ``batch``; under context parallelism, of this rank's part of
         each row (:meth:`llmtrain.parallel.context_parallel.ContextParallel.split`). With a label head
         (:meth:`_install_label_head`) the model returns each position's next-label log-prob
-        ``[B, T]`` instead of logits. A mixture-of-experts model's routing sums of the forward
+        ``[B, T]`` instead of logits (of the logits over the objective's ``label_temperature``; with
+        its ``label_entropy`` each position's entropy rides along as the batch's ``label_entropy``,
+        fp32 ``[B, T]``). A mixture-of-experts model's routing sums of the forward
         are left in ``self._router_sums`` (``training``: counted in the step's router metrics)."""
         batch = self._padded_rows(batch)
         local = batch if self.context is None else self.context.split(batch, self.objective.carries)
@@ -313,20 +315,27 @@ class Engine(ABC):
             valid = batch["attention_mask"] if self.context is None else batch["attention_mask"][:, self.context._index]
             for router in self.routers:
                 router.begin(valid, training)
-        if self.label_head is not None:
+        head = self.label_head
+        if head is not None:
             labels = local["labels"]
             # Split rows already carry the next token's label one column on (see split).
-            self.label_head.targets = (labels[:, 1:] if self.context is not None
-                                         else torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100))
+            head.targets = (labels[:, 1:] if self.context is not None
+                            else torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100))
+            head.temperature, head.entropy = self.objective.label_temperature, self.objective.label_entropy
         try:
             output = self.forward(local)
         finally:
-            if self.label_head is not None:
-                self.label_head.targets = None
+            entropies = None
+            if head is not None:
+                head.targets, head.temperature, head.entropy = None, 1.0, False
+                entropies = head.take_entropies()
             if self.routers:
                 self._router_sums = self.routers[0].end()
         if self.context is not None:
             output = self.context.pad_output(output)
+            entropies = self.context.pad_output(entropies) if entropies is not None else None
+        if entropies is not None:  # the objective's label_entropy, beside its label log-probs
+            local = {**local, "label_entropy": entropies}
         return self.objective.loss_sums(output, local)
 
     def _padded_rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -356,12 +365,12 @@ class Engine(ABC):
         from llmtrain.models.chunked_loss import applies_by_default, install
 
         t = self.cfg.trainer
-        chunk = t.get("loss_chunk_tokens", 0)
+        chunk, bounded = t.get("loss_chunk_tokens", 0), bool(self.objective.label_entropy)
         if chunk:
-            self.label_head = install(model, chunk)
+            self.label_head = install(model, chunk, bounded)
         elif (t.get("logits_at_labels_only", True) and _declares_label_logps_only(self.objective)
               and self.dims.pp == 1 and applies_by_default(model)):
-            self.label_head = install(model, 0)
+            self.label_head = install(model, 0, bounded)
 
     def _install_context_parallel(self, model: torch.nn.Module, group) -> None:
         """Split rows over ``group`` (this rank's cp peers) with ``recipe.cp_style`` attention
@@ -394,9 +403,12 @@ class Engine(ABC):
 
     def labelling(self, batch: dict[str, torch.Tensor]):
         """Context in which the model's forward of ``batch`` (whole rows) returns ``[B, T]``
-        next-label log-probs where a label head is installed (:meth:`_install_label_head`), and
+        next-label log-probs (of the logits over the objective's ``label_temperature``) where a label
+        head is installed (:meth:`_install_label_head`), and
         logits as ever where none is."""
-        return self.label_head.targeting(batch["labels"]) if self.label_head is not None else contextlib.nullcontext()
+        if self.label_head is None:
+            return contextlib.nullcontext()
+        return self.label_head.targeting(batch["labels"], self.objective.label_temperature)
 
     def frozen_reference(self, build: Callable[[], torch.nn.Module]
                          ) -> Callable[[dict[str, torch.Tensor]], torch.Tensor] | None:
@@ -408,11 +420,11 @@ class Engine(ABC):
             return self.frozen_copy(build)
         from llmtrain.models.chunked_loss import install
 
-        chunk, heads = self.label_head.chunk, []
+        chunk, bounded, heads = self.label_head.chunk, self.label_head.bounded, []
 
         def built() -> torch.nn.Module:
             model = build()  # the policy's builder: the model type the policy's head was installed on
-            heads.append(install(model, chunk))
+            heads.append(install(model, chunk, bounded))
             return model
 
         forward = self.frozen_copy(built)
@@ -421,7 +433,7 @@ class Engine(ABC):
         head = heads[0]
 
         def labelled(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            with head.targeting(batch["labels"]):
+            with head.targeting(batch["labels"], self.objective.label_temperature):
                 return forward(batch)
         return labelled
 

@@ -41,17 +41,22 @@ def _reduce(x: torch.Tensor, op, group) -> torch.Tensor:
 
 
 class ChunkedLabelLogps(torch.autograd.Function):
-    """``log softmax(h W^T + b)[target]`` per token, chunk by chunk.
+    """``log softmax((h W^T + b) / temperature)[target]`` per token, chunk by chunk.
 
     Inputs: ``hidden`` ``[N, H]``; ``weight`` ``[V_local, H]`` (this rank's vocabulary rows,
     starting at ``vocab_start``); ``bias`` ``[V_local]`` or None; ``targets`` ``[N]`` token ids
     (``-100`` = none); ``chunk`` tokens per chunk; ``group``: the tensor-parallel group the
-    vocabulary is sharded over (None = whole vocabulary here). Output fp32 ``[N]`` (0 where
-    the target is -100).
+    vocabulary is sharded over (None = whole vocabulary here); optionally ``temperature`` (the
+    logits are divided by it, as a sampler's are: GRPO's log-probs are of the distribution the
+    rollout sampled from) and ``entropy`` (also return each token's entropy). Output fp32 ``[N]``
+    (0 where the target is -100); with ``entropy`` the pair (that, fp32 ``[N]`` entropies
+    ``H = log S - sum_v e_v s_v / S`` with ``s = z - max z``, ``e = exp s``, ``S = sum e``,
+    0 where the target is -100; not differentiable: a metric). The gradient of the log-probs
+    with respect to the logits is ``(onehot - softmax(z / T)) / T``.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk, group, vocab_start):
+    def forward(ctx, hidden, weight, bias, targets, chunk, group, vocab_start, temperature=1.0, entropy=False):
         import torch.distributed as dist
 
         device = hidden.device.type
@@ -59,42 +64,59 @@ class ChunkedLabelLogps(torch.autograd.Function):
         n, v_local = hidden.shape[0], weight.shape[0]
         out = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         lses = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropies = torch.zeros(n, dtype=torch.float32, device=hidden.device) if entropy else None
         for start in range(0, n, chunk):
             stop = min(n, start + chunk)
-            logits = ChunkedLabelLogps._logits(hidden[start:stop], weight, bias)
+            logits = ChunkedLabelLogps._logits(hidden[start:stop], weight, bias, temperature)
             local = targets[start:stop] - vocab_start
             mine = (local >= 0) & (local < v_local)
             picked = logits.gather(1, local.clamp(0, v_local - 1)[:, None])[:, 0] * mine
             picked = _reduce(picked, dist.ReduceOp.SUM, group)
             peak = _reduce(logits.max(dim=1).values, dist.ReduceOp.MAX, group)
-            # In place: one chunk of logits is the only [chunk, vocab] tensor alive.
-            total = _reduce(logits.sub_(peak[:, None]).exp_().sum(dim=1), dist.ReduceOp.SUM, group)
-            del logits
-            lse = peak + torch.log(total)
             valid = targets[start:stop] != IGNORE_INDEX
+            # In place: one chunk of logits is the only [chunk, vocab] tensor alive (two with entropy).
+            shifted = logits.sub_(peak[:, None])
+            if entropy:
+                exps = torch.exp(shifted)
+                total = _reduce(exps.sum(dim=1), dist.ReduceOp.SUM, group)
+                weighted = _reduce(exps.mul_(shifted).sum(dim=1), dist.ReduceOp.SUM, group)
+                del exps
+                entropies[start:stop] = torch.where(valid, torch.log(total) - weighted / total, 0.0)
+            else:
+                total = _reduce(shifted.exp_().sum(dim=1), dist.ReduceOp.SUM, group)
+            del logits, shifted
+            lse = peak + torch.log(total)
             out[start:stop] = torch.where(valid, picked - lse, torch.zeros_like(lse))
             lses[start:stop] = lse
         ctx.save_for_backward(hidden, weight, bias, targets, lses)
-        ctx.chunk, ctx.group, ctx.vocab_start = chunk, group, vocab_start
+        ctx.chunk, ctx.group, ctx.vocab_start, ctx.temperature = chunk, group, vocab_start, float(temperature)
+        if entropy:
+            ctx.mark_non_differentiable(entropies)
+            return out, entropies
         return out
 
     @staticmethod
-    def _logits(hidden, weight, bias):
+    def _logits(hidden, weight, bias, temperature=1.0):
         logits = (hidden @ weight.t()).float()
         if bias is not None:
             logits += bias
+        if temperature != 1.0:
+            logits.div_(temperature)
         return logits
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, *entropy_grad):
         import torch.distributed as dist
 
         hidden, weight, bias, targets, lses = ctx.saved_tensors
-        grad = grad.reshape(-1)
+        grad = grad.reshape(-1) / ctx.temperature  # d(z / T) / dz
         enabled, dtype, device = ctx.autocast
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None else None
+        # A frozen output layer (LoRA) needs no d W: skip its matmul, as costly as the forward's.
+        grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                       if ctx.needs_input_grad[1] else None)
+        grad_bias = (torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+                     if bias is not None and ctx.needs_input_grad[2] else None)
         v_local = weight.shape[0]
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             for start in range(0, hidden.shape[0], ctx.chunk):
@@ -102,19 +124,22 @@ class ChunkedLabelLogps(torch.autograd.Function):
                 h = hidden[start:stop]
                 g = (grad[start:stop] * (targets[start:stop] != IGNORE_INDEX)).float()
                 # softmax x -g, in place over the recomputed logits (one [chunk, vocab] tensor)
-                d_logits = ChunkedLabelLogps._logits(h, weight, bias).sub_(lses[start:stop, None]).exp_()
+                d_logits = ChunkedLabelLogps._logits(h, weight, bias, ctx.temperature).sub_(
+                    lses[start:stop, None]).exp_()
                 d_logits.mul_(-g[:, None])
                 local = targets[start:stop] - ctx.vocab_start
                 mine = (local >= 0) & (local < v_local)
                 rows = torch.nonzero(mine)[:, 0]
                 d_logits[rows, local[rows]] += g[rows]
                 grad_hidden[start:stop] = (d_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-                grad_weight += (d_logits.t() @ h.float())
+                if grad_weight is not None:
+                    grad_weight += (d_logits.t() @ h.float())
                 if grad_bias is not None:
                     grad_bias += d_logits.sum(0)
         _reduce(grad_hidden, dist.ReduceOp.SUM, ctx.group)  # each rank's vocabulary rows add to dh
-        return (grad_hidden, grad_weight.to(weight.dtype),
-                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None)
+        # Trailing Nones for temperature and entropy (torch drops those past the inputs given).
+        return (grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None,
+                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None, None, None, None)
 
 
 def _shape_only(t: torch.Tensor) -> bool:
@@ -138,11 +163,20 @@ class LabelHead:
     included) on the kept rows and takes ``cross_entropy``'s per-token values, the kernels Hugging
     Face's loss uses; > 0 (or a vocabulary-sharded head) goes through :class:`ChunkedLabelLogps`.
     Selecting the rows reads their count on the host (a device sync per forward on GPU).
+
+    While set, :attr:`temperature` divides the logits before the log-softmax and :attr:`entropy`
+    asks for each labelled position's entropy of that distribution too, left in :attr:`entropies`
+    (fp32 ``[B, T]``, detached, 0 where no label; :meth:`take_entropies`): GRPO's log-probs and
+    entropy metric. ``bounded`` (GRPO's head): with ``chunk_tokens`` 0, a plain ``nn.Linear`` layer
+    still runs in chunks of :data:`BOUNDED_CHUNK_TOKENS`, so the step's full-vocabulary memory is
+    one chunk's, not the completions' (an adapted layer keeps the whole path).
     """
 
-    def __init__(self, head: torch.nn.Module, chunk_tokens: int):
-        self.head, self.chunk = head, int(chunk_tokens)
+    def __init__(self, head: torch.nn.Module, chunk_tokens: int, bounded: bool = False):
+        self.head, self.chunk, self.bounded = head, int(chunk_tokens), bool(bounded)
         self.targets: torch.Tensor | None = None
+        self.temperature, self.entropy = 1.0, False
+        self.entropies: torch.Tensor | None = None
         plain = head.forward
         owner = self
 
@@ -154,14 +188,27 @@ class LabelHead:
         head.forward = types.MethodType(forward, head)
 
     @contextlib.contextmanager
-    def targeting(self, labels: torch.Tensor):
+    def targeting(self, labels: torch.Tensor, temperature: float = 1.0):
         """:attr:`targets` set from ``labels`` ``[B, T]`` (each position's next label, -100 at the
-        row end) while the block runs, and None again after it, raising or not."""
+        row end) and :attr:`temperature` while the block runs, reset after it, raising or not."""
         self.targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        self.temperature = float(temperature)
         try:
             yield self
         finally:
-            self.targets = None
+            self.targets, self.temperature = None, 1.0
+
+    def take_entropies(self) -> torch.Tensor | None:
+        """The :attr:`entropies` of the last forward (fp32 ``[B, T]``), cleared; None if none."""
+        out, self.entropies = self.entropies, None
+        return out
+
+    def _chunk_for(self, module: torch.nn.Module) -> int:
+        """Tokens per chunk: ``chunk_tokens``, else with ``bounded`` and a plain linear layer
+        :data:`BOUNDED_CHUNK_TOKENS`, else 0 (the layer's own forward on every kept row)."""
+        if self.chunk or not self.bounded:
+            return self.chunk
+        return BOUNDED_CHUNK_TOKENS if isinstance(module, torch.nn.Linear) else 0  # FSDP2 subclasses it
 
     def _label_logps(self, module: torch.nn.Module, hidden, targets: torch.Tensor, plain):
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -201,21 +248,46 @@ class LabelHead:
         wanted = flat if every else flat.index_select(0, kept)
         if empty:
             wanted = wanted.clamp(min=0)
-        if self.chunk == 0 and mesh is None:
-            logps = -F.cross_entropy(plain(picked).float(), wanted, ignore_index=IGNORE_INDEX, reduction="none")
+        chunk, entropy = self._chunk_for(module), None
+        if chunk == 0 and mesh is None:
+            logits = plain(picked).float()
+            if self.temperature != 1.0:
+                logits = logits / self.temperature
+            logps = -F.cross_entropy(logits, wanted, ignore_index=IGNORE_INDEX, reduction="none")
+            if self.entropy:
+                with torch.no_grad():
+                    logz = torch.logsumexp(logits, dim=-1, keepdim=True)
+                    entropy = logz[:, 0] - (torch.exp(logits - logz) * logits).sum(-1)
+            del logits
         else:
-            logps = ChunkedLabelLogps.apply(picked, weight, bias, wanted, self.chunk or picked.shape[0], group, start)
+            logps = ChunkedLabelLogps.apply(picked, weight, bias, wanted, chunk or picked.shape[0], group, start,
+                                            self.temperature, self.entropy)
+            if self.entropy:
+                logps, entropy = logps
         if empty:
             logps = logps * 0
-        # A fresh [B, T], not a view of another tensor: FSDP2 warns about views it returns.
-        if every:
-            whole = logps.reshape(rows, length).clone()
-        else:
-            whole = torch.zeros(rows, length, dtype=torch.float32, device=hidden.device).index_put(
-                (kept // length, kept % length), logps)
+        if entropy is not None:
+            self.entropies = self._scatter(entropy.detach() * (wanted != IGNORE_INDEX) * (not empty), every, kept,
+                                           rows, length)
+        whole = self._scatter(logps, every, kept, rows, length)
         if mesh is not None:  # ColwiseParallel's output hook expects a DTensor; the values are whole
             whole = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
         return whole
+
+    @staticmethod
+    def _scatter(values: torch.Tensor, every: bool, kept: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+        """``values`` of the kept positions (``[kept]``) back to fp32 ``[rows, length]``, 0 elsewhere.
+        A fresh tensor, not a view of another: FSDP2 warns about views it returns."""
+        if every:
+            return values.reshape(rows, length).clone()
+        return torch.zeros(rows, length, dtype=torch.float32, device=values.device).index_put(
+            (kept // length, kept % length), values)
+
+
+# Tokens per chunk of a bounded head (:class:`LabelHead`) when ``trainer.loss_chunk_tokens`` is 0:
+# at a 49,152-token vocabulary 192 MiB of fp32 logits a chunk, few enough that memory is set by
+# the model, many enough that the matmul runs at full speed.
+BOUNDED_CHUNK_TOKENS = 1024
 
 
 # Model types whose causal-LM forward returns the output layer's result unchanged
@@ -264,9 +336,10 @@ def applies_by_default(model: torch.nn.Module) -> bool:
             and model.get_output_embeddings() is not None)
 
 
-def install(model: torch.nn.Module, chunk_tokens: int) -> LabelHead:
+def install(model: torch.nn.Module, chunk_tokens: int, bounded: bool = False) -> LabelHead:
     """Swap ``model``'s output embedding (``get_output_embeddings()``) for a :class:`LabelHead`
-    (``chunk_tokens`` 0: whole, > 0: :class:`ChunkedLabelLogps` chunks of that many tokens).
+    (``chunk_tokens`` 0: whole, or with ``bounded`` chunks of :data:`BOUNDED_CHUNK_TOKENS`;
+    > 0: :class:`ChunkedLabelLogps` chunks of that many tokens).
 
     Raises:
         ValueError: the model has no output embedding (a classification head).
@@ -284,4 +357,4 @@ def install(model: torch.nn.Module, chunk_tokens: int) -> LabelHead:
         raise ConfigError(f"trainer.loss_chunk_tokens={chunk_tokens} with an output layer of type {type(head).__name__} "
                           "(an adapter or a trained copy on lm_head): the chunks read the plain weight; leave lm_head "
                           "out of peft.target_modules / modules_to_save or set trainer.loss_chunk_tokens=0")
-    return LabelHead(head, chunk_tokens)
+    return LabelHead(head, chunk_tokens, bounded)

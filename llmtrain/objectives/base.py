@@ -53,6 +53,12 @@ class Objective(ABC):
             fp32 ``[B, T]`` label log-probs (0 where the label is -100, and at the last position)
             instead of ``[B, T, V]`` logits (:mod:`llmtrain.models.chunked_loss`); tell them apart
             by ``output.dim()``.
+        label_temperature: with the label head, the log-probs are of the logits divided by this
+            (GRPO's sampling temperature; 1 for every other built-in).
+        label_entropy: with the label head, the loss also reads each position's entropy of that
+            distribution (GRPO's metric): engines hand it in the batch as ``label_entropy`` (fp32
+            ``[B, T]``, aligned as the label log-probs), and the head runs in chunks of positions
+            (:class:`llmtrain.models.chunked_loss.LabelHead`'s ``bounded``).
         online: the trainer samples the objective's batches from the policy (an online RL
             objective; :mod:`llmtrain.rollout`) instead of reading them from the data, which then
             holds prompts.
@@ -86,6 +92,9 @@ class Objective(ABC):
     metric_denominators: ClassVar[Mapping[str, str]] = {}
     # Whether loss_sums also accepts [B, T] next-label log-probs (the label head, llmtrain.models.chunked_loss).
     label_logps_only: ClassVar[bool] = False
+    # The label head's temperature, and whether it also hands the loss each position's entropy.
+    label_temperature: float = 1.0
+    label_entropy: ClassVar[bool] = False
     # Whether batches are sampled from the policy (online RL) rather than read from the data.
     online: ClassVar[bool] = False
     # The batch key the live reference's outputs go to (a distillation teacher's: its own).

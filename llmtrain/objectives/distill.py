@@ -76,6 +76,9 @@ class Distill(GRPO):
     carries = {**GRPO.carries, "teacher_logps": 0.0}
     reference_key = "teacher_logps"
     needs_rewards = False
+    # The loss reads the whole tempered distribution (the KL to the teacher's), not GRPO's label log-probs.
+    label_logps_only = False
+    label_entropy = False
 
     def __init__(self, cfg: Any = None):
         get = (lambda key, default: cfg.get(key, default)) if cfg is not None else (lambda key, default: default)

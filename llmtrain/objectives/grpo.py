@@ -37,7 +37,12 @@ sum over completions × ``max_completion_length`` (Dr. GRPO: Liu et al. 2025, se
 tokens": it depends on the micro-batch by definition).
 
 Log-probs are of the logits divided by the sampling temperature, the distribution the rollout
-sampled from (as TRL). Metrics under TRL's names: ``entropy``, ``kl`` (``beta`` > 0),
+sampled from (as TRL). Where the engine installs the label head (``trainer.logits_at_labels_only``,
+:mod:`llmtrain.models.chunked_loss`), the policy's, the old policy's and the reference's log-probs
+and the entropy come from the output layer run on the completion positions only, in chunks of
+positions recomputed in backward (TRL's ``selective_log_softmax``, without ever holding the
+micro-batch's ``[rows, seq, vocab]`` logits); elsewhere (pipeline stages, other model types) from
+whole logits, with the same values. Metrics under TRL's names: ``entropy``, ``kl`` (``beta`` > 0),
 ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``: means over the
 global batch's completion tokens (over completions at sequence level).
 """
@@ -119,6 +124,10 @@ class GRPO(Objective):
     reports_perplexity = False
     counted_unit = None
     online = True
+    # The loss reads each completion token's tempered log-prob and the entropy (label_temperature):
+    # the label head hands both without whole logits.
+    label_logps_only = True
+    label_entropy = True
     # Whether reward.functions are required (their advantages are the loss's signal).
     needs_rewards = True
 
@@ -163,6 +172,11 @@ class GRPO(Objective):
     def needs_reference(self) -> bool:  # type: ignore[override]
         """A reference policy only for the KL term (``beta`` > 0; 0: none is built)."""
         return self.beta != 0.0
+
+    @property
+    def label_temperature(self) -> float:  # type: ignore[override]
+        """The label head divides the logits by the sampling temperature (see the module)."""
+        return self.temperature
 
     @property
     def steps_per_batch(self) -> int:
@@ -241,14 +255,31 @@ class GRPO(Objective):
         return (completions > 0).to(completions.dtype)
 
     def token_logps(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """fp32 ``[rows, seq]``: each completion token's log-prob under the tempered policy."""
+        """fp32 ``[rows, seq]``: each completion token's log-prob under the tempered policy, from
+        ``[rows, seq, vocab]`` logits or the label head's ``[rows, seq]`` next-label log-probs
+        (already tempered: :attr:`label_temperature`)."""
+        if logits.dim() == 2:
+            return completion_token_logps(logits, labels)
         return completion_token_logps(logits.float() / self.temperature, labels)
+
+    def _logps_entropies(self, output: torch.Tensor, batch: dict[str, torch.Tensor]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``[rows, seq]`` each completion token's tempered log-prob (with grad) and the
+        entropy of the tempered distribution it was drawn from (0 at t = 0), from whole logits
+        ``[rows, seq, vocab]`` or from the label head's log-probs and its ``label_entropy``."""
+        if output.dim() == 2:
+            entropies = torch.nn.functional.pad(batch["label_entropy"][:, :-1], (1, 0))
+            return completion_token_logps(output, batch["labels"]), entropies
+        logits = output.float() / self.temperature
+        logps = completion_token_logps(logits, batch["labels"])
+        with torch.no_grad():
+            entropies = token_entropies(logits)
+        return logps, entropies
 
     def loss_sums(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> LossSums:
         labels, mask, advantages = batch["labels"], batch["completion_mask"], batch["advantages"]
         segment, first = completion_segments(batch)
-        logits = output.float() / self.temperature
-        logps = completion_token_logps(logits, labels)
+        logps, entropies = self._logps_entropies(output, batch)
         old = logps.detach() if self.on_policy else batch["old_logps"]
         log_ratio = logps - old
         if self.level == "sequence":  # each completion's masked mean log-ratio, on each of its tokens
@@ -277,7 +308,7 @@ class GRPO(Objective):
         else:
             loss = masked.sum()
         with torch.no_grad():
-            metrics["entropy"] = (token_entropies(logits) * mask).sum()
+            metrics["entropy"] = (entropies * mask).sum()
             # At sequence level one decision per completion (its ratio and advantage are the same
             # on all its tokens): counted on its first token.
             weigh = first.float() if self.level == "sequence" else mask

@@ -228,19 +228,22 @@ def precompute(engine: Any, splits: Any, collate: Any, micro_batch: int, device:
 
 
 def build_reference(cfg: Any, engine: Any, build: Callable[[], torch.nn.Module],
-                    logps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = completion_token_logps
-                    ) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+                    logps: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = completion_token_logps,
+                    label_logps: bool | None = None) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
     """The live reference of the run (see the module docstring); ``build()`` makes the model
-    with its initial weights (for the frozen copy); ``logps``: see :class:`LiveReference`.
+    with its initial weights (for the frozen copy); ``logps``: see :class:`LiveReference`, which
+    also takes the label head's ``[rows, seq]`` log-probs where ``label_logps`` (default: ``logps``
+    is :func:`completion_token_logps`; GRPO's ``token_logps`` of the head's tempered log-probs too).
 
     Raises:
         ConfigError: ``objective.reference=copy`` on an engine that cannot lay out a frozen copy.
     """
     kind = reference_kind(cfg)
+    if label_logps is None:
+        label_logps = logps is completion_token_logps
     if kind == "adapters_disabled":
-        return LiveReference(_adapters_off_forward(engine, logps is completion_token_logps), logps)
-    forward = (engine.frozen_reference(build) if logps is completion_token_logps
-               else engine.frozen_copy(build))
+        return LiveReference(_adapters_off_forward(engine, label_logps), logps)
+    forward = engine.frozen_reference(build) if label_logps else engine.frozen_copy(build)
     if forward is None:
         raise ConfigError(f"objective.reference=copy: the {type(engine).__name__} engine of recipe {cfg.recipe.name} "
                           "cannot lay out a frozen copy of the model; set objective.precompute_reference=true "
@@ -268,8 +271,9 @@ def setup_reference(cfg: Any, objective: Any, engine: Any, splits: Any, collator
         return teacher()
     phases.begin("reference", f"objective.reference={reference_kind(cfg)}")
     # GRPO's log-probs are of temperature-scaled logits; the preference objectives' are plain.
+    # (GRPO's label head computes them tempered: label_temperature.)
     logps = getattr(objective, "token_logps", completion_token_logps)
-    return build_reference(cfg, engine, build, logps)
+    return build_reference(cfg, engine, build, logps, bool(objective.label_logps_only))
 
 
 def check_data(cfg: Any, objective: Any, splits: Any, run_dir: Path, resumed: bool) -> None:

@@ -41,7 +41,10 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   inputs are saved whole, as torch's ``SequenceParallel`` styles keep them.
 - Chunked loss (``trainer.loss_chunk_tokens``): the output layer is measured as it runs (saving
   hidden states and a log-sum-exp per token), and the logits temporary is one chunk's.
-- Online RL (``objective=grpo``): a micro-batch of m prompts trains m x G completion rows; with
+- Online RL (``objective=grpo``): a micro-batch of m prompts trains m x G completion rows, whose
+  loss runs the output layer in chunks as ``trainer.loss_chunk_tokens`` does (of
+  ``BOUNDED_CHUNK_TOKENS`` by default, where the engine installs GRPO's label head: two
+  chunk-sized tensors with the entropy's exponentials); with
   ``beta`` > 0 and no adapters, the frozen reference copy as for DPO. Sampling happens between
   optimizer steps, so its bytes (:attr:`RankPlan.sampling`) peak apart from the step's: the
   resident bytes, the weights gathered whole under ZeRO-3 and FSDP2 (the compute dtype, less the
@@ -260,7 +263,7 @@ def _setting(cfg: Any, world_size: int, hf_config: Any, dims: Any, shape: ModelS
         from llmtrain.objectives.distill import teacher_model_config
 
         teacher = model_shape(model_config(teacher_model_config(str(objective.teacher))))
-    chunk = t.get("loss_chunk_tokens", 0)
+    chunk = t.get("loss_chunk_tokens", 0) or _bounded_chunk(cfg, hf_config, dims, online)
     local_seq = cfg.data.seq_len // dims.cp
     acts = measure_activations(hf_config, rows, local_seq, t.precision, dims.tp,
                                bf16_weights=bf16 and ((r.engine == "deepspeed" and r.zero_stage >= 1) or fsdp
@@ -278,6 +281,20 @@ def _setting(cfg: Any, world_size: int, hf_config: Any, dims: Any, shape: ModelS
                     head_n=shape.head // (dims.tp if shape.head_tp else 1),
                     stage_ids=stage_layer_ids(shape.layers, dims.pp * r.pp_stages_per_rank),
                     communication=communication_sizes(r, shape.hidden))
+
+
+def _bounded_chunk(cfg: Any, hf_config: Any, dims: Any, online: bool) -> int:
+    """Tokens per chunk of GRPO's bounded label head with ``trainer.loss_chunk_tokens`` 0
+    (:data:`llmtrain.models.chunked_loss.BOUNDED_CHUNK_TOKENS`) where the engine installs it:
+    ``trainer.logits_at_labels_only``, no pipeline stages, a model type whose forward leaves the
+    output layer's result as it is; else 0 (whole logits)."""
+    from llmtrain.models.chunked_loss import BOUNDED_CHUNK_TOKENS, PLAIN_HEAD_MODEL_TYPES, head_transform
+
+    if not (online and cfg.objective.name == "grpo" and cfg.trainer.get("logits_at_labels_only", True)
+            and dims.pp == 1):
+        return 0
+    plain = getattr(hf_config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES and head_transform(hf_config) is None
+    return BOUNDED_CHUNK_TOKENS if plain else 0
 
 
 def _stage_plan(s: _Setting, plan: RankPlan, pp_rank: int) -> RankPlan:
@@ -341,8 +358,10 @@ def _add_buffers(s: _Setting, candidate: RankPlan, n: int, last: bool) -> None:
     outputs = 1 if s.pairs and s.cfg.objective.name == "reward" else shape.vocab
     if last and s.chunk:  # one chunk's logits (recomputed in backward, gradient formed in place)
         vocab_local = shape.vocab // (dims.tp if shape.head_tp else 1)
+        # GRPO's entropy metric holds a second chunk-sized tensor (the exponentials) in the forward.
+        copies = 2 if s.online else 1
         candidate.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] = (
-            min(s.chunk, tokens) * vocab_local * 4)
+            copies * min(s.chunk, tokens) * vocab_local * 4)
     elif last:
         candidate.temporaries["logits and their gradient"] = 2 * tokens * outputs * 4
     if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps

@@ -545,8 +545,8 @@ class Rollout:
         forwards: ZeRO-3 and FSDP2 gather in each)."""
         device = self.engine.env.device
         for batch in batches:
-            on_device = {k: v.to(device) for k, v in batch.items()}
-            logits = self.engine.forward(on_device)
+            with self.engine.labelling(on_device := {k: v.to(device) for k, v in batch.items()}):
+                logits = self.engine.forward(on_device)
             batch["old_logps"] = self.objective.token_logps(logits, on_device["labels"]).cpu()
 
     def _logp_check(self, batches: list[dict[str, torch.Tensor]], micro_batches: list[list[dict]],
