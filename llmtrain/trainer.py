@@ -472,6 +472,8 @@ class Trainer:
         self.unlogged_gc_s += result.gc_s
         if self.unlogged_gc_s:  # carried to the next logged record: log_every need not divide gc_every
             metrics["perf/gc_s"] = self.unlogged_gc_s
+        if data.remote.retries():  # object-storage reads retried after a transient fault (this process)
+            metrics["data/retries"] = data.remote.retries()
         if self.cfg.recipe.compile:
             metrics["perf/compiled_graphs"] = compiled_graphs() - self.graphs_before
         if len(self.splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed

@@ -1,0 +1,175 @@
+"""Data in object storage (``s3://``, docs/object-storage.md) against a real S3-compatible server:
+moto's server mode on 127.0.0.1, started for this module, not a mock of the client. Training
+from a token folder or a JSONL file in the bucket equals training from the same files on disk,
+``llmtrain.prepare out=s3://`` writes the same bytes as to a folder, and every URL that cannot
+be read (another scheme, a missing bucket or key, no credentials, no server) is one line, exit
+2, before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import FAST, REPO, assert_ok, make_cfg, read_metrics, run_scenarios, subprocess_env
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+BUCKET = "llmtrain-test"
+SOURCE = ["data.max_bytes=120000"]  # test_prepare's corpus: the first stdlib files
+COMMON = [o for o in FAST if not o.startswith("data.max_bytes")] + ["trainer.max_steps=4", "trainer.export_hf=false"]
+# No credentials or config files of this machine's user, and no EC2 metadata lookups (seconds each).
+ISOLATED = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
+            "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def store():
+    """An S3 server on 127.0.0.1 with an empty bucket; ``AWS_*`` set for this process and the
+    subprocesses it starts (``subprocess_env`` copies the environment), restored after."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{server._port}"
+    saved = {name: os.environ.get(name) for name in [*ISOLATED, "AWS_ENDPOINT_URL"]}
+    os.environ.update(ISOLATED, AWS_ENDPOINT_URL=endpoint)
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir(BUCKET)
+    try:
+        yield fs
+    finally:
+        server.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run(module: str, args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=REPO,
+                          env={**subprocess_env(), **(env or {})}, timeout=300)
+
+
+def _losses(run_dir: Path) -> list[tuple]:
+    return [(r["step"], r["train/loss"], r["data/sample_digest"]) for r in read_metrics(run_dir) if "train/loss" in r]
+
+
+def test_training_from_s3_equals_training_from_disk(store, tmp_path):
+    """prepare to a folder and to the bucket (same bytes); pre-training from either, and SFT from
+    a JSONL file on disk or in the bucket: the same losses, sample for sample."""
+    local = tmp_path / "tokens"
+    for out in (str(local), f"s3://{BUCKET}/tokens/a"):
+        assert_ok(_run("llmtrain.prepare", SOURCE + [f"out={out}"]))
+    for name in ("tokens.bin", "manifest.json"):
+        assert store.cat_file(f"{BUCKET}/tokens/a/{name}") == (local / name).read_bytes(), name
+    records = [{"instruction": f"Add {i} and {i + 3}.", "input": "", "output": f"{i} + {i + 3} = {2 * i + 3}."}
+               for i in range(48)]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps(r) + "\n" for r in records))
+    store.put_file(str(sft), f"{BUCKET}/sft/sft.jsonl")
+    tokens = COMMON + ["data=tokens", "data.seq_len=64", "data.val_fraction=0.02"]
+    alpaca = COMMON + ["data=alpaca", "data.max_records=48", "data.seq_len=256"]
+    dirs = run_scenarios({"tokens-local": tokens + [f"data.path={local}"],
+                          "tokens-s3": tokens + [f"data.path=s3://{BUCKET}/tokens/a"],
+                          "sft-local": alpaca + [f"data.path={sft}"],
+                          "sft-s3": alpaca + [f"data.path=s3://{BUCKET}/sft/sft.jsonl"]}, nproc=1, root=tmp_path)
+    for kind in ("tokens", "sft"):
+        assert len(_losses(dirs[f"{kind}-local"])) == 4
+        assert _losses(dirs[f"{kind}-s3"]) == _losses(dirs[f"{kind}-local"]), kind
+
+
+def test_remote_token_file_reads_the_same_ids_across_blocks(store, tmp_path, monkeypatch):
+    from llmtrain.data import remote
+
+    ids = np.arange(5000, dtype=np.uint16)
+    store.pipe(f"{BUCKET}/ranged/tokens.bin", ids.tobytes())
+    monkeypatch.setattr(remote.RemoteTokenFile, "BLOCK", 1000)  # bytes: slices cross blocks
+    file = remote.RemoteTokenFile(f"s3://{BUCKET}/ranged/tokens.bin", "uint16", ids.nbytes, "data.path", cache_blocks=3)
+    assert len(file) == 5000
+    for start, stop in ((0, 64), (450, 1550), (4990, 5000), (7, 7), (0, 5000)):
+        assert np.array_equal(file[start:stop], ids[start:stop]), (start, stop)
+    assert len(file._cache) == 3
+
+
+def test_transient_faults_are_retried_and_counted_then_one_error(monkeypatch):
+    from llmtrain.common.errors import DataError
+    from llmtrain.data import remote
+
+    monkeypatch.setattr(remote, "_FIRST_WAIT_S", 0.001)
+    faults = [ConnectionResetError(104, "Connection reset by peer"), TimeoutError("read timed out")]
+
+    def flaky():
+        if faults:
+            raise faults.pop(0)
+        return b"ok"
+    before = remote.retries()
+    assert remote.call(flaky, "s3://b/k", "data.path") == b"ok"
+    assert remote.retries() == before + 2
+
+    def down():
+        raise ConnectionRefusedError(111, "Connection refused")
+    with pytest.raises(DataError) as err:
+        remote.call(down, "s3://b/k", "data.path", attempts=3)
+    assert str(err.value).startswith("data.path=s3://b/k: the object store at ") and "(after 3 tries)" in str(err.value)
+    assert "AWS_ENDPOINT_URL" in str(err.value) and "\n" not in str(err.value)
+
+    def missing():
+        raise FileNotFoundError("b/k")
+    with pytest.raises(DataError, match="no such object"):  # an answer, not a fault: not retried
+        remote.call(missing, "s3://b/k", "data.path")
+    assert remote.retries() == before + 4
+
+
+@pytest.mark.parametrize("path, env, needle", [
+    (f"s3://{BUCKET}/nothing-here", {}, "no such object or prefix in bucket 'llmtrain-test'"),
+    ("s3://no-such-bucket/tokens", {}, "the bucket 'no-such-bucket' does not exist at http://127.0.0.1:"),
+    (f"s3://{BUCKET}/tokens", {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None},
+     "no credentials for the object store (Unable to locate credentials); set AWS_ACCESS_KEY_ID and "
+     "AWS_SECRET_ACCESS_KEY"),
+    (f"s3://{BUCKET}/tokens", {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, "did not answer"),
+    ("gs://bucket/tokens", {}, "gs:// URLs are not read by llmtrain"),
+])
+def test_a_url_that_cannot_be_read_is_one_line_naming_the_fix(store, monkeypatch, path, env, needle):
+    from llmtrain.common.errors import LlmtrainError
+    from llmtrain.data import remote
+    from llmtrain.planning.preflight import preflight_data
+
+    for name, value in env.items():
+        monkeypatch.delenv(name) if value is None else monkeypatch.setenv(name, value)
+    monkeypatch.setattr(remote, "_fs", None)  # a client of this environment
+    monkeypatch.setattr(remote, "_FIRST_WAIT_S", 0.001)
+    with pytest.raises(LlmtrainError) as err:
+        preflight_data(make_cfg(["data=tokens", f"data.path={path}"]).data)
+    assert str(err.value).startswith(f"data.path={path}: ") and needle in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
+    monkeypatch.setattr(remote, "_fs", None)
+
+
+def test_refused_urls_exit_2_in_one_line_and_write_nothing(store, tmp_path):
+    run_dir = tmp_path / "run"
+    cases = [("llmtrain", [*COMMON, "data=tokens", "data.path=s3://no-such-bucket/tokens", f"run_dir={run_dir}"],
+              "data.path=s3://no-such-bucket/tokens: the bucket 'no-such-bucket' does not exist"),
+             ("llmtrain.prepare", SOURCE + ["out=s3://no-such-bucket/tokens"], "out=s3://no-such-bucket/tokens: the bucket"),
+             ("llmtrain.prepare", SOURCE + ["out=gs://bucket/tokens"], "out=gs://bucket/tokens: gs:// URLs are not read")]
+    for module, args, needle in cases:
+        proc = _run(module, args)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], (module, proc.stderr[-3000:])
+    assert not run_dir.exists() and not (REPO / "gs:").exists() and not (REPO / "s3:").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
