@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     from llmtrain.config.compose import compose
     from llmtrain.config.validate import validate_data
     from llmtrain.data import remote, text_documents, write_token_folder
-    from llmtrain.common.errors import ConfigError, DataError
-    from llmtrain.models.build import ModelSourceError, build_tokenizer
+    from llmtrain.common.errors import ConfigError, LlmtrainError
+    from llmtrain.models.build import build_tokenizer
     from llmtrain.planning.preflight import preflight_data
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 manifest = write_token_folder(documents, tokenizer, Path(staging) / "tokens", cfg.data.num_proc,
                                               source=source)
                 remote.upload_folder(Path(staging) / "tokens", url, "out", last="manifest.json")
-    except (ConfigError, DataError, ModelSourceError) as err:
+    except LlmtrainError as err:  # ConfigError, DataError, ModelSourceError, MissingExtra (out=s3:// without s3fs)
         print(f"llmtrain.prepare: error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # Hydra's own override errors

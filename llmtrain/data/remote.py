@@ -265,7 +265,8 @@ def check_empty_prefix(url: str, field: str) -> None:
     if not call(lambda: fs.exists(bucket), url, field, attempts=2):
         raise DataError(explain(FileNotFoundError("The specified bucket does not exist"), url, field))
     if call(lambda: fs.exists(_key(url)), url, field, attempts=2):
-        raise ConfigError(f"{field}={url} exists and is not empty; choose a new prefix (nothing is overwritten)")
+        raise ConfigError(f"{field}={url}: the prefix exists and is not empty; choose a new prefix (nothing is "
+                          "overwritten)")
 
 
 def upload_folder(local: Path, url: str, field: str, last: str) -> None:
