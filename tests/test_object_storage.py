@@ -37,12 +37,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop(server) -> None:
+    server.stop()
+    server._server.server_close()  # stop() leaves the socket listening: requests would hang, not fail
+
+
 @pytest.fixture(scope="module")
-def store():
-    """An S3 server on 127.0.0.1 with an empty bucket; ``AWS_*`` set for this process and the
-    subprocesses it starts (``subprocess_env`` copies the environment), restored after."""
+def server():
+    """moto's S3 server on 127.0.0.1 (its buckets live in this process: a restart keeps them)."""
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
     server.start()
+    yield server
+    if server._server_ready_event.is_set():
+        _stop(server)
+
+
+@pytest.fixture(scope="module")
+def store(server):
+    """An empty bucket on :func:`server`; ``AWS_*`` set for this process and the subprocesses it
+    starts (``subprocess_env`` copies the environment), restored after."""
     endpoint = f"http://127.0.0.1:{server._port}"
     saved = {name: os.environ.get(name) for name in [*ISOLATED, "AWS_ENDPOINT_URL"]}
     os.environ.update(ISOLATED, AWS_ENDPOINT_URL=endpoint)
@@ -53,7 +66,6 @@ def store():
     try:
         yield fs
     finally:
-        server.stop()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
@@ -96,6 +108,22 @@ def test_training_from_s3_equals_training_from_disk(store, tmp_path):
         assert _losses(dirs[f"{kind}-s3"]) == _losses(dirs[f"{kind}-local"]), kind
 
 
+@pytest.mark.slow
+def test_two_processes_from_s3_equal_two_processes_from_disk(store, tmp_path):
+    """2-process (gloo) pre-training from the token folder in the bucket and on disk: each rank
+    reads its own blocks by ranged GETs; the losses are equal."""
+    from llmtrain.prepare import main as prepare
+
+    local = tmp_path / "tokens"
+    assert prepare(SOURCE + [f"out={local}"]) == 0
+    store.put(str(local), f"{BUCKET}/tokens/two", recursive=True)
+    tokens = COMMON + ["data=tokens", "data.seq_len=64", "data.val_fraction=0.02"]
+    dirs = run_scenarios({"local": tokens + [f"data.path={local}"],
+                          "s3": tokens + [f"data.path=s3://{BUCKET}/tokens/two"]}, nproc=2, root=tmp_path)
+    assert len(_losses(dirs["local"])) == 3
+    assert _losses(dirs["s3"]) == _losses(dirs["local"])
+
+
 def test_remote_token_file_reads_the_same_ids_across_blocks(store, tmp_path, monkeypatch):
     from llmtrain.data import remote
 
@@ -136,6 +164,39 @@ def test_transient_faults_are_retried_and_counted_then_one_error(monkeypatch):
     with pytest.raises(DataError, match="no such object"):  # an answer, not a fault: not retried
         remote.call(missing, "s3://b/k", "data.path")
     assert remote.retries() == before + 4
+
+
+def test_a_store_down_for_a_while_is_waited_out_and_counted(store, server, monkeypatch):
+    """The server stopped (connections refused) and started again 1 s later, while a block is
+    read: the read retries until it is back, and the retries are counted; stopped for good, the
+    read ends in one error naming the URL and AWS_ENDPOINT_URL."""
+    import threading
+
+    from llmtrain.common.errors import DataError
+    from llmtrain.data import remote
+
+    ids = np.arange(3000, dtype=np.uint32)
+    store.pipe(f"{BUCKET}/outage/tokens.bin", ids.tobytes())
+    monkeypatch.setattr(remote, "_FIRST_WAIT_S", 0.1)
+    file = remote.RemoteTokenFile(f"s3://{BUCKET}/outage/tokens.bin", "uint32", ids.nbytes, "data.path")
+    before = remote.retries()
+    _stop(server)
+    restart = threading.Timer(1.0, server.start)
+    restart.start()
+    try:
+        assert np.array_equal(file[100:200], ids[100:200])
+    finally:
+        restart.join()
+    assert remote.retries() > before
+    _stop(server)
+    monkeypatch.setattr(remote, "ATTEMPTS", 3)
+    try:
+        with pytest.raises(DataError) as err:
+            remote.RemoteTokenFile(file.url, "uint32", ids.nbytes, "data.path")[0:10]
+    finally:
+        server.start()
+    assert str(err.value).startswith(f"data.path=s3://{BUCKET}/outage/tokens.bin: the object store at http://127.0.0.1:")
+    assert "AWS_ENDPOINT_URL" in str(err.value) and "(after 3 tries)" in str(err.value)
 
 
 @pytest.mark.parametrize("path, env, needle", [

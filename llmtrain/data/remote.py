@@ -121,15 +121,16 @@ def explain(err: BaseException, url: str, field: str) -> str:
     return f"{field}={url}: the object store at {_endpoint()} did not answer ({type(err).__name__}: {text}); {ENDPOINT_FIX}"
 
 
-def call(request: Callable[[], Any], url: str, field: str, attempts: int = ATTEMPTS) -> Any:
-    """``request()`` retried with exponential backoff on transient faults (each retry counted).
+def call(request: Callable[[], Any], url: str, field: str, attempts: int | None = None) -> Any:
+    """``request()`` retried with exponential backoff on transient faults (each retry counted),
+    ``attempts`` tries in all (default :data:`ATTEMPTS`).
 
     Raises:
         DataError: the request's final answer (no such object, no credentials) or the last
             fault after ``attempts`` tries, as one line (:func:`explain`).
     """
     global _retries
-    wait = _FIRST_WAIT_S
+    wait, attempts = _FIRST_WAIT_S, attempts or ATTEMPTS
     for attempt in range(attempts):
         try:
             return request()
@@ -158,11 +159,24 @@ def probe(url: str, field: str) -> dict:
         DataError: naming what to set (credentials, endpoint) or that the bucket or key is missing.
     """
     fs = filesystem()
-    bucket = _key(url).split("/", 1)[0]
-    if "/" not in _key(url):  # a bare bucket: info() of a missing one answers "directory"
-        if not call(lambda: fs.exists(bucket), url, field, attempts=2):
-            raise DataError(explain(FileNotFoundError("The specified bucket does not exist"), url, field))
+    check_bucket(url, field)
     return call(lambda: fs.info(_key(url)), url, field, attempts=2)
+
+
+def check_bucket(url: str, field: str) -> None:
+    """Check that the bucket of ``url`` exists and answers these credentials (a HEAD request:
+    s3fs's ``exists`` answers False for any error, a missing credential included).
+
+    Raises:
+        DataError: the bucket does not exist, or :func:`explain`'s answer.
+    """
+    fs, bucket = filesystem(), _key(url).split("/", 1)[0]
+    try:
+        call(lambda: fs.call_s3("head_bucket", Bucket=bucket), url, field, attempts=2)
+    except DataError as err:
+        if isinstance(err.__cause__, FileNotFoundError):
+            raise DataError(explain(FileNotFoundError("The specified bucket does not exist"), url, field)) from err
+        raise
 
 
 def check_data_urls(d: Any) -> None:
@@ -211,6 +225,9 @@ def local_copy(url: str, field: str) -> Path:
     if info["type"] == "directory":
         found = call(lambda: fs.find(key, detail=True), url, field)
         objects = {name[len(key):].lstrip("/"): meta for name, meta in sorted(found.items())}
+        unsafe = next((rel for rel in objects if ".." in rel.split("/") or rel.startswith("/")), None)
+        if unsafe is not None:  # a key would be written outside the cache entry
+            raise DataError(f"{field}={url}: the object {unsafe!r} has a '..' or '/' path part; rename it")
     else:
         objects = {key.rsplit("/", 1)[-1]: info}
     digest = hashlib.sha256(repr((url, sorted((k, v.get("ETag"), v.get("size")) for k, v in objects.items()))).encode())
@@ -261,9 +278,9 @@ def check_empty_prefix(url: str, field: str) -> None:
             prefix already holds objects (nothing is overwritten).
     """
     fs = filesystem()
-    bucket = _key(url).split("/", 1)[0]
-    if not call(lambda: fs.exists(bucket), url, field, attempts=2):
-        raise DataError(explain(FileNotFoundError("The specified bucket does not exist"), url, field))
+    if "/" not in _key(url):
+        raise ConfigError(f"{field}={url}: give a prefix inside the bucket, e.g. {field}={url.rstrip('/')}/tokens")
+    check_bucket(url, field)
     if call(lambda: fs.exists(_key(url)), url, field, attempts=2):
         raise ConfigError(f"{field}={url}: the prefix exists and is not empty; choose a new prefix (nothing is "
                           "overwritten)")
