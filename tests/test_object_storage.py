@@ -135,6 +135,19 @@ def test_remote_token_file_reads_the_same_ids_across_blocks(store, tmp_path, mon
     for start, stop in ((0, 64), (450, 1550), (4990, 5000), (7, 7), (0, 5000)):
         assert np.array_equal(file[start:stop], ids[start:stop]), (start, stop)
     assert len(file._cache) == 3
+    # The folder's manifest is checked as on disk: another tokenizer's folder, or no manifest, is refused.
+    from llmtrain.common.errors import DataError
+    from llmtrain.data.tokens import open_tokens
+    from llmtrain.models.build import byte_tokenizer
+
+    manifest = {"tokenizer": "other", "tokenizer_sha256": "0" * 64, "vocab_size": 260, "dtype": "uint16",
+                "num_tokens": 5000, "num_documents": 1, "eos_token_id": 0, "source": "test"}
+    store.pipe(f"{BUCKET}/ranged/manifest.json", json.dumps(manifest).encode())
+    with pytest.raises(DataError, match=rf"^data.path: s3://{BUCKET}/ranged was tokenized with other \(sha256 "
+                                        r"000000000000\), but this run's tokenizer is"):
+        open_tokens(f"s3://{BUCKET}/ranged", byte_tokenizer(), "data")
+    with pytest.raises(DataError, match=rf"^data.path: s3://{BUCKET}/nothing is not a token folder"):
+        open_tokens(f"s3://{BUCKET}/nothing", byte_tokenizer(), "data")
 
 
 def test_transient_faults_are_retried_and_counted_then_one_error(monkeypatch):

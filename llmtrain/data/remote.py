@@ -83,7 +83,7 @@ def filesystem() -> Any:
         import s3fs
 
         fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={
-            "retries": {"max_attempts": 1}, "connect_timeout": 10, "read_timeout": 60})
+            "retries": {"max_attempts": 1}, "connect_timeout": 10, "read_timeout": 30})
         fs.retries = 1  # s3fs's own loop (a class attribute, not an argument)
         _fs = (os.getpid(), fs)
     return _fs[1]
@@ -224,7 +224,8 @@ def local_copy(url: str, field: str) -> Path:
     key = _key(url)
     if info["type"] == "directory":
         found = call(lambda: fs.find(key, detail=True), url, field)
-        objects = {name[len(key):].lstrip("/"): meta for name, meta in sorted(found.items())}
+        objects = {name[len(key):].lstrip("/"): meta for name, meta in sorted(found.items())
+                   if not name.endswith("/") and name != key}  # folder markers some tools write hold nothing
         unsafe = next((rel for rel in objects if ".." in rel.split("/") or rel.startswith("/")), None)
         if unsafe is not None:  # a key would be written outside the cache entry
             raise DataError(f"{field}={url}: the object {unsafe!r} has a '..' or '/' path part; rename it")
