@@ -97,15 +97,17 @@ def test_training_from_s3_equals_training_from_disk(store, tmp_path):
     sft = tmp_path / "sft.jsonl"
     sft.write_text("".join(json.dumps(r) + "\n" for r in records))
     store.put_file(str(sft), f"{BUCKET}/sft/sft.jsonl")
+    from llmtrain.trainer import train
+
     tokens = COMMON + ["data=tokens", "data.seq_len=64", "data.val_fraction=0.02"]
-    alpaca = COMMON + ["data=alpaca", "data.max_records=48", "data.seq_len=256"]
-    dirs = run_scenarios({"tokens-local": tokens + [f"data.path={local}"],
-                          "tokens-s3": tokens + [f"data.path=s3://{BUCKET}/tokens/a"],
-                          "sft-local": alpaca + [f"data.path={sft}"],
-                          "sft-s3": alpaca + [f"data.path=s3://{BUCKET}/sft/sft.jsonl"]}, nproc=1, root=tmp_path)
+    alpaca = COMMON + ["data=alpaca", "data.max_records=48", "data.seq_len=256"]  # prompts of ~150 byte tokens
+    runs = {"tokens-local": tokens + [f"data.path={local}"], "tokens-s3": tokens + [f"data.path=s3://{BUCKET}/tokens/a"],
+            "sft-local": alpaca + [f"data.path={sft}"], "sft-s3": alpaca + [f"data.path=s3://{BUCKET}/sft/sft.jsonl"]}
+    for name, overrides in runs.items():  # in this process, one after another (as tests/scenarios.py runs them)
+        train(make_cfg(overrides + [f"run_dir={tmp_path / name}"]))
     for kind in ("tokens", "sft"):
-        assert len(_losses(dirs[f"{kind}-local"])) == 3
-        assert _losses(dirs[f"{kind}-s3"]) == _losses(dirs[f"{kind}-local"]), kind
+        assert len(_losses(tmp_path / f"{kind}-local")) == 3
+        assert _losses(tmp_path / f"{kind}-s3") == _losses(tmp_path / f"{kind}-local"), kind
 
 
 @pytest.mark.slow
