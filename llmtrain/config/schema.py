@@ -196,7 +196,8 @@ class DataConfig(DataSourceConfig):
     Sources (``path``): a local file or folder of ``.json``/``.jsonl``/``.parquet``/``.csv``/
     ``.txt``/``.arrow`` files (``glob`` picks files in a folder), a folder written by
     ``Dataset.save_to_disk``, or a Hugging Face Hub dataset id with ``subset``, ``split`` and
-    ``revision`` (needs network, or the dataset in the ``datasets`` cache). ``columns`` maps the
+    ``revision`` (needs network, or the dataset in the ``datasets`` cache), or any of these but a
+    Hub id as an ``s3://BUCKET/KEY`` URL (``llmtrain[s3]``, docs/object-storage.md). ``columns`` maps the
     fields a format reads to the file's names (``columns: {text: content}``). ``text`` with
     ``path: null`` reads the Python standard library's own source files (on every machine).
 
