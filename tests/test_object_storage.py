@@ -66,6 +66,9 @@ def store(server):
     try:
         yield fs
     finally:
+        from llmtrain.data import remote
+
+        remote._fs = None  # its client points at this server: no later test of the worker reuses it
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
