@@ -12,12 +12,14 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import FAST, REPO, make_cfg, read_metrics, run_scenarios, subprocess_env
+from llmtrain.data.prefetch import THREAD_NAME
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -87,7 +89,9 @@ def _losses(run_dir: Path) -> list[tuple]:
 
 def test_training_from_s3_equals_training_from_disk(store, tmp_path):
     """prepare to a folder and to the bucket (same bytes); pre-training from either, and SFT from
-    a JSONL file on disk or in the bucket: the same losses, sample for sample."""
+    a JSONL file on disk or in the bucket: the same losses, sample for sample. The runs from disk
+    read in the step (``data.prefetch=0``), those from the bucket ahead of it (the default): the
+    same samples too, the wait logged as ``time/data_wait_s``, and no read-ahead thread left."""
     from llmtrain.prepare import main as prepare
 
     local = tmp_path / "tokens"
@@ -104,13 +108,18 @@ def test_training_from_s3_equals_training_from_disk(store, tmp_path):
 
     tokens = COMMON + ["data=tokens", "data.seq_len=64", "data.val_fraction=0.02"]
     alpaca = COMMON + ["data=alpaca", "data.max_records=48", "data.seq_len=256"]  # prompts of ~150 byte tokens
-    runs = {"tokens-local": tokens + [f"data.path={local}"], "tokens-s3": tokens + [f"data.path=s3://{BUCKET}/tokens/a"],
-            "sft-local": alpaca + [f"data.path={sft}"], "sft-s3": alpaca + [f"data.path=s3://{BUCKET}/sft/sft.jsonl"]}
+    runs = {"tokens-local": tokens + [f"data.path={local}", "data.prefetch=0"],
+            "tokens-s3": tokens + [f"data.path=s3://{BUCKET}/tokens/a"],
+            "sft-local": alpaca + [f"data.path={sft}", "data.prefetch=0"],
+            "sft-s3": alpaca + [f"data.path=s3://{BUCKET}/sft/sft.jsonl"]}
     for name, overrides in runs.items():  # in this process, one after another (as tests/scenarios.py runs them)
         train(make_cfg(overrides + [f"run_dir={tmp_path / name}"]))
     for kind in ("tokens", "sft"):
         assert len(_losses(tmp_path / f"{kind}-local")) == 3
         assert _losses(tmp_path / f"{kind}-s3") == _losses(tmp_path / f"{kind}-local"), kind
+    waits = [r["time/data_wait_s"] for r in read_metrics(tmp_path / "tokens-s3") if "train/loss" in r]
+    assert len(waits) == 3 and min(waits) >= 0
+    assert not [t for t in threading.enumerate() if t.name == THREAD_NAME]
 
 
 @pytest.mark.slow

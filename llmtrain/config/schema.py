@@ -237,6 +237,8 @@ class DataConfig(DataSourceConfig):
     only their own ``data.datasets.N.path`` (a top-level ``data.path`` is refused).
     ``val_fraction`` of the samples (at least one) is held out for validation, chosen by the seed.
     ``num_proc``: processes for tokenization (``datasets.map``).
+    ``prefetch``: micro-batches read ahead of the step by a background thread (0: read in the
+    step); the samples and their order do not depend on it.
     """
 
     name: str = MISSING
@@ -248,6 +250,7 @@ class DataConfig(DataSourceConfig):
     document_masking: bool = False
     shuffle: bool = True
     num_proc: int = 1
+    prefetch: int = 4
     max_prompt_tokens: Optional[int] = None
     datasets: List[DataSourceConfig] = field(default_factory=list)
     weights: List[float] = field(default_factory=list)

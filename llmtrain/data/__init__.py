@@ -30,6 +30,7 @@ from llmtrain.data.formats import (ALPACA_PROMPT, apply_template_setting, end_of
                                    end_token_ids, encode_records, prompt_and_response, uses_chat_template)
 from llmtrain.data.order import (Collator, GlobalSampleOrder, MixtureOrder, StepBatches, StepBatchSampler,  # noqa: F401
                                  pack, packed_samples)
+from llmtrain.data.prefetch import Feed  # noqa: F401
 from llmtrain.data.sources import (RECORD_BUILDERS, capped_text, check_compressed, column, explain_error,  # noqa: F401
                                    file_kind, is_saved_dataset, load_hub, load_records, looks_like_local_path,
                                    record_errors, refuse_records_as_text, source_files, Where)

@@ -20,6 +20,7 @@ import hashlib
 import os
 import re
 import shutil
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -310,11 +311,17 @@ class RemoteTokenFile:
         self.cache_blocks = cache_blocks
         self._len = size // self.dtype.itemsize
         self._cache: OrderedDict[int, bytes] = OrderedDict()
+        # The prefetch thread reads training samples while the step's thread may read held-out ones.
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return self._len
 
     def _block(self, index: int) -> bytes:
+        with self._lock:
+            return self._block_unlocked(index)
+
+    def _block_unlocked(self, index: int) -> bytes:
         if index in self._cache:
             self._cache.move_to_end(index)
             return self._cache[index]
@@ -340,4 +347,7 @@ class RemoteTokenFile:
         return np.frombuffer(b"".join(chunks), dtype=self.dtype)
 
     def __getstate__(self) -> dict:
-        return dict(self.__dict__, _cache=OrderedDict())
+        return {k: v for k, v in self.__dict__.items() if k not in ("_cache", "_lock")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _cache=OrderedDict(), _lock=threading.Lock())
