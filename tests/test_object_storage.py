@@ -149,6 +149,13 @@ def test_remote_token_file_reads_the_same_ids_across_blocks(store, tmp_path, mon
     for start, stop in ((0, 64), (450, 1550), (4990, 5000), (7, 7), (0, 5000)):
         assert np.array_equal(file[start:stop], ids[start:stop]), (start, stop)
     assert len(file._cache) == 3
+    fetched = remote.RemoteTokenFile(f"s3://{BUCKET}/ranged/tokens.bin", "uint16", ids.nbytes, "data.path",
+                                     cache_blocks=3)
+    fetched.fetch([(4990, 5000), (0, 64), (450, 510)])  # bytes 0-127, 900-1019, 9980-9999: blocks 0, 1, 9 at once
+    assert sorted(fetched._cache) == [0, 1, 9]
+    fetched.fetch([(0, 5000)])  # 10 blocks wanted, room for 3: the first 3 missing ones only
+    assert list(fetched._cache) == [2, 3, 4]
+    assert np.array_equal(fetched[450:510], ids[450:510]) and np.array_equal(fetched[4990:5000], ids[4990:5000])
     # The folder's manifest is checked as on disk: another tokenizer's folder, or no manifest, is refused.
     from llmtrain.common.errors import DataError
     from llmtrain.data.tokens import open_tokens

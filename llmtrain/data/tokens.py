@@ -249,6 +249,15 @@ class TokenBlocks(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
+    def __getitems__(self, ks: list[int]) -> list[dict]:
+        """Items ``ks`` (a micro-batch; the DataLoader asks for them together): a token array in
+        object storage first fetches the blocks they need concurrently
+        (:meth:`~llmtrain.data.remote.RemoteTokenFile.fetch`)."""
+        fetch = getattr(self.tokens, "fetch", None)
+        if fetch is not None:
+            fetch([(int(self.indices[k]) * self.seq_len, (int(self.indices[k]) + 1) * self.seq_len) for k in ks])
+        return [self[k] for k in ks]
+
     def __getitem__(self, k: int) -> dict:
         start = int(self.indices[k]) * self.seq_len
         ids = np.asarray(self.tokens[start:start + self.seq_len], dtype=np.int64)
