@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -123,19 +124,32 @@ def test_training_from_s3_equals_training_from_disk(store, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_from_s3_equal_two_processes_from_disk(store, tmp_path):
+def test_two_processes_from_s3_equal_two_processes_from_disk_and_continue_exactly_after_kill_9(store, tmp_path):
     """2-process (gloo) pre-training from the token folder in the bucket and on disk: each rank
-    reads its own blocks by ranged GETs; the losses are equal."""
+    reads its own blocks by ranged GETs, ahead of the step; the losses are equal. The run from the
+    bucket killed with SIGKILL after step 3 (checkpoint at step 2) and launched again continues
+    exactly: the losses and samples of the undisturbed run, bit for bit."""
     from llmtrain.prepare import main as prepare
+    from test_resume import launch, wait_for_step
 
     local = tmp_path / "tokens"
     assert prepare(SOURCE + [f"out={local}"]) == 0
     store.put(str(local), f"{BUCKET}/tokens/two", recursive=True)
-    tokens = COMMON + ["data=tokens", "data.seq_len=64", "data.val_fraction=0.02"]
-    dirs = run_scenarios({"local": tokens + [f"data.path={local}"],
-                          "s3": tokens + [f"data.path=s3://{BUCKET}/tokens/two"]}, nproc=2, root=tmp_path)
-    assert len(_losses(dirs["local"])) == 3
+    tokens = [o for o in COMMON if not o.startswith("trainer.max_steps=")] + [
+        "data=tokens", "data.seq_len=64", "data.val_fraction=0.02", "trainer.max_steps=5", "trainer.save_every=2"]
+    from_s3 = tokens + [f"data.path=s3://{BUCKET}/tokens/two"]
+    dirs = run_scenarios({"local": tokens + [f"data.path={local}"], "s3": from_s3}, nproc=2, root=tmp_path)
+    assert len(_losses(dirs["local"])) == 5
     assert _losses(dirs["s3"]) == _losses(dirs["local"])
+    killed = tmp_path / "killed"
+    env = subprocess_env()
+    env["LLMTRAIN_FAULT"] = "stall:0:4"  # rank 0 waits before step 4: killed mid-run, a sealed step-2 checkpoint
+    proc = launch(from_s3 + [f"run_dir={killed}", "trainer.hang_timeout_s=0"], nproc=2, env=env)
+    wait_for_step(proc, killed, 3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    run_scenarios({"killed": from_s3}, nproc=2, root=tmp_path)  # the same command again, in the same run folder
+    assert [r for r in _losses(killed) if r[0] > 2][-3:] == _losses(dirs["s3"])[2:]
 
 
 def test_remote_token_file_reads_the_same_ids_across_blocks(store, tmp_path, monkeypatch):
