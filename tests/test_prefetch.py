@@ -90,7 +90,7 @@ def test_no_prefetch_thread_outlives_a_run(tmp_path, monkeypatch, ending):
             return step(*args, **kwargs)
 
         monkeypatch.setattr(trainer_module, "forward_backward", interrupted)
-    cfg = make_cfg(FAST + ["data.max_bytes=60000", "trainer.max_steps=3", "trainer.global_batch_size=8",
+    cfg = make_cfg(FAST + ["trainer.max_steps=3", "trainer.global_batch_size=8",
                            "trainer.micro_batch_size=4", "trainer.export_hf=false", "data.prefetch=2",
                            f"run_dir={tmp_path}"])
     with pytest.raises(DataError if ending == "data error" else KeyboardInterrupt):
