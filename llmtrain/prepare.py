@@ -1,5 +1,6 @@
 """``python -m llmtrain.prepare [MODEL AND DATA OVERRIDES] out=DIR``: tokenize a text corpus once
-into a token folder on disk, read block by block: for corpora larger than memory.
+into a token folder on disk, read block by block: for corpora larger than memory. ``out=s3://BUCKET/PREFIX``
+writes it to object storage (``llmtrain[s3]``; see docs/object-storage.md).
 
 The overrides are those of ``python -m llmtrain`` (``model=...`` picks the tokenizer, ``data=...``
 and ``data.*`` the text source; ``data.num_proc=N`` tokenizes in N processes). Train on the
@@ -10,6 +11,7 @@ blocks ``data.format=text`` makes from the raw text, read without loading the co
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,9 +21,9 @@ USAGE = __doc__
 def main(argv: list[str] | None = None) -> int:
     from llmtrain.config.compose import compose
     from llmtrain.config.validate import validate_data
-    from llmtrain.data import text_documents, write_token_folder
-    from llmtrain.common.errors import ConfigError, DataError
-    from llmtrain.models.build import ModelSourceError, build_tokenizer
+    from llmtrain.data import remote, text_documents, write_token_folder
+    from llmtrain.common.errors import ConfigError, LlmtrainError
+    from llmtrain.models.build import build_tokenizer
     from llmtrain.planning.preflight import preflight_data
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -33,10 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if len(outs) != 1 or not outs[0][4:]:
             raise ConfigError("give the output folder once, as out=DIR")
-        out = Path(outs[0][4:]).expanduser()
-        if out.exists() and not out.is_dir():
+        url = outs[0][4:] if remote.is_url(outs[0][4:]) else None
+        out = url or Path(outs[0][4:]).expanduser()
+        if url is not None:
+            remote.refuse_unsupported(url, "out")
+        elif out.exists() and not out.is_dir():
             raise ConfigError(f"out={out} is a file; give a folder to create")
-        if out.exists() and any(out.iterdir()):
+        elif out.exists() and any(out.iterdir()):
             raise ConfigError(f"out={out} exists and is not empty; choose a new folder (nothing is overwritten)")
         cfg = compose(overrides)
         validate_data(cfg.data)
@@ -45,11 +50,20 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"llmtrain.prepare tokenizes one format=text source (got data.format={cfg.data.format}"
                               f"{', a mixture' if cfg.data.datasets else ''}); instruction and chat data are "
                               "cached on first use instead")
+        if url is not None:
+            remote.check_empty_prefix(url, "out")
         tokenizer = build_tokenizer(cfg.model)
         started, cpu = time.perf_counter(), time.process_time()
-        manifest = write_token_folder(text_documents(cfg.data, "data"), tokenizer, out, cfg.data.num_proc,
-                                      source=str(cfg.data.path) if cfg.data.path is not None else "python stdlib")
-    except (ConfigError, DataError, ModelSourceError) as err:
+        documents = text_documents(remote.localized(cfg.data, "data"), "data")
+        source = str(cfg.data.path) if cfg.data.path is not None else "python stdlib"
+        if url is None:
+            manifest = write_token_folder(documents, tokenizer, out, cfg.data.num_proc, source=source)
+        else:  # written here, then uploaded with the manifest last (a reader finds it only when whole)
+            with tempfile.TemporaryDirectory(prefix="llmtrain-prepare-") as staging:
+                manifest = write_token_folder(documents, tokenizer, Path(staging) / "tokens", cfg.data.num_proc,
+                                              source=source)
+                remote.upload_folder(Path(staging) / "tokens", url, "out", last="manifest.json")
+    except LlmtrainError as err:  # ConfigError, DataError, ModelSourceError, MissingExtra (out=s3:// without s3fs)
         print(f"llmtrain.prepare: error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # Hydra's own override errors

@@ -235,6 +235,7 @@ class Trainer:
         started = time.perf_counter()
         self.watchdog.set("data", step + 1)
         host_batches, source_metrics = self.batches.for_step(step)
+        data_wait_s = self.micro_batches.take_wait()
         # Fingerprint on the host copies: on an accelerator this avoids a device-to-host sync.
         digest = sample_digest(host_batches)
         batches = [{k: v.to(self.env.device) for k, v in b.items()} for b in host_batches]
@@ -252,7 +253,8 @@ class Trainer:
         grad_norm = self.engine.step(keep_update=keep if self.t.nonfinite == "skip" else None)
         gc_s = self.collection.collect_if_due(step + 1)  # inside the step's time: the tokens/s count it
         result = StepResult(step + 1, sums.loss, lr, grad_norm, sums.tokens, time.perf_counter() - started,
-                            sums.metrics, sums.scalars, stop, save_by_time, spike, sums.router, source_metrics, gc_s)
+                            sums.metrics, sums.scalars, stop, save_by_time, spike, sums.router, source_metrics, gc_s,
+                            data_wait_s)
         self._advance_state(result)
         return result
 
@@ -351,12 +353,12 @@ class Trainer:
 
     def _setup_data_loader(self):
         """The global sample order (``sampler``) and this rank's micro-batch iterator from the
-        current step on."""
+        current step on, read ``data.prefetch`` micro-batches ahead (:class:`~llmtrain.data.prefetch.Feed`)."""
         t, per = self.t, self.objective.steps_per_batch  # GRPO's μ steps train on one batch of prompts
         loader, sampler = data.train_loader(self.splits, self.tokenizer, self.cfg.data, t.seed, t.micro_batch_size,
                                             self.accumulation, self.engine.dp_rank, self.dims.dp,
                                             start_step=-(-self.state.step // per), max_steps=-(-t.max_steps // per))
-        return sampler, iter(loader)
+        return sampler, data.Feed(iter(loader), self.cfg.data.prefetch)
 
     def _setup_batches(self, val_batches: list[dict]) -> tuple[Any, Evaluator]:
         """The step's batch source and the held-out evaluator: the data loader's micro-batches and
@@ -472,6 +474,8 @@ class Trainer:
         self.unlogged_gc_s += result.gc_s
         if self.unlogged_gc_s:  # carried to the next logged record: log_every need not divide gc_every
             metrics["perf/gc_s"] = self.unlogged_gc_s
+        if data.remote.retries():  # object-storage reads retried after a transient fault (this process)
+            metrics["data/retries"] = data.remote.retries()
         if self.cfg.recipe.compile:
             metrics["perf/compiled_graphs"] = compiled_graphs() - self.graphs_before
         if len(self.splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed
@@ -483,6 +487,7 @@ class Trainer:
         if self.env.is_main:
             self.flat_rewards.observe(result.step, result.source_metrics)
         metrics.update(goodput.time_metrics(state))
+        metrics["time/data_wait_s"] = result.data_wait_s
         if not result.healthy:
             metrics["train/skipped_update"] = int(self.t.nonfinite == "skip")
         if result.router is not None:
@@ -577,7 +582,10 @@ class Trainer:
             self.task_evals.stop()  # a resume evaluates their checkpoints again
 
     def close_sampler(self) -> None:
-        """Stop what an online objective's rollout engine started (a vLLM server); idempotent."""
+        """Stop the data's read-ahead thread and what an online objective's rollout engine started
+        (a vLLM server); idempotent. Every ending of a run comes here."""
+        if getattr(self, "micro_batches", None) is not None:
+            self.micro_batches.close()
         if getattr(self, "online", None):
             self.online.close()
 

@@ -118,6 +118,7 @@ def test_a_mixture_without_paths_names_each_entry():
     ("data.template=/no/such.jinja", "data.template=/no/such.jinja: no such file"),
     ("data.packing=true", "data.packing=true packs variable-length samples .* use data.document_masking=true"),
     ("data.num_proc=0", "data.num_proc=0 must be >= 1"),
+    ("data.prefetch=-1", r"data.prefetch=-1 must be >= 0 \(0: read in the step\)"),
 ])
 def test_data_field_errors_name_the_field(override, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -1,4 +1,4 @@
-"""llmtrain without its optional extras (``eval``, ``tracking``, ``slurm``, ``lowbit``): the command
+"""llmtrain without its optional extras (``eval``, ``tracking``, ``slurm``, ``lowbit``, ``s3``): the command
 line works and prints no warning about them, and every feature that needs one is refused in one
 line naming the extra to install, exit status 2, before anything is written or built (the ``dev``
 extra installs them all, so only hiding them shows this). The packages are hidden from a
@@ -55,6 +55,8 @@ CASES = {
     "qlora": (["torchao"], "llmtrain", ["+peft=qlora"], "lowbit"),
     # Refused for torchao before the check of float8 matmuls (which this CPU lacks).
     "fp8": (["torchao"], "llmtrain", ["engine=torch", "recipe.fp8=true"], "lowbit"),
+    # Refused before any request to the store (none is running here).
+    "s3": (["s3fs"], "llmtrain", ["data=tokens", "data.path=s3://bucket/tokens"], "s3"),
 }
 
 # Each require_extra(...) call in llmtrain/ (file, its module argument, its feature argument as
@@ -68,6 +70,7 @@ CALL_SITES = {
     ("llmtrain/planning/preflight.py", "'torchao'", "'trainer.optimizer=adamw_8bit'"): ["adamw-8bit"],
     ("llmtrain/planning/preflight.py", "'torchao'", "f'{peft_label(cfg)} (model.quantize=nf4)'"): ["qlora"],
     ("llmtrain/planning/preflight.py", "'torchao'", "'recipe.fp8=true'"): ["fp8"],
+    ("llmtrain/data/remote.py", "'s3fs'", "f'{field}={value}'"): ["s3"],
 }
 
 

@@ -35,7 +35,8 @@ def write_run(run_dir, steps=12, config=True, timeline=True):
         r = {"step": s, "time": T0 + 10 * s, "train/loss": train_loss(s), "train/lr": 3e-4 * min(1, s / 3),
              "train/grad_norm": 1.0 / s, "train/tokens_per_s": 1000.0 + s, "train/tokens_seen": 512 * s,
              "perf/mfu": 0.25, "memory/peak_bytes": (2 + (s == 7)) * 2**30, "memory/peak_rank": 1,
-             "time/goodput": 0.75 * s / steps, "time/wall_s": 200.0 * s / steps}
+             "time/goodput": 0.75 * s / steps, "time/wall_s": 200.0 * s / steps, "train/step_time_s": 0.5,
+             "time/data_wait_s": 0.01 * (s % 2)}
         if s in (6, 12):
             r.update({"val/loss": 3.5 if s == 6 else 3.6, "val/perplexity": 33.12 if s == 6 else 36.6})
         records.append(r)
@@ -77,6 +78,7 @@ def test_full_report(tmp_path):
     assert "| MFU (mean) | 25.0 % |" in text
     assert "| max peak memory | 3.00 GiB (rank 1) |" in text
     assert "| goodput | 75.0 % |" in text
+    assert "| data wait (mean of logged steps) | 5.0 ms per step (1.0 % of step time) |" in text
     # Goodput breakdown: other = 200 - (150 + 10 + 5 + 5 + 8 + 12) = 10 s.
     for row in ["| productive | 150.0 | 75.0 % |", "| startup | 10.0 | 5.0 % |", "| eval | 5.0 | 2.5 % |",
                 "| checkpoint | 5.0 | 2.5 % |", "| lost (redone after crash) | 8.0 | 4.0 % |",

@@ -196,7 +196,8 @@ class DataConfig(DataSourceConfig):
     Sources (``path``): a local file or folder of ``.json``/``.jsonl``/``.parquet``/``.csv``/
     ``.txt``/``.arrow`` files (``glob`` picks files in a folder), a folder written by
     ``Dataset.save_to_disk``, or a Hugging Face Hub dataset id with ``subset``, ``split`` and
-    ``revision`` (needs network, or the dataset in the ``datasets`` cache). ``columns`` maps the
+    ``revision`` (needs network, or the dataset in the ``datasets`` cache), or any of these but a
+    Hub id as an ``s3://BUCKET/KEY`` URL (``llmtrain[s3]``, docs/object-storage.md). ``columns`` maps the
     fields a format reads to the file's names (``columns: {text: content}``). ``text`` with
     ``path: null`` reads the Python standard library's own source files (on every machine).
 
@@ -236,6 +237,8 @@ class DataConfig(DataSourceConfig):
     only their own ``data.datasets.N.path`` (a top-level ``data.path`` is refused).
     ``val_fraction`` of the samples (at least one) is held out for validation, chosen by the seed.
     ``num_proc``: processes for tokenization (``datasets.map``).
+    ``prefetch``: micro-batches read ahead of the step by a background thread (0: read in the
+    step); the samples and their order do not depend on it.
     """
 
     name: str = MISSING
@@ -247,6 +250,7 @@ class DataConfig(DataSourceConfig):
     document_masking: bool = False
     shuffle: bool = True
     num_proc: int = 1
+    prefetch: int = 4
     max_prompt_tokens: Optional[int] = None
     datasets: List[DataSourceConfig] = field(default_factory=list)
     weights: List[float] = field(default_factory=list)

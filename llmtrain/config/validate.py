@@ -110,6 +110,7 @@ def validate_data(d: Any) -> None:
                  f"< data.seq_len={d.seq_len} (room for the completion); lower it or raise data.seq_len")
     _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     _require(d.num_proc >= 1, f"data.num_proc={d.num_proc} must be >= 1")
+    _require(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0 (0: read in the step)")
 
 
 def peft_label(cfg: Any) -> str:

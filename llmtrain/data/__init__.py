@@ -30,11 +30,13 @@ from llmtrain.data.formats import (ALPACA_PROMPT, apply_template_setting, end_of
                                    end_token_ids, encode_records, prompt_and_response, uses_chat_template)
 from llmtrain.data.order import (Collator, GlobalSampleOrder, MixtureOrder, StepBatches, StepBatchSampler,  # noqa: F401
                                  pack, packed_samples)
+from llmtrain.data.prefetch import Feed  # noqa: F401
 from llmtrain.data.sources import (RECORD_BUILDERS, capped_text, check_compressed, column, explain_error,  # noqa: F401
                                    file_kind, is_saved_dataset, load_hub, load_records, looks_like_local_path,
                                    record_errors, refuse_records_as_text, source_files, Where)
 from llmtrain.data.preference import (PackedPairs, PairCollator, WithReference, encode_examples,  # noqa: F401
                                      encode_pairs, pairs_of)
+from llmtrain.data import remote
 from llmtrain.data.prompts import PromptCollator, encode_prompts
 from llmtrain.data.vision import ImageCollator, encode_image_records, images_column, refuse_packing
 from llmtrain.data.tokens import MANIFEST, Complement, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
@@ -197,7 +199,7 @@ def token_source(src: Any, key: str, tokenizer: Any, num_proc: int):
     """The ids of a ``text`` or ``tokens`` source (a :class:`TokenFile` and its manifest); text
     is tokenized once into the cache (``~/.cache/llmtrain/tokens/<key>``, keyed by tokenizer, files and settings)."""
     if src.format == "tokens":
-        return open_tokens(Path(src.path).expanduser(), tokenizer, key)
+        return open_tokens(src.path if remote.is_url(src.path) else Path(src.path).expanduser(), tokenizer, key)
     folder = TOKEN_CACHE / _cache_key(src, tokenizer, key)
     if not (folder / MANIFEST).is_file():
         source = str(src.path) if src.path is not None else "python stdlib"
@@ -216,7 +218,10 @@ def _split(n: int, val_fraction: float, seed: int) -> tuple[Complement, np.ndarr
 
 def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int, unpair: bool = False,
                  prompt_budget: int | None = None) -> tuple[Any, Any, dict]:
-    """(train, val, stats) of one source."""
+    """(train, val, stats) of one source. An ``s3://`` source other than a token folder is copied
+    into the cache first (rank 0 first, then one rank per node) and read as local files."""
+    if src.format != "tokens" and remote.is_url(src.path):
+        src = _on_main_first(lambda: remote.localized(src, key))
     if src.format in ("text", "tokens"):
         tokens, manifest = _on_main_first(lambda: token_source(src, key, tokenizer, data_cfg.num_proc))
         n = num_blocks(tokens, data_cfg.seq_len)

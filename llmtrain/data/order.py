@@ -11,6 +11,7 @@ resuming needs one integer: the number of samples consumed.
 
 from __future__ import annotations
 
+import threading
 import zlib
 from typing import Any, Callable, Iterator, Sequence
 
@@ -66,6 +67,9 @@ class MixtureOrder:
         self.orders = [GlobalSampleOrder(n, seed + 7919 * (k + 1), shuffle) for k, n in enumerate(self.sizes)]
         self._counts_before = [np.zeros(len(self.sizes), dtype=np.int64)]  # per block: draws of each source before it
         self._cached_block, self._cached = -1, np.empty(0)
+        # The prefetch thread maps indices while the step's thread counts sources (source_of): the
+        # caches above are updated under this lock.
+        self._lock = threading.RLock()
 
     @property
     def num_samples(self) -> int:
@@ -78,6 +82,10 @@ class MixtureOrder:
         return self._cached
 
     def _locate(self, g: int) -> tuple[int, int]:
+        with self._lock:
+            return self._locate_unlocked(g)
+
+    def _locate_unlocked(self, g: int) -> tuple[int, int]:
         block, pos = divmod(g, self.BLOCK)
         while len(self._counts_before) <= block:
             b = len(self._counts_before) - 1

@@ -116,20 +116,48 @@ def read_manifest(folder: Path, key: str) -> dict:
     if not manifest.is_file() or not (Path(folder) / TOKENS).is_file():
         raise DataError(f"{key}.path: {folder} is not a token folder (no {MANIFEST} and {TOKENS}); make one with "
                         "`python -m llmtrain.prepare <model and data overrides> out=DIR`")
+    return checked_manifest(manifest.read_bytes(), (Path(folder) / TOKENS).stat().st_size, str(manifest),
+                            str(Path(folder) / TOKENS), key)
+
+
+def checked_manifest(text: bytes, size: int, manifest: str, tokens: str, key: str) -> dict:
+    """A token folder's manifest (``text``, read from ``manifest``), checked against the size in
+    bytes of its ``tokens`` file: a folder on disk or in object storage alike.
+
+    Raises:
+        DataError: not JSON, an unknown dtype or no token count, or a size that does not match.
+    """
     try:
-        content = json.loads(manifest.read_text())
+        content = json.loads(text)
     except (ValueError, UnicodeDecodeError) as err:
         raise DataError(f"{key}.path: {manifest} is not valid JSON ({err}); prepare the folder again") from err
     dtype, count = content.get("dtype"), content.get("num_tokens")
     if dtype not in ("uint16", "uint32") or not isinstance(count, int):
         raise DataError(f"{key}.path: {manifest} has dtype={dtype!r}, num_tokens={count!r}; expected uint16 or uint32 "
                         "and a token count: prepare the folder again")
-    size = (Path(folder) / TOKENS).stat().st_size
     if size != count * np.dtype(dtype).itemsize:
-        raise DataError(f"{key}.path: {Path(folder) / TOKENS} holds {size} bytes, but {MANIFEST} says {count} {dtype} "
+        raise DataError(f"{key}.path: {tokens} holds {size} bytes, but {MANIFEST} says {count} {dtype} "
                         f"tokens ({count * np.dtype(dtype).itemsize} bytes): the folder is damaged or incomplete; "
                         "prepare it again")
     return content
+
+
+def _remote_tokens(url: str, key: str) -> tuple[Any, dict]:
+    """A token folder in object storage: its checked manifest and a :class:`RemoteTokenFile`."""
+    from llmtrain.data import remote
+
+    url = url.rstrip("/")
+    manifest_url, tokens_url = f"{url}/{MANIFEST}", f"{url}/{TOKENS}"
+    try:
+        text = remote.read_bytes(manifest_url, f"{key}.path")
+        size = remote.size_of(tokens_url, f"{key}.path")
+    except DataError as err:
+        if not isinstance(err.__cause__, FileNotFoundError):
+            raise
+        raise DataError(f"{key}.path: {url} is not a token folder (no {MANIFEST} and {TOKENS}); make one with "
+                        "`python -m llmtrain.prepare <model and data overrides> out=s3://BUCKET/PREFIX`") from err
+    manifest = checked_manifest(text, size, manifest_url, tokens_url, key)
+    return remote.RemoteTokenFile(tokens_url, manifest["dtype"], size, f"{key}.path"), manifest
 
 
 class TokenFile:
@@ -160,13 +188,19 @@ class TokenFile:
         return dict(self.__dict__, _fd=None, _pid=None)
 
 
-def open_tokens(folder: Path, tokenizer: Any, key: str) -> tuple[TokenFile, dict]:
-    """Open a token folder's ids for random reads, checking they were made with ``tokenizer``.
+def open_tokens(folder: Path | str, tokenizer: Any, key: str) -> tuple[Any, dict]:
+    """Open a token folder's ids for random reads (a :class:`TokenFile`, or a
+    :class:`~llmtrain.data.remote.RemoteTokenFile` for an ``s3://`` URL), checking they were
+    made with ``tokenizer``.
 
     Raises:
         DataError: another tokenizer made the folder (names both), or it is not a token folder.
     """
-    manifest = read_manifest(folder, key)
+    if "://" in str(folder):
+        file, manifest = _remote_tokens(str(folder), key)
+    else:
+        manifest = read_manifest(folder, key)
+        file = TokenFile(Path(folder) / TOKENS, manifest["dtype"])
     mine = tokenizer_fingerprint(tokenizer)
     if manifest["tokenizer_sha256"] != mine:
         raise DataError(f"{key}.path: {folder} was tokenized with {manifest['tokenizer']} (sha256 "
@@ -174,10 +208,10 @@ def open_tokens(folder: Path, tokenizer: Any, key: str) -> tuple[TokenFile, dict
                         f"{getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__} (sha256 {mine[:12]}); "
                         "prepare the folder again with this model's tokenizer, or train with the model it was made for")
     if manifest.get("eos_token_id") != tokenizer.eos_token_id or manifest.get("vocab_size") != len(tokenizer):
-        raise DataError(f"{key}.path: {Path(folder) / MANIFEST} says eos_token_id={manifest.get('eos_token_id')}, "
+        raise DataError(f"{key}.path: {folder}/{MANIFEST} says eos_token_id={manifest.get('eos_token_id')}, "
                         f"vocab_size={manifest.get('vocab_size')}, but the tokenizer it names has "
                         f"{tokenizer.eos_token_id} and {len(tokenizer)}: the manifest was edited; prepare the folder again")
-    return TokenFile(Path(folder) / TOKENS, manifest["dtype"]), manifest
+    return file, manifest
 
 
 class Complement:
@@ -214,6 +248,15 @@ class TokenBlocks(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def __getitems__(self, ks: list[int]) -> list[dict]:
+        """Items ``ks`` (a micro-batch; the DataLoader asks for them together): a token array in
+        object storage first fetches the blocks they need concurrently
+        (:meth:`~llmtrain.data.remote.RemoteTokenFile.fetch`)."""
+        fetch = getattr(self.tokens, "fetch", None)
+        if fetch is not None:
+            fetch([(int(self.indices[k]) * self.seq_len, (int(self.indices[k]) + 1) * self.seq_len) for k in ks])
+        return [self[k] for k in ks]
 
     def __getitem__(self, k: int) -> dict:
         start = int(self.indices[k]) * self.seq_len

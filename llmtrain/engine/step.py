@@ -121,6 +121,7 @@ class StepResult:
     # What the batch source reports (an online objective's rollout: rewards, lengths, times).
     source_metrics: dict[str, float] = field(default_factory=dict)
     gc_s: float = 0.0  # seconds of the scheduled garbage collection that ended the step (trainer.gc_every)
+    data_wait_s: float = 0.0  # seconds the step waited for its micro-batches (llmtrain.data.prefetch)
 
     @property
     def healthy(self) -> bool:

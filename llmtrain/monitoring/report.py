@@ -101,6 +101,16 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _data_wait(records: list[dict]) -> str:
+    """The seconds a step waited for its micro-batches (``time/data_wait_s``), mean over the
+    logged steps, in ms and as a share of their step time (``train/step_time_s``)."""
+    waits, steps = dict(zip(*series(records, "time/data_wait_s"))), dict(zip(*series(records, "train/step_time_s")))
+    both = [s for s in waits if s in steps]
+    wait, stepped = _mean(list(waits.values())), sum(steps[s] for s in both)
+    share = sum(waits[s] for s in both) / stepped if stepped > 0 else None
+    return f"{1000 * wait:.1f} ms per step" + (f" ({100 * share:.1f} % of step time)" if share is not None else "")
+
+
 def _tokens_at(records: list[dict], steps: list[int]) -> list[float]:
     """Tokens seen at ``steps``, interpolated between logged records; step 0 has seen none."""
     known_steps, known_tokens = series(records, "train/tokens_seen")
@@ -465,6 +475,8 @@ def _markdown(run_dir: Path, records: list[dict], cfg, procs: list[dict] | None,
         ["max peak memory", f"{peak['memory/peak_bytes'] / GIB:.2f} GiB (rank {_fmt(peak.get('memory/peak_rank'))})"
          if peak else "n/a"],
         ["goodput", f"{100 * goodput[-1]:.1f} %" if goodput else "n/a"],
+        *([["data wait (mean of logged steps)", _data_wait(records)]]
+          if series(records, "time/data_wait_s")[0] else []),
     ]
     if skipped:
         figures.append(["skipped updates (non-finite)", _fmt(int(sum(skipped)), "d")])

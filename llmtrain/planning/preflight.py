@@ -26,11 +26,17 @@ def _require(condition: bool, message: str) -> None:
 
 def preflight_data(d: Any) -> None:
     """The ``data`` node's files that must exist before the data is read: a Jinja
-    ``data.template`` (``*.jinja``, ``*.j2``).
+    ``data.template`` (``*.jinja``, ``*.j2``), and every ``scheme://`` path: an ``s3://`` object
+    or prefix readable with this environment's credentials and endpoint, any other scheme refused
+    (:func:`llmtrain.data.remote.check_data_urls`).
 
     Raises:
-        ConfigError: ``data.template=PATH: no such file``.
+        ConfigError: ``data.template=PATH: no such file``, an unsupported URL; MissingExtra: s3fs
+            is not installed; DataError: the object store's answer (credentials, endpoint, bucket, key).
     """
+    from llmtrain.data.remote import check_data_urls
+
+    check_data_urls(d)
     template = str(d.template)
     if template.endswith((".jinja", ".j2")):
         _require(Path(template).expanduser().is_file(), f"data.template={template}: no such file")
