@@ -144,7 +144,7 @@ def checked_manifest(text: bytes, size: int, manifest: str, tokens: str, key: st
 
 def _remote_tokens(url: str, key: str) -> tuple[Any, dict]:
     """A token folder in object storage: its checked manifest and a :class:`RemoteTokenFile`."""
-    from llmtrain.data import remote
+    import llmtrain.data.remote as remote
 
     url = url.rstrip("/")
     manifest_url, tokens_url = f"{url}/{MANIFEST}", f"{url}/{TOKENS}"
