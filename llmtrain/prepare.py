@@ -21,7 +21,7 @@ USAGE = __doc__
 def main(argv: list[str] | None = None) -> int:
     from llmtrain.config.compose import compose
     from llmtrain.config.validate import validate_data
-    from llmtrain.data import remote, text_documents, write_token_folder
+    from llmtrain.data import MANIFEST, remote, text_documents, write_token_folder
     from llmtrain.common.errors import ConfigError, LlmtrainError
     from llmtrain.models.build import build_tokenizer
     from llmtrain.planning.preflight import preflight_data
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="llmtrain-prepare-") as staging:
                 manifest = write_token_folder(documents, tokenizer, Path(staging) / "tokens", cfg.data.num_proc,
                                               source=source)
-                remote.upload_folder(Path(staging) / "tokens", url, "out", last="manifest.json")
+                remote.upload_folder(Path(staging) / "tokens", url, "out", last=MANIFEST)
     except LlmtrainError as err:  # ConfigError, DataError, ModelSourceError, MissingExtra (out=s3:// without s3fs)
         print(f"llmtrain.prepare: error: {err}", file=sys.stderr)
         return 2

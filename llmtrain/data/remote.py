@@ -328,13 +328,23 @@ class RemoteTokenFile:
         fs, start = filesystem(), index * self.BLOCK
         end = min(self.size, start + self.BLOCK)
         data = call(lambda: fs.cat_file(_key(self.url), start=start, end=end), self.url, self.field)
+        self._keep(index, start, end, data)
+        return data
+
+    def _keep(self, index: int, start: int, end: int, data: bytes) -> None:
+        """Cache block ``index`` (bytes ``[start, end)`` of the object, as read), the least
+        recently used blocks out past ``cache_blocks``; the caller holds the lock.
+
+        Raises:
+            DataError: ``data`` is not ``end - start`` bytes long (the object changed).
+        """
         if len(data) != end - start:
             raise DataError(f"{self.field}: {self.url} returned {len(data)} bytes for bytes {start}-{end}: the object "
                             "changed while training; prepare the folder again under a new prefix")
         self._cache[index] = data
-        if len(self._cache) > self.cache_blocks:
+        self._cache.move_to_end(index)
+        while len(self._cache) > self.cache_blocks:
             self._cache.popitem(last=False)
-        return data
 
     def fetch(self, ranges: list[tuple[int, int]]) -> None:
         """Bring the blocks that the token ranges ``[start, stop)`` need into the cache with
@@ -354,13 +364,7 @@ class RemoteTokenFile:
                       self.field)
         with self._lock:
             for b, start, end, data in zip(missing, starts, ends, blocks):
-                if len(data) != end - start:
-                    raise DataError(f"{self.field}: {self.url} returned {len(data)} bytes for bytes {start}-{end}: "
-                                    "the object changed while training; prepare the folder again under a new prefix")
-                self._cache[b] = data
-                self._cache.move_to_end(b)
-            while len(self._cache) > self.cache_blocks:
-                self._cache.popitem(last=False)
+                self._keep(b, start, end, data)
 
     def __getitem__(self, index: slice) -> np.ndarray:
         start, stop, step = index.indices(self._len)

@@ -196,7 +196,9 @@ def open_tokens(folder: Path | str, tokenizer: Any, key: str) -> tuple[Any, dict
     Raises:
         DataError: another tokenizer made the folder (names both), or it is not a token folder.
     """
-    if "://" in str(folder):
+    import llmtrain.data.remote as remote
+
+    if remote.is_url(folder):
         file, manifest = _remote_tokens(str(folder), key)
     else:
         manifest = read_manifest(folder, key)
