@@ -68,11 +68,19 @@ def test_default_job_trains_with_falling_loss_and_exports(tmp_path):
 
 @pytest.mark.slow
 def test_accelerate_launch_runs_two_processes_with_deepspeed_and_a_quiet_log(tmp_path):
+    env = subprocess_env()
+    env["PYTHONPROFILEIMPORTTIME"] = "1"  # every process's imports, on stderr
     proc = run_cli([o for o in FAST if "progress_bar" not in o] + ["trainer.max_steps=2", "+recipe=zero2",
                                                                    f"run_dir={tmp_path}"],
-                   nproc=2, launcher="accelerate")
+                   nproc=2, launcher="accelerate", env=env)
     assert_ok(proc)
-    output = proc.stdout + proc.stderr
+    imports = [line for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert any(line.endswith("| deepspeed") for line in imports)
+    # ZeRO 1-2 test every reduction for DeepSpeed's Muon optimizer, whose module compiles kernels
+    # when imported (Inductor, 1 s of CPU time a rank); llmtrain never builds one
+    # (engine/deepspeed_imports.py): neither it nor Inductor's compiler is imported.
+    assert not [line for line in imports if line.endswith(("muon.original_muon", "torch._inductor.compile_fx"))]
+    output = proc.stdout + "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
     assert "on 2 rank(s)" in output
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]  # trainer.eval_every=0: no step-0 evaluation
     # DeepSpeed's compiler probes (gcc ... -laio) and op-built prints stayed out of the log; only

@@ -42,7 +42,7 @@ def test_deepspeed_ops_link_when_the_environment_path_has_a_space(tmp_path, monk
     # to link (ld: cannot find y/...). The engine points torch at a space-free symlink instead.
     import torch.utils.cpp_extension as cpp_extension
 
-    import llmtrain.engine.deepspeed_engine as ds_engine
+    import llmtrain.engine.deepspeed_imports as ds_engine
 
     spaced = tmp_path / "with space" / "lib"
     spaced.mkdir(parents=True)
@@ -64,11 +64,34 @@ def test_deepspeed_on_cpu_skips_building_its_inference_all_reduce_op(monkeypatch
     import deepspeed
     from deepspeed.comm.torch import build_shm_op
 
-    import llmtrain.engine.deepspeed_engine as ds_engine
+    import llmtrain.engine.deepspeed_imports as ds_engine
 
     monkeypatch.setitem(deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm", True)  # as probed with g++ here
     ds_engine._skip_inference_all_reduce_op(deepspeed)
     assert build_shm_op() is None  # DeepSpeed's own builder call now declines, before compiling
+
+
+def test_deepspeed_muon_stand_ins_are_never_matched_and_never_replace_the_real_modules(monkeypatch):
+    import pytest
+    import torch
+
+    import llmtrain.parallel.distributed  # noqa: F401  (DS_ACCELERATOR=cpu before deepspeed loads)
+    import llmtrain.engine.deepspeed_imports as ds_imports
+
+    names = (ds_imports._MUON_OPTIMIZER, ds_imports._MUON_UPDATE)
+    real = object()  # a module imported before llmtrain's engine: kept
+    monkeypatch.setitem(sys.modules, names[0], real)
+    monkeypatch.setitem(sys.modules, names[1], None)
+    ds_imports._stub_deepspeed_muon()
+    assert sys.modules[names[0]] is real and sys.modules[names[1]] is None
+    monkeypatch.setitem(sys.modules, names[0], None)  # neither imported
+    ds_imports._stub_deepspeed_muon()
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from deepspeed.runtime.zero.muon.original_muon import muon_update
+
+    assert not isinstance(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]), MuonWithAuxAdam)
+    with pytest.raises(RuntimeError, match="never builds DeepSpeed's Muon"):
+        muon_update(torch.zeros(2, 2), torch.zeros(2, 2))
 
 
 def _stub_python(folder: Path) -> Path:

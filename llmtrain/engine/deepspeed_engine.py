@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import llmtrain.parallel.distributed  # noqa: F401  (sets DS_ACCELERATOR=cpu without CUDA before deepspeed loads)
+from llmtrain.engine.deepspeed_imports import import_deepspeed
 from llmtrain.engine.base import (Engine, apply_schedule, clip_gradients, first_step_count, lr_lambda,
                                   model_inputs, param_groups, replicated_frozen_copy)
 from llmtrain.engine.optimizers import build_optimizer
@@ -96,72 +97,6 @@ def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict
     return config
 
 
-@contextlib.contextmanager
-def _without_mlflow():
-    """Context: ``import mlflow`` fails, unless mlflow is imported already (a tracker's backend).
-
-    DeepSpeed's autotuner, imported with ``deepspeed`` and never run by llmtrain, imports mlflow
-    where it is installed (the ``tracking`` extra): 1.4 s of CPU time, 3 s of wall clock per rank
-    on the 2-core development machine, at every DeepSpeed start-up. Importing deepspeed inside
-    this context leaves it out; llmtrain's MLflow tracker imports mlflow itself afterwards."""
-    import sys
-
-    if "mlflow" in sys.modules:
-        yield
-        return
-    sys.modules["mlflow"] = None  # the import system's "known absent" entry
-    try:
-        yield
-    finally:
-        if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
-            del sys.modules["mlflow"]
-
-
-def _link_torch_libs_without_spaces() -> None:
-    """Let DeepSpeed JIT-build its CPU ops (CPU Adam for ZeRO offload) when the Python
-    environment lives under a path with a space.
-
-    ``torch.utils.cpp_extension`` quotes include paths but writes ``-L<torch/lib>`` unquoted into
-    the ninja file, so the link fails (``ld: cannot find space/.../torch/lib``). The flag is read
-    from the module's ``TORCH_LIB_PATH`` when an op is built: point it at a symlink in llmtrain's
-    cache, whose path has no space. Created atomically, so ranks may race.
-    """
-    import hashlib
-    import os
-
-    import torch.utils.cpp_extension as cpp_extension
-
-    from llmtrain.common.paths import CACHE_DIR
-
-    real = cpp_extension.TORCH_LIB_PATH
-    link = CACHE_DIR / "torch-lib" / hashlib.sha256(real.encode()).hexdigest()[:16]
-    if " " not in real or " " in str(link):
-        return  # nothing to fix, or no space-free place to fix it from
-    if not link.is_symlink():
-        link.parent.mkdir(parents=True, exist_ok=True)
-        pending = link.with_name(f"{link.name}.{os.getpid()}")
-        pending.symlink_to(real, target_is_directory=True)
-        os.replace(pending, link)
-    cpp_extension.TORCH_LIB_PATH = str(link)
-
-
-def _skip_inference_all_reduce_op(deepspeed) -> None:
-    """On DeepSpeed's CPU accelerator, do not JIT-build its shared-memory all-reduce op.
-
-    ``deepspeed.init_distributed`` builds ``deepspeed_shm_comm`` (``build_shm_op`` in
-    ``deepspeed/comm/torch.py``) whenever its op table calls it compatible: about 90 s of g++ on a
-    machine's first DeepSpeed launch. The op serves only ``inference_all_reduce`` (AutoTP
-    inference), which falls back to ``torch.distributed.all_reduce`` without it; training's
-    collectives go through the torch process group either way. DeepSpeed keeps the op table as a
-    module attribute so that edits to it persist (``deepspeed/ops/__init__.py``): mark the op
-    unavailable there. Other accelerators have no such builder and are left alone.
-    """
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() == "cpu":
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
 class DeepSpeedEngine(Engine):
     """Wraps ``deepspeed.initialize``. DeepSpeed averages gradients over data-parallel ranks and
     (by default) divides by the accumulation steps; backward passes ``scale_wrt_gas=False`` and
@@ -178,12 +113,9 @@ class DeepSpeedEngine(Engine):
         self._partial = is_partial(cfg)
         from llmtrain.monitoring.console import stdout_to_debug_log
 
-        _link_torch_libs_without_spaces()
         # DeepSpeed prints "<op> built successfully" on every CPU launch: keep it out of the log.
-        with stdout_to_debug_log("deepspeed"), _without_mlflow():
-            import deepspeed
-
-            _skip_inference_all_reduce_op(deepspeed)
+        with stdout_to_debug_log("deepspeed"):
+            deepspeed = import_deepspeed()
             # Adopt the existing torch process group; zero.Init reads the world size from it.
             deepspeed.init_distributed(dist_backend=env.backend)
 
