@@ -42,9 +42,13 @@ FAST = ["tracker=none", "tracker.report=false", "trainer.progress_bar=false", "d
 #   from 38 min 13 s to 37 min 42 s (the two ranks keep both cores busier than that average
 #   suggested: most of the serial time left is the ``alone`` tests below);
 # - the machine alone (core lock exclusive): launches of more than 2 ranks, memory-heavy ones
-#   (``run_scenarios(..., alone=True)``: a GRPO launch takes 7-10 GB a rank), tests that time
-#   their own processes (kills at a step, hang timeouts: marked ``alone``, for the test) and
-#   modules marked ``alone`` with ``pytestmark`` (the whole module, module fixtures included).
+#   (``run_scenarios(..., alone=True)``; no launch needs it since the bounded GRPO head: the GRPO
+#   and distillation 2-rank launches take 2.7-2.9 GB in all), tests that time their own
+#   processes (hang timeouts: marked ``alone``, for the test) and modules marked ``alone`` with
+#   ``pytestmark`` (the whole module, module fixtures included). A kill at a step needs no
+#   machine alone: rank 0 stalls on entering the next step (``test_resume.stalled_after``), so
+#   the kill lands there however busy the cores are. In-process tests (the TRL comparisons) and
+#   ``mp.spawn`` workers (``with cores_for(2)``) are never alone.
 # Without xdist there is one worker and no lock. Levels only rise within a nested hold.
 # ``alone`` is scheduling only; ``slow`` is the tier (``-m "not slow"``: the fast tier, in-process
 # tests and one-process runs) and takes no lock of its own, so the full suite schedules as before.

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import cores_for
 from llmtrain.models.chunked_loss import ChunkedLabelLogps, install
 
 
@@ -126,7 +127,6 @@ def _tp_worker(rank: int, world: int, port: int, out: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 def test_vocabulary_sharded_over_tensor_parallel_ranks_equals_whole():
     import socket
 
@@ -136,7 +136,8 @@ def test_vocabulary_sharded_over_tensor_parallel_ranks_equals_whole():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = mp.Manager().dict()
-    mp.start_processes(_tp_worker, args=(2, port, out), nprocs=2, start_method="spawn")
+    with cores_for(2):
+        mp.start_processes(_tp_worker, args=(2, port, out), nprocs=2, start_method="spawn")
     for rank in range(2):
         for key, err in out[rank].items():
             assert err < 1e-5, f"rank {rank} {key}: {err}"

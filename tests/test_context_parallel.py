@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, assert_ok, make_cfg, run_cli, run_scenarios, subprocess_env, train_rows
+from conftest import FAST, assert_ok, cores_for, make_cfg, run_cli, run_scenarios, subprocess_env, train_rows
 from test_resume import launch, wait_for_step
 
 from llmtrain.parallel.context_parallel import chunk_order, local_index
@@ -185,7 +185,6 @@ def _attention_errors(rank: int, world: int, style: str, packed: bool) -> dict[s
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_over_split_rows_equals_whole_row_sdpa(world):
     """Every style (Ulysses; ring on the CPU flash kernel and on plain ops), unpacked and packed
@@ -198,7 +197,8 @@ def test_attention_over_split_rows_equals_whole_row_sdpa(world):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = mp.Manager().dict()
-    mp.start_processes(_attention_worker, args=(world, port, out), nprocs=world, start_method="spawn")
+    with cores_for(world):
+        mp.start_processes(_attention_worker, args=(world, port, out), nprocs=world, start_method="spawn")
     for rank in range(world):
         for case in CASES:
             for key, err in out[(rank, *case)].items():
@@ -267,7 +267,6 @@ def per_step(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 @pytest.mark.parametrize("name", [*TWO, *FOUR])
 def test_split_rows_train_like_one_process(name, runs):
     kind = (TWO | FOUR)[name][0]
@@ -279,7 +278,6 @@ def test_split_rows_train_like_one_process(name, runs):
     assert one[-1]["train/loss"] < one[0]["train/loss"] - 0.05  # it trained
 
 
-@pytest.mark.alone
 def test_packed_rows_hold_several_documents(shared_data):
     from llmtrain import data
     from llmtrain.models.build import build_tokenizer
@@ -291,15 +289,15 @@ def test_packed_rows_hold_several_documents(shared_data):
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 def test_sigkill_under_cp_then_resume_on_one_process_continues_exactly(shared_data, runs, tmp_path):
     overrides = common(shared_data / "tinyshakespeare.txt") + [f"run_dir={tmp_path}"]
     env = subprocess_env()
     env["LLMTRAIN_FAULT"] = "stall:0:4"  # rank 0 waits before step 4: killed mid-run, a sealed step-2 checkpoint
-    proc = launch(overrides + ["+recipe=fsdp", *CP2, "trainer.hang_timeout_s=0"], nproc=2, env=env)
-    wait_for_step(proc, tmp_path, 3, timeout=600)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    with cores_for(2):
+        proc = launch(overrides + ["+recipe=fsdp", *CP2, "trainer.hang_timeout_s=0"], nproc=2, env=env)
+        wait_for_step(proc, tmp_path, 3, timeout=600)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     resumed = run_cli(overrides + ["+recipe=fsdp"], nproc=1)
     assert_ok(resumed)
     assert "resuming from" in resumed.stdout + resumed.stderr

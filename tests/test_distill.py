@@ -59,7 +59,7 @@ def runs(questions, tmp_path_factory) -> dict[str, Path]:
            "lambda0": student(questions, teacher, "objective.lmbda=0", "rollout.log_completions=8")}
     out = run_scenarios(one, 1, root, timeout=1500)
     two = {f"sampled-{recipe}": student(questions, teacher, f"+recipe={recipe}") for recipe in ("zero3", "fsdp")}
-    out.update(run_scenarios(two, 2, tmp_path_factory.mktemp("distill-2"), timeout=1500, alone=True))  # rollouts' memory
+    out.update(run_scenarios(two, 2, tmp_path_factory.mktemp("distill-2"), timeout=1500))  # 2.7 GB in all
     return out
 
 
@@ -70,7 +70,6 @@ def _hf(folder: Path):
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 def test_the_loss_is_the_per_token_reverse_kl_written_out(runs, questions, tmp_path):
     from grpo_fixtures import fixed_completion
     from test_preference_trl import _initial_model
@@ -108,7 +107,6 @@ def test_the_loss_is_the_per_token_reverse_kl_written_out(runs, questions, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 def test_the_student_learns_and_the_held_out_kl_falls(runs):
     rows = train_rows(runs["sampled"], STEPS)
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
@@ -118,7 +116,6 @@ def test_the_student_learns_and_the_held_out_kl_falls(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 @pytest.mark.parametrize("recipe", ["zero3", "fsdp"])
 def test_two_ranks_with_a_sharded_teacher_equal_one_process(runs, recipe):
     keys = ("train/loss", "train/grad_norm", "train/sampled_kl", "data/sample_digest")
@@ -132,7 +129,6 @@ def test_two_ranks_with_a_sharded_teacher_equal_one_process(runs, recipe):
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 def test_lambda_zero_trains_on_the_datas_own_completions(runs):
     rows = train_rows(runs["lambda0"], STEPS)
     assert all(r["rollout/on_policy"] == 0.0 for r in rows)

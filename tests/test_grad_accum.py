@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import make_cfg
+from conftest import cores_for, make_cfg
 from llmtrain import data
 from llmtrain.parallel.distributed import DistEnv
 from llmtrain.engine.torch_engine import TorchEngine
@@ -120,9 +120,9 @@ def _worker(rank: int, world: int, micro: int, rendezvous: str, out: str) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 @pytest.mark.parametrize("micro", [1, 2])
 def test_two_ranks_equal_one_big_batch(tmp_path, micro):
     out = str(tmp_path / "grads.pt")
-    mp.spawn(_worker, args=(2, micro, str(tmp_path / "rendezvous"), out), nprocs=2, join=True)
+    with cores_for(2):
+        mp.spawn(_worker, args=(2, micro, str(tmp_path / "rendezvous"), out), nprocs=2, join=True)
     assert_same(torch.load(out), reference_grads())

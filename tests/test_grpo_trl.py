@@ -105,7 +105,6 @@ CASES = {  # name -> (llmtrain overrides, TRL's GRPOConfig fields)
 
 
 # The first case stays in the fast tier: one GRPO run against TRL in the inner loop.
-@pytest.mark.alone
 @pytest.mark.parametrize("case", [*CASES][:1] + [pytest.param(case, marks=pytest.mark.slow) for case in [*CASES][1:]])
 def test_five_steps_equal_trls_grpo_trainer(prompts, tmp_path, case):
     overrides, config = CASES[case]

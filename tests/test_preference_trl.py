@@ -138,7 +138,6 @@ def _assert_steps(ours: list[dict], theirs: list[dict], keys: tuple[str, ...] = 
 
 
 # The sigmoid loss stays in the fast tier: one preference run against TRL in the inner loop.
-@pytest.mark.alone
 @pytest.mark.parametrize("loss_type,eps", [("sigmoid", 0.0), *(pytest.param(*case, marks=pytest.mark.slow) for case in
                                                                 (("ipo", 0.0), ("hinge", 0.0), ("robust", 0.1)))])
 def test_dpo_equals_trl_dpo_trainer(hh_pairs, tmp_path, loss_type, eps):
@@ -177,7 +176,6 @@ def _paired_logs(logged: list[dict], accumulation: int) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 @pytest.mark.parametrize("objective", ["simpo", "orpo"])
 def test_simpo_and_orpo_equal_trl_cpo_and_orpo_trainers(hh_pairs, tmp_path, objective):
     """ORPO's NLL term is a token mean over TRL's whole micro-batch, the paper's (eq. 6) is per
@@ -212,7 +210,6 @@ def test_simpo_and_orpo_equal_trl_cpo_and_orpo_trainers(hh_pairs, tmp_path, obje
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 def test_reward_model_equals_trl_reward_trainer(hh_pairs, tmp_path):
     from transformers import AutoModelForSequenceClassification
     from trl import RewardConfig, RewardTrainer
@@ -240,7 +237,6 @@ def test_reward_model_equals_trl_reward_trainer(hh_pairs, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 def test_kto_equals_trl_kto_trainer(hh_pairs, tmp_path):
     """Unpaired HH examples (each pair's chosen as desirable, rejected as undesirable): TRL builds
     its KL examples by rotating completions within each per-device batch, llmtrain within each

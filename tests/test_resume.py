@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, REPO, SHARED_DATA, assert_ok, read_metrics, run_cli, run_scenarios, subprocess_env
+from conftest import FAST, REPO, SHARED_DATA, assert_ok, cores_for, read_metrics, run_cli, run_scenarios, subprocess_env
 
 STEPS = 8
 # max_bytes=8000 gives 123 training blocks of 64 tokens: a resume at step 4 (192 samples consumed)
@@ -43,6 +43,14 @@ def launch(overrides: list[str], nproc: int, env: dict | None = None) -> subproc
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "llmtrain"]
     return subprocess.Popen(cmd + overrides, cwd=REPO, env=env or subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def stalled_after(step: int, env: dict | None = None) -> dict:
+    """``env`` (default: the tests' own) in which rank 0 stalls on entering step ``step + 1``
+    (``LLMTRAIN_FAULT``, monitoring/watchdog.py): a kill once ``step`` is logged lands before step
+    ``step + 1`` trains or saves, however busy the cores are, so a kill test needs no machine to
+    itself. The rerun must use an environment without it (the stall holds on every first attempt)."""
+    return {**(env or subprocess_env()), "LLMTRAIN_FAULT": f"stall:0:{step + 1}"}
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 300) -> None:
@@ -195,7 +203,6 @@ def _hh_pairs_file(folder: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # a 2-rank launch it kills or signals (conftest.machine_alone)
 @pytest.mark.parametrize("recipe", KILL_RECIPES + list(LORA_RUNS))
 def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path, request):
     overrides = COMMON + LORA_RUNS.get(recipe, [f"+recipe={recipe}"]) + [f"run_dir={tmp_path}"]
@@ -210,10 +217,11 @@ def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path
     env = subprocess_env()
     if recipe == "zero3" and not SHARED_DATA.is_dir():  # hh_local's file, where the downloads are not here
         env["LLMTRAIN_DATA_DIR"] = str(_hh_pairs_file(tmp_path.parent / f"{tmp_path.name}-data"))
-    proc = launch(overrides, nproc=2, env=env)
-    wait_for_step(proc, tmp_path, 5)          # a checkpoint at step 4 exists, step 5+ is lost
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    with cores_for(2):
+        proc = launch(overrides, nproc=2, env=stalled_after(5, env))
+        wait_for_step(proc, tmp_path, 5)          # a checkpoint at step 4 exists, step 5 is lost
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     read_metrics_before_rerun = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
                                  if line.endswith("}") and "train/loss" in line]
     resumed = run_cli(overrides, nproc=2, env=env)
@@ -318,13 +326,13 @@ def test_a_rerun_names_the_unfinished_process_and_the_steps_it_redoes(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # a 2-rank launch it kills or signals (conftest.machine_alone)
 def test_sigkill_of_a_packed_mixture_continues_exactly_and_counts_sources(mixture, reference, tmp_path):
     overrides = COMMON + mixture + [f"run_dir={tmp_path}"]
-    proc = launch(overrides, nproc=2)
-    wait_for_step(proc, tmp_path, 5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    with cores_for(2):
+        proc = launch(overrides, nproc=2, env=stalled_after(5))
+        wait_for_step(proc, tmp_path, 5)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert_ok(run_cli(overrides, nproc=2))
     got = per_step(tmp_path)
     assert [row[0] for row in got] == list(range(1, STEPS + 1))
@@ -458,17 +466,19 @@ def test_sigterm_saves_exits_zero_and_continues_exactly(reference, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # a 2-rank launch it kills or signals (conftest.machine_alone)
 def test_preempt_signal_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path):
-    overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}", "trainer.save_every=0"]
-    proc = launch(overrides, nproc=2)
-    wait_for_step(proc, tmp_path, 2)
     import psutil
 
-    workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "torch.distributed.run" not in c.cmdline()]
-    assert len(workers) == 2
-    workers[-1].send_signal(signal.SIGUSR1)   # SLURM's warning signal, to one rank only
-    out, _ = proc.communicate(timeout=120)
+    # 200 steps: the run is still going when the signal arrives, however busy the cores are.
+    overrides = COMMON + ["+recipe=ddp", f"run_dir={tmp_path}", "trainer.save_every=0", "trainer.max_steps=200"]
+    with cores_for(2):
+        proc = launch(overrides, nproc=2)
+        wait_for_step(proc, tmp_path, 2)
+        workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                   if "torch.distributed.run" not in c.cmdline()]
+        assert len(workers) == 2
+        workers[-1].send_signal(signal.SIGUSR1)   # SLURM's warning signal, to one rank only
+        out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     assert len(list((tmp_path / "checkpoints").glob("step_*"))) == 1
 
@@ -549,16 +559,16 @@ def test_a_max_steps_below_the_checkpoint_says_what_it_exports_and_how_to_go_on(
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # a 2-rank launch it kills or signals (conftest.machine_alone)
 def test_orphaned_workers_die_with_their_launcher(tmp_path):
     import psutil
 
-    proc = launch(COMMON + ["+recipe=ddp", f"run_dir={tmp_path}", "trainer.max_steps=200"], nproc=2)
-    wait_for_step(proc, tmp_path, 1)
-    workers = psutil.Process(proc.pid).children(recursive=True)
-    os.kill(proc.pid, signal.SIGKILL)  # the launcher only: workers live in their own sessions
-    proc.wait()
-    gone, alive = psutil.wait_procs(workers, timeout=20)
+    with cores_for(2):
+        proc = launch(COMMON + ["+recipe=ddp", f"run_dir={tmp_path}", "trainer.max_steps=200"], nproc=2)
+        wait_for_step(proc, tmp_path, 1)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher only: workers live in their own sessions
+        proc.wait()
+        gone, alive = psutil.wait_procs(workers, timeout=20)
     assert not alive, [p.cmdline() for p in alive]
 
 
