@@ -144,11 +144,21 @@ def test_sigkill_then_rerun_continues_exactly(runs, data_file, tmp_path):
     assert got == per_step(runs["fsdp"])
 
 
-@pytest.mark.parametrize("recipe", ["tp", "pp"])
-def test_tensor_and_pipeline_parallel_are_refused_by_name(recipe, tmp_path):
-    """One line naming the recipe, exit 2, before any process group starts (one process)."""
-    proc = run_cli(COMMON + [f"data.path={write_dataset(tmp_path)}", f"+recipe={recipe}", f"run_dir={tmp_path / 'r'}"],
-                   launcher="python")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(proc.stderr.splitlines()) == 1 and f"recipe={recipe}" in proc.stderr, proc.stderr
-    assert not (tmp_path / "r").exists()
+@pytest.mark.parametrize("overrides, field", [(["+recipe=tp"], "recipe.tp=-1 (tensor parallel)"),
+                                              (["+recipe=pp"], "recipe.pp=-1 (pipeline parallel)"),
+                                              (["+recipe=fsdp", "recipe.cp=2"], "recipe.cp=2 (context parallel)")])
+def test_tensor_pipeline_and_context_parallel_are_refused_by_name(overrides, field, tmp_path):
+    """The checks a 2-rank launch makes before it builds or writes anything (validate, then
+    preflight): one ConfigError naming the recipe and the field; the same recipes pass for a
+    text-only model."""
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.planning.preflight import validate_and_preflight
+
+    common = COMMON + TWO + [f"data.path={write_dataset(tmp_path)}", f"run_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError) as err:
+        validate_and_preflight(make_cfg(common + overrides), world_size=2)
+    recipe = overrides[0].split("=")[1]
+    assert str(err.value).startswith(f"recipe={recipe}: {field} is not supported for the image-text model idefics3"), err
+    assert "\n" not in str(err.value) and "fsdp or hsdp" in str(err.value)
+    validate_and_preflight(make_cfg(common + overrides + ["model=tiny_llama"]), world_size=2)
+    assert not (tmp_path / "run").exists()
