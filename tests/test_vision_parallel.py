@@ -107,7 +107,8 @@ def test_two_processes_equal_one_with_ranks_without_images(recipe, runs):
         torch.testing.assert_close(exported[name], base[name], rtol=0, atol=1e-5, msg=name)
     from llmtrain.models.build import build_model
 
-    initial = build_model(make_cfg(COMMON).model, seed=make_cfg(COMMON).trainer.seed).state_dict()
+    cfg = make_cfg(COMMON)
+    initial = build_model(cfg.model, seed=cfg.trainer.seed).state_dict()
     tower = [k for k in base if "vision_model.encoder" in k and k.endswith("weight")]
     assert tower and all(not torch.equal(base[k], initial[k]) for k in tower)
 
