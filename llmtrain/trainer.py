@@ -45,6 +45,7 @@ from llmtrain.engine.step import StepResult, StepScalars, forward_backward  # no
 from llmtrain.evaluation import in_loop
 from llmtrain.evaluation.validation import Evaluator, evaluate, log_eval
 from llmtrain.models import adapters, moe, quantize
+from llmtrain.models.blank_image import keep_tower_in_every_forward
 from llmtrain.models.build import build_model, build_tokenizer, check_sequence_length, language_config, model_config
 from llmtrain.monitoring import console, goodput
 from llmtrain.monitoring.health import FlatRewards, loss_spike, on_nonfinite, peak_memory_bytes
@@ -313,9 +314,11 @@ class Trainer:
         return engine
 
     def _build_model(self):
-        """The model with its initial weights (the policy, or its frozen reference copy)."""
-        return build_model(self.cfg.model, self.t.seed, head=self.objective.model_output,
-                           pad_token_id=data.pad_id_of(self.tokenizer))
+        """The model with its initial weights (the policy, or its frozen reference copy); an
+        image-text model runs its vision tower in every forward (llmtrain.models.blank_image)."""
+        model = build_model(self.cfg.model, self.t.seed, head=self.objective.model_output,
+                            pad_token_id=data.pad_id_of(self.tokenizer))
+        return keep_tower_in_every_forward(model, self.tokenizer)
 
     def _setup_reference(self):
         """The reference policy of an objective that has one: log-probs precomputed into the data

@@ -46,9 +46,11 @@ def deepspeed_config(cfg: Any, world_size: int, accumulation_steps: int) -> dict
     passes a ``torch.optim.AdamW``.
     """
     from llmtrain.models.build import model_config
+    from llmtrain.models.vision import text_config
 
     r, t = cfg.recipe, cfg.trainer
-    sizes = communication_sizes(r, model_config(cfg.model).hidden_size)
+    # An image-text model sizes its buckets by its language model, the larger part.
+    sizes = communication_sizes(r, text_config(model_config(cfg.model)).hidden_size)
     zero: dict[str, Any] = {"stage": r.zero_stage, "overlap_comm": r.overlap_comm,
                             "reduce_bucket_size": sizes["reduce_bucket_size"]}
     if r.zero_stage in (1, 2):

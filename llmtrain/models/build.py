@@ -190,7 +190,7 @@ def model_config(model_cfg: Any):
 def language_config(model_cfg: Any):
     """The config of the model's language part (:func:`model_config`; a vision-language model's
     text config): the layers, heads and vocabulary that parallel layouts and memory plans count.
-    A vision tower is not counted (docs/vision.md#not-yet)."""
+    The vision tower is counted apart (:mod:`llmtrain.planning.vision`)."""
     from llmtrain.models.vision import text_config
 
     return text_config(model_config(model_cfg))

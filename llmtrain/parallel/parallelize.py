@@ -335,13 +335,32 @@ def decoder_layers(module: nn.Module) -> list[nn.Module]:
     try:
         layers = base_model(module).layers
     except AttributeError:  # no base model under its prefix, or no .layers in it
-        layers = None
+        # An image-text model: its language model (transformers' get_decoder) holds the layers.
+        layers = getattr(module.get_decoder(), "layers", None) if hasattr(module, "get_decoder") else None
     if not isinstance(layers, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
         model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
         raise ConfigError(f"model type {model_type!r} keeps no decoder layers at <base model>.layers, which "
                           "recipe.compile, FSDP2 and tensor parallel apply per layer; use a Llama-style decoder "
                           "(Llama, Qwen2, Mistral, ...) or set recipe.compile=false with a ddp/zero recipe")
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
+def vision_blocks(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an image-text model's vision tower (the submodule whose config
+    is the model's ``vision_config``: CLIP's and SigLIP's ``encoder.layers``, Qwen2-VL's
+    ``blocks``), which FSDP2 shards one by one as it does decoder layers; ``[]`` for a text-only
+    model or a tower laid out otherwise (it is then sharded with the root)."""
+    vision = getattr(getattr(module, "config", None), "vision_config", None)
+    if vision is None:
+        return []
+    tower = next((m for m in module.modules() if getattr(m, "config", None) is vision), None)
+    for path in ("encoder.layers", "blocks", "layers"):
+        blocks = tower
+        for name in path.split("."):
+            blocks = getattr(blocks, name, None)
+        if isinstance(blocks, nn.ModuleList):
+            return list(blocks)
+    return []
 
 
 def parallelize(module: nn.Module, cfg: Any, mesh, dims, tp_plan_paths: dict[str, str] | None) -> None:
@@ -368,6 +387,8 @@ def parallelize(module: nn.Module, cfg: Any, mesh, dims, tp_plan_paths: dict[str
     if r.compile:
         apply_compile(layers)
     if dims.dp_cp > 1:
-        apply_fsdp(module, layers, fsdp_mesh(mesh, dims), reshard_after_forward=r.zero_stage == 3,
+        # An image-text model's vision blocks are sharded units too, gathered when the tower runs
+        # (every forward: llmtrain.models.blank_image), before the decoder layers.
+        apply_fsdp(module, vision_blocks(module) + layers, fsdp_mesh(mesh, dims), reshard_after_forward=r.zero_stage == 3,
                    offload=r.offload_params, param_dtype=torch.bfloat16 if t.precision == "bf16" else None,
                    experts=experts)

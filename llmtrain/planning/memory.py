@@ -30,6 +30,10 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   its input and one layer is recomputed at a time. A pipeline's first stage holds ``pp``
   micro-batches in flight under 1F1B and all of them under GPipe (Narayanan et al. SC'21,
   section 2.2).
+- Image-text models (:mod:`llmtrain.planning.vision`): the vision tower's and projector's
+  parameters join the first stage's (sharded with the rest: FSDP2 units of the tower's blocks
+  are smaller than a decoder layer), and each row's image (one a sample, at the processor's
+  largest size) adds what the tower saves for backward, measured under FakeTensorMode.
 - Context parallel (``recipe.cp``): a rank holds seq_len / cp tokens of each row, so its layers
   are measured at that length and its logits are its tokens'. Both attention styles save what
   ``sdpa`` saves at that length (Ulysses: whole rows of heads / cp; ring on CPU: the flash
@@ -98,6 +102,7 @@ class RankPlan:
     cp: int = 1
     cp_style: str = "ulysses"
     ep: int = 1
+    vision: Any = None  # an image-text model's VisionShape (llmtrain.planning.vision), counted in the bytes
     error: str | None = None
 
     @property
@@ -224,6 +229,7 @@ class _Setting:
     chunk: int  # trainer.loss_chunk_tokens
     local_seq: int  # a context-parallel rank's share of each row
     acts: Any  # per-layer activations (:func:`measure_activations`)
+    vision: Any  # an image-text model's tower (:func:`llmtrain.planning.vision.vision_shape`), or None
     layer_n: int
     embedding_n: int
     head_n: int
@@ -272,10 +278,12 @@ def _setting(cfg: Any, world_size: int, hf_config: Any, dims: Any, shape: ModelS
     if r.get("tp_sequence_parallel") and dims.tp > 1:  # norms run on 1/tp of the sequence
         acts = replace(acts, per_layer=acts.per_layer - acts.norms_per_layer + acts.norms_per_layer // dims.tp,
                        layer_input=acts.layer_input // dims.tp)
+    from llmtrain.planning.vision import vision_shape
+
     return _Setting(cfg=cfg, hf_config=hf_config, dims=dims, shape=shape, ckpt=ckpt, accumulation=accumulation,
                     compute=2 if bf16 else 4, bf16=bf16, fsdp=fsdp, replicated_bf16=replicated_bf16, pairs=pairs,
                     online=online, group=group, rows=rows, frozen_copy=frozen_copy, teacher=teacher, chunk=chunk,
-                    local_seq=local_seq, acts=acts,
+                    local_seq=local_seq, acts=acts, vision=vision_shape(cfg.model, t.precision),
                     layer_n=shape.tp_sharded // dims.tp + (shape.layer - shape.tp_sharded),
                     embedding_n=shape.embedding // (dims.tp if shape.embedding_tp else 1),
                     head_n=shape.head // (dims.tp if shape.head_tp else 1),
@@ -313,7 +321,10 @@ def _stage_plan(s: _Setting, plan: RankPlan, pp_rank: int) -> RankPlan:
     per_micro = (layers * (acts.layer_input if s.ckpt else acts.per_layer)
                  + (acts.outside if last else (acts.layer_input if not first else 0)))
     activations = in_flight * per_micro + (acts.per_layer if s.ckpt else 0)  # one layer recomputed
-    candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={})
+    if s.vision is not None and first:  # the tower and projector (not checkpointed), one image a row
+        n += s.vision.params
+        activations += in_flight * s.rows * s.vision.saved_per_image
+    candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={}, vision=s.vision)
     if cfg.get("peft") is not None:  # LoRA / QLoRA: the base frozen (data-parallel recipes only)
         _partial_model_states(candidate, cfg, n, dims, s.compute, s.bf16, shape, s.layer_n, s.embedding_n, s.head_n,
                               s.communication)
@@ -584,6 +595,11 @@ def describe(plan: RankPlan) -> str:
     stage = "" if " pp 1 " in f"{plan.degrees} " else f"; binding rank: pipeline stage {plan.stage}"
     lines = [f"{plan.recipe} on {plan.world_size} ranks ({plan.degrees}; micro-batch {plan.micro_batch} x "
              f"accumulation {plan.accumulation}{'; activation checkpointing' if plan.checkpointing else ''}{stage})"]
+    if plan.vision is not None:
+        v = plan.vision
+        lines.append(f"  vision tower and projector: {v.params:,} parameters; one image a sample at the processor's "
+                     f"budget {v.budget[0]}x{v.budget[1]}: {v.image_tokens} image tokens (within data.seq_len), "
+                     f"{fmt_bytes(v.saved_per_image)} saved for backward per image")
     rows = [("parameters", plan.params), ("gradients", plan.grads), (f"optimizer state ({plan.optimizer_name})", plan.optimizer),
             ("fp32 master copy", plan.master), ("activations", plan.activations)]
     rows += sorted(plan.buffers.items(), key=lambda kv: -kv[1])

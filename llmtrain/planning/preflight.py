@@ -92,6 +92,34 @@ def preflight_context_parallel(cfg: Any) -> None:
         chunked_loss.check_model(hf_config)
 
 
+# The layouts that split a model's layers or sequences, and what each does.
+SPLITTING = {"tp": "tensor parallel", "pp": "pipeline parallel", "cp": "context parallel"}
+
+
+def preflight_image_text(cfg: Any) -> None:
+    """An image-text model trains on the data-parallel recipes only (docs/vision.md): tensor,
+    pipeline and context parallelism would have to split its vision tower, its projector and the
+    image features merged into the language model's embeddings, which llmtrain does not do.
+
+    Raises:
+        ConfigError: ``recipe.tp``, ``recipe.pp`` or ``recipe.cp`` other than 1 with an image-text
+            model, naming the recipe and the recipes that work.
+    """
+    r = cfg.recipe
+    split = [(key, r.get(key)) for key in SPLITTING if r.get(key) not in (None, 1)]
+    if not split:
+        return
+    from llmtrain.models.build import model_config
+    from llmtrain.models.vision import is_image_text
+
+    hf_config = model_config(cfg.model)
+    if is_image_text(hf_config):
+        key, value = split[0]
+        raise ConfigError(f"recipe={r.get('name', '?')}: recipe.{key}={value} ({SPLITTING[key]}) is not supported for the "
+                          f"image-text model {hf_config.model_type} (its vision tower and image features are not split); "
+                          "use a data-parallel recipe: ddp, zero1, zero2, zero3, zero3_offload, fsdp or hsdp")
+
+
 def preflight_moe(cfg: Any) -> None:
     """With ``recipe.ep`` > 1, any of the MoE model fields, or sequence parallelism: what they
     need of the model's experts (:func:`llmtrain.models.moe.check_model`), read from the model's config.
@@ -162,6 +190,7 @@ def preflight(cfg: Any) -> None:
         require_extra("torchao", "lowbit", f"{peft_label(cfg)} (model.quantize=nf4)",
                       instead="or train full-precision adapters with +peft=lora")
     preflight_fp8(cfg.recipe)
+    preflight_image_text(cfg)
     preflight_context_parallel(cfg)
     preflight_moe(cfg)
     run_dir = Path(str(cfg.run_dir)).expanduser().absolute()

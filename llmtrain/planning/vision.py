@@ -1,0 +1,118 @@
+"""What a memory plan counts of an image-text model besides its language model: the vision tower's
+and projector's weights, the image tokens one image becomes and the bytes the tower saves for
+backward per image, at the processor's pixel budget (its largest image).
+
+One image per sample is planned (the digits' and most SFT sets' layout); its tokens are part of
+``data.seq_len``, which the language model's activations already count.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """An image-text model's parts outside the language model (:func:`vision_shape`).
+
+    ``params``: elements of the vision tower and projector; ``image_tokens``: tokens one image at
+    the pixel budget becomes in the text; ``pixels``: the image processor's ``pixel_values`` shape
+    for that image; ``saved_per_image``: bytes the tower and projector save for backward per image.
+    """
+
+    params: int
+    image_tokens: int
+    pixels: tuple
+    saved_per_image: int
+    budget: tuple  # (height, width) of the largest image the processor keeps
+
+
+_CACHE: dict[tuple, VisionShape | None] = {}
+
+
+def budget_size(image_processor: Any) -> tuple[int, int]:
+    """(height, width) of the largest image ``image_processor`` keeps: its ``size``'s
+    ``longest_edge`` (Idefics3, SmolVLM), ``height``/``width``, ``shortest_edge`` with its
+    ``crop_size`` (CLIP), or the square root of ``max_pixels`` (Qwen2-VL)."""
+    size = dict(getattr(image_processor, "size", None) or {})
+    crop = dict(getattr(image_processor, "crop_size", None) or {})
+    if "longest_edge" in size:
+        return size["longest_edge"], size["longest_edge"]
+    if "height" in size and "width" in size:
+        return size["height"], size["width"]
+    if crop.get("height") and crop.get("width"):
+        return crop["height"], crop["width"]
+    if "shortest_edge" in size:
+        return size["shortest_edge"], size["shortest_edge"]
+    side = int((size.get("max_pixels") or getattr(image_processor, "max_pixels", 224 * 224)) ** 0.5)
+    return side, side
+
+
+def vision_shape(model_cfg: Any, precision: str) -> VisionShape | None:
+    """The :class:`VisionShape` of ``model_cfg``'s model, None for a text-only model. Built on
+    the meta device (weights) and run under ``FakeTensorMode`` (the tower's saved tensors, counted
+    as :func:`llmtrain.planning.shapes.measure_activations` counts a layer's); the processor runs
+    for real on one blank image at the budget (its pixel tensor and image token count)."""
+    from llmtrain.models.build import build_tokenizer, model_config
+    from llmtrain.models.vision import auto_class, is_image_text
+    from llmtrain.common.images import processor_of
+
+    config = model_config(model_cfg)
+    if not is_image_text(config):
+        return None
+    key = (config.to_json_string(), str(model_cfg.get("processor")), precision)
+    if key in _CACHE:
+        return _CACHE[key]
+    from PIL import Image
+
+    processor = processor_of(build_tokenizer(model_cfg))
+    height, width = budget_size(processor.image_processor)
+    image = Image.new("RGB", (width, height), (128, 128, 128))
+    out = processor(text=[processor.image_token], images=[[image]], return_tensors="pt")
+    image_tokens = int((out["input_ids"] == processor.image_token_id).sum())
+    inputs = {k: out[k] for k in ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes") if k in out}
+    auto = auto_class(config)
+    with torch.device("meta"):
+        full = auto.from_config(copy.deepcopy(config), dtype=torch.float32)
+        text = auto_class(config.get_text_config()).from_config(copy.deepcopy(config.get_text_config()),
+                                                                dtype=torch.float32)
+    params = sum(p.numel() for p in full.parameters()) - sum(p.numel() for p in text.parameters())
+    result = VisionShape(params=params, image_tokens=image_tokens, pixels=tuple(inputs["pixel_values"].shape),
+                         saved_per_image=_saved_bytes(auto, config, inputs, precision), budget=(height, width))
+    _CACHE[key] = result
+    return result
+
+
+def _saved_bytes(auto: Any, config: Any, inputs: dict[str, torch.Tensor], precision: str) -> int:
+    """Bytes of the unique non-parameter storages the tower and projector save for backward on
+    ``inputs`` (one image), under ``FakeTensorMode`` (shapes only)."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = auto.from_config(copy.deepcopy(config), dtype=torch.float32)
+        model.train()
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage._cdata not in params:
+                seen.setdefault(storage._cdata, storage.nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(
+                "cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            try:
+                model.get_image_features(**inputs)
+            except DynamicOutputShapeException:
+                # A family that drops padding images by value (Idefics3: nonzero over the
+                # pixels) cannot run on shapes alone: the tower itself on the images, as
+                # [images, 3, H, W] (its projector, a few matrices, left out).
+                seen.clear()
+                tower = next(m for m in model.modules() if getattr(m, "config", None) is model.config.vision_config)
+                tower(pixel_values=inputs["pixel_values"].flatten(0, -4))
+    return sum(seen.values())
