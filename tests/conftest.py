@@ -222,6 +222,16 @@ def subprocess_env() -> dict:
     return env
 
 
+def sigint_as_in_a_terminal() -> None:
+    """A child's SIGINT as a terminal's foreground job gets it (``preexec_fn``): a suite run in
+    the background (``nohup``, ``&`` without job control) ignores SIGINT, its children inherit
+    that, and llmtrain keeps a SIGINT its parent ignores (``interrupt.watch_sigint``), so the
+    Ctrl-C tests would test nothing."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli(overrides: list[str], nproc: int = 1, launcher: str = "torchrun", timeout: int = 600,
             env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m llmtrain`` (one process) or under torchrun / accelerate with ``nproc``."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAST, REPO, assert_ok, make_cfg, read_metrics, run_cli, subprocess_env
+from conftest import FAST, REPO, assert_ok, make_cfg, read_metrics, run_cli, sigint_as_in_a_terminal, subprocess_env
 from llmtrain.evaluation import harness
 from llmtrain.common.errors import ConfigError, DataError
 
@@ -426,7 +426,7 @@ def test_evaluate_logs_request_progress_and_ends_in_one_line_on_ctrl_c(trained, 
     out = tmp_path / "b"
     running = subprocess.Popen([sys.executable, "-m", "llmtrain.evaluate", str(trained / "full"), "tasks=[hh_local]",
                                 "limit=5", f"out_dir={out}"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                               text=True, env=subprocess_env(), cwd=REPO)
+                               text=True, env=subprocess_env(), cwd=REPO, preexec_fn=sigint_as_in_a_terminal)
     seen = []
     for line in running.stderr:
         seen.append(line)

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 import standin_vllm
-from conftest import FAST, REPO, cores_for, live_processes_in, subprocess_env
+from conftest import FAST, REPO, cores_for, live_processes_in, sigint_as_in_a_terminal, subprocess_env
 
 SHM = Path("/dev/shm")
 FIXTURES = "tests.grpo_fixtures"
@@ -240,7 +240,8 @@ def _start(tmp_path: Path, census: Census, steps: int, *extra: str) -> subproces
         f"run_dir={tmp_path / 'run'}", *extra]
     env = {**subprocess_env(), **census.env}
     process = subprocess.Popen([sys.executable, "-m", "llmtrain", *overrides], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True)
+                               stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, start_new_session=True,
+                               preexec_fn=sigint_as_in_a_terminal)
     census.sessions.add(process.pid)
     return process
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import FAST, REPO, make_cfg, subprocess_env
+from conftest import FAST, REPO, make_cfg, sigint_as_in_a_terminal, subprocess_env
 
 
 def test_a_wandb_offline_run_ends_with_llmtrains_closing_lines(tmp_path):
@@ -68,7 +68,7 @@ def _interrupt_when(args: list[str], marker: str, tmp_path, module: str = "llmtr
 
     out = open(tmp_path / "out.txt", "w+")
     proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=out, text=True,
-                            env=subprocess_env(), cwd=REPO)
+                            env=subprocess_env(), cwd=REPO, preexec_fn=sigint_as_in_a_terminal)
     seen = []
     for line in proc.stdout:  # llmtrain logs to stdout
         seen.append(line)
@@ -138,7 +138,7 @@ def test_ctrl_c_at_any_moment_of_the_first_seconds_ends_in_one_line(module, args
     signalled = []
     for moment in (0.1, 0.5, 1.0, 2.0):
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=subprocess_env(), cwd=tmp_path)
+                                text=True, env=subprocess_env(), cwd=tmp_path, preexec_fn=sigint_as_in_a_terminal)
         time.sleep(moment)
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -173,6 +173,7 @@ def test_torchs_start_up_runs_with_ctrl_c_held():
         print("torch" in sys.modules and sys.modules["torch"].__spec__._initializing is False, interrupt._seen)
     """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
+                          preexec_fn=sigint_as_in_a_terminal,
                           cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "True"], (done.stdout, done.stderr[-2000:])
