@@ -424,7 +424,7 @@ class Trainer:
         if env.is_main:
             log_run(cfg, dims, env.world_size, num_parameters, self.splits, self.objective.name, self.accumulation,
                     self.precision_reason)
-            log.info("%s", data.describe(self.splits))
+            log.info("%s", data.describe(self.splits, cfg.data))
         if self.partial:
             log_trainable(self.engine, cfg, dims, env.is_main)
         if env.is_main:
@@ -482,6 +482,8 @@ class Trainer:
             counts = self.sampler.source_counts((result.step - 1) // self.objective.steps_per_batch,
                                                 len(self.splits.names))
             metrics.update({f"data/source/{name}_samples": n for name, n in zip(self.splits.names, counts)})
+            totals = self.sampler.source_totals((result.step - 1) // self.objective.steps_per_batch)
+            metrics.update({f"data/source/{name}_total": n for name, n in zip(self.splits.names, totals)})
         self.progress.update(result.step, result.loss, result.lr, result.grad_norm, tokens_per_s,
                              console.reward_detail(result.source_metrics))
         if self.env.is_main:

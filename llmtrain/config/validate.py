@@ -111,6 +111,23 @@ def validate_data(d: Any) -> None:
     _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     _require(d.num_proc >= 1, f"data.num_proc={d.num_proc} must be >= 1")
     _require(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0 (0: read in the step)")
+    if d.streaming:
+        _validate_streaming(d, formats)
+
+
+def _validate_streaming(d: Any, formats: set[str]) -> None:
+    """``data.streaming=true``: the formats a stream feeds, and its own settings."""
+    streamed = {canonical_format(f) for f in formats}
+    _require(streamed <= {"text", "instruction", "chat", "prompt_completion"},
+             f"data.streaming=true reads formats text, instruction, chat and prompt_completion (got "
+             f"{', '.join(sorted(formats))}); set data.streaming=false (token folders are read block by block anyway)")
+    _require(not d.packing, "data.streaming=true does not pack samples (packing needs the whole set); set "
+             "data.packing=false")
+    sources = list(d.datasets) or [d]
+    _require(all(src.max_bytes is None for src in sources), "data.streaming=true reads records or documents, not "
+             "bytes: drop data.max_bytes (data.max_records caps the records of a source)")
+    _require(d.val_samples >= 1, f"data.val_samples={d.val_samples} must be >= 1 (samples held out per source)")
+    _require(d.shuffle_buffer >= 1, f"data.shuffle_buffer={d.shuffle_buffer} must be >= 1")
 
 
 def peft_label(cfg: Any) -> str:
