@@ -90,7 +90,8 @@ def _losses(run_dir: Path) -> list[tuple]:
 
 def test_training_from_s3_equals_training_from_disk(store, tmp_path):
     """prepare to a folder and to the bucket (same bytes); pre-training from either, and SFT from
-    a JSONL file on disk or in the bucket: the same losses, sample for sample. The runs from disk
+    a JSONL file on disk or in the bucket, read whole or streamed (``data.streaming=true``): the
+    same losses, sample for sample. The runs from disk
     read in the step (``data.prefetch=0``), those from the bucket ahead of it (the default): the
     same samples too, the wait logged as ``time/data_wait_s``, and no read-ahead thread left."""
     from llmtrain.prepare import main as prepare
@@ -112,10 +113,14 @@ def test_training_from_s3_equals_training_from_disk(store, tmp_path):
     runs = {"tokens-local": tokens + [f"data.path={local}", "data.prefetch=0"],
             "tokens-s3": tokens + [f"data.path=s3://{BUCKET}/tokens/a"],
             "sft-local": alpaca + [f"data.path={sft}", "data.prefetch=0"],
-            "sft-s3": alpaca + [f"data.path=s3://{BUCKET}/sft/sft.jsonl"]}
+            "sft-s3": alpaca + [f"data.path=s3://{BUCKET}/sft/sft.jsonl"],
+            # data.streaming=true: the bucket's file read as a stream, never copied whole.
+            "stream-local": alpaca + [f"data.path={sft}", "data.streaming=true", "data.shuffle_buffer=8"],
+            "stream-s3": alpaca + [f"data.path=s3://{BUCKET}/sft/sft.jsonl", "data.streaming=true",
+                                   "data.shuffle_buffer=8"]}
     for name, overrides in runs.items():  # in this process, one after another (as tests/scenarios.py runs them)
         train(make_cfg(overrides + [f"run_dir={tmp_path / name}"]))
-    for kind in ("tokens", "sft"):
+    for kind in ("tokens", "sft", "stream"):
         assert len(_losses(tmp_path / f"{kind}-local")) == 3
         assert _losses(tmp_path / f"{kind}-s3") == _losses(tmp_path / f"{kind}-local"), kind
     waits = [r["time/data_wait_s"] for r in read_metrics(tmp_path / "tokens-s3") if "train/loss" in r]

@@ -144,3 +144,20 @@ def test_kill_9_mid_run_and_the_same_command_continues_exactly(tmp_path):
     assert [r for r in _losses(killed) if r[0] > 2][-4:] == whole[2:]
     totals = [r for r in read_metrics(killed) if "data/source/alpaca_total" in r][-1]
     assert totals["data/source/alpaca_total"] + totals["data/source/sharegpt_total"] == 24 and totals["data/source/sharegpt_total"] > 0
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["data=preference", "objective=dpo", "data.path=x.jsonl"], "data.streaming=true reads formats text"),
+    (["data=alpaca", "data.path=x.jsonl", "data.packing=true"], "set data.packing=false"),
+    (["data=text", "data.path=x.jsonl", "data.max_bytes=1000"], "drop data.max_bytes"),
+    (["data=alpaca", "data.path=x.jsonl", "data.val_samples=0"], "data.val_samples=0 must be >= 1"),
+])
+def test_what_a_stream_cannot_do_is_refused_in_one_line(overrides, needle):
+    """Formats a stream cannot feed (preference pairs, token folders), packing (it needs the
+    whole set), a byte cap and nothing held out: one line naming the field and the fix."""
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.config.validate import validate_data
+
+    with pytest.raises(ConfigError, match=needle) as err:
+        validate_data(make_cfg(["tracker=none", "data.streaming=true", *overrides]).data)
+    assert "\n" not in str(err.value)
