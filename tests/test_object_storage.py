@@ -252,6 +252,94 @@ def test_a_store_down_for_a_while_is_waited_out_and_counted(store, server, monke
     assert "AWS_ENDPOINT_URL" in str(err.value) and "(after 3 tries)" in str(err.value)
 
 
+class _Gate:
+    """Holds every request to the server while closed: the server accepts connections and never
+    answers, as a stopped (SIGSTOP) or wedged store does; opened, the held requests go on."""
+
+    def __init__(self, server):
+        self.open, self.wsgi = threading.Event(), server._server
+        self.open.set()
+        self.app = self.wsgi.app
+        self.wsgi.app = self
+
+    def __call__(self, environ, start_response):
+        self.open.wait()
+        return self.app(environ, start_response)
+
+    def restore(self) -> None:
+        self.open.set()
+        self.wsgi.app = self.app
+
+
+def _when_step(run_dir: Path, step: int, action, after_s: float = 0.0) -> threading.Thread:
+    """A thread that runs ``action()`` ``after_s`` seconds after ``run_dir`` logs step ``step``."""
+    import time
+
+    def watch():
+        while not any(r[0] >= step for r in (_losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [])):
+            time.sleep(0.05)
+        time.sleep(after_s)
+        action()
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_store_that_hangs_mid_run_is_retried_then_one_error_and_ctrl_c_stops_the_wait(store, server, tmp_path,
+                                                                                         monkeypatch):
+    """Pre-training from a token folder in the bucket (small blocks and cache: reads all along),
+    while the server holds every request (it accepts and never answers, as a SIGSTOPped store):
+    for 6 s mid-run, the reads time out (``data.read_timeout_s=1``), are retried and counted, and
+    the run goes on with the losses of an undisturbed run; held for good, the run ends in one
+    error naming the step and the last checkpoint, and the same command continues from it once the
+    server answers, to the undisturbed run's losses; Ctrl-C while the step waits for its data ends
+    the run at once (a KeyboardInterrupt, exit 130), though the loop's handler only sets a flag."""
+    from llmtrain.common.errors import DataError
+    from llmtrain.data import remote
+    from llmtrain.data.prefetch import DataWaitInterrupted
+    from llmtrain.prepare import main as prepare
+    from llmtrain.trainer import train
+
+    local = tmp_path / "tokens"
+    assert prepare(SOURCE + [f"out={local}"]) == 0
+    store.put(str(local), f"{BUCKET}/tokens/hang", recursive=True)
+    monkeypatch.setattr(remote.RemoteTokenFile, "BLOCK", 256)  # a 16 KiB cache of a 240 KB folder
+    monkeypatch.setattr(remote, "_FIRST_WAIT_S", 0.1)
+    args = [o for o in COMMON if not o.startswith("trainer.max_steps=")] + [
+        "data=tokens", "data.seq_len=64", "data.val_fraction=0.02", f"data.path=s3://{BUCKET}/tokens/hang",
+        "data.read_timeout_s=1", "data.prefetch=1", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
+        "trainer.max_steps=6", "trainer.save_every=2"]
+    train(make_cfg(args + [f"run_dir={tmp_path / 'whole'}"]))
+    whole = _losses(tmp_path / "whole")
+    gate = _Gate(server)
+    try:
+        before = remote.retries()
+        hang = _when_step(tmp_path / "hang", 2, gate.open.clear)
+        reopen = _when_step(tmp_path / "hang", 2, gate.open.set, after_s=6)
+        train(make_cfg(args + [f"run_dir={tmp_path / 'hang'}"]))
+        hang.join(), reopen.join()
+        assert remote.retries() > before
+        assert _losses(tmp_path / "hang") == whole
+        monkeypatch.setattr(remote, "ATTEMPTS", 3)  # held for good: 3 tries, ~3 s
+        down = tmp_path / "down"
+        _when_step(down, 3, gate.open.clear)
+        with pytest.raises(DataError) as err:
+            train(make_cfg(args + [f"run_dir={down}"]))
+        text = str(err.value)
+        assert "\n" not in text and "did not answer" in text and "(after 3 tries)" in text
+        assert "; stopped in step " in text and "step_2" in text and "the same command continues from it" in text
+        gate.open.set()
+        train(make_cfg(args + [f"run_dir={down}"]))
+        assert [r for r in _losses(down) if r[0] > 2][-4:] == whole[2:]
+        monkeypatch.setattr(remote, "ATTEMPTS", 8)  # ~30 s of tries: Ctrl-C comes long before the error
+        _when_step(tmp_path / "ctrl-c", 2, gate.open.clear)
+        _when_step(tmp_path / "ctrl-c", 2, lambda: os.kill(os.getpid(), signal.SIGINT), after_s=1.5)
+        with pytest.raises(DataWaitInterrupted, match="^SIGINT while the step waited for its data"):
+            train(make_cfg(args + [f"run_dir={tmp_path / 'ctrl-c'}"]))
+    finally:
+        gate.restore()
+
+
 @pytest.mark.parametrize("path, env, needle", [
     (f"s3://{BUCKET}/nothing-here", {}, "no such object or prefix in bucket 'llmtrain-test'"),
     ("s3://no-such-bucket/tokens", {}, "the bucket 'no-such-bucket' does not exist at http://127.0.0.1:"),

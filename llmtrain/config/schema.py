@@ -244,6 +244,9 @@ class DataConfig(DataSourceConfig):
     the first ``val_samples`` samples of each source are held out for validation (``val_fraction``
     is not read), the rest are shuffled by a seeded buffer of ``shuffle_buffer`` samples
     (``shuffle=false``: file order); a resume continues at the next sample on any number of ranks.
+    ``read_timeout_s``: how long a request to object storage waits for an answer before it counts
+    as a fault (retried with backoff, ``data/retries``; a store that stays down ends the run in one
+    error naming the last checkpoint).
     """
 
     name: str = MISSING
@@ -259,6 +262,7 @@ class DataConfig(DataSourceConfig):
     streaming: bool = False
     shuffle_buffer: int = 1000
     val_samples: int = 16
+    read_timeout_s: float = 30.0
     max_prompt_tokens: Optional[int] = None
     datasets: List[DataSourceConfig] = field(default_factory=list)
     weights: List[float] = field(default_factory=list)

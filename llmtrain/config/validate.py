@@ -111,6 +111,7 @@ def validate_data(d: Any) -> None:
     _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     _require(d.num_proc >= 1, f"data.num_proc={d.num_proc} must be >= 1")
     _require(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0 (0: read in the step)")
+    _require(d.read_timeout_s > 0, f"data.read_timeout_s={d.read_timeout_s} must be > 0 (seconds)")
     if d.streaming:
         _validate_streaming(d, formats)
 

@@ -294,6 +294,7 @@ def load_splits(data_cfg: Any, tokenizer: Any, seed: int, unpair: bool = False, 
         ConfigError: the format needs a chat template the tokenizer lacks (names ``data.template``).
     """
     apply_template_setting(data_cfg, tokenizer)
+    remote.set_read_timeout(data_cfg.read_timeout_s)
     sources = list(data_cfg.datasets) or [data_cfg]
     if data_cfg.get("streaming"):
         from llmtrain.data.streaming import load_streams
