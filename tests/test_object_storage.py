@@ -133,7 +133,8 @@ def test_two_processes_from_s3_equal_two_processes_from_disk_and_continue_exactl
     """2-process (gloo) pre-training from the token folder in the bucket and on disk: each rank
     reads its own blocks by ranged GETs, ahead of the step; the losses are equal. The run from the
     bucket killed with SIGKILL after step 3 (checkpoint at step 2) and launched again continues
-    exactly: the losses and samples of the undisturbed run, bit for bit."""
+    exactly: the losses and samples of the undisturbed run, bit for bit; the same checkpoint
+    resumed on 1 process continues with the same samples."""
     from llmtrain.prepare import main as prepare
     from test_resume import launch, wait_for_step
 
@@ -153,8 +154,49 @@ def test_two_processes_from_s3_equal_two_processes_from_disk_and_continue_exactl
     wait_for_step(proc, killed, 3)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    import shutil
+
+    shutil.copytree(killed, tmp_path / "on-one")  # the 2-rank step-2 checkpoint, resumed below on 1 process
     run_scenarios({"killed": from_s3}, nproc=2, root=tmp_path)  # the same command again, in the same run folder
     assert [r for r in _losses(killed) if r[0] > 2][-3:] == _losses(dirs["s3"])[2:]
+    # On 1 process: the same samples at every step (the order is the global sample index's), and
+    # the losses up to the order of the sums (one rank accumulates what two all-reduced).
+    run_scenarios({"on-one": from_s3}, nproc=1, root=tmp_path)
+    one = [r for r in _losses(tmp_path / "on-one") if r[0] > 2][-3:]
+    assert [(r[0], r[2]) for r in one] == [(r[0], r[2]) for r in _losses(dirs["s3"])[2:]]
+    assert [r[1] for r in one] == pytest.approx([r[1] for r in _losses(dirs["s3"])[2:]], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sft_from_s3_killed_mid_run_and_run_again_continues_exactly(store, tmp_path):
+    """SFT from a JSONL file in the bucket (copied once into the cache), one process, checkpoint
+    every 2 steps: killed with SIGKILL while stalled before step 4 and launched again with the same
+    command, it continues exactly: the losses and samples of an undisturbed run, bit for bit."""
+    from test_resume import launch, wait_for_step
+
+    from llmtrain.trainer import train
+
+    records = [{"instruction": f"Add {i} and {i + 3}.", "input": "", "output": f"{i} + {i + 3} = {2 * i + 3}."}
+               for i in range(40)]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps(r) + "\n" for r in records))
+    store.put_file(str(sft), f"{BUCKET}/sft-kill/sft.jsonl")
+    args = [o for o in COMMON if not o.startswith("trainer.max_steps=")] + [
+        "data=alpaca", "data.seq_len=256", f"data.path=s3://{BUCKET}/sft-kill/sft.jsonl", "trainer.max_steps=6",
+        "trainer.save_every=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2"]
+    train(make_cfg(args + [f"run_dir={tmp_path / 'whole'}"]))
+    killed = tmp_path / "killed"
+    env = subprocess_env()
+    env["LLMTRAIN_FAULT"] = "stall:0:4"
+    proc = launch(args + [f"run_dir={killed}"], nproc=1, env=env)
+    wait_for_step(proc, killed, 3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    rerun = launch(args + [f"run_dir={killed}"], nproc=1)
+    out = rerun.communicate(timeout=300)[0]
+    assert rerun.returncode == 0, out[-3000:]
+    whole = _losses(tmp_path / "whole")
+    assert len(whole) == 6 and [r for r in _losses(killed) if r[0] > 2][-4:] == whole[2:]
 
 
 def test_remote_token_file_reads_the_same_ids_across_blocks(store, tmp_path, monkeypatch):

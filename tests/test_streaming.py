@@ -161,3 +161,32 @@ def test_what_a_stream_cannot_do_is_refused_in_one_line(overrides, needle):
     with pytest.raises(ConfigError, match=needle) as err:
         validate_data(make_cfg(["tracker=none", "data.streaming=true", *overrides]).data)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_stream_saved_on_2_ranks_resumes_on_1_with_the_same_samples(tmp_path):
+    """A shuffled stream trained by 2 processes (gloo), killed with SIGKILL while stalled before
+    step 4 (a step-2 checkpoint), and resumed by 1 process: steps 3-6 train on the samples of an
+    uninterrupted 1-process run (equal digests), with its losses up to the order of the sums."""
+    from test_resume import launch, wait_for_step
+
+    from llmtrain.trainer import train
+
+    path = _write(tmp_path / "a.jsonl", _alpaca(40))
+    args = COMMON + ["data=alpaca", "data.seq_len=256", f"data.path={path}", "data.streaming=true",
+                     "data.shuffle_buffer=6", "trainer.max_steps=6", "trainer.save_every=2",
+                     "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.hang_timeout_s=0"]
+    train(make_cfg(args + [f"run_dir={tmp_path / 'one'}"]))
+    moved = tmp_path / "moved"
+    env = subprocess_env()
+    env["LLMTRAIN_FAULT"] = "stall:0:4"
+    proc = launch(args + [f"run_dir={moved}"], nproc=2, env=env)
+    wait_for_step(proc, moved, 3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    rerun = launch(args + [f"run_dir={moved}"], nproc=1)
+    out = rerun.communicate(timeout=300)[0]
+    assert rerun.returncode == 0, out[-3000:]
+    one, resumed = _losses(tmp_path / "one"), [r for r in _losses(moved) if r[0] > 2][-4:]
+    assert [(r[0], r[2]) for r in resumed] == [(r[0], r[2]) for r in one[2:]]
+    assert [r[1] for r in resumed] == pytest.approx([r[1] for r in one[2:]], rel=1e-5)
