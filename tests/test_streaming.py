@@ -115,6 +115,7 @@ def test_a_shuffled_mixture_stream_gives_each_step_the_same_samples_on_any_numbe
     assert sum(totals) == 48 and min(totals) > 0
 
 
+@pytest.mark.slow  # two launches; the fast tier checks the resume position above, in-process
 def test_kill_9_mid_run_and_the_same_command_continues_exactly(tmp_path):
     """A shuffled mixture of two streamed sources, one process, checkpoint every 2 steps: killed
     with SIGKILL while stalled before step 4 and launched again with the same command, it
