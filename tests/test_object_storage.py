@@ -369,13 +369,18 @@ def test_a_store_that_hangs_mid_run_is_retried_then_one_error_and_ctrl_c_stops_t
             train(make_cfg(args + [f"run_dir={down}"]))
         text = str(err.value)
         assert "\n" not in text and "did not answer" in text and "(after 3 tries)" in text
-        assert "; stopped in step " in text and "step_2" in text and "the same command continues from it" in text
+        import re
+
+        # Reads ahead may carry the run past a checkpoint after the server stopped answering.
+        stopped, saved = re.search(r"; stopped in step (\d+), the last checkpoint \S+/step_(\d+) stands: the same "
+                                   "command continues from it", text).groups()
+        assert int(saved) in (2, 4) and int(stopped) > int(saved) and (down / "checkpoints" / f"step_{saved}").is_dir()
         gate.open.set()
         train(make_cfg(args + [f"run_dir={down}"]))
-        assert [r for r in _losses(down) if r[0] > 2][-4:] == whole[2:]
+        assert [r for r in _losses(down) if r[0] > int(saved)][-(6 - int(saved)):] == whole[int(saved):]
         monkeypatch.setattr(remote, "ATTEMPTS", 8)  # ~30 s of tries: Ctrl-C comes long before the error
         _when_step(tmp_path / "ctrl-c", 2, gate.open.clear)
-        _when_step(tmp_path / "ctrl-c", 2, lambda: os.kill(os.getpid(), signal.SIGINT), after_s=1.5)
+        _when_step(tmp_path / "ctrl-c", 2, lambda: os.kill(os.getpid(), signal.SIGINT), after_s=3)
         with pytest.raises(DataWaitInterrupted, match="^SIGINT while the step waited for its data"):
             train(make_cfg(args + [f"run_dir={tmp_path / 'ctrl-c'}"]))
     finally:
