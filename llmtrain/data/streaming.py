@@ -191,6 +191,9 @@ class SourceStream:
         if j < self.given:
             raise IndexError(f"{self.where}: training sample {j} was passed already (the stream reads forward)")
         if self._iter is None:
+            if j > 0:  # a resume: the samples before it are read again, not trained on
+                log.info("%s: resuming the stream at training sample %d (reading past the %d before it)",
+                         self.where, j, j)
             self._open(0)
         while True:
             sample = next(self._iter, None)
