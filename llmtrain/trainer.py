@@ -34,7 +34,7 @@ from llmtrain.checkpoint.export import export_hf, write_policy
 from llmtrain.checkpoint.protocol import lock_run_dir
 from llmtrain.checkpoint.state import restore_rng
 from llmtrain.common import collection, hardware
-from llmtrain.common.errors import ConfigError
+from llmtrain.common.errors import ConfigError, DataError
 from llmtrain.config.compose import run_dir_of
 from llmtrain.config.validate import validate
 from llmtrain.data.order import sample_digest
@@ -173,6 +173,7 @@ class Trainer:
         else:
             seed_streams(self.t.seed, self.engine.dp_rank, self.engine.pp_rank, self.state.step)
         self.preemption = Preemption(self.t.preempt_signal, self.t.save_every_minutes, distributed.scheduler_signal())
+        self.micro_batches.stop_when = lambda: self.preemption.requested  # a step waiting on a hung store stops
         self.checkpointer = Checkpointer(self.checkpoints, self.engine, self.tracker, self.preemption, cfg,
                                          self.config_yaml, self.env.world_size)
         self.task_evals = self._setup_task_evals()
@@ -204,7 +205,13 @@ class Trainer:
         """The loop: a step, its record, evaluation, checkpoint; until max_steps or a preemption."""
         self.state.startup_s += time.time() - self.process_started - self._startup_eval_s
         for step in range(self.state.step, self.t.max_steps):
-            result = self.train_step(step)
+            try:
+                result = self.train_step(step)
+            except DataError as err:  # mid-run: the data could not be read (a store that stays down)
+                latest = self.checkpointer.latest or self.resume_from
+                raise DataError(f"{err}; stopped in step {step + 1}, " + (
+                    f"the last checkpoint {latest} stands: the same command continues from it once the data can be "
+                    "read" if latest else "before any checkpoint: the same command starts again")) from err
             self.watchdog.set("log")
             metrics = self._step_metrics(result)
             evaluated = self.evaluator.should_run(result.step)
@@ -427,7 +434,7 @@ class Trainer:
         if env.is_main:
             log_run(cfg, dims, env.world_size, num_parameters, self.splits, self.objective.name, self.accumulation,
                     self.precision_reason)
-            log.info("%s", data.describe(self.splits))
+            log.info("%s", data.describe(self.splits, cfg.data))
         if self.partial:
             log_trainable(self.engine, cfg, dims, env.is_main)
         if env.is_main:
@@ -485,6 +492,8 @@ class Trainer:
             counts = self.sampler.source_counts((result.step - 1) // self.objective.steps_per_batch,
                                                 len(self.splits.names))
             metrics.update({f"data/source/{name}_samples": n for name, n in zip(self.splits.names, counts)})
+            totals = self.sampler.source_totals((result.step - 1) // self.objective.steps_per_batch)
+            metrics.update({f"data/source/{name}_total": n for name, n in zip(self.splits.names, totals)})
         self.progress.update(result.step, result.loss, result.lr, result.grad_norm, tokens_per_s,
                              console.reward_detail(result.source_metrics))
         if self.env.is_main:
@@ -579,8 +588,11 @@ class Trainer:
         return summary
 
     def stop_children(self) -> None:
-        """Stop each process group this run started (a vLLM server, task evaluations): an error's ending."""
+        """Stop each process group this run started (a vLLM server, task evaluations) and give the
+        signals their handlers back (a process that lives on, a test's, stops on Ctrl-C again): an error's ending."""
         self.close_sampler()
+        if getattr(self, "preemption", None) is not None:
+            self.preemption.restore()
         if getattr(self, "task_evals", None) is not None and self.env.is_main:
             self.task_evals.stop()  # a resume evaluates their checkpoints again
 

@@ -90,7 +90,8 @@ def _losses(run_dir: Path) -> list[tuple]:
 
 def test_training_from_s3_equals_training_from_disk(store, tmp_path):
     """prepare to a folder and to the bucket (same bytes); pre-training from either, and SFT from
-    a JSONL file on disk or in the bucket: the same losses, sample for sample. The runs from disk
+    a JSONL file on disk or in the bucket, read whole or streamed (``data.streaming=true``): the
+    same losses, sample for sample. The runs from disk
     read in the step (``data.prefetch=0``), those from the bucket ahead of it (the default): the
     same samples too, the wait logged as ``time/data_wait_s``, and no read-ahead thread left."""
     from llmtrain.prepare import main as prepare
@@ -112,10 +113,14 @@ def test_training_from_s3_equals_training_from_disk(store, tmp_path):
     runs = {"tokens-local": tokens + [f"data.path={local}", "data.prefetch=0"],
             "tokens-s3": tokens + [f"data.path=s3://{BUCKET}/tokens/a"],
             "sft-local": alpaca + [f"data.path={sft}", "data.prefetch=0"],
-            "sft-s3": alpaca + [f"data.path=s3://{BUCKET}/sft/sft.jsonl"]}
+            "sft-s3": alpaca + [f"data.path=s3://{BUCKET}/sft/sft.jsonl"],
+            # data.streaming=true: the bucket's file read as a stream, never copied whole.
+            "stream-local": alpaca + [f"data.path={sft}", "data.streaming=true", "data.shuffle_buffer=8"],
+            "stream-s3": alpaca + [f"data.path=s3://{BUCKET}/sft/sft.jsonl", "data.streaming=true",
+                                   "data.shuffle_buffer=8"]}
     for name, overrides in runs.items():  # in this process, one after another (as tests/scenarios.py runs them)
         train(make_cfg(overrides + [f"run_dir={tmp_path / name}"]))
-    for kind in ("tokens", "sft"):
+    for kind in ("tokens", "sft", "stream"):
         assert len(_losses(tmp_path / f"{kind}-local")) == 3
         assert _losses(tmp_path / f"{kind}-s3") == _losses(tmp_path / f"{kind}-local"), kind
     waits = [r["time/data_wait_s"] for r in read_metrics(tmp_path / "tokens-s3") if "train/loss" in r]
@@ -128,7 +133,8 @@ def test_two_processes_from_s3_equal_two_processes_from_disk_and_continue_exactl
     """2-process (gloo) pre-training from the token folder in the bucket and on disk: each rank
     reads its own blocks by ranged GETs, ahead of the step; the losses are equal. The run from the
     bucket killed with SIGKILL after step 3 (checkpoint at step 2) and launched again continues
-    exactly: the losses and samples of the undisturbed run, bit for bit."""
+    exactly: the losses and samples of the undisturbed run, bit for bit; the same checkpoint
+    resumed on 1 process continues with the same samples."""
     from llmtrain.prepare import main as prepare
     from test_resume import launch, wait_for_step
 
@@ -148,8 +154,49 @@ def test_two_processes_from_s3_equal_two_processes_from_disk_and_continue_exactl
     wait_for_step(proc, killed, 3)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    import shutil
+
+    shutil.copytree(killed, tmp_path / "on-one")  # the 2-rank step-2 checkpoint, resumed below on 1 process
     run_scenarios({"killed": from_s3}, nproc=2, root=tmp_path)  # the same command again, in the same run folder
     assert [r for r in _losses(killed) if r[0] > 2][-3:] == _losses(dirs["s3"])[2:]
+    # On 1 process: the same samples at every step (the order is the global sample index's), and
+    # the losses up to the order of the sums (one rank accumulates what two all-reduced).
+    run_scenarios({"on-one": from_s3}, nproc=1, root=tmp_path)
+    one = [r for r in _losses(tmp_path / "on-one") if r[0] > 2][-3:]
+    assert [(r[0], r[2]) for r in one] == [(r[0], r[2]) for r in _losses(dirs["s3"])[2:]]
+    assert [r[1] for r in one] == pytest.approx([r[1] for r in _losses(dirs["s3"])[2:]], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sft_from_s3_killed_mid_run_and_run_again_continues_exactly(store, tmp_path):
+    """SFT from a JSONL file in the bucket (copied once into the cache), one process, checkpoint
+    every 2 steps: killed with SIGKILL while stalled before step 4 and launched again with the same
+    command, it continues exactly: the losses and samples of an undisturbed run, bit for bit."""
+    from test_resume import launch, wait_for_step
+
+    from llmtrain.trainer import train
+
+    records = [{"instruction": f"Add {i} and {i + 3}.", "input": "", "output": f"{i} + {i + 3} = {2 * i + 3}."}
+               for i in range(40)]
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text("".join(json.dumps(r) + "\n" for r in records))
+    store.put_file(str(sft), f"{BUCKET}/sft-kill/sft.jsonl")
+    args = [o for o in COMMON if not o.startswith("trainer.max_steps=")] + [
+        "data=alpaca", "data.seq_len=256", f"data.path=s3://{BUCKET}/sft-kill/sft.jsonl", "trainer.max_steps=6",
+        "trainer.save_every=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2"]
+    train(make_cfg(args + [f"run_dir={tmp_path / 'whole'}"]))
+    killed = tmp_path / "killed"
+    env = subprocess_env()
+    env["LLMTRAIN_FAULT"] = "stall:0:4"
+    proc = launch(args + [f"run_dir={killed}"], nproc=1, env=env)
+    wait_for_step(proc, killed, 3)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    rerun = launch(args + [f"run_dir={killed}"], nproc=1)
+    out = rerun.communicate(timeout=300)[0]
+    assert rerun.returncode == 0, out[-3000:]
+    whole = _losses(tmp_path / "whole")
+    assert len(whole) == 6 and [r for r in _losses(killed) if r[0] > 2][-4:] == whole[2:]
 
 
 def test_remote_token_file_reads_the_same_ids_across_blocks(store, tmp_path, monkeypatch):
@@ -247,6 +294,101 @@ def test_a_store_down_for_a_while_is_waited_out_and_counted(store, server, monke
     assert "AWS_ENDPOINT_URL" in str(err.value) and "(after 3 tries)" in str(err.value)
 
 
+class _Gate:
+    """Holds every request to the server while closed: the server accepts connections and never
+    answers, as a stopped (SIGSTOP) or wedged store does; opened, the held requests go on."""
+
+    def __init__(self, server):
+        self.open, self.wsgi = threading.Event(), server._server
+        self.open.set()
+        self.app = self.wsgi.app
+        self.wsgi.app = self
+
+    def __call__(self, environ, start_response):
+        self.open.wait()
+        return self.app(environ, start_response)
+
+    def restore(self) -> None:
+        self.open.set()
+        self.wsgi.app = self.app
+
+
+def _when_step(run_dir: Path, step: int, action, after_s: float = 0.0) -> threading.Thread:
+    """A thread that runs ``action()`` ``after_s`` seconds after ``run_dir`` logs step ``step``."""
+    import time
+
+    def watch():
+        while not any(r[0] >= step for r in (_losses(run_dir) if (run_dir / "metrics.jsonl").exists() else [])):
+            time.sleep(0.05)
+        time.sleep(after_s)
+        action()
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_store_that_hangs_mid_run_is_retried_then_one_error_and_ctrl_c_stops_the_wait(store, server, tmp_path,
+                                                                                         monkeypatch):
+    """Pre-training from a token folder in the bucket (small blocks and cache: reads all along),
+    while the server holds every request (it accepts and never answers, as a SIGSTOPped store):
+    for 6 s mid-run, the reads time out (``data.read_timeout_s=1``), are retried and counted, and
+    the run goes on with the losses of an undisturbed run; held for good, the run ends in one
+    error naming the step and the last checkpoint, and the command continues from it once the
+    server answers (with a longer timeout and more read-ahead), to the undisturbed run's losses; Ctrl-C while the step waits for its data ends
+    the run at once (a KeyboardInterrupt, exit 130), though the loop's handler only sets a flag."""
+    from llmtrain.common.errors import DataError
+    from llmtrain.data import remote
+    from llmtrain.data.prefetch import DataWaitInterrupted
+    from llmtrain.prepare import main as prepare
+    from llmtrain.trainer import train
+
+    local = tmp_path / "tokens"
+    assert prepare(SOURCE + [f"out={local}"]) == 0
+    store.put(str(local), f"{BUCKET}/tokens/hang", recursive=True)
+    monkeypatch.setattr(remote.RemoteTokenFile, "BLOCK", 256)  # a 16 KiB cache of a 240 KB folder
+    monkeypatch.setattr(remote, "_FIRST_WAIT_S", 0.1)
+    args = [o for o in COMMON if not o.startswith("trainer.max_steps=")] + [
+        "data=tokens", "data.seq_len=64", "data.val_fraction=0.02", f"data.path=s3://{BUCKET}/tokens/hang",
+        "data.read_timeout_s=1", "data.prefetch=1", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
+        "trainer.max_steps=6", "trainer.save_every=2"]
+    train(make_cfg(args + [f"run_dir={tmp_path / 'whole'}"]))
+    whole = _losses(tmp_path / "whole")
+    gate = _Gate(server)
+    try:
+        before = remote.retries()
+        hang = _when_step(tmp_path / "hang", 2, gate.open.clear)
+        reopen = _when_step(tmp_path / "hang", 2, gate.open.set, after_s=6)
+        train(make_cfg(args + [f"run_dir={tmp_path / 'hang'}"]))
+        hang.join(), reopen.join()
+        assert remote.retries() > before
+        assert _losses(tmp_path / "hang") == whole
+        monkeypatch.setattr(remote, "ATTEMPTS", 3)  # held for good: 3 tries, ~3 s
+        down = tmp_path / "down"
+        _when_step(down, 3, gate.open.clear)
+        with pytest.raises(DataError) as err:
+            train(make_cfg(args + [f"run_dir={down}"]))
+        text = str(err.value)
+        assert "\n" not in text and "did not answer" in text and "(after 3 tries)" in text
+        import re
+
+        # Reads ahead may carry the run past a checkpoint after the server stopped answering.
+        stopped, saved = re.search(r"; stopped in step (\d+), the last checkpoint \S+/step_(\d+) stands: the same "
+                                   "command continues from it", text).groups()
+        assert int(saved) in (2, 4) and int(stopped) > int(saved) and (down / "checkpoints" / f"step_{saved}").is_dir()
+        gate.open.set()
+        # Rerun with a longer timeout and more read-ahead: how the data are read may change on resume.
+        patient = [o for o in args if not o.startswith(("data.read_timeout_s=", "data.prefetch="))]
+        train(make_cfg(patient + ["data.read_timeout_s=5", "data.prefetch=3", f"run_dir={down}"]))
+        assert [r for r in _losses(down) if r[0] > int(saved)][-(6 - int(saved)):] == whole[int(saved):]
+        monkeypatch.setattr(remote, "ATTEMPTS", 8)  # ~30 s of tries: Ctrl-C comes long before the error
+        _when_step(tmp_path / "ctrl-c", 2, gate.open.clear)
+        _when_step(tmp_path / "ctrl-c", 2, lambda: os.kill(os.getpid(), signal.SIGINT), after_s=3)
+        with pytest.raises(DataWaitInterrupted, match="^SIGINT while the step waited for its data"):
+            train(make_cfg(args + [f"run_dir={tmp_path / 'ctrl-c'}"]))
+    finally:
+        gate.restore()
+
+
 @pytest.mark.parametrize("path, env, needle", [
     (f"s3://{BUCKET}/nothing-here", {}, "no such object or prefix in bucket 'llmtrain-test'"),
     ("s3://no-such-bucket/tokens", {}, "the bucket 'no-such-bucket' does not exist at http://127.0.0.1:"),
@@ -292,3 +434,4 @@ def test_refused_urls_exit_2_in_one_line_and_write_nothing(store, tmp_path, monk
         assert err.startswith(f"llmtrain.prepare: error: out={out}: ") and needle in err and "\n" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert store.find(f"{BUCKET}/taken") == [f"{BUCKET}/taken/manifest.json"]
+

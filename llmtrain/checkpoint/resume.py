@@ -22,6 +22,9 @@ RESUMABLE_CHANGES = ("name", "run_dir", "tracker", "trainer.max_steps", "trainer
                      "trainer.log_every", "trainer.save_every", "trainer.save_every_minutes", "trainer.keep_checkpoints",
                      "trainer.checkpoint_hash", "trainer.async_checkpoint", "trainer.resume", "trainer.preempt_signal", "trainer.export_hf", "trainer.progress_bar",
                      "trainer.peak_tflops", "trainer.hang_timeout_s", "trainer.gc_every",
+                     # How the data are read, not which: the same samples in the same order (a run
+                     # that a slow store stopped is resumed with a longer timeout or more read-ahead).
+                     "data.read_timeout_s", "data.prefetch",
                      # Scoring the checkpoints reads them and changes nothing of the training.
                      "trainer.eval_tasks", "trainer.eval_tasks_every", "trainer.eval_tasks_async",
                      "trainer.eval_tasks_limit", "trainer.eval_tasks_batch_size", "trainer.eval_tasks_device",

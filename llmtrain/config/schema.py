@@ -239,6 +239,14 @@ class DataConfig(DataSourceConfig):
     ``num_proc``: processes for tokenization (``datasets.map``).
     ``prefetch``: micro-batches read ahead of the step by a background thread (0: read in the
     step); the samples and their order do not depend on it.
+    ``streaming``: read the sources as streams (``datasets`` streaming; formats text, instruction,
+    chat, prompt_completion) instead of whole (:mod:`llmtrain.data.streaming`, docs/object-storage.md):
+    the first ``val_samples`` samples of each source are held out for validation (``val_fraction``
+    is not read), the rest are shuffled by a seeded buffer of ``shuffle_buffer`` samples
+    (``shuffle=false``: file order); a resume continues at the next sample on any number of ranks.
+    ``read_timeout_s``: how long a request to object storage waits for an answer before it counts
+    as a fault (retried with backoff, ``data/retries``; a store that stays down ends the run in one
+    error naming the last checkpoint).
     """
 
     name: str = MISSING
@@ -251,6 +259,10 @@ class DataConfig(DataSourceConfig):
     shuffle: bool = True
     num_proc: int = 1
     prefetch: int = 4
+    streaming: bool = False
+    shuffle_buffer: int = 1000
+    val_samples: int = 16
+    read_timeout_s: float = 30.0
     max_prompt_tokens: Optional[int] = None
     datasets: List[DataSourceConfig] = field(default_factory=list)
     weights: List[float] = field(default_factory=list)

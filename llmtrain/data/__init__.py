@@ -9,6 +9,7 @@ records (``packing``). Modules, one job each:
 * :mod:`~llmtrain.data.formats`: records -> samples (chat templates, label masks, truncation).
 * :mod:`~llmtrain.data.tokens`: token folders read without loading them (``llmtrain.prepare``; text cache).
 * :mod:`~llmtrain.data.order`: global sample order, mixtures, packing, batching.
+* :mod:`~llmtrain.data.streaming`: ``data.streaming=true``: sources read as streams, by global sample index.
 * :mod:`~llmtrain.data.vision`: image-text conversations (TRL's vision layout) and their collator.
 """
 
@@ -80,9 +81,13 @@ class Splits:
     sizes: list[int] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    streaming: bool = False
 
     def order(self, seed: int, shuffle: bool):
-        """The global sample order over ``train`` (:class:`MixtureOrder` for several sources)."""
+        """The global sample order over ``train`` (:class:`MixtureOrder` for several sources; a
+        stream's own, :class:`~llmtrain.data.streaming.StreamOrder`)."""
+        if self.streaming:
+            return self.train.order
         if len(self.sizes) > 1:
             return MixtureOrder(self.sizes, self.weights, seed, shuffle)
         return GlobalSampleOrder(len(self.train), seed, shuffle)
@@ -289,7 +294,15 @@ def load_splits(data_cfg: Any, tokenizer: Any, seed: int, unpair: bool = False, 
         ConfigError: the format needs a chat template the tokenizer lacks (names ``data.template``).
     """
     apply_template_setting(data_cfg, tokenizer)
+    remote.set_read_timeout(data_cfg.read_timeout_s)
     sources = list(data_cfg.datasets) or [data_cfg]
+    if data_cfg.get("streaming"):
+        from llmtrain.data.streaming import load_streams
+
+        train, vals, stats = load_streams(data_cfg, tokenizer, seed)
+        return Splits(train=train, val=vals[0] if len(vals) == 1 else Concat(vals), names=[s.name for s in sources],
+                      sizes=[0] * len(sources), weights=list(data_cfg.weights) if data_cfg.datasets else [1.0],
+                      stats=stats, streaming=True)
     keys = [f"data.datasets.{i}" for i in range(len(sources))] if data_cfg.datasets else ["data"]
     trains, vals, stats = [], [], {}
     for src, key in zip(sources, keys):
@@ -303,10 +316,16 @@ def load_splits(data_cfg: Any, tokenizer: Any, seed: int, unpair: bool = False, 
                   names=[s.name for s in sources], sizes=[len(t) for t in trains], weights=weights, stats=stats)
 
 
-def describe(splits: Splits) -> str:
-    """One log line per source: records, samples, truncated and dropped counts, packing."""
+def describe(splits: Splits, data_cfg: Any = None) -> str:
+    """One log line per source: records, samples, truncated and dropped counts, packing (a
+    stream's: where from, the samples held out, the order)."""
     lines = []
     for name, s in splits.stats.items():
+        if "streamed" in s:
+            from llmtrain.data.streaming import describe_stream
+
+            lines.append(describe_stream(name, s, data_cfg))
+            continue
         if "prompts" in s:
             lines.append(f"data {name}: {s['records']} records -> {s['prompts']} prompts (dropped {s['dropped_too_long']} "
                          "too long)")

@@ -98,6 +98,14 @@ class MixtureOrder:
         """The source (index into the mixture's ``datasets``) of global sample ``g``."""
         return self._locate(g)[0]
 
+    def counts_before(self, g: int) -> list[int]:
+        """Samples each source has given to global samples ``[0, g)`` (all ranks, all steps)."""
+        with self._lock:
+            block, pos = divmod(g, self.BLOCK)
+            self._locate_unlocked(g)  # extends the per-block counts up to g's block
+            draws = self._draws(block)
+            return [int(self._counts_before[block][k] + np.count_nonzero(draws[:pos] == k)) for k in range(len(self.sizes))]
+
     def __getitem__(self, g: int) -> int:
         source, j = self._locate(g)
         return int(self.offsets[source]) + self.orders[source][j]
@@ -132,6 +140,11 @@ class StepBatchSampler(torch.utils.data.Sampler):
         for g in range(step * self.global_batch, (step + 1) * self.global_batch):
             counts[self.order.source_of(g)] += 1
         return counts
+
+    def source_totals(self, step: int) -> list[int]:
+        """Samples each mixture source has given up to the end of ``step`` (all ranks)."""
+        mixture = getattr(self.order, "mixture", self.order)  # a stream's order holds its MixtureOrder
+        return mixture.counts_before((step + 1) * self.global_batch)
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start_step, self.max_steps):

@@ -15,11 +15,23 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 THREAD_NAME = "llmtrain-prefetch"
 _POLL_S = 0.1  # how often a blocked put or get looks whether the other side has stopped, seconds
 _JOIN_S = 30.0  # how long close() waits for a read in flight (one request's read timeout), seconds
+
+
+class DataWaitInterrupted(KeyboardInterrupt):
+    """A stop signal (Ctrl-C, SIGTERM) came while the step waited for its data (a store that does
+    not answer): the run ends at once, without the end-of-step save it could not reach; its last
+    checkpoint stands. A KeyboardInterrupt: ``python -m llmtrain`` prints it as one line and exits
+    with status 130."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(f"{signal_name} while the step waited for its data (the data source did not answer): "
+                         "stopped without saving this step; the run folder keeps its last checkpoint, and the same "
+                         "command continues from it")
 
 
 class Feed:
@@ -31,8 +43,13 @@ class Feed:
     steps before it train as without prefetch.
     """
 
-    def __init__(self, source: Iterator[Any], depth: int):
+    def __init__(self, source: Iterator[Any], depth: int, stop_when: Callable[[], str | None] | None = None):
         self.source, self.depth = source, depth
+        # Asked while the step waits for an item: a signal's name (SIGINT, SIGTERM) when the run
+        # was asked to stop. The loop's handler only sets a flag and saves at the step's end, which
+        # a step waiting on a store that hangs never reaches: the wait itself gives up.
+        self.stop_when = stop_when
+        self._abandoned = False
         self.waited_s = 0.0  # seconds next() has waited since the last take_wait()
         self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
@@ -70,6 +87,10 @@ class Feed:
                 if not self._thread.is_alive() and self._queue.empty():  # closed under us
                     self._ended = True
                     raise StopIteration from None
+                signal_name = self.stop_when() if self.stop_when is not None else None
+                if signal_name is not None:
+                    self._ended = self._abandoned = True  # close() does not wait for the hung read
+                    raise DataWaitInterrupted(signal_name)
         if kind == "item":
             return item
         self._ended = True
@@ -105,7 +126,7 @@ class Feed:
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        deadline = time.monotonic() + _JOIN_S
+        deadline = time.monotonic() + (_POLL_S if self._abandoned else _JOIN_S)
         while thread.is_alive() and time.monotonic() < deadline:
             try:  # what was read ahead is dropped: a put blocked on the full queue returns
                 while True:

@@ -17,6 +17,7 @@ counted by :func:`retries` (``data/retries`` in the metrics); a store that stays
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ import numpy as np
 from llmtrain.common.errors import ConfigError, DataError, require_extra
 from llmtrain.common.paths import CACHE_DIR
 
+log = logging.getLogger("llmtrain")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 REMOTE_CACHE = CACHE_DIR / "remote"
 CREDENTIALS_FIX = "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
@@ -39,6 +41,9 @@ ENDPOINT_FIX = ("set AWS_ENDPOINT_URL to the server's address (MinIO: http://HOS
 # Transient faults: tries per request and the first wait (doubling, capped at _MAX_WAIT_S): a
 # store down for ~30 s is waited out, a longer outage ends the run with one error.
 ATTEMPTS, _FIRST_WAIT_S, _MAX_WAIT_S = 8, 0.25, 8.0
+# A request's wait for the store's answer (socket inactivity), seconds: a store that hangs (a
+# stopped server, a dropped route) is a fault, retried like a reset. ``data.read_timeout_s`` sets it.
+_read_timeout_s = 30.0
 _retries = 0
 _fs: tuple[int, Any] | None = None  # (pid, filesystem): one client per process (forked workers make their own)
 
@@ -76,15 +81,24 @@ def retries() -> int:
     return _retries
 
 
+def set_read_timeout(seconds: float) -> None:
+    """How long a request waits for the store's answer before it counts as a fault
+    (``data.read_timeout_s``); the client is made anew when it changes."""
+    global _read_timeout_s, _fs
+    if seconds != _read_timeout_s:
+        _read_timeout_s, _fs = float(seconds), None
+
+
 def filesystem() -> Any:
     """This process's s3fs client, configured from the AWS environment. Its own retries are off
-    (one attempt per call, short timeouts): :func:`call` retries and counts them."""
+    (one attempt per call, timeouts of ``data.read_timeout_s``): :func:`call` retries and counts them."""
     global _fs
     if _fs is None or _fs[0] != os.getpid():
         import s3fs
 
         fs = s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={
-            "retries": {"max_attempts": 1}, "connect_timeout": 10, "read_timeout": 30})
+            "retries": {"max_attempts": 1}, "connect_timeout": min(10.0, _read_timeout_s),
+            "read_timeout": _read_timeout_s})
         fs.retries = 1  # s3fs's own loop (a class attribute, not an argument)
         _fs = (os.getpid(), fs)
     return _fs[1]
@@ -139,10 +153,19 @@ def call(request: Callable[[], Any], url: str, field: str, attempts: int | None 
             if _final(err) or attempt == attempts - 1:
                 tries = f" (after {attempts} tries)" if not _final(err) and attempts > 1 else ""
                 raise DataError(explain(err, url, field) + tries) from err
+            if attempt == 0:  # said once per request: a hung or down store is never silent
+                log.warning("%s; retrying (%d tries in all, about %.0f s)", explain(err, url, field).split("; ")[0],
+                            attempts, _retry_budget_s(attempts))
         _retries += 1
         time.sleep(wait)
         wait = min(2 * wait, _MAX_WAIT_S)
     raise AssertionError("unreachable")
+
+
+def _retry_budget_s(attempts: int) -> float:
+    """The longest the tries of one request take against a store that hangs: each waits
+    ``data.read_timeout_s``, and the backoff between them."""
+    return attempts * _read_timeout_s + sum(min(_FIRST_WAIT_S * 2 ** k, _MAX_WAIT_S) for k in range(attempts - 1))
 
 
 def _key(url: str) -> str:

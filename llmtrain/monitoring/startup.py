@@ -121,10 +121,10 @@ def log_run(cfg: Any, dims: ParallelDims, world_size: int, num_parameters: int, 
             accumulation: int, precision_reason: str) -> None:
     """The run's start-up line: model, data, objective, recipe and layout, batch, precision."""
     t = cfg.trainer
-    log.info("model %s: %.2f M parameters; data %s: %d train / %d val samples; objective %s; recipe %s "
+    log.info("model %s: %.2f M parameters; data %s: %s train / %d val samples; objective %s; recipe %s "
              "(engine %s, ZeRO %d) on %d rank(s) = dp %d (replicate %d x shard %d) x tp %d x pp %d%s%s; "
              "global batch %d = micro %d x accumulation %d x dp %d; precision %s (%s)",
-             cfg.model.name, num_parameters / 1e6, cfg.data.name, len(splits.train), len(splits.val), objective,
+             cfg.model.name, num_parameters / 1e6, cfg.data.name, "streamed" if splits.streaming else len(splits.train), len(splits.val), objective,
              cfg.recipe.name, cfg.recipe.engine, cfg.recipe.zero_stage, world_size, dims.dp, dims.dp_replicate,
              dims.dp_shard, dims.tp, dims.pp,
              f" ({cfg.recipe.pp_schedule}, {cfg.recipe.pp_stages_per_rank} stage(s) per rank)" if dims.pp > 1 else "",
