@@ -33,6 +33,23 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")  # tracker.wandb_mode
 
 
 @dataclass
+class LrMultipliersConfig:
+    """``model.lr_multipliers``: a multiplier of ``trainer.lr`` per model part
+    (:mod:`llmtrain.models.parts`; unset: 1), e.g. ``model.lr_multipliers={vision: 0.1}``."""
+
+    vision: Optional[float] = None
+    projector: Optional[float] = None
+    language: Optional[float] = None
+    lm_head: Optional[float] = None
+
+
+def lr_multipliers(model_cfg: Any) -> dict[str, float]:
+    """The parts ``model.lr_multipliers`` sets: ``{part: multiplier}``."""
+    node = model_cfg.get("lr_multipliers") or {}
+    return {str(k): float(v) for k, v in node.items() if v is not None}
+
+
+@dataclass
 class ModelConfig:
     """Which causal LM to train and where its weights and tokenizer come from.
 
@@ -51,7 +68,14 @@ class ModelConfig:
     none; unset (default): the model's own plan.
     ``freeze``: parameter-name patterns (``fnmatch``, e.g. ``model.embed_tokens.*``) kept frozen
     in full fine-tuning: they get no gradient and no optimizer state, and checkpoints store only
-    the trainable parameters (the frozen ones come from the source again on resume).
+    the trainable parameters (the frozen ones come from the source again on resume). A bare word
+    names a part (:mod:`llmtrain.models.parts`): ``vision`` (the vision tower), ``projector``
+    (the connector to the language model), ``language`` (the decoder, embeddings and head),
+    ``lm_head``; ``[vision, language]`` is LLaVA's stage 1 (only the projector trains). A text-only
+    model has ``language`` and ``lm_head``. Parameters a family's forward never reads (LLaVA's
+    tower ``post_layernorm``) are frozen always.
+    ``lr_multipliers``: ``{part: multiplier}`` of ``trainer.lr`` for a part's parameters (e.g.
+    ``{vision: 0.1}``), each part its own optimizer groups; the LR schedule scales them alike.
 
     Mixture-of-experts models (:mod:`llmtrain.models.moe`): ``experts_implementation`` is
     ``transformers``' switch for the routed experts (``grouped_mm``: one grouped matmul over all
@@ -76,6 +100,7 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     tp_plan: Optional[Any] = None  # Any: a dict override must replace, not merge into, the field
     freeze: List[str] = field(default_factory=list)
+    lr_multipliers: LrMultipliersConfig = field(default_factory=lambda: LrMultipliersConfig())
     experts_implementation: Optional[str] = None
     router_aux_loss_coef: Optional[float] = None
     moe_capacity_factor: float = 0.0

@@ -21,6 +21,7 @@ from llmtrain.config.schema import (
     DATA_FORMATS,
     EXPERTS_IMPLEMENTATIONS,
     FORMAT_COLUMNS,
+    lr_multipliers,
     PIPELINE_SCHEDULES,
     PRECISIONS,
     PROCESS_GROUP_TIMEOUT_S,
@@ -207,7 +208,11 @@ def validate_model(m: Any) -> None:
                  f"model.architecture.num_experts_per_tok={top_k} must be between 1 and the number of experts "
                  f"({experts})")
     _require(all(isinstance(p, str) and p for p in m.freeze),
-             f"model.freeze={list(m.freeze)} must be a list of parameter-name patterns (e.g. [model.embed_tokens.*])")
+             f"model.freeze={list(m.freeze)} must be a list of part names or parameter-name patterns (e.g. [vision] or "
+             "[model.embed_tokens.*])")
+    for part, rate in lr_multipliers(m).items():
+        _require(math.isfinite(rate) and rate > 0, f"model.lr_multipliers.{part}={rate} must be a number > 0 (to keep a "
+                 f"part unchanged, freeze it: model.freeze=[{part}])")
 
 
 # The config keys that count an MoE model's routed experts (transformers' names by family).
@@ -405,6 +410,9 @@ def validate(cfg: Any, world_size: int) -> Layout:
              f"model.moe_capacity_factor={cfg.model.moe_capacity_factor} with objective={objective}: a pair's chosen row "
              "comes first and would take expert capacity before its rejected row, and the reference runs dropless; "
              "set model.moe_capacity_factor=0 for preference tuning")
+    _require(not lr_multipliers(cfg.model) or cfg.trainer.optimizer != "muon",
+             f"model.lr_multipliers={lr_multipliers(cfg.model)} with trainer.optimizer=muon: Muon's groups are "
+             "split by tensor shape, not by part; use trainer.optimizer=adamw, or drop model.lr_multipliers")
     p = cfg.get("peft")
     _require(p is None or not p.get("target_parameters") or cfg.recipe.ep == 1,
              f"peft.target_parameters={list(p.target_parameters) if p is not None else []} with recipe.ep={cfg.recipe.ep}: "

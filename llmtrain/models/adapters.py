@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from llmtrain.common.errors import ConfigError
+from llmtrain.models import parts
 from llmtrain.models.build import build_model, canonical_name, init_weights, parameter_numel, resolve_gguf  # canonical_name: also here
 
 log = logging.getLogger("llmtrain")
@@ -67,9 +68,26 @@ def lora_config(p: Any, model: Any = None) -> Any:
 
 
 def is_partial(cfg: Any) -> bool:
-    """Whether some parameters stay frozen (LoRA or ``model.freeze``): then checkpoints hold
-    only the trainable ones."""
-    return cfg.get("peft") is not None or bool(cfg.model.get("freeze"))
+    """Whether some parameters stay frozen (LoRA, ``model.freeze``, or parameters the model's
+    forward never reads, :func:`has_unused`): then checkpoints hold only the trainable ones."""
+    return cfg.get("peft") is not None or bool(cfg.model.get("freeze")) or has_unused(cfg.model)
+
+
+def has_unused(model_cfg: Any) -> bool:
+    """Whether the model's family leaves parameters unread (:meth:`llmtrain.models.parts.Parts.unused`:
+    LLaVA's tower ``post_layernorm``), which :func:`apply` freezes. False for a GGUF file (text
+    models only) or a config that cannot be read (the build reports that)."""
+    from llmtrain.models.build import model_config
+    from llmtrain.models.parts import FAMILIES
+
+    if model_cfg.source == "gguf":
+        return False
+    try:
+        config = model_config(model_cfg)
+    except (OSError, ValueError, KeyError):
+        return False
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    return family is not None and bool(family.unused(config))
 
 
 def apply(model: nn.Module, cfg: Any) -> nn.Module:
@@ -95,19 +113,35 @@ def apply(model: nn.Module, cfg: Any) -> nn.Module:
             for param in modules[name].parameters():
                 param.requires_grad_(True)
         init_weights(model, cfg.trainer.seed, only=lambda name: ".lora_A." in name or ".lora_B." in name)
-    patterns = list(cfg.model.get("freeze") or [])
-    if patterns:
-        names = [n for n, _ in model.named_parameters()]
-        for pattern in patterns:
-            if not any(fnmatch.fnmatchcase(canonical_name(n), pattern) for n in names):
-                raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter; names look like "
-                                  f"{', '.join(names[:4])}")
-        for name, param in model.named_parameters():
-            if any(fnmatch.fnmatchcase(canonical_name(name), pattern) for pattern in patterns):
-                param.requires_grad_(False)
+    _freeze(model, list(cfg.model.get("freeze") or []))
     if not any(param.requires_grad for param in model.parameters()):
         raise ConfigError("model.freeze froze every parameter: nothing would train")
     return model
+
+
+def _freeze(model: nn.Module, entries: list[str]) -> None:
+    """Freeze the parts (``vision``, ``projector``, ``language``, ``lm_head``:
+    :mod:`llmtrain.models.parts`) and parameter-name patterns ``entries`` name, and the parameters
+    the family's forward never reads (they would get no gradient, hence no optimizer state).
+
+    Raises:
+        ConfigError: an unknown part name (listing the model's parts), a pattern that matches nothing.
+    """
+    family = parts.family_of(model)
+    names = [n for n, _ in model.named_parameters()]
+    named_parts = [e for e in entries if parts.is_part_name(e)]
+    patterns = [e for e in entries if not parts.is_part_name(e)]
+    parts.check_names(family, named_parts, "model.freeze", getattr(getattr(model, "config", None), "model_type", None))
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(canonical_name(n), pattern) for n in names):
+            raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter; names look like "
+                              f"{', '.join(names[:4])}")
+    unused = set(parts.unused_parameters(model))
+    for name, param in model.named_parameters():
+        plain = canonical_name(name)
+        if (name in unused or any(fnmatch.fnmatchcase(plain, pattern) for pattern in patterns)
+                or (named_parts and parts.member(family, plain, named_parts) is not None)):
+            param.requires_grad_(False)
 
 
 def _is_target(module_name: str, target: str) -> bool:
