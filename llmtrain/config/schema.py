@@ -164,7 +164,7 @@ FORMAT_COLUMNS = {
     "chat": ("messages", "conversations", "images"),  # images: paths of TRL's vision layout
     "prompt_completion": ("prompt", "completion"),
     "tokens": (),
-    "preference": ("prompt", "chosen", "rejected", "margin"),
+    "preference": ("prompt", "chosen", "rejected", "margin", "images"),  # images: TRL's VLM DPO layout
     "kto": ("prompt", "completion", "label"),
     "prompts": ("prompt", "answer"),  # answer: the reference the gsm8k reward reads (optional)
 }
