@@ -154,16 +154,19 @@ def test_images_for_a_text_only_model_kto_and_packing_are_refused_in_one_line(tm
         "objective=dpo (or simpo, orpo) on the pairs, or drop the images column"], proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("objective", ["dpo", "simpo", "orpo"])
-def test_each_pair_objective_trains_on_image_pairs(objective, tmp_path):
-    """One process, 4 steps on image pairs: the DPO family runs end to end and learns to prefer
-    the right colour's name (the chosen rewards pull ahead of the rejected)."""
+@pytest.mark.parametrize("objective,extra", [
+    ("dpo", []), ("simpo", []), ("orpo", []), ("dpo", ["objective.precompute_reference=true"]),
+    ("dpo", ["+peft=lora", "peft.parts=[language,vision]", "trainer.lr=3e-2"])])
+def test_each_pair_objective_trains_on_image_pairs(objective, extra, tmp_path):
+    """One process, 4 steps on image pairs: the DPO family runs end to end (references: a frozen
+    copy, precomputed log-probs, LoRA's base with the adapters off) and learns to prefer the right
+    colour's name (the chosen rewards pull ahead of the rejected)."""
     path = write_pairs(tmp_path, n=16)
     run = tmp_path / "run"
     assert_ok(run_cli(["model=tiny_idefics3", "data=preference", f"data.path={path}", f"objective={objective}", *FAST,
                        "data.seq_len=128", "data.max_prompt_tokens=null", "trainer.max_steps=4",
                        "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.lr=3e-3",
-                       "trainer.warmup_steps=1", f"run_dir={run}"]))
+                       "trainer.warmup_steps=1", *extra, f"run_dir={run}"]))
     rows = [r for r in read_metrics(run) if "train/loss" in r]
     assert len(rows) == 4 and rows[-1]["train/loss"] < rows[0]["train/loss"], [r["train/loss"] for r in rows]
     assert rows[-1]["train/rewards/margins"] > rows[0]["train/rewards/margins"]

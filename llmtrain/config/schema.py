@@ -133,6 +133,11 @@ class PeftConfig:
     (``[mlp.experts.gate_up_proj, mlp.experts.down_proj]``), one low-rank update per expert. ``modules_to_save``: modules trained in full besides the adapters (``[lm_head]`` after
     adding tokens). ``bias``: ``none``, ``all`` or ``lora_only`` biases trained.
 
+    ``parts``: the model parts (:mod:`llmtrain.models.parts`) whose Linear layers
+    ``target_modules`` reaches: ``[language]`` (default: an image-text model's decoder, never its
+    vision tower or projector; the whole of a text-only model), ``[language, vision]`` adds the
+    vision tower, ``projector`` the connector. The output head is never an adapter target.
+
     Selecting ``+peft=lora`` also sets ``trainer.lr`` to 2e-4, LoRA's usual rate (``conf/peft/lora.yaml``
     is a ``_global_`` package applied after the trainer group); a ``trainer.lr`` override still wins.
     """
@@ -147,6 +152,10 @@ class PeftConfig:
     bias: str = "none"
     use_rslora: bool = False
     use_dora: bool = False
+    parts: List[str] = field(default_factory=lambda: ["language"])
+
+
+PEFT_PARTS = ("vision", "projector", "language")  # peft.parts: parts with Linear layers to adapt
 
 
 DATA_FORMATS = ("text", "instruction", "alpaca", "chat", "prompt_completion", "tokens", "preference", "kto", "prompts")

@@ -21,6 +21,7 @@ from llmtrain.config.schema import (
     DATA_FORMATS,
     EXPERTS_IMPLEMENTATIONS,
     FORMAT_COLUMNS,
+    PEFT_PARTS,
     lr_multipliers,
     PIPELINE_SCHEDULES,
     PRECISIONS,
@@ -138,6 +139,10 @@ def validate_peft(p: Any, r: Any, label: str = "+peft=lora") -> None:
                                          and all(isinstance(t, str) and t for t in targets)),
              f"peft.target_modules={targets!r} must be all-linear or a non-empty list of module names "
              "(e.g. [q_proj, v_proj])")
+    parts = list(p.get("parts") or [])
+    _require(bool(parts) and all(part in PEFT_PARTS for part in parts),
+             f"peft.parts={parts} must be a non-empty list of {', '.join(PEFT_PARTS)} (the parts whose Linear layers "
+             "get adapters; default [language])")
     _require(not p.use_dora, "peft.use_dora=true is not supported yet: DoRA's magnitude vector is initialised "
              "from the base weights, which FSDP2 and ZeRO-3 do not hold whole at build; use LoRA (use_dora=false)")
     _require(r.tp == 1 and r.pp == 1,

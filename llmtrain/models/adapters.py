@@ -61,10 +61,34 @@ def lora_config(p: Any, model: Any = None) -> Any:
             targets = sorted(name for name, module in model.named_modules()
                              if isinstance(module, nn.Linear) and module is not head and not name.startswith("score"))
             exclude = []
+    if model is not None:
+        targets = _in_parts(model, targets, list(p.get("parts") or ["language"]))
     parameters = list(p.get("target_parameters") or [])
     return peft.LoraConfig(r=int(p.r), lora_alpha=float(p.alpha), lora_dropout=float(p.dropout), target_modules=targets,
                            bias=p.bias, use_rslora=bool(p.use_rslora), use_dora=bool(p.use_dora),
                            exclude_modules=exclude or None, target_parameters=parameters or None)
+
+
+def _in_parts(model: nn.Module, targets: Any, names: list[str]) -> Any:
+    """``targets`` (``all-linear`` or module-name suffixes) kept to the Linear modules of the parts
+    ``names`` (``peft.parts``) of an image-text model, as full module names; unchanged for a
+    text-only model (all of it is ``language``).
+
+    Raises:
+        ConfigError: a part the model lacks, or suffixes that match nothing inside the parts.
+    """
+    family = parts.family_of(model)
+    parts.check_names(family, names, "peft.parts", getattr(getattr(model, "config", None), "model_type", None))
+    if family is parts.TEXT:
+        return targets
+    inside = parts.linear_modules(model, names)
+    if targets == "all-linear":
+        return inside
+    chosen = [name for name in inside if any(_is_target(name, t) for t in targets)]
+    if not chosen:
+        raise ConfigError(f"peft.target_modules={list(targets)} matches no Linear module of the parts "
+                          f"peft.parts={names}; add the part (e.g. peft.parts=[language,vision]) or other names")
+    return chosen
 
 
 def is_partial(cfg: Any) -> bool:
