@@ -170,3 +170,13 @@ def test_each_pair_objective_trains_on_image_pairs(objective, extra, tmp_path):
     rows = [r for r in read_metrics(run) if "train/loss" in r]
     assert len(rows) == 4 and rows[-1]["train/loss"] < rows[0]["train/loss"], [r["train/loss"] for r in rows]
     assert rows[-1]["train/rewards/margins"] > rows[0]["train/rewards/margins"]
+
+
+def test_a_reward_model_on_an_image_text_model_is_refused_in_one_line(tmp_path):
+    path = write_pairs(tmp_path)
+    proc = run_cli(["model=tiny_llava", "data=preference", f"data.path={path}", "objective=reward", *FAST,
+                    "data.seq_len=128", "data.max_prompt_tokens=null", f"run_dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "llmtrain: error: objective=reward with model=tiny_llava: an image-text model has no sequence-classification "
+        "head in transformers; train the reward model on a text-only model, or use objective=dpo on the image pairs"], \
+        proc.stderr[-2000:]

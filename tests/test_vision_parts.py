@@ -142,7 +142,9 @@ def test_unknown_parts_and_a_zero_multiplier_are_one_line_errors(tmp_path):
         cfg, net = built("tiny_llama", "model.lr_multipliers={vision: 0.5}")
         build_optimizer(net, cfg.trainer, model_cfg=cfg.model)
     path = write_dataset(tmp_path)
-    for override, line in [("model.lr_multipliers.vision=0", "llmtrain: error: model.lr_multipliers.vision=0.0 must be "
+    for override, line in [("model.freeze=[tower]", "llmtrain: error: model.freeze: 'tower' is not a part of a llava "
+                            "model; its parts are vision, projector, language, lm_head"),
+                           ("model.lr_multipliers.vision=0", "llmtrain: error: model.lr_multipliers.vision=0.0 must be "
                             "a number > 0 (to keep a part unchanged, freeze it: model.freeze=[vision])"),
                            ("model.lr_multipliers.tower=2", "llmtrain: error: model.lr_multipliers.tower is not a "
                             "field of model.lr_multipliers: the fields are vision, projector, language, lm_head. Fix or "
