@@ -135,6 +135,8 @@ def test_unknown_parts_and_a_zero_multiplier_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.freeze: 'tower' is not a part of a llava model; its parts are "
                                           r"vision, projector, language, lm_head$"):
         built("tiny_llava", "model.freeze=[tower]")
+    with pytest.raises(ConfigError, match=r"^model.freeze: part 'lm_head' has no parameters of its own in this model"):
+        built("tiny_llama", "model.freeze=[lm_head]", "model.architecture.tie_word_embeddings=true")
     with pytest.raises(ConfigError, match=r"^model.lr_multipliers: 'vision' is not a part of a llama model; its "
                                           r"parts are language, lm_head$"):
         from llmtrain.engine.optimizers import build_optimizer
@@ -157,15 +159,17 @@ def test_unknown_parts_and_a_zero_multiplier_are_one_line_errors(tmp_path):
 
 @pytest.mark.slow
 def test_llava_stage_one_trains_the_projector_only_and_resumes_as_the_uninterrupted_run(tmp_path):
-    """model.freeze=[vision, language]: 3 steps, a checkpoint, on to 5 equals one 5-step run; the
-    export's vision and language weights are the initial ones, its projector moved."""
+    """model.freeze=[vision, language] (and the projector at half the rate, its own optimizer
+    groups): 3 steps, a checkpoint, on to 5 equals one 5-step run; the export's vision and
+    language weights are the initial ones, its projector moved."""
     from transformers import AutoModelForImageTextToText
 
     from llmtrain.models.build import build_model
 
     path = write_dataset(tmp_path, n=16)
     common = ["model=tiny_llava", "data=vlm_chat", f"data.path={path}", *FAST, "trainer.global_batch_size=4",
-              "trainer.micro_batch_size=2", "trainer.save_every=3", "model.freeze=[vision,language]", "trainer.lr=1e-2"]
+              "trainer.micro_batch_size=2", "trainer.save_every=3", "model.freeze=[vision,language]", "trainer.lr=1e-2",
+              "model.lr_multipliers={projector:0.5}"]
     whole, parts_run = tmp_path / "whole", tmp_path / "parts"
     assert_ok(run_cli(common + ["trainer.max_steps=5", f"run_dir={whole}"]))
     assert_ok(run_cli(common + ["trainer.max_steps=3", f"run_dir={parts_run}"]))

@@ -156,6 +156,10 @@ def _freeze(model: nn.Module, entries: list[str]) -> None:
     named_parts = [e for e in entries if parts.is_part_name(e)]
     patterns = [e for e in entries if not parts.is_part_name(e)]
     parts.check_names(family, named_parts, "model.freeze", getattr(getattr(model, "config", None), "model_type", None))
+    for part in named_parts:
+        if not any(parts.member(family, canonical_name(n), [part]) for n in names):
+            raise ConfigError(f"model.freeze: part {part!r} has no parameters of its own in this model (a head tied "
+                              "to the embeddings is the language model's); freeze the part that holds them")
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(canonical_name(n), pattern) for n in names):
             raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter; names look like "
