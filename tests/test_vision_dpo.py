@@ -166,7 +166,8 @@ def test_each_pair_objective_trains_on_image_pairs(objective, extra, tmp_path):
     assert_ok(run_cli(["model=tiny_idefics3", "data=preference", f"data.path={path}", f"objective={objective}", *FAST,
                        "data.seq_len=128", "data.max_prompt_tokens=null", "trainer.max_steps=4",
                        "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.lr=3e-3",
-                       "trainer.warmup_steps=1", *extra, f"run_dir={run}"]))
+                       "trainer.warmup_steps=1", "trainer.eval_every=4", *extra, f"run_dir={run}"]))
+    assert any("val/loss" in r for r in read_metrics(run))  # held-out pairs, with their pixels, too
     rows = [r for r in read_metrics(run) if "train/loss" in r]
     assert len(rows) == 4 and rows[-1]["train/loss"] < rows[0]["train/loss"], [r["train/loss"] for r in rows]
     assert rows[-1]["train/rewards/margins"] > rows[0]["train/rewards/margins"]
