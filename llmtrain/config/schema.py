@@ -34,19 +34,12 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")  # tracker.wandb_mode
 
 @dataclass
 class LrMultipliersConfig:
-    """``model.lr_multipliers``: a multiplier of ``trainer.lr`` per model part
-    (:mod:`llmtrain.models.parts`; unset: 1), e.g. ``model.lr_multipliers={vision: 0.1}``."""
+    """``model.lr_multipliers``: a multiplier of ``trainer.lr`` per part (unset: 1)."""
 
     vision: Optional[float] = None
     projector: Optional[float] = None
     language: Optional[float] = None
     lm_head: Optional[float] = None
-
-
-def lr_multipliers(model_cfg: Any) -> dict[str, float]:
-    """The parts ``model.lr_multipliers`` sets: ``{part: multiplier}``."""
-    node = model_cfg.get("lr_multipliers") or {}
-    return {str(k): float(v) for k, v in node.items() if v is not None}
 
 
 @dataclass
@@ -69,13 +62,9 @@ class ModelConfig:
     ``freeze``: parameter-name patterns (``fnmatch``, e.g. ``model.embed_tokens.*``) kept frozen
     in full fine-tuning: they get no gradient and no optimizer state, and checkpoints store only
     the trainable parameters (the frozen ones come from the source again on resume). A bare word
-    names a part (:mod:`llmtrain.models.parts`): ``vision`` (the vision tower), ``projector``
-    (the connector to the language model), ``language`` (the decoder, embeddings and head),
-    ``lm_head``; ``[vision, language]`` is LLaVA's stage 1 (only the projector trains). A text-only
-    model has ``language`` and ``lm_head``. Parameters a family's forward never reads (LLaVA's
-    tower ``post_layernorm``) are frozen always.
-    ``lr_multipliers``: ``{part: multiplier}`` of ``trainer.lr`` for a part's parameters (e.g.
-    ``{vision: 0.1}``), each part its own optimizer groups; the LR schedule scales them alike.
+    names a part (:mod:`llmtrain.models.parts`: ``vision``, ``projector``, ``language``,
+    ``lm_head``); ``[vision, language]`` is LLaVA's stage 1. ``lr_multipliers``: ``{part: m}``
+    trains a part at ``m`` times ``trainer.lr`` (optimizer groups of its own).
 
     Mixture-of-experts models (:mod:`llmtrain.models.moe`): ``experts_implementation`` is
     ``transformers``' switch for the routed experts (``grouped_mm``: one grouped matmul over all
@@ -133,10 +122,8 @@ class PeftConfig:
     (``[mlp.experts.gate_up_proj, mlp.experts.down_proj]``), one low-rank update per expert. ``modules_to_save``: modules trained in full besides the adapters (``[lm_head]`` after
     adding tokens). ``bias``: ``none``, ``all`` or ``lora_only`` biases trained.
 
-    ``parts``: the model parts (:mod:`llmtrain.models.parts`) whose Linear layers
-    ``target_modules`` reaches: ``[language]`` (default: an image-text model's decoder, never its
-    vision tower or projector; the whole of a text-only model), ``[language, vision]`` adds the
-    vision tower, ``projector`` the connector. The output head is never an adapter target.
+    ``parts``: the parts (:mod:`llmtrain.models.parts`) whose Linear layers ``target_modules``
+    reaches: ``[language]`` (an image-text model's decoder only); ``vision``, ``projector`` on demand.
 
     Selecting ``+peft=lora`` also sets ``trainer.lr`` to 2e-4, LoRA's usual rate (``conf/peft/lora.yaml``
     is a ``_global_`` package applied after the trainer group); a ``trainer.lr`` override still wins.

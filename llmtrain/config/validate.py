@@ -22,7 +22,6 @@ from llmtrain.config.schema import (
     EXPERTS_IMPLEMENTATIONS,
     FORMAT_COLUMNS,
     PEFT_PARTS,
-    lr_multipliers,
     PIPELINE_SCHEDULES,
     PRECISIONS,
     PROCESS_GROUP_TIMEOUT_S,
@@ -215,7 +214,7 @@ def validate_model(m: Any) -> None:
     _require(all(isinstance(p, str) and p for p in m.freeze),
              f"model.freeze={list(m.freeze)} must be a list of part names or parameter-name patterns (e.g. [vision] or "
              "[model.embed_tokens.*])")
-    for part, rate in lr_multipliers(m).items():
+    for part, rate in ((k, v) for k, v in (m.get("lr_multipliers") or {}).items() if v is not None):
         _require(math.isfinite(rate) and rate > 0, f"model.lr_multipliers.{part}={rate} must be a number > 0 (to keep a "
                  f"part unchanged, freeze it: model.freeze=[{part}])")
 
@@ -415,8 +414,9 @@ def validate(cfg: Any, world_size: int) -> Layout:
              f"model.moe_capacity_factor={cfg.model.moe_capacity_factor} with objective={objective}: a pair's chosen row "
              "comes first and would take expert capacity before its rejected row, and the reference runs dropless; "
              "set model.moe_capacity_factor=0 for preference tuning")
-    _require(not lr_multipliers(cfg.model) or cfg.trainer.optimizer != "muon",
-             f"model.lr_multipliers={lr_multipliers(cfg.model)} with trainer.optimizer=muon: Muon's groups are "
+    rates = {k: v for k, v in (cfg.model.get("lr_multipliers") or {}).items() if v is not None}
+    _require(not rates or cfg.trainer.optimizer != "muon",
+             f"model.lr_multipliers={rates} with trainer.optimizer=muon: Muon's groups are "
              "split by tensor shape, not by part; use trainer.optimizer=adamw, or drop model.lr_multipliers")
     p = cfg.get("peft")
     _require(p is None or not p.get("target_parameters") or cfg.recipe.ep == 1,

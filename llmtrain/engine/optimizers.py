@@ -82,13 +82,12 @@ def build_optimizer(model: torch.nn.Module, trainer_cfg: Any, *, foreach: bool |
 def group_scales(model: torch.nn.Module, model_cfg: Any) -> dict[int, float]:
     """``id(parameter) -> multiplier`` of ``model.lr_multipliers`` (of ``model_cfg``) over
     ``model``'s parts; {} without multipliers (or without ``model_cfg``)."""
-    from llmtrain.config.schema import lr_multipliers
+    from llmtrain.models.parts import multipliers, rates_of
 
-    rates = lr_multipliers(model_cfg) if model_cfg is not None else {}
+    rates = rates_of(model_cfg) if model_cfg is not None else {}
     if not rates:
         return {}
     from llmtrain.models.build import canonical_name
-    from llmtrain.models.parts import multipliers
 
     return multipliers(model, rates, canonical_name)
 

@@ -152,6 +152,12 @@ def member(family: Parts, parameter: str, names: Iterable[str]) -> str | None:
     return part
 
 
+def rates_of(model_cfg: Any) -> dict[str, float]:
+    """The parts ``model.lr_multipliers`` (of ``model_cfg``) sets: ``{part: multiplier}``."""
+    node = model_cfg.get("lr_multipliers") or {}
+    return {str(k): float(v) for k, v in node.items() if v is not None}
+
+
 def multipliers(model: nn.Module, rates: dict[str, float], canonical) -> dict[int, float]:
     """``id(parameter) -> learning-rate multiplier`` of ``model``'s parameters under the part
     multipliers ``rates`` (``model.lr_multipliers``); parameters of no named part are left out
