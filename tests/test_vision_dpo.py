@@ -1,7 +1,8 @@
 """The DPO family with images in the prompt (TRL's VLM DPO layout: message-list ``prompt`` with
 ``{"type": "image"}`` parts, ``chosen``, ``rejected``, ``images``): the pairs' ids, the pixels in
 the policy's and the reference's forwards, the loss against a hand computation from the model's own
-log-probs of each sequence with its image, bad records, and a run of each objective."""
+log-probs of each sequence with its image and against TRL's DPOTrainer, bad records, and a run of
+each objective."""
 
 from __future__ import annotations
 
@@ -181,3 +182,44 @@ def test_a_reward_model_on_an_image_text_model_is_refused_in_one_line(tmp_path):
         "llmtrain: error: objective=reward with model=tiny_llava: an image-text model has no sequence-classification "
         "head in transformers; train the reward model on a text-only model, or use objective=dpo on the image pairs"], \
         proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava"])
+def test_dpo_loss_token_ids_and_pixels_equal_trl_dpo_trainer_on_the_same_image_pairs(model, tmp_path):
+    """TRL's DPOTrainer (its vision collator, ``compute_loss``) on the same three records with PIL
+    images, the same policy and reference (other weights), β 0.5: its rows' ids and pixels are
+    ours, and its loss is ours within 1e-5."""
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    from PIL import Image
+
+    from llmtrain import data
+    from llmtrain.common.images import processor_of
+    from llmtrain.engine.base import model_inputs
+    from llmtrain.models.build import build_model
+    from llmtrain.objectives import build_objective
+    from llmtrain.objectives.reference import LiveReference
+
+    path = write_pairs(tmp_path)
+    cfg, tokenizer, splits = pairs_of(model, path, "objective.beta=0.5")
+    policy, reference = build_model(cfg.model, seed=0).eval(), build_model(cfg.model, seed=1).eval()
+    items = [splits.train[i] for i in range(3)]
+    by_colour = {Path(r["images"][0]).stem: r for r in map(json.loads, path.read_text().splitlines())}
+    records = [dict(r, images=[Image.open(tmp_path / r["images"][0]).convert("RGB")])
+               for r in (by_colour[Path(item["images"][0]).stem] for item in items)]
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=3, beta=0.5, report_to=[],
+                         use_cpu=True, max_length=None, bf16=False, remove_unused_columns=False)
+    trainer = trl.DPOTrainer(model=policy, ref_model=reference, args=args, processing_class=processor_of(tokenizer),
+                             train_dataset=datasets.Dataset.from_list(records))
+    theirs = trainer.data_collator([dict(r) for r in records])
+    ours = data.collator_for(cfg.data, tokenizer)(items)
+    for row in range(6):  # TRL left-pads its prompts: compare the real tokens
+        assert (theirs["input_ids"][row][theirs["attention_mask"][row].bool()].tolist()
+                == ours["input_ids"][row][ours["attention_mask"][row].bool()].tolist())
+    assert torch.equal(theirs["pixel_values"], ours["pixel_values"])
+    objective = build_objective(cfg.objective)
+    ours = dict(ours, ref_logps=LiveReference(lambda b: reference(**model_inputs(b)).logits)(ours))
+    with torch.no_grad():
+        trl_loss = float(trainer.compute_loss(policy, theirs))
+        our_loss = float(objective.loss_sums(policy(**model_inputs(ours)).logits, ours).loss / objective.normaliser(ours))
+    assert our_loss == pytest.approx(trl_loss, abs=1e-5) and abs(our_loss - math.log(2)) > 1e-3
