@@ -219,6 +219,12 @@ def test_make_digits_writes_the_shared_folders_records_and_pixels(tmp_path, shar
     for i in range(5):
         name = f"images/{i:04d}.png"
         assert np.array_equal(np.asarray(Image.open(tmp_path / name)), np.asarray(Image.open(shared / name)))
+    # The same images as DPO pairs: the record's prompt and digit chosen, another digit rejected.
+    for line, pair_line in zip(ours, (tmp_path / "train_pairs.jsonl").read_text().splitlines(), strict=True):
+        rec, pair = json.loads(line), json.loads(pair_line)
+        chosen, rejected = (pair[k][0]["content"][0]["text"] for k in ("chosen", "rejected"))
+        assert pair["prompt"] == rec["messages"][:1] and pair["images"] == rec["images"]
+        assert chosen == rec["answer"] and rejected != chosen and rejected.isdigit()
 
 
 @pytest.mark.slow
