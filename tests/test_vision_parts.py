@@ -51,7 +51,7 @@ def test_every_parameter_of_a_family_lies_in_one_named_part(family):
     from llmtrain.models import parts
 
     model = AutoModelForImageTextToText.from_config(tiny_configs()[family])
-    fam = parts.family_of(model)
+    fam = parts.known_family(model)
     modules = {"vision": "visual" if family.startswith("qwen") else "vision_tower",
                "language": "language_model"}
     seen = {}
@@ -107,7 +107,7 @@ def test_frozen_parts_stay_bit_identical_and_each_part_gets_its_learning_rate(mo
     _, tokenizer, splits = loaded(model, write_dataset(tmp_path))
     batch = data.collator_for(cfg.data, tokenizer)([splits.train[i] for i in range(4)])
     optimizer = build_optimizer(net, cfg.trainer, model_cfg=cfg.model)
-    family = parts.family_of(net)
+    family = parts.known_family(net)
     names = {id(p): n for n, p in net.named_parameters()}
     expected = {"projector": 0.001, "lm_head": 0.03, "language": 0.01}
     for group in optimizer.param_groups:
@@ -183,3 +183,28 @@ def test_llava_stage_one_trains_the_projector_only_and_resumes_as_the_uninterrup
     for name, tensor in exported.items():
         same = torch.equal(tensor, initial[name])
         assert same == ("multi_modal_projector" not in name), name
+
+
+def test_a_family_without_parts_keeps_patterns_and_hand_named_lora_targets_and_refuses_part_names():
+    """PaliGemma (no parts class here): model.freeze patterns and peft.target_modules lists work as
+    for any model; part names, and all-linear (which would reach its vision tower), are refused."""
+    import transformers
+
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.models import adapters
+
+    config = transformers.PaliGemmaConfig(
+        text_config=dict(model_type="gemma", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16), image_token_index=300,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=16, patch_size=4, projection_dim=64), projection_dim=64)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    adapters._freeze(model, ["model.vision_tower.*"])
+    assert {n.split(".")[1] for n, p in model.named_parameters() if not p.requires_grad} == {"vision_tower"}
+    with pytest.raises(ConfigError, match=r"^model.freeze: llmtrain does not know the parts of paligemma models"):
+        adapters._freeze(model, ["vision"])
+    p = make_cfg(["model=tiny_llava", "+peft=lora", "peft.target_modules=[q_proj]"]).peft
+    assert adapters.lora_config(p, model).target_modules == {"q_proj"}
+    p = make_cfg(["model=tiny_llava", "+peft=lora"]).peft
+    with pytest.raises(ConfigError, match=r"^peft.parts: llmtrain does not know the parts of paligemma models"):
+        adapters.lora_config(p, model)

@@ -77,10 +77,11 @@ def _in_parts(model: nn.Module, targets: Any, names: list[str]) -> Any:
     Raises:
         ConfigError: a part the model lacks, or suffixes that match nothing inside the parts.
     """
-    family = parts.family_of(model)
+    family = parts.known_family(model)
+    if family is parts.TEXT or (family is None and targets != "all-linear"):
+        return targets  # a text-only model is all language; module names chosen by hand are kept
+    family = parts.family_of(model, "peft.parts")  # all-linear on a family without parts: refused
     parts.check_names(family, names, "peft.parts", getattr(getattr(model, "config", None), "model_type", None))
-    if family is parts.TEXT:
-        return targets
     inside = parts.linear_modules(model, names)
     if targets == "all-linear":
         return inside
@@ -151,10 +152,10 @@ def _freeze(model: nn.Module, entries: list[str]) -> None:
     Raises:
         ConfigError: an unknown part name (listing the model's parts), a pattern that matches nothing.
     """
-    family = parts.family_of(model)
     names = [n for n, _ in model.named_parameters()]
     named_parts = [e for e in entries if parts.is_part_name(e)]
     patterns = [e for e in entries if not parts.is_part_name(e)]
+    family = parts.family_of(model, "model.freeze") if named_parts else None
     parts.check_names(family, named_parts, "model.freeze", getattr(getattr(model, "config", None), "model_type", None))
     for part in named_parts:
         if not any(parts.member(family, canonical_name(n), [part]) for n in names):

@@ -112,21 +112,29 @@ FAMILIES: dict[str, Parts] = {t: family() for family in (Idefics3Parts, LlavaPar
 TEXT = Parts()
 
 
-def family_of(model: nn.Module) -> Parts:
-    """The parts of ``model`` (a Hugging Face model): its family's, or a text-only model's.
-
-    Raises:
-        ConfigError: an image-text model of a family without a parts class here.
-    """
+def known_family(model: nn.Module) -> Parts | None:
+    """The parts of ``model`` (a Hugging Face model): its family's, a text-only model's, or None
+    for an image-text model of a family without a parts class here."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type in FAMILIES:
         return FAMILIES[model_type]
-    if config is not None and getattr(config, "vision_config", None) is not None:
-        raise ConfigError(f"model.freeze / model.lr_multipliers / peft.parts: llmtrain does not know the parts of "
-                          f"{model_type} models (it knows {', '.join(sorted(FAMILIES))}); name parameters by "
-                          "pattern in model.freeze instead (e.g. model.vision_tower.*)")
-    return TEXT
+    return None if config is not None and getattr(config, "vision_config", None) is not None else TEXT
+
+
+def family_of(model: nn.Module, field: str) -> Parts:
+    """:func:`known_family`, which ``field`` (the setting that names parts) needs.
+
+    Raises:
+        ConfigError: an image-text model of a family without a parts class here.
+    """
+    family = known_family(model)
+    if family is None:
+        model_type = getattr(model.config, "model_type", None)
+        raise ConfigError(f"{field}: llmtrain does not know the parts of {model_type} models (it knows "
+                          f"{', '.join(sorted(FAMILIES))}); name parameters by pattern in model.freeze, and modules "
+                          "in peft.target_modules, instead")
+    return family
 
 
 def is_part_name(entry: str) -> bool:
@@ -166,7 +174,7 @@ def multipliers(model: nn.Module, rates: dict[str, float], canonical) -> dict[in
     Raises:
         ConfigError: a name in ``rates`` that is not a part of the model.
     """
-    family = family_of(model)
+    family = family_of(model, "model.lr_multipliers")
     check_names(family, rates, "model.lr_multipliers", getattr(getattr(model, "config", None), "model_type", None))
     out = {}
     for name, param in model.named_parameters():
@@ -178,9 +186,8 @@ def multipliers(model: nn.Module, rates: dict[str, float], canonical) -> dict[in
 
 def unused_parameters(model: nn.Module) -> list[str]:
     """Names of ``model``'s parameters that its family's forward never reads (:meth:`Parts.unused`)."""
-    family = family_of(model)
-    config = getattr(model, "config", None)
-    prefixes = family.unused(config) if config is not None else ()
+    family, config = known_family(model), getattr(model, "config", None)
+    prefixes = family.unused(config) if family is not None and config is not None else ()
     return [name for name, _ in model.named_parameters() if prefixes and name.startswith(prefixes)]
 
 
@@ -188,7 +195,7 @@ def linear_modules(model: nn.Module, names: Iterable[str]) -> list[str]:
     """Names of the ``nn.Linear`` modules inside the parts ``names`` of ``model``, the output
     head left out (LoRA's ``all-linear`` restricted to those parts, as peft's own rule drops the
     head)."""
-    family, names = family_of(model), list(names)
+    family, names = family_of(model, "peft.parts"), list(names)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return [name for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and module is not head and member(family, name + ".", names) is not None]
