@@ -6,7 +6,10 @@ conversational vision layout, one image and one question per record, the digit a
     python scripts/make_digits.py --out digits     # digits/images/0000.png ..., train.jsonl, test.jsonl
 
 The first 1,497 images go to ``train.jsonl``, the last 300 to ``test.jsonl``; image paths are
-relative to the folder. Needs scikit-learn, numpy and Pillow (not torchvision).
+relative to the folder. ``train_pairs.jsonl`` holds the training images as preference pairs in
+TRL's VLM DPO layout (``prompt`` with the image, the digit chosen, another digit rejected, drawn
+by a generator seeded with the image's index). Needs scikit-learn, numpy and Pillow (not
+torchvision).
 """
 
 from __future__ import annotations
@@ -26,6 +29,17 @@ def record(index: int, digit: int) -> dict:
             "images": [f"images/{index:04d}.png"], "answer": str(digit)}
 
 
+def pair(index: int, digit: int) -> dict:
+    """Image ``index`` as a preference pair: ``digit`` chosen, another digit rejected."""
+    import random
+
+    wrong = random.Random(index).choice([d for d in range(10) if d != digit])
+    return {"prompt": record(index, digit)["messages"][:1],
+            "chosen": [{"role": "assistant", "content": [{"type": "text", "text": str(digit)}]}],
+            "rejected": [{"role": "assistant", "content": [{"type": "text", "text": str(wrong)}]}],
+            "images": [f"images/{index:04d}.png"]}
+
+
 def write_digits(out: Path, limit: int | None = None) -> int:
     """Write the folder (the first ``limit`` images only, when given); returns the records written."""
     import numpy as np
@@ -42,7 +56,8 @@ def write_digits(out: Path, limit: int | None = None) -> int:
         Image.fromarray(pixels).save(out / "images" / f"{i:04d}.png")
         records.append(record(i, int(digits.target[i])))
     split = max(0, len(digits.target) - TEST_RECORDS)
-    for name, part in (("train.jsonl", records[:split]), ("test.jsonl", records[split:])):
+    pairs = [pair(i, int(digits.target[i])) for i in range(min(n, split))]
+    for name, part in (("train.jsonl", records[:split]), ("test.jsonl", records[split:]), ("train_pairs.jsonl", pairs)):
         (out / name).write_text("".join(json.dumps(r) + "\n" for r in part))
     return n
 

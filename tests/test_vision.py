@@ -219,6 +219,12 @@ def test_make_digits_writes_the_shared_folders_records_and_pixels(tmp_path, shar
     for i in range(5):
         name = f"images/{i:04d}.png"
         assert np.array_equal(np.asarray(Image.open(tmp_path / name)), np.asarray(Image.open(shared / name)))
+    # The same images as DPO pairs: the record's prompt and digit chosen, another digit rejected.
+    for line, pair_line in zip(ours, (tmp_path / "train_pairs.jsonl").read_text().splitlines(), strict=True):
+        rec, pair = json.loads(line), json.loads(pair_line)
+        chosen, rejected = (pair[k][0]["content"][0]["text"] for k in ("chosen", "rejected"))
+        assert pair["prompt"] == rec["messages"][:1] and pair["images"] == rec["images"]
+        assert chosen == rec["answer"] and rejected != chosen and rejected.isdigit()
 
 
 @pytest.mark.slow
@@ -234,3 +240,53 @@ def test_a_resumed_run_continues_as_the_uninterrupted_one(tmp_path):
     assert_ok(run_cli(common + ["trainer.max_steps=5", f"run_dir={parts}"]))
     losses = {run: {r["step"]: r["train/loss"] for r in read_metrics(run) if "train/loss" in r} for run in (whole, parts)}
     assert [losses[parts][s] for s in (4, 5)] == pytest.approx([losses[whole][s] for s in (4, 5)], abs=1e-5)
+
+
+@pytest.mark.parametrize("model,lora_parts", [("tiny_idefics3", "[language]"), ("tiny_llava", "[language,vision]")])
+def test_lora_on_chosen_parts_and_its_merged_export_generates_the_same_tokens(model, lora_parts, tmp_path):
+    """+peft=lora on an image-text model: adapters on the language model only by default, on the
+    vision tower too with peft.parts=[language,vision], never on the projector or the head. The
+    merged export (AutoModelForImageTextToText) and the adapter folder on its base (PeftModel)
+    generate the trained model's greedy tokens, adapters non-zero."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from llmtrain import data
+    from llmtrain.checkpoint.export import export_lora
+    from llmtrain.data.vision import load_image
+    from llmtrain.models import adapters, parts
+    from llmtrain.models.build import build_model
+
+    cfg, tokenizer, _ = loaded(model, write_dataset(tmp_path), "+peft=lora", f"peft.parts={lora_parts}")
+    trained = adapters.apply(build_model(cfg.model, seed=3), cfg).eval()
+    family = parts.known_family(trained)
+    adapted = {family.part_of(n) for n, _ in trained.named_parameters() if ".lora_A." in n}
+    assert adapted == set(lora_parts.strip("[]").split(","))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if ".lora_B." in name:  # B starts at zero: give the adapters something to merge
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.2)
+    written = export_lora(trained.state_dict(), cfg, tokenizer, tmp_path / "adapter", tmp_path / "hf",
+                          data.end_token_ids(cfg.data, tokenizer))
+    processor = AutoProcessor.from_pretrained(written["export"])
+    merged = AutoModelForImageTextToText.from_pretrained(written["export"]).eval()
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    on_base = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(written["base"]),
+                                        written["adapter"]).eval()
+    prompt = processor.apply_chat_template([record("x", "")["messages"][0]], add_generation_prompt=True)
+    image = load_image(tmp_path / "images" / "blue.png", "test", "images")
+    inputs = processor(text=[prompt], images=[[image]], return_tensors="pt")
+    same = dict(max_new_tokens=6, do_sample=False, min_new_tokens=6, pad_token_id=257)
+    expected = trained.generate(**inputs, **same)
+    with adapters_off(trained):
+        base_tokens = trained.generate(**inputs, **same)
+    assert not torch.equal(base_tokens, expected)  # the adapters change the answer
+    assert torch.equal(merged.generate(**inputs, **same), expected)
+    assert torch.equal(on_base.generate(**inputs, **same), expected)
+
+
+def adapters_off(model):
+    from llmtrain.objectives.reference import adapters_disabled
+
+    return adapters_disabled(model)

@@ -33,6 +33,16 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")  # tracker.wandb_mode
 
 
 @dataclass
+class LrMultipliersConfig:
+    """``model.lr_multipliers``: a multiplier of ``trainer.lr`` per part (unset: 1)."""
+
+    vision: Optional[float] = None
+    projector: Optional[float] = None
+    language: Optional[float] = None
+    lm_head: Optional[float] = None
+
+
+@dataclass
 class ModelConfig:
     """Which causal LM to train and where its weights and tokenizer come from.
 
@@ -51,7 +61,10 @@ class ModelConfig:
     none; unset (default): the model's own plan.
     ``freeze``: parameter-name patterns (``fnmatch``, e.g. ``model.embed_tokens.*``) kept frozen
     in full fine-tuning: they get no gradient and no optimizer state, and checkpoints store only
-    the trainable parameters (the frozen ones come from the source again on resume).
+    the trainable parameters (the frozen ones come from the source again on resume). A bare word
+    names a part (:mod:`llmtrain.models.parts`: ``vision``, ``projector``, ``language``,
+    ``lm_head``); ``[vision, language]`` is LLaVA's stage 1. ``lr_multipliers``: ``{part: m}``
+    trains a part at ``m`` times ``trainer.lr`` (optimizer groups of its own).
 
     Mixture-of-experts models (:mod:`llmtrain.models.moe`): ``experts_implementation`` is
     ``transformers``' switch for the routed experts (``grouped_mm``: one grouped matmul over all
@@ -76,6 +89,7 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     tp_plan: Optional[Any] = None  # Any: a dict override must replace, not merge into, the field
     freeze: List[str] = field(default_factory=list)
+    lr_multipliers: LrMultipliersConfig = field(default_factory=lambda: LrMultipliersConfig())
     experts_implementation: Optional[str] = None
     router_aux_loss_coef: Optional[float] = None
     moe_capacity_factor: float = 0.0
@@ -108,6 +122,9 @@ class PeftConfig:
     (``[mlp.experts.gate_up_proj, mlp.experts.down_proj]``), one low-rank update per expert. ``modules_to_save``: modules trained in full besides the adapters (``[lm_head]`` after
     adding tokens). ``bias``: ``none``, ``all`` or ``lora_only`` biases trained.
 
+    ``parts``: the parts (:mod:`llmtrain.models.parts`) whose Linear layers ``target_modules``
+    reaches: ``[language]`` (an image-text model's decoder only); ``vision``, ``projector`` on demand.
+
     Selecting ``+peft=lora`` also sets ``trainer.lr`` to 2e-4, LoRA's usual rate (``conf/peft/lora.yaml``
     is a ``_global_`` package applied after the trainer group); a ``trainer.lr`` override still wins.
     """
@@ -122,6 +139,10 @@ class PeftConfig:
     bias: str = "none"
     use_rslora: bool = False
     use_dora: bool = False
+    parts: List[str] = field(default_factory=lambda: ["language"])
+
+
+PEFT_PARTS = ("vision", "projector", "language")  # peft.parts: parts with Linear layers to adapt
 
 
 DATA_FORMATS = ("text", "instruction", "alpaca", "chat", "prompt_completion", "tokens", "preference", "kto", "prompts")
@@ -139,7 +160,7 @@ FORMAT_COLUMNS = {
     "chat": ("messages", "conversations", "images"),  # images: paths of TRL's vision layout
     "prompt_completion": ("prompt", "completion"),
     "tokens": (),
-    "preference": ("prompt", "chosen", "rejected", "margin"),
+    "preference": ("prompt", "chosen", "rejected", "margin", "images"),  # images: TRL's VLM DPO layout
     "kto": ("prompt", "completion", "label"),
     "prompts": ("prompt", "answer"),  # answer: the reference the gsm8k reward reads (optional)
 }

@@ -19,6 +19,7 @@ from llmtrain.config.schema import (
     CP_REPLACEABLE_ATTENTION,
     CP_STYLES,
     EXPERTS_IMPLEMENTATIONS,
+    PEFT_PARTS,
     PIPELINE_SCHEDULES,
     PRECISIONS,
     PROCESS_GROUP_TIMEOUT_S,
@@ -58,6 +59,10 @@ def validate_peft(p: Any, r: Any, label: str = "+peft=lora") -> None:
                                          and all(isinstance(t, str) and t for t in targets)),
              f"peft.target_modules={targets!r} must be all-linear or a non-empty list of module names "
              "(e.g. [q_proj, v_proj])")
+    parts = list(p.get("parts") or [])
+    _require(bool(parts) and all(part in PEFT_PARTS for part in parts),
+             f"peft.parts={parts} must be a non-empty list of {', '.join(PEFT_PARTS)} (the parts whose Linear layers "
+             "get adapters; default [language])")
     _require(not p.use_dora, "peft.use_dora=true is not supported yet: DoRA's magnitude vector is initialised "
              "from the base weights, which FSDP2 and ZeRO-3 do not hold whole at build; use LoRA (use_dora=false)")
     _require(r.tp == 1 and r.pp == 1,
@@ -128,7 +133,11 @@ def validate_model(m: Any) -> None:
                  f"model.architecture.num_experts_per_tok={top_k} must be between 1 and the number of experts "
                  f"({experts})")
     _require(all(isinstance(p, str) and p for p in m.freeze),
-             f"model.freeze={list(m.freeze)} must be a list of parameter-name patterns (e.g. [model.embed_tokens.*])")
+             f"model.freeze={list(m.freeze)} must be a list of part names or parameter-name patterns (e.g. [vision] or "
+             "[model.embed_tokens.*])")
+    for part, rate in ((k, v) for k, v in (m.get("lr_multipliers") or {}).items() if v is not None):
+        _require(math.isfinite(rate) and rate > 0, f"model.lr_multipliers.{part}={rate} must be a number > 0 (to keep a "
+                 f"part unchanged, freeze it: model.freeze=[{part}])")
 
 
 # The config keys that count an MoE model's routed experts (transformers' names by family).
@@ -326,6 +335,10 @@ def validate(cfg: Any, world_size: int) -> Layout:
              f"model.moe_capacity_factor={cfg.model.moe_capacity_factor} with objective={objective}: a pair's chosen row "
              "comes first and would take expert capacity before its rejected row, and the reference runs dropless; "
              "set model.moe_capacity_factor=0 for preference tuning")
+    rates = {k: v for k, v in (cfg.model.get("lr_multipliers") or {}).items() if v is not None}
+    _require(not rates or cfg.trainer.optimizer != "muon",
+             f"model.lr_multipliers={rates} with trainer.optimizer=muon: Muon's groups are "
+             "split by tensor shape, not by part; use trainer.optimizer=adamw, or drop model.lr_multipliers")
     p = cfg.get("peft")
     _require(p is None or not p.get("target_parameters") or cfg.recipe.ep == 1,
              f"peft.target_parameters={list(p.target_parameters) if p is not None else []} with recipe.ep={cfg.recipe.ep}: "

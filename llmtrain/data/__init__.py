@@ -39,7 +39,8 @@ from llmtrain.data.preference import (PackedPairs, PairCollator, WithReference, 
                                      encode_pairs, pairs_of)
 from llmtrain.data import remote
 from llmtrain.data.prompts import PromptCollator, encode_prompts
-from llmtrain.data.vision import ImageCollator, encode_image_records, images_column, refuse_packing
+from llmtrain.data.vision import (ImageCollator, encode_image_records, images_column, refuse_image_pairs,
+                                  refuse_packing)
 from llmtrain.data.tokens import MANIFEST, Complement, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
 from llmtrain.common.errors import ConfigError, DataError
 from llmtrain.common.images import processor_of
@@ -244,6 +245,8 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int, u
         if src.format == "prompts":
             return encode_prompts(records, src, data_cfg, tokenizer, key, where,
                                   prompt_budget if prompt_budget is not None else data_cfg.seq_len)
+        if src.format in ("kto", "preference") and images_column(records, src) is not None:
+            refuse_image_pairs(data_cfg, src.format == "kto" or unpair)
         if src.format == "kto" or (src.format == "preference" and unpair):
             return encode_examples(records, src, data_cfg, tokenizer, key, where, unpair=src.format == "preference")
         if src.format == "preference":
@@ -370,7 +373,7 @@ def collator_for(data_cfg: Any, tokenizer: Any):
     """The micro-batch layout of the data: :class:`PairCollator` for preference data, else
     :class:`Collator`."""
     if is_preference(data_cfg):
-        return PairCollator(pad_id_of(tokenizer), data_cfg.seq_len)
+        return PairCollator(pad_id_of(tokenizer), data_cfg.seq_len, processor_of(tokenizer))
     if is_prompts(data_cfg):
         return PromptCollator()
     if processor_of(tokenizer) is not None:  # a vision-language model: the samples' images too

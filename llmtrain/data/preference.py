@@ -19,6 +19,7 @@ several pairs per row with every sequence a document of its own.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -27,6 +28,7 @@ from llmtrain.data.formats import _apply_template, conversation
 from llmtrain.data.order import pack
 from llmtrain.data.sources import column, record_errors
 from llmtrain.common.errors import ConfigError, DataError
+from llmtrain.common.images import processor_of
 from llmtrain.common.labels import IGNORE_INDEX
 
 
@@ -63,12 +65,19 @@ class _Continuations:
         self._chat_checked = False
 
     def continuations(self, prompt: Any, completions: list[Any], at: str,
-                      names: tuple[str, list[str]] = ("prompt", ["completion"])) -> tuple[list[int], list[list[int]]]:
+                      names: tuple[str, list[str]] = ("prompt", ["completion"]),
+                      images: tuple[str, list] | None = None) -> tuple[list[int], list[list[int]]]:
         """(prompt ids, completion ids of each) of a prompt and its completions, all strings or all
         message lists; ``names``: the columns they come from (for error messages). The
         completion starts where prompt and prompt+completion diverge (tokens may merge across the
-        boundary), as TRL does; string completions end with EOS."""
-        if isinstance(prompt, list):
+        boundary), as TRL does; string completions end with EOS. ``images``: (the images column,
+        the record's image paths) of an image-text record, whose message lists are rendered and
+        expanded by the processor (:func:`llmtrain.data.vision.image_conversations_ids`)."""
+        if images is not None:
+            from llmtrain.data.vision import image_conversations_ids
+
+            prompt_ids, *fulls = image_conversations_ids(self.tokenizer, prompt, completions, names, images, at)
+        elif isinstance(prompt, list):
             if not self._chat_checked:
                 if not getattr(self.tokenizer, "chat_template", None):
                     raise ConfigError(f"{at}: message lists are rendered with a chat template, and this tokenizer has "
@@ -113,6 +122,32 @@ class PairEncoder(_Continuations):
                        if "prompt" in mapped or "prompt" in records.column_names else None)
         self.margin = (column(records, src, "margin", key, "preference", where)
                        if "margin" in mapped or "margin" in records.column_names else None)
+        from llmtrain.data.vision import images_column
+
+        self.images = images_column(records, src)  # TRL's VLM layout: the prompt's image paths
+        path = Path(str(src.path)).expanduser()
+        self.base = path if path.is_dir() else path.parent  # relative image paths: next to the data file
+        processor = processor_of(tokenizer)
+        # The image token of an image-text model reading an images column, else None (text pairs).
+        self.image_token_id = processor.image_token_id if processor is not None and self.images else None
+
+    def paths(self, rec: dict, i: int) -> list[Path]:
+        """The record's image paths (relative ones under the data file's folder); [] without an
+        images column.
+
+        Raises:
+            DataError: not a list of paths, or images for a text-only model (naming the record).
+        """
+        if self.images is None:
+            return []
+        from llmtrain.data.vision import image_paths
+
+        at = f"{self.where} record {i}"
+        paths = image_paths(rec.get(self.images), self.base, at, self.images)
+        if paths and self.image_token_id is None:
+            raise DataError(f"{at}: field {self.images!r} holds {len(paths)} image(s), and the model is text-only (no "
+                            "image processor); use an image-text model (e.g. model=tiny_idefics3) or drop the images")
+        return paths
 
     def __call__(self, rec: dict, i: int) -> tuple[list[int], list[int], list[int]]:
         at = f"{self.where} record {i}"
@@ -134,8 +169,10 @@ class PairEncoder(_Continuations):
                 raise DataError(f"{at}: fields {self.chosen!r} and {self.rejected!r} share no prefix, so no prompt can "
                                 "be taken from them (implicit-prompt layout); add a prompt column (data.columns.prompt="
                                 "COLUMN) or check the two columns")
+        paths = self.paths(rec, i)
+        images = (self.images, paths) if self.image_token_id is not None else None
         prompt_ids, (c, r) = self.continuations(prompt, [chosen, rejected], at,
-                                                (self.prompt or "prompt", [self.chosen, self.rejected]))
+                                                (self.prompt or "prompt", [self.chosen, self.rejected]), images)
         return prompt_ids, c, r
 
     def _col(self, name: str) -> str:
@@ -202,11 +239,19 @@ def encode_pairs(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str
     encode = PairEncoder(records, src, data_cfg, tokenizer, key, where)
     seq_len, drop_long, max_prompt = data_cfg.seq_len, data_cfg.truncation == "drop", data_cfg.max_prompt_tokens
 
+    image_id = encode.image_token_id
+
     def encode_batch(batch: dict, indices: list[int]) -> dict:
-        out: dict[str, list] = {"chosen_ids": [], "rejected_ids": [], "prompt_len": [], "margin": [], "outcome": []}
+        out: dict[str, list] = {"chosen_ids": [], "rejected_ids": [], "prompt_len": [], "margin": [], "outcome": [],
+                                "images": []}
         for values, i in zip(zip(*batch.values()), indices):
             rec = dict(zip(batch, values))
-            pair, outcome = fit_pair(*encode(rec, i), seq_len, max_prompt, drop_long)
+            prompt, chosen, rejected = encode(rec, i)
+            pair, outcome = fit_pair(prompt, chosen, rejected, seq_len, max_prompt, drop_long)
+            if pair is not None and image_id is not None and (
+                    pair["chosen_ids"][:pair["prompt_len"]].count(image_id) != prompt.count(image_id)):
+                pair, outcome = None, "dropped_too_long"  # a prompt cut through its image tokens
+            images = [str(p) for p in encode.paths(rec, i)] if image_id is not None else []
             margin = rec.get(encode.margin) if encode.margin is not None else 0.0
             if not isinstance(margin, (int, float)) or isinstance(margin, bool):
                 raise DataError(f"{where} record {i}: field {encode.margin!r} must be a number, got "
@@ -216,6 +261,7 @@ def encode_pairs(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str
                 out[name].append(pair[name])
             out["margin"].append(float(margin))
             out["outcome"].append(outcome)
+            out["images"].append(images)
         return out
 
     with record_errors(where):  # a record refused names its line; one not UTF-8 names its byte
@@ -227,7 +273,8 @@ def encode_pairs(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str
     for kind in ("truncated", "dropped_too_long", "dropped_truncated_away"):
         counts[kind] = outcomes.count(kind)
     keep = [i for i, o in enumerate(outcomes) if o in ("kept", "truncated")]
-    pairs = encoded.select(keep).remove_columns(["outcome"] + ([] if encode.margin is not None else ["margin"]))
+    pairs = encoded.select(keep).remove_columns(["outcome"] + ([] if encode.margin is not None else ["margin"])
+                                                + ([] if image_id is not None else ["images"]))
     if len(pairs) < 2:
         dropped = counts["dropped_too_long"] + counts["dropped_truncated_away"]
         raise DataError(f"{where}: {len(pairs)} of {len(records)} preference records give a usable pair at "
@@ -377,8 +424,8 @@ class PairCollator:
     KTO examples (items with a ``label``) are laid out as :meth:`_kto_rows` says.
     """
 
-    def __init__(self, pad_id: int, seq_len: int | None = None):
-        self.pad_id, self.seq_len = pad_id, seq_len
+    def __init__(self, pad_id: int, seq_len: int | None = None, processor: Any = None):
+        self.pad_id, self.seq_len, self.processor = pad_id, seq_len, processor
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
         packed = "pairs" in items[0]
@@ -425,6 +472,11 @@ class PairCollator:
                 t += n
             if packed:
                 out["position_ids"][r, t:] = torch.arange(longest - t)
+        if self.processor is not None and not packed and "images" in items[0]:
+            from llmtrain.data.vision import image_tensors
+
+            # Both rows of a pair read its prompt's images: the chosen rows' images, then the rejected rows'.
+            out.update(image_tensors(self.processor, [list(p["images"]) for p in items] * 2))
         return out
 
 

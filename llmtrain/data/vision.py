@@ -185,6 +185,46 @@ class ImageChatEncoder:
         return [int(t) for t in ids], labels
 
 
+def image_conversations_ids(tokenizer: Any, prompt: Any, completions: list[Any], names: tuple[str, list[str]],
+                            images: tuple[str, list[Path]], at: str) -> list[list[int]]:
+    """The ids of an image-text preference record (TRL's VLM DPO layout: message-list ``prompt``
+    with ``{"type": "image"}`` parts, message-list completions, ``images`` paths): first the
+    prompt's (chat template with the generation prompt), then prompt + each completion's, every
+    image placeholder expanded by the processor into the image's tokens, so the pair's prompts
+    hold the same image tokens. ``names``: (prompt column, completion columns); ``images``: (images
+    column, the record's paths).
+
+    Raises:
+        DataError: string fields with images, an image part in a completion, image parts that do
+            not match the paths in number, a missing or unreadable image (naming ``at`` and the field).
+    """
+    column, paths = images
+    if not isinstance(prompt, list):
+        raise DataError(f"{at}: field {column!r} holds images, which go with message-list prompts ({{'type': 'image'}} "
+                        f"parts, TRL's layout); field {names[0]!r} is a {type(prompt).__name__}")
+    turns, count = parts_conversation({names[0]: prompt}, names[0], at)
+    conversations = [(turns, True)]
+    for name, completion in zip(names[1], completions):
+        continued, inside = parts_conversation({name: completion}, name, at)
+        if inside:
+            raise DataError(f"{at}: field {name!r} holds {inside} image part(s); a pair's images go in its prompt")
+        conversations.append((turns + continued, False))
+    if count != len(paths):
+        raise DataError(f"{at}: {count} image part(s) in field {names[0]!r} but {len(paths)} path(s) in field "
+                        f"{column!r}; each {{'type': 'image'}} part needs one image, in order")
+    processor = processor_of(tokenizer)
+    pictures = [load_image(p, at, column) for p in paths]
+    out = []
+    for conversation, generation_prompt in conversations:
+        text = render(tokenizer, conversation, generation_prompt, at)
+        if text.count(processor.image_token) != len(pictures):
+            raise DataError(f"{at}: the text holds {processor.image_token} {text.count(processor.image_token)} "
+                            f"time(s) besides the {len(pictures)} image part(s); remove it from the text")
+        ids = processor(text=[text], images=[pictures] if pictures else None, add_special_tokens=False)["input_ids"][0]
+        out.append([int(t) for t in ids])
+    return out
+
+
 def encode_image_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str, images: str):
     """Encode every image-text record into samples ``{"input_ids", "labels", "images"}`` (image
     paths as strings), truncating at ``data.seq_len`` (``data.truncation=right``) only after the
@@ -242,6 +282,20 @@ def refuse_packing(data_cfg: Any) -> None:
     if data_cfg.packing:
         raise ConfigError("data.packing=true: image-text samples are not packed yet (each row's images must stay "
                           "with its tokens); set data.packing=false")
+
+
+def refuse_image_pairs(data_cfg: Any, unpaired: bool) -> None:
+    """Image-text preference data train the DPO family on unpacked pairs only.
+
+    Raises:
+        ConfigError: KTO's unpaired examples (``objective=kto``) or ``data.packing=true`` with images.
+    """
+    if unpaired:
+        raise ConfigError("objective=kto with an images column: unpaired examples do not carry images yet; use "
+                          "objective=dpo (or simpo, orpo) on the pairs, or drop the images column")
+    if data_cfg.packing:
+        raise ConfigError("data.packing=true: image-text preference pairs are not packed yet (each row's images must "
+                          "stay with its tokens); set data.packing=false")
 
 
 class ImageCollator(Collator):

@@ -96,17 +96,30 @@ def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], **images}
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: torch.nn.Module, weight_decay: float, scales: dict[int, float] | None = None,
+                 lr: float | None = None) -> list[dict]:
     """AdamW groups of the trainable parameters: decay on matrices and embeddings, none on 1-D
-    tensors (norms, biases); a group left empty is omitted."""
-    decay, no_decay = [], []
+    tensors (norms, biases); a group left empty is omitted. ``scales``: ``id(parameter) ->``
+    learning-rate multiplier (``model.lr_multipliers``, :func:`llmtrain.models.parts.multipliers`):
+    each multiplier other than 1 gets its own pair of groups with ``lr = lr * multiplier``, which
+    the LR schedule then scales like every group (LambdaLR keeps each group's initial rate)."""
+    scales = scales or {}
+    groups: dict[tuple[float, bool], list] = {}
     for p in model.parameters():
         if p.requires_grad:
             # ZeRO-3 flattens partitions to 1-D; ds_shape keeps the logical shape.
-            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # An empty group (LoRA trains matrices only) breaks DCP's flattened optimizer state on load.
-    return [group for group in groups if group["params"]]
+            decays = len(getattr(p, "ds_shape", p.shape)) >= 2
+            groups.setdefault((scales.get(id(p), 1.0), decays), []).append(p)
+    out = []
+    for scale in sorted({s for s, _ in groups}, key=lambda s: (s != 1.0, s)):
+        for decays in (True, False):
+            # An empty group (LoRA trains matrices only) breaks DCP's flattened optimizer state on load.
+            if groups.get((scale, decays)):
+                group = {"params": groups[(scale, decays)], "weight_decay": weight_decay if decays else 0.0}
+                if scale != 1.0:
+                    group["lr"] = lr * scale
+                out.append(group)
+    return out
 
 
 def clip_gradients(params, grad_clip: float) -> float:

@@ -16,7 +16,7 @@ import llmtrain.parallel.distributed  # noqa: F401  (sets DS_ACCELERATOR=cpu wit
 from llmtrain.engine.deepspeed_imports import import_deepspeed
 from llmtrain.engine.base import (Engine, apply_schedule, clip_gradients, first_step_count, lr_lambda,
                                   model_inputs, param_groups, replicated_frozen_copy)
-from llmtrain.engine.optimizers import build_optimizer
+from llmtrain.engine.optimizers import build_optimizer, group_scales
 
 
 def communication_sizes(recipe: Any, hidden_size: int) -> dict[str, int]:
@@ -142,7 +142,8 @@ class DeepSpeedEngine(Engine):
         if t.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # With an optimizer section (offload) DeepSpeed builds its own AdamW over the groups.
-        optimizer = build_optimizer(model, t) if "optimizer" not in self.ds_config else None
+        optimizer = (build_optimizer(model, t, model_cfg=self.cfg.model)
+                     if "optimizer" not in self.ds_config else None)
         if self.dims.cp > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -156,8 +157,10 @@ class DeepSpeedEngine(Engine):
             self._mark_sparse_blocks_leaf(model)
         schedule = lr_lambda(t)
         fp32_initial = self._fp32_initial_values(model)
+        groups = (param_groups(model, t.weight_decay, group_scales(model, self.cfg.model), t.lr)
+                  if optimizer is None else None)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, model_parameters=param_groups(model, t.weight_decay) if optimizer is None else None,
+            model=model, optimizer=optimizer, model_parameters=groups,
             config=self.ds_config, dist_init_required=self.env.world_size > 1,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
         if self.cfg.recipe.compile:

@@ -129,7 +129,7 @@ class NativeEngine(Engine):
         self.optimizers, self.schedulers = [], []
         foreach = False if self.dims.tp > 1 else None  # TP mixes DTensor and plain params
         for part in self.parts:
-            opt = build_optimizer(part, t, foreach=foreach)
+            opt = build_optimizer(part, t, foreach=foreach, model_cfg=self.cfg.model)
             self.optimizers.append(opt)
             self.schedulers.append(build_scheduler(opt, t))
         if self.dims.pp > 1:

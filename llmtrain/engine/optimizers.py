@@ -32,17 +32,24 @@ from llmtrain.config.schema import OPTIMIZERS
 from llmtrain.engine.base import build_adamw, param_groups
 
 
-def build_optimizer(model: torch.nn.Module, trainer_cfg: Any, *, foreach: bool | None = None) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, trainer_cfg: Any, *, foreach: bool | None = None,
+                    model_cfg: Any = None) -> torch.optim.Optimizer:
     """The ``trainer.optimizer`` of ``trainer_cfg`` over ``model``'s trainable parameters, with
     the trainer's learning rate and weight decay (the LR schedule scales every group alike).
+    ``model_cfg``: the ``model`` node, whose ``lr_multipliers`` (part -> multiplier of the learning
+    rate, :mod:`llmtrain.models.parts`) give parts groups of their own; validation refuses them
+    with Muon.
 
     Raises:
-        ConfigError: an unknown ``trainer.optimizer``.
+        ConfigError: an unknown ``trainer.optimizer``, or a multiplier for a part the model lacks.
     """
     t = trainer_cfg
     name = t.get("optimizer", "adamw")
+
+    def groups() -> list[dict]:
+        return param_groups(model, t.weight_decay, group_scales(model, model_cfg), t.lr)
     if name == "adamw":
-        return build_adamw(param_groups(model, t.weight_decay), t, foreach=foreach)
+        return build_adamw(groups(), t, foreach=foreach)
     if name == "adamw_8bit":
         import warnings
 
@@ -51,10 +58,10 @@ def build_optimizer(model: torch.nn.Module, trainer_cfg: Any, *, foreach: bool |
         # torch.compile (which torchao's step uses) notes once that the state subclass has no
         # cache hash: it only means the compiled step is not cached across processes.
         warnings.filterwarnings("ignore", message="OptimState8bit does not implement _stable_hash_for_caching")
-        return AdamW8bit(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+        return AdamW8bit(groups(), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
     if name == "adafactor":  # whole tensors only: validation refuses FSDP2 and TP layouts
         a = t.adafactor
-        return torch.optim.Adafactor(param_groups(model, t.weight_decay), lr=t.lr, beta2_decay=a.beta2_decay,
+        return torch.optim.Adafactor(groups(), lr=t.lr, beta2_decay=a.beta2_decay,
                                      eps=(a.eps1, a.eps2), foreach=foreach)
     if name == "muon":
         matrices, rest = muon_split(model)
@@ -70,6 +77,19 @@ def build_optimizer(model: torch.nn.Module, trainer_cfg: Any, *, foreach: bool |
     from llmtrain.common.errors import ConfigError
 
     raise ConfigError(f"trainer.optimizer={name!r} is not one of {', '.join(OPTIMIZERS)}")
+
+
+def group_scales(model: torch.nn.Module, model_cfg: Any) -> dict[int, float]:
+    """``id(parameter) -> multiplier`` of ``model.lr_multipliers`` (of ``model_cfg``) over
+    ``model``'s parts; {} without multipliers (or without ``model_cfg``)."""
+    from llmtrain.models.parts import multipliers, rates_of
+
+    rates = rates_of(model_cfg) if model_cfg is not None else {}
+    if not rates:
+        return {}
+    from llmtrain.models.build import canonical_name
+
+    return multipliers(model, rates, canonical_name)
 
 
 def muon_split(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:

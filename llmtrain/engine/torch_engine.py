@@ -49,7 +49,7 @@ class TorchEngine(Engine):
             # Gradients are views into DDP's all-reduce buckets: no second copy of every gradient
             # (4Ψ bytes in fp32) and no copy between them after each backward.
             self.wrapped = DistributedDataParallel(self._model, device_ids=device_ids, gradient_as_bucket_view=True)
-        self.optimizer = build_optimizer(self._model, t)
+        self.optimizer = build_optimizer(self._model, t, model_cfg=self.cfg.model)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.bf16_compute = Bf16ComputeWeights(self._model) if uses_bf16_casts(self.cfg, self.env.world_size) else None
 

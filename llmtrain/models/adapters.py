@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from llmtrain.common.errors import ConfigError
+from llmtrain.models import parts
 from llmtrain.models.build import build_model, canonical_name, init_weights, parameter_numel, resolve_gguf  # canonical_name: also here
 
 log = logging.getLogger("llmtrain")
@@ -60,16 +61,58 @@ def lora_config(p: Any, model: Any = None) -> Any:
             targets = sorted(name for name, module in model.named_modules()
                              if isinstance(module, nn.Linear) and module is not head and not name.startswith("score"))
             exclude = []
+    if model is not None:
+        targets = _in_parts(model, targets, list(p.get("parts") or ["language"]))
     parameters = list(p.get("target_parameters") or [])
     return peft.LoraConfig(r=int(p.r), lora_alpha=float(p.alpha), lora_dropout=float(p.dropout), target_modules=targets,
                            bias=p.bias, use_rslora=bool(p.use_rslora), use_dora=bool(p.use_dora),
                            exclude_modules=exclude or None, target_parameters=parameters or None)
 
 
+def _in_parts(model: nn.Module, targets: Any, names: list[str]) -> Any:
+    """``targets`` (``all-linear`` or module-name suffixes) kept to the Linear modules of the parts
+    ``names`` (``peft.parts``) of an image-text model, as full module names; unchanged for a
+    text-only model (all of it is ``language``).
+
+    Raises:
+        ConfigError: a part the model lacks, or suffixes that match nothing inside the parts.
+    """
+    family = parts.known_family(model)
+    if family is parts.TEXT or (family is None and targets != "all-linear"):
+        return targets  # a text-only model is all language; module names chosen by hand are kept
+    family = parts.family_of(model, "peft.parts")  # all-linear on a family without parts: refused
+    parts.check_names(family, names, "peft.parts", getattr(getattr(model, "config", None), "model_type", None))
+    inside = parts.linear_modules(model, names)
+    if targets == "all-linear":
+        return inside
+    chosen = [name for name in inside if any(_is_target(name, t) for t in targets)]
+    if not chosen:
+        raise ConfigError(f"peft.target_modules={list(targets)} matches no Linear module of the parts "
+                          f"peft.parts={names}; add the part (e.g. peft.parts=[language,vision]) or other names")
+    return chosen
+
+
 def is_partial(cfg: Any) -> bool:
-    """Whether some parameters stay frozen (LoRA or ``model.freeze``): then checkpoints hold
-    only the trainable ones."""
-    return cfg.get("peft") is not None or bool(cfg.model.get("freeze"))
+    """Whether some parameters stay frozen (LoRA, ``model.freeze``, or parameters the model's
+    forward never reads, :func:`has_unused`): then checkpoints hold only the trainable ones."""
+    return cfg.get("peft") is not None or bool(cfg.model.get("freeze")) or has_unused(cfg.model)
+
+
+def has_unused(model_cfg: Any) -> bool:
+    """Whether the model's family leaves parameters unread (:meth:`llmtrain.models.parts.Parts.unused`:
+    LLaVA's tower ``post_layernorm``), which :func:`apply` freezes. False for a GGUF file (text
+    models only) or a config that cannot be read (the build reports that)."""
+    from llmtrain.models.build import model_config
+    from llmtrain.models.parts import FAMILIES
+
+    if model_cfg.source == "gguf":
+        return False
+    try:
+        config = model_config(model_cfg)
+    except (OSError, ValueError, KeyError):
+        return False
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    return family is not None and bool(family.unused(config))
 
 
 def apply(model: nn.Module, cfg: Any) -> nn.Module:
@@ -95,19 +138,39 @@ def apply(model: nn.Module, cfg: Any) -> nn.Module:
             for param in modules[name].parameters():
                 param.requires_grad_(True)
         init_weights(model, cfg.trainer.seed, only=lambda name: ".lora_A." in name or ".lora_B." in name)
-    patterns = list(cfg.model.get("freeze") or [])
-    if patterns:
-        names = [n for n, _ in model.named_parameters()]
-        for pattern in patterns:
-            if not any(fnmatch.fnmatchcase(canonical_name(n), pattern) for n in names):
-                raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter; names look like "
-                                  f"{', '.join(names[:4])}")
-        for name, param in model.named_parameters():
-            if any(fnmatch.fnmatchcase(canonical_name(name), pattern) for pattern in patterns):
-                param.requires_grad_(False)
+    _freeze(model, list(cfg.model.get("freeze") or []))
     if not any(param.requires_grad for param in model.parameters()):
         raise ConfigError("model.freeze froze every parameter: nothing would train")
     return model
+
+
+def _freeze(model: nn.Module, entries: list[str]) -> None:
+    """Freeze the parts (``vision``, ``projector``, ``language``, ``lm_head``:
+    :mod:`llmtrain.models.parts`) and parameter-name patterns ``entries`` name, and the parameters
+    the family's forward never reads (they would get no gradient, hence no optimizer state).
+
+    Raises:
+        ConfigError: an unknown part name (listing the model's parts), a pattern that matches nothing.
+    """
+    names = [n for n, _ in model.named_parameters()]
+    named_parts = [e for e in entries if parts.is_part_name(e)]
+    patterns = [e for e in entries if not parts.is_part_name(e)]
+    family = parts.family_of(model, "model.freeze") if named_parts else None
+    parts.check_names(family, named_parts, "model.freeze", getattr(getattr(model, "config", None), "model_type", None))
+    for part in named_parts:
+        if not any(parts.member(family, canonical_name(n), [part]) for n in names):
+            raise ConfigError(f"model.freeze: part {part!r} has no parameters of its own in this model (a head tied "
+                              "to the embeddings is the language model's); freeze the part that holds them")
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(canonical_name(n), pattern) for n in names):
+            raise ConfigError(f"model.freeze pattern {pattern!r} matches no parameter; names look like "
+                              f"{', '.join(names[:4])}")
+    unused = set(parts.unused_parameters(model))
+    for name, param in model.named_parameters():
+        plain = canonical_name(name)
+        if (name in unused or any(fnmatch.fnmatchcase(plain, pattern) for pattern in patterns)
+                or (named_parts and parts.member(family, plain, named_parts) is not None)):
+            param.requires_grad_(False)
 
 
 def _is_target(module_name: str, target: str) -> bool:

@@ -219,6 +219,12 @@ def build_model(model_cfg: Any, seed: int, head: str = "logits", pad_token_id: i
     if head == "scores":
         from transformers import AutoModelForSequenceClassification
 
+        from llmtrain.models.vision import is_image_text
+
+        if model_cfg.source != "gguf" and is_image_text(model_config(model_cfg)):
+            raise ConfigError(f"objective=reward with model={model_cfg.get('name')}: an image-text model has no "
+                              "sequence-classification head in transformers; train the reward model on a text-only "
+                              "model, or use objective=dpo on the image pairs")
         auto, head_config = AutoModelForSequenceClassification, dict(num_labels=1, pad_token_id=pad_token_id)
     config = model_config(model_cfg) if head == "logits" else None
     if config is not None:
