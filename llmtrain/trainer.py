@@ -48,6 +48,7 @@ from llmtrain.models import adapters, moe, quantize
 from llmtrain.models.blank_image import keep_tower_in_every_forward
 from llmtrain.models.build import build_model, build_tokenizer, check_sequence_length, language_config, model_config
 from llmtrain.monitoring import console, goodput
+from llmtrain.monitoring.ending import log_preempted, write_report_at_end
 from llmtrain.monitoring.health import FlatRewards, loss_spike, on_nonfinite, peak_memory_bytes
 from llmtrain.monitoring.preemption import Preemption
 from llmtrain.monitoring.startup import (StartupInterrupted, StartupPhases, engine_detail, interrupted_line, log_run,
@@ -160,8 +161,7 @@ class Trainer:
         phases.begin("data loader and validation batches")
         self.sampler, self.micro_batches = self._setup_data_loader()
         self.batches, self.evaluator = self._setup_batches(self._setup_val_batches())
-        self.summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(self.run_dir),
-                                        "start_step": self.state.step}
+        self.summary: dict[str, Any] = {"losses": [], "lrs": [], "run_dir": str(self.run_dir), "start_step": self.state.step}
         if self.resume_from is not None:
             phases.begin("resume")
         elif self.t.eval_every:  # trainer.eval_every=0: no evaluation before the last step, step 0's included
@@ -208,10 +208,7 @@ class Trainer:
             try:
                 result = self.train_step(step)
             except DataError as err:  # mid-run: the data could not be read (a store that stays down)
-                latest = self.checkpointer.latest or self.resume_from
-                raise DataError(f"{err}; stopped in step {step + 1}, " + (
-                    f"the last checkpoint {latest} stands: the same command continues from it once the data can be "
-                    "read" if latest else "before any checkpoint: the same command starts again")) from err
+                raise self.checkpointer.stopped_by_data(err, step + 1, self.resume_from) from err
             self.watchdog.set("log")
             metrics = self._step_metrics(result)
             evaluated = self.evaluator.should_run(result.step)
@@ -221,7 +218,8 @@ class Trainer:
             if self.tracker.should_log(result.step) or evaluated or not result.healthy:
                 self.tracker.log(metrics, step=result.step)
                 self.unlogged_gc_s = 0.0
-                self._write_expert_load()
+                if self.env.is_main:  # tokens per expert per layer so far (the checkpointed count), for the report
+                    moe.write_expert_load(self.run_dir, self.state.step, self.engine.moe_shape, self.state.expert_load)
             if not result.healthy:
                 self._on_unhealthy(result)
             check_optimizer_steps(self.engine, self.state)
@@ -488,12 +486,9 @@ class Trainer:
             metrics["data/retries"] = data.remote.retries()
         if self.cfg.recipe.compile:
             metrics["perf/compiled_graphs"] = compiled_graphs() - self.graphs_before
-        if len(self.splits.names) > 1:  # a mixture: every rank knows the global order, no collective needed
-            counts = self.sampler.source_counts((result.step - 1) // self.objective.steps_per_batch,
-                                                len(self.splits.names))
-            metrics.update({f"data/source/{name}_samples": n for name, n in zip(self.splits.names, counts)})
-            totals = self.sampler.source_totals((result.step - 1) // self.objective.steps_per_batch)
-            metrics.update({f"data/source/{name}_total": n for name, n in zip(self.splits.names, totals)})
+        if len(self.splits.names) > 1:  # a mixture
+            metrics.update(self.sampler.source_metrics((result.step - 1) // self.objective.steps_per_batch,
+                                                       self.splits.names))
         self.progress.update(result.step, result.loss, result.lr, result.grad_norm, tokens_per_s,
                              console.reward_detail(result.source_metrics))
         if self.env.is_main:
@@ -503,18 +498,9 @@ class Trainer:
         if not result.healthy:
             metrics["train/skipped_update"] = int(self.t.nonfinite == "skip")
         if result.router is not None:
-            shape = self.engine.moe_shape
-            aux = float(result.router[-1]) / (self.accumulation * self.dims.dp) if self.engine.router_coef else None
-            metrics.update(moe.step_metrics(result.router[:-1], self.engine.hf_layers, shape.num_experts,
-                                            shape.moe_layers, aux)[0])
+            metrics.update(moe.step_record(result.router, self.engine.hf_layers, self.engine.moe_shape,
+                                           self.engine.router_coef, self.accumulation * self.dims.dp))
         return metrics
-
-    def _write_expert_load(self) -> None:
-        """``run_dir/expert_load.json`` (rank 0): tokens per expert per layer summed over every
-        step so far (the checkpointed count, so a resumed run continues it exactly), for the
-        report's heatmap."""
-        if self.env.is_main and self.state.expert_load:
-            moe.write_expert_load(self.run_dir, self.state.step, self.engine.moe_shape, self.state.expert_load)
 
     def _log_eval(self, step: int, metrics: dict[str, float], train_loss: float | None = None) -> dict[str, float]:
         if self.env.is_main:
@@ -564,13 +550,8 @@ class Trainer:
         if self.env.is_main:
             goodput.timeline_event(self.run_dir, "end", step=self.state.step,
                                    reason="preempted" if "preempted_at" in summary else "finished")
-            self._write_expert_load()
-            # matplotlib (about 0.5 s) is imported only by runs that write a report, and only when they end.
-            png = None
-            if self.cfg.tracker.report:
-                from llmtrain.monitoring.report import write_report_or_warn
-
-                png = write_report_or_warn(self.run_dir)
+            moe.write_expert_load(self.run_dir, self.state.step, self.engine.moe_shape, self.state.expert_load)
+            png = write_report_at_end(self.run_dir) if self.cfg.tracker.report else None
             if png:
                 summary["report"] = png
                 closing.append(f"run report: {png} and {Path(png).with_suffix('.md')}")
@@ -579,9 +560,7 @@ class Trainer:
         for line in closing:
             log.info("%s", line)
         if self.env.is_main and "preempted_at" in summary:
-            log.warning("preempted (%s): saved step %d; %s", self.preemption.requested or "signal on another rank",
-                        summary["preempted_at"], "submitit requeues the job, which continues from it"
-                        if distributed.scheduler_signal() else "rerun the same command to continue")
+            log_preempted(self.preemption.requested, summary["preempted_at"], bool(distributed.scheduler_signal()))
         self.close_sampler()
         self.engine.close()
         distributed.barrier()

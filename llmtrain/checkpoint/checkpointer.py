@@ -19,6 +19,7 @@ import torch
 from llmtrain.checkpoint.protocol import CheckpointManager, step_of
 from llmtrain.checkpoint.resume import check_resumable
 from llmtrain.checkpoint.state import TrainState
+from llmtrain.common.errors import DataError
 from llmtrain.engine.base import check_optimizer_steps
 from llmtrain.monitoring import goodput
 from llmtrain.monitoring.preemption import Preemption
@@ -87,6 +88,14 @@ class Checkpointer:
         self.tracker.commit(step_of(sealed))
         for counted in self.on_counted:
             counted(step_of(sealed), sealed)
+
+    def stopped_by_data(self, err: Exception, step: int, resume_from: str | None) -> DataError:
+        """The error that ends a run whose data could not be read in ``step`` (1-based; a store
+        that stays down): ``err`` and the checkpoint the same command continues from."""
+        latest = self.latest or resume_from
+        return DataError(f"{err}; stopped in step {step}, " + (
+            f"the last checkpoint {latest} stands: the same command continues from it once the data can be read"
+            if latest else "before any checkpoint: the same command starts again"))
 
     def stall_of_previous_step(self, step: int) -> dict[str, float]:
         """``checkpoint/stall_s`` for the record of the step after a save."""

@@ -146,6 +146,14 @@ class StepBatchSampler(torch.utils.data.Sampler):
         mixture = getattr(self.order, "mixture", self.order)  # a stream's order holds its MixtureOrder
         return mixture.counts_before((step + 1) * self.global_batch)
 
+    def source_metrics(self, step: int, names: list[str]) -> dict[str, int]:
+        """A mixture's per-source records of ``step``: ``data/source/NAME_samples`` (this step's
+        global batch) and ``data/source/NAME_total`` (up to its end); every rank knows the
+        global order, so no collective is needed."""
+        counts, totals = self.source_counts(step, len(names)), self.source_totals(step)
+        return {**{f"data/source/{name}_samples": n for name, n in zip(names, counts)},
+                **{f"data/source/{name}_total": n for name, n in zip(names, totals)}}
+
     def __iter__(self) -> Iterator[list[int]]:
         for step in range(self.start_step, self.max_steps):
             for micro in self.global_indices(step):

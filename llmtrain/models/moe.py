@@ -377,9 +377,22 @@ def add_expert_load(saved: list, router: torch.Tensor, num_layers: int, num_expe
     return (previous + counts).tolist()
 
 
+def step_record(router: torch.Tensor, num_layers: int, shape: Any, router_coef: float,
+                micro_batches: int) -> dict[str, float]:
+    """A step's MoE record (:func:`step_metrics`) from the engine's router sums ``router``
+    (per-layer counts, then the auxiliary loss summed over ``micro_batches`` micro-batches of
+    all data-parallel ranks: averaged here when ``router_coef`` trains it)."""
+    aux = float(router[-1]) / micro_batches if router_coef else None
+    return step_metrics(router[:-1], num_layers, shape.num_experts, shape.moe_layers, aux)[0]
+
+
 def write_expert_load(run_dir: Path, step: int, shape: Any, load: list[list[float]]) -> None:
-    """``run_dir/expert_load.json``: ``load`` (:func:`add_expert_load`) with the model's
-    ``shape`` (experts, top-k, MoE layers), for the report's heatmap; replaced whole."""
+    """``run_dir/expert_load.json``: ``load`` (:func:`add_expert_load`: tokens per expert per
+    layer summed over every step so far, the checkpointed count, so a resumed run continues it
+    exactly) with the model's ``shape`` (experts, top-k, MoE layers), for the report's heatmap;
+    replaced whole. Nothing for a model without experts (``load`` empty)."""
+    if not load:
+        return
     path = run_dir / "expert_load.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"step": step, "num_experts": shape.num_experts, "top_k": shape.top_k,
