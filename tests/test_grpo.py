@@ -595,9 +595,9 @@ def test_step_lines_show_rewards_and_a_flat_reward_is_warned_of_once(questions, 
 def test_a_slow_steps_sampling_says_how_far_it_is(questions, tmp_path, caplog, monkeypatch):
     """A GRPO step on a CPU samples for minutes; past ``SAMPLING_QUIET_S`` (0 here) it logs its
     prompts done between step lines, as the held-out evaluation does (before: nothing)."""
-    import llmtrain.rollout.rollout as rollout
+    import llmtrain.rollout.progress as progress
 
-    monkeypatch.setattr(rollout, "SAMPLING_QUIET_S", 0.0)
+    monkeypatch.setattr(progress, "SAMPLING_QUIET_S", 0.0)
     lines = _logged(caplog, _grpo_overrides(questions, f"run_dir={tmp_path / 'run'}"))
     sampling = [line for line in lines if ", sampling: " in line]
     for step in (1, 2):
