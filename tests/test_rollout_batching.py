@@ -125,5 +125,9 @@ def test_a_rows_logits_are_bitwise_the_same_in_any_batch_of_the_fixed_shape(dtyp
             assert alone.shape[0] == 6
             assert torch.equal(logits([*others[:2], prompt, others[2]], 2), alone)
             assert torch.equal(logits([others[0], prompt], 1), alone)
+        # Four rows of the longest prompt fill the batch with no padding of their own: the same
+        # logits as beside dummy rows (an all-ones mask would take another attention kernel).
+        longest = logits([4], 0)
+        assert torch.equal(logits([4, 4, 4, 4], 3), longest)
     finally:
         hook.remove()

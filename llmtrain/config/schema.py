@@ -646,6 +646,8 @@ class RolloutConfig:
             rows (dummy rows fill a rank's last one) and its prompts left-padded to the longest
             of the step's, so a completion is bit for bit the same on every layout and whichever
             prompts share its batch; keep it the same across runs whose completions must match.
+            Dummy rows cost as much as real ones: a divisor of a rank's rows (its prompts x G)
+            needs none.
         sync_every: ``vllm``: optimizer steps between weight syncs to the server (1: every step;
             more samples from weights up to ``sync_every - 1`` steps old).
         vllm_python: ``vllm``: the Python of the environment with vLLM ("": ``$LLMTRAIN_VLLM_PYTHON``

@@ -6,11 +6,13 @@ seed, the generation batch, the prompt's record and the completion's index
 not the number of ranks, the recipe or which other prompts share the step.
 
 Text prompts decode together (:func:`sample_rows`) in batches of a **fixed shape**: always
-``rows`` rows (dummy rows fill a short batch) and every prompt left-padded to the same ``width``
-(the longest prompt of the call's global prompt set, the same on every layout). On a CPU (fp32
-and bf16, one thread) a row's logits are then bit for bit the same whichever rows share its
-batch and whichever row it is, where changing the row count or the padded width changes them
-by ~1e-6 (fp32; GEMM kernels pick their blocking by shape): BENCHMARKS.md "Batched sampling".
+``rows`` rows (dummy rows fill a short batch) and every prompt left-padded to the same width
+(one more than the longest prompt of the call's global prompt set, the same on every layout).
+On a CPU (fp32 and bf16, one thread) a row's logits are then bit for bit the same whichever rows
+share its batch and whichever row it is, where changing the row count or the padded width
+changes them by ~1e-6 (fp32; GEMM kernels pick their blocking by shape): BENCHMARKS.md
+"Batched sampling". The one extra pad column keeps the attention mask from ever being all ones,
+which ``transformers`` would drop for causal attention, another kernel with other rounding.
 Image prompts decode one prompt's group of G rows at a time (:func:`sample_group`, no padding).
 
 Sampling follows ``transformers``' processors on the whole batch at once: logits / temperature,
@@ -156,9 +158,9 @@ def sample_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[i
                  device: torch.device, rows: int, width: int, decode: Callable[[list[int]], str] | None = None,
                  autocast: Callable[[], ContextManager] | None = None) -> list[Completion]:
     """One completion per (prompt, seed) pair, decoded as one batch of the fixed shape ``rows`` x
-    ``width`` (see the module): each prompt left-padded to ``width`` tokens (positions count
-    from its first real token), ``rows - len(prompts)`` dummy rows (one token, greedy, never
-    returned) after them. ``model`` in eval mode, weights whole on this rank (no collectives);
+    ``width + 1`` (see the module): each prompt left-padded to ``width + 1`` tokens (positions
+    count from its first real token), ``rows - len(prompts)`` dummy rows (one token, greedy,
+    never returned) after them. ``width``: the longest prompt of every rank's. ``model`` in eval mode, weights whole on this rank (no collectives);
     ``decode`` as :func:`sample_group`'s.
 
     Raises:
@@ -169,11 +171,12 @@ def sample_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[i
     if len(prompts) > rows or any(len(p) > width for p in prompts):
         raise ValueError(f"sample_batch: {len(prompts)} prompts (at most {rows}) of up to "
                          f"{max(map(len, prompts), default=0)} tokens (at most {width})")
-    ids = torch.zeros(rows, width, dtype=torch.long)
-    mask = torch.zeros(rows, width, dtype=torch.long)
+    columns = width + 1  # a pad column in every row: the mask is never all ones (see the module)
+    ids = torch.zeros(rows, columns, dtype=torch.long)
+    mask = torch.zeros(rows, columns, dtype=torch.long)
     for r, prompt in enumerate(list(prompts) + [[0]] * (rows - len(prompts))):
-        ids[r, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-        mask[r, width - len(prompt):] = 1
+        ids[r, columns - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[r, columns - len(prompt):] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = {cache_argument(model): DynamicCache()}
     context = autocast or torch.no_grad
