@@ -17,7 +17,7 @@ Image prompts decode one prompt's group of G rows at a time (:func:`sample_group
 
 Sampling follows ``transformers``' processors on the whole batch at once: logits / temperature,
 then top-k, then top-p (nucleus, the smallest set whose probability reaches ``top_p``, at least
-one token), then one draw per row (:func:`choose`): inverse CDF of one uniform from the row's
+one token), then one draw per row (:func:`choose`): ``torch.multinomial``'s, from the row's
 generator; greedy (temperature 0, or no seed) takes the arg max.
 """
 
@@ -75,12 +75,16 @@ def choose(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Gene
         drop = probs.cumsum(-1) - probs >= sampling.top_p  # keep the smallest set reaching top_p
         drop[:, 0] = False
         scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    # Inverse CDF in float64: u * total < total, so the draw lands on a token of positive
-    # probability; one uniform per row from that row's generator (its seed alone decides it).
-    cdf = torch.softmax(scores, dim=-1).double().cumsum(-1)
-    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=generators[r]) for r in seeded])
-    drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    greedy[seeded] = drawn
+    # torch.multinomial's own draw of one sample (its exponential race: the arg max of p / q, q
+    # exponential), with each row's q from that row's generator: the token torch.multinomial
+    # would draw row by row, for every row at once. Not an inverse CDF of one uniform: that
+    # moves to the neighbouring token id whenever rounding moves a CDF boundary past the
+    # uniform, and a 2-rank zero3 run's weights (1e-7 from 1 process's) did so at step 5.
+    probs = torch.softmax(scores, dim=-1)
+    noise = torch.empty_like(probs)
+    for i, r in enumerate(seeded):
+        noise[i].exponential_(1, generator=generators[r])
+    greedy[seeded] = torch.argmax(probs / noise, dim=-1)
     return greedy
 
 

@@ -4,7 +4,8 @@ Llama (4 of its 30 layers, config-built, random weights) on this CPU, 8 prompts 
 left-padded (masked, positions from each prompt's first token), the prefill's last-position
 logits and 6 greedy decoding steps with a KV cache, compared bit for bit between batches that
 hold a prompt's row with other companions, at another row, with dummy rows, at another row count
-``R`` or another padded width ``P``. Prints ``bitwise`` or the largest absolute difference.
+``R`` or another padded width ``P``, and a batch with no padding at all (an all-ones mask, which
+``transformers`` drops for causal attention) against one with a dummy row. Prints ``bitwise`` or the largest absolute difference.
 
     python scripts/bench/rollout_shapes.py [fp32|bf16] [threads]
 """
@@ -81,6 +82,11 @@ def main() -> None:
     for count in (1, 2, 4, 6, 12, 16):
         rows = (prompts * 2)[:count]
         print(f"R={count} P=32 against R=8:", compare(logits(model, rows, 32)[:min(count, 8)], base[:min(count, 8)]))
+    same = [prompts[3]] * 4  # 31 tokens each: no padding at P = 31, an all-ones mask
+    print("R=4 P=31, no padding against 3 rows + a dummy row:",
+          compare(logits(model, same, 31)[:3], logits(model, same[:3] + [None], 31)[:3]))
+    print("R=4 P=32 (a pad column in every row), the same:",
+          compare(logits(model, same, 32)[:3], logits(model, same[:3] + [None], 32)[:3]))
     print("every position's logits in the prefill against the last one's:",
           compare(logits(model, prompts, 32, last_only=False), base))
 
