@@ -79,7 +79,7 @@ def choose(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Gene
     # exponential), with each row's q from that row's generator: the token torch.multinomial
     # would draw row by row, for every row at once. Not an inverse CDF of one uniform: that
     # moves to the neighbouring token id whenever rounding moves a CDF boundary past the
-    # uniform, and a 2-rank zero3 run's weights (1e-7 from 1 process's) did so at step 5.
+    # uniform, and a 2-rank zero3 run's weights (rounding apart from 1 process's) did so at step 5.
     probs = torch.softmax(scores, dim=-1)
     noise = torch.empty_like(probs)
     for i, r in enumerate(seeded):
