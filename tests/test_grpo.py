@@ -141,6 +141,7 @@ def questions(tmp_path):
 
 @pytest.mark.parametrize("override,message", [
     ("objective.num_generations=1", "objective.num_generations=1: a group needs at least 2"),
+    ("rollout.generation_batch=0", "rollout.generation_batch=0 must be >= 1 (rows decoded together)"),
     ("objective.loss_type=sigmoid", "objective.loss_type='sigmoid' must be one of grpo, dapo"),
     ("objective.scale_rewards=rank", "objective.scale_rewards='rank' must be one of group, batch, none"),
     ("objective.epsilon_high=0.1", "objective.epsilon_high=0.1 must be >= objective.epsilon=0.2"),
@@ -594,11 +595,12 @@ def test_step_lines_show_rewards_and_a_flat_reward_is_warned_of_once(questions, 
 
 def test_a_slow_steps_sampling_says_how_far_it_is(questions, tmp_path, caplog, monkeypatch):
     """A GRPO step on a CPU samples for minutes; past ``SAMPLING_QUIET_S`` (0 here) it logs its
-    prompts done between step lines, as the held-out evaluation does (before: nothing)."""
-    import llmtrain.rollout.rollout as rollout
+    prompts done between step lines, as the held-out evaluation does (before: nothing); a prompt
+    is done with the generation batch that ends its group (2 rows a batch here: one prompt's)."""
+    import llmtrain.rollout.progress as progress
 
-    monkeypatch.setattr(rollout, "SAMPLING_QUIET_S", 0.0)
-    lines = _logged(caplog, _grpo_overrides(questions, f"run_dir={tmp_path / 'run'}"))
+    monkeypatch.setattr(progress, "SAMPLING_QUIET_S", 0.0)
+    lines = _logged(caplog, _grpo_overrides(questions, f"run_dir={tmp_path / 'run'}", "rollout.generation_batch=2"))
     sampling = [line for line in lines if ", sampling: " in line]
     for step in (1, 2):
         said = [line.split(", ")[1] for line in sampling if line.startswith(f"step {step}, ")]
@@ -615,7 +617,8 @@ def test_held_out_evaluation_shows_progress_and_eval_every_0_skips_step_0(questi
 
     overrides = [o for o in _grpo_overrides(questions) if not o.startswith(("trainer.eval_every", "trainer.eval_samples",
                                                                            "trainer.progress_bar"))]
-    overrides += ["data.val_fraction=0.5", "trainer.progress_bar=false"]
+    # One greedy row a generation batch: a prompt at a time, so the progress has steps to show.
+    overrides += ["data.val_fraction=0.5", "trainer.progress_bar=false", "rollout.generation_batch=1"]
     lines = _logged(caplog, overrides + ["trainer.eval_every=2", f"run_dir={tmp_path / 'every'}"])
     assert any(line.startswith("start-up: first evaluation (a greedy completion of each of up to 4 held-out prompts")
                for line in lines), lines

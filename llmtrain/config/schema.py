@@ -544,6 +544,12 @@ class RolloutConfig:
         log_completions: completions of each step written to ``run_dir/completions/step_N.jsonl``
             (the first ones of the step's global batch, gathered from every rank, with their
             prompts, rewards, advantages and the data-parallel rank that sampled each); 0: none.
+        generation_batch: ``hf``: rows (completions) decoded together. Every batch has this many
+            rows (dummy rows fill a rank's last one) and its prompts left-padded to the longest
+            of the step's, so a completion is bit for bit the same on every layout and whichever
+            prompts share its batch; keep it the same across runs whose completions must match.
+            Dummy rows cost as much as real ones: a divisor of a rank's rows (its prompts x G)
+            needs none.
         sync_every: ``vllm``: optimizer steps between weight syncs to the server (1: every step;
             more samples from weights up to ``sync_every - 1`` steps old).
         vllm_python: ``vllm``: the Python of the environment with vLLM ("": ``$LLMTRAIN_VLLM_PYTHON``
@@ -581,6 +587,7 @@ class RolloutConfig:
     max_completion_length: int = 256
     stop: List[str] = field(default_factory=list)
     log_completions: int = 4
+    generation_batch: int = 16
     sync_every: int = 1
     vllm_python: str = ""
     vllm_url: str = ""

@@ -642,6 +642,8 @@ def validate_online(cfg: Any, formats: set[str]) -> None:
     _require(ro.max_completion_length < d.seq_len, f"rollout.max_completion_length={ro.max_completion_length} leaves "
              f"no room for a prompt in data.seq_len={d.seq_len}; raise data.seq_len or lower the completion length")
     _require(ro.log_completions >= 0, f"rollout.log_completions={ro.log_completions} must be >= 0")
+    _require(ro.generation_batch >= 1, f"rollout.generation_batch={ro.generation_batch} must be >= 1 (rows "
+             "decoded together)")
     _require(ro.sync_every >= 1, f"rollout.sync_every={ro.sync_every} must be >= 1 (optimizer steps between weight "
              "syncs to the vLLM server)")
     if ro.engine == "vllm" and cfg.get("peft") is not None:

@@ -18,7 +18,8 @@ from llmtrain.rollout import rewards
 from llmtrain.rollout.engines import PolicySampler, RolloutEngine
 from llmtrain.rollout.environments import Environment, build_environment
 from llmtrain.rollout.generate import Sampling
-from llmtrain.rollout.rollout import Rollout, RewardError, score
+from llmtrain.rollout.rollout import Rollout
+from llmtrain.rollout.scoring import RewardError, score
 from llmtrain.rollout.vllm_server import VLLMEngine
 
 __all__ = ["Environment", "Rollout", "RolloutEngine", "RewardError", "build_environment", "build_rewards",

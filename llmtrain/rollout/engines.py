@@ -6,7 +6,9 @@ objective. The seam is :class:`RolloutEngine`'s one method; the rest of a genera
   (:mod:`llmtrain.rollout.generate`) on the policy's own weights under the run's layout (the
   engine's :meth:`~llmtrain.engine.base.Engine.generation_model`: whole on DDP and ZeRO 0-2,
   gathered under ZeRO-3 and FSDP2, tensor-parallel peers in lockstep; LoRA through the adapted
-  model; image prompts too: their pixels go to each group's prompt forward).
+  model). A rank's text prompts decode together, ``rollout.generation_batch`` rows at a time,
+  every batch of one fixed shape on every layout (:func:`~llmtrain.rollout.generate.sample_batch`);
+  image prompts one group at a time, their pixels given to the group's prompt forward.
 * ``vllm`` (:class:`llmtrain.rollout.vllm_server.VLLMEngine`): a vLLM server in its own Python
   environment, started and stopped by llmtrain (or one you run), the policy's weights sent to it
   after optimizer steps.
@@ -21,9 +23,12 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from llmtrain.common.images import processor_of
 from llmtrain.data.vision import image_tensors
-from llmtrain.rollout.generate import Completion, Sampling, sample_group
+from llmtrain.parallel import distributed
+from llmtrain.rollout.generate import Completion, Sampling, sample_batch, sample_group
 
 
 class RolloutEngine(ABC):
@@ -77,15 +82,39 @@ class PolicySampler(RolloutEngine):
 
     def sample(self, policy: Any, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.sampling.stop else None
-        groups = []
-        processor = processor_of(self.tokenizer)
+        groups: list[list[Completion]] = [[] for _ in samples]
+        text = [i for i, sample in enumerate(samples) if not sample.get("images")]
+        # Every batch is padded to the longest text prompt of every rank's: one width on every layout.
+        longest = max((len(samples[i]["prompt_ids"]) for i in text), default=0)
+        width = int(distributed.all_reduce_max(torch.tensor([longest], device=policy.env.device))[0])
         with policy.generation_model() as model:
             model.eval()
-            for sample, row_seeds in zip(samples, seeds):
+            self._text_batches(model, policy, samples, seeds, text, width, decode, groups)
+            processor = processor_of(self.tokenizer)
+            for i, sample in enumerate(samples):
+                if i in text:
+                    continue
                 # An image prompt's pixels, read as the training batch reads them (one row's).
-                images = image_tensors(processor, [sample["images"]]) if sample.get("images") else None
-                groups.append(sample_group(model, list(sample["prompt_ids"]), row_seeds, self.sampling,
-                                           policy.env.device, decode, policy.generation_autocast, images))
+                images = image_tensors(processor, [sample["images"]])
+                groups[i] = sample_group(model, list(sample["prompt_ids"]), seeds[i], self.sampling,
+                                         policy.env.device, decode, policy.generation_autocast, images)
                 if self.on_sampled is not None:
                     self.on_sampled(1)
         return groups
+
+    def _text_batches(self, model: Any, policy: Any, samples: list[dict], seeds: list[list[int | None]],
+                      text: list[int], width: int, decode: Any, groups: list[list[Completion]]) -> None:
+        """The completions of the text prompts ``text`` (indices into ``samples``) into ``groups``:
+        their (prompt, seed) rows in order, ``rollout.generation_batch`` at a time; a prompt counts
+        as sampled (``on_sampled``) with the batch that ends its group."""
+        rows = [(i, seed) for i in text for seed in seeds[i]]
+        size = int(self.cfg.rollout.generation_batch)
+        for start in range(0, len(rows), size):
+            chunk = rows[start:start + size]
+            out = sample_batch(model, [list(samples[i]["prompt_ids"]) for i, _ in chunk], [s for _, s in chunk],
+                               self.sampling, policy.env.device, size, width, decode, policy.generation_autocast)
+            for (i, _), completion in zip(chunk, out):
+                groups[i].append(completion)
+            finished = sum(1 for i in dict.fromkeys(i for i, _ in chunk) if len(groups[i]) == len(seeds[i]))
+            if self.on_sampled is not None and finished:
+                self.on_sampled(finished)

@@ -1,13 +1,24 @@
-"""Sampling a group of completions from a ``transformers`` causal LM, seeded per completion.
+"""Sampling completions from a ``transformers`` causal LM, seeded per completion.
 
 Each completion draws its tokens from a ``torch.Generator`` of its own, seeded from the run's
 seed, the generation batch, the prompt's record and the completion's index
-(:func:`completion_seed`), and a group is decoded as one batch of its G rows (the same prompt,
-so no padding): what a completion becomes depends on the weights and on nothing else, not the
-number of ranks, the recipe or which other prompts share the step. Sampling follows
-``transformers``' processors: logits / temperature, then top-k, then top-p (nucleus, the smallest
-set whose probability reaches ``top_p``, at least one token), then a draw (``torch.multinomial``
-on the CPU with the completion's generator); greedy (temperature 0) takes the arg max.
+(:func:`completion_seed`): what a completion becomes depends on the weights and on nothing else,
+not the number of ranks, the recipe or which other prompts share the step.
+
+Text prompts decode together (:func:`sample_rows`) in batches of a **fixed shape**: always
+``rows`` rows (dummy rows fill a short batch) and every prompt left-padded to the same width
+(one more than the longest prompt of the call's global prompt set, the same on every layout).
+On a CPU (fp32 and bf16, one thread) a row's logits are then bit for bit the same whichever rows
+share its batch and whichever row it is, where changing the row count or the padded width
+changes them by ~1e-6 (fp32; GEMM kernels pick their blocking by shape): BENCHMARKS.md
+"Batched sampling". The one extra pad column keeps the attention mask from ever being all ones,
+which ``transformers`` would drop for causal attention, another kernel with other rounding.
+Image prompts decode one prompt's group of G rows at a time (:func:`sample_group`, no padding).
+
+Sampling follows ``transformers``' processors on the whole batch at once: logits / temperature,
+then top-k, then top-p (nucleus, the smallest set whose probability reaches ``top_p``, at least
+one token), then one draw per row (:func:`choose`): ``torch.multinomial``'s, from the row's
+generator; greedy (temperature 0, or no seed) takes the arg max.
 """
 
 from __future__ import annotations
@@ -43,24 +54,43 @@ class Sampling:
     suppress: frozenset[int] = field(default_factory=frozenset)
 
 
-def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """One token from fp32 ``logits`` ``[vocab]`` (CPU) under ``sampling`` (see the module)."""
+def choose(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row (int64 ``[rows]``) from fp32 ``logits`` ``[rows, vocab]`` (CPU) under
+    ``sampling`` (see the module); row r greedy where ``generators[r]`` is None. Each operation
+    works along the vocabulary only, so a row's token does not depend on the other rows."""
     if sampling.suppress:  # as transformers' SuppressTokensLogitsProcessor: -inf, before anything else
         logits = logits.clone()
-        logits[[t for t in sampling.suppress if t < logits.numel()]] = float("-inf")
-    if sampling.temperature == 0 or generator is None:
-        return int(torch.argmax(logits))
-    scores = logits / sampling.temperature
-    if sampling.top_k and sampling.top_k < scores.numel():
-        threshold = torch.topk(scores, sampling.top_k).values[-1]
+        logits[:, [t for t in sampling.suppress if t < logits.shape[-1]]] = float("-inf")
+    greedy = torch.argmax(logits, dim=-1)
+    seeded = [r for r, g in enumerate(generators) if g is not None]
+    if sampling.temperature == 0 or not seeded:
+        return greedy
+    scores = logits[seeded] / sampling.temperature
+    if sampling.top_k and sampling.top_k < scores.shape[-1]:
+        threshold = torch.topk(scores, sampling.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < threshold, float("-inf"))
     if sampling.top_p < 1.0:
-        ordered, order = torch.sort(scores, descending=True)
-        cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(ordered, dim=-1) >= sampling.top_p  # keep the smallest set reaching top_p
-        drop[0] = False
-        scores = scores.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
+        ordered, order = torch.sort(scores, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        drop = probs.cumsum(-1) - probs >= sampling.top_p  # keep the smallest set reaching top_p
+        drop[:, 0] = False
+        scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    # torch.multinomial's own draw of one sample (its exponential race: the arg max of p / q, q
+    # exponential), with each row's q from that row's generator: the token torch.multinomial
+    # would draw row by row, for every row at once. Not an inverse CDF of one uniform: that
+    # moves to the neighbouring token id whenever rounding moves a CDF boundary past the
+    # uniform, and a 2-rank zero3 run's weights (rounding apart from 1 process's) did so at step 5.
+    probs = torch.softmax(scores, dim=-1)
+    noise = torch.empty_like(probs)
+    for i, r in enumerate(seeded):
+        noise[i].exponential_(1, generator=generators[r])
+    greedy[seeded] = torch.argmax(probs / noise, dim=-1)
+    return greedy
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """One token from fp32 ``logits`` ``[vocab]`` (CPU) under ``sampling``: :func:`choose` of one row."""
+    return int(choose(logits[None], sampling, [generator])[0])
 
 
 @dataclass
@@ -93,6 +123,15 @@ def cache_argument(model: torch.nn.Module) -> str:
     return "past_key_values"
 
 
+def keep_last(model: torch.nn.Module) -> dict:
+    """The forward keyword that computes logits at the last position only (``logits_to_keep=1``:
+    the prefill needs no others), where the model's forward takes it; else nothing."""
+    for module in model.modules():
+        if "logits_to_keep" in inspect.signature(type(module).forward).parameters:
+            return {"logits_to_keep": 1}
+    return {}
+
+
 @torch.no_grad()
 def sample_group(model: torch.nn.Module, prompt_ids: list[int], seeds: list[int | None], sampling: Sampling,
                  device: torch.device, decode: Callable[[list[int]], str] | None = None,
@@ -107,7 +146,6 @@ def sample_group(model: torch.nn.Module, prompt_ids: list[int], seeds: list[int 
     from transformers import DynamicCache
 
     rows = len(seeds)
-    generators = [torch.Generator().manual_seed(s) if s is not None and sampling.temperature else None for s in seeds]
     ids = torch.tensor([prompt_ids] * rows, dtype=torch.long, device=device)
     cache = {cache_argument(model): DynamicCache()}
     # Every family's image tensors lead with the row (Idefics3) or the image (LLaVA): G copies of
@@ -115,24 +153,75 @@ def sample_group(model: torch.nn.Module, prompt_ids: list[int], seeds: list[int 
     pixels = {k: v.to(device).repeat(rows, *[1] * (v.dim() - 1)) for k, v in (images or {}).items()}
     context = autocast or torch.no_grad
     with context():
-        logits = model(input_ids=ids, use_cache=True, **cache, **pixels).logits[:, -1].float().cpu()
-    out: list[list[int]] = [[] for _ in range(rows)]
-    done = [False] * rows
-    for _ in range(sampling.max_new):
-        step = []
-        for row in range(rows):
+        logits = model(input_ids=ids, use_cache=True, **cache, **pixels, **keep_last(model)).logits[:, -1].float().cpu()
+    return _decode(model, logits, cache, None, seeds, rows, sampling, device, decode, context)
+
+
+@torch.no_grad()
+def sample_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[int | None], sampling: Sampling,
+                 device: torch.device, rows: int, width: int, decode: Callable[[list[int]], str] | None = None,
+                 autocast: Callable[[], ContextManager] | None = None) -> list[Completion]:
+    """One completion per (prompt, seed) pair, decoded as one batch of the fixed shape ``rows`` x
+    ``width + 1`` (see the module): each prompt left-padded to ``width + 1`` tokens (positions
+    count from its first real token), ``rows - len(prompts)`` dummy rows (one token, greedy,
+    never returned) after them. ``width``: the longest prompt of every rank's. ``model`` in eval mode, weights whole on this rank (no collectives);
+    ``decode`` as :func:`sample_group`'s.
+
+    Raises:
+        ValueError: more prompts than ``rows``, or one longer than ``width``.
+    """
+    from transformers import DynamicCache
+
+    if len(prompts) > rows or any(len(p) > width for p in prompts):
+        raise ValueError(f"sample_batch: {len(prompts)} prompts (at most {rows}) of up to "
+                         f"{max(map(len, prompts), default=0)} tokens (at most {width})")
+    columns = width + 1  # a pad column in every row: the mask is never all ones (see the module)
+    ids = torch.zeros(rows, columns, dtype=torch.long)
+    mask = torch.zeros(rows, columns, dtype=torch.long)
+    for r, prompt in enumerate(list(prompts) + [[0]] * (rows - len(prompts))):
+        ids[r, columns - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+        mask[r, columns - len(prompt):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = {cache_argument(model): DynamicCache()}
+    context = autocast or torch.no_grad
+    with context():
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                       use_cache=True, **cache, **keep_last(model)).logits[:, -1].float().cpu()
+    padded = (mask.to(device), positions[:, -1:].to(device))
+    return _decode(model, logits, cache, padded, list(seeds) + [None] * (rows - len(prompts)), len(prompts),
+                   sampling, device, decode, context)
+
+
+def _decode(model: torch.nn.Module, logits: torch.Tensor, cache: dict, padded: tuple[torch.Tensor, torch.Tensor] | None,
+            seeds: list[int | None], live: int, sampling: Sampling, device: torch.device,
+            decode: Callable[[list[int]], str] | None, context: Callable[[], ContextManager]) -> list[Completion]:
+    """The decoding loop after a prefill that gave ``logits`` (fp32 ``[rows, vocab]``) and filled
+    ``cache``: a token per row per step (:func:`choose`), until each of the first ``live`` rows
+    (the others: dummies, not returned) has ended or ``sampling.max_new``. ``padded``: a left-padded batch's attention mask ``[rows, width]`` and
+    last positions ``[rows, 1]`` (None: no padding). Finished rows stay in the batch (its shape
+    must not change) and feed their draws, which nothing reads."""
+    rows = len(seeds)
+    generators = [torch.Generator().manual_seed(s) if s is not None and sampling.temperature else None for s in seeds]
+    mask, position = padded if padded is not None else (None, None)
+    out: list[list[int]] = [[] for _ in range(live)]
+    done = [False] * live
+    for step in range(sampling.max_new):
+        tokens = choose(logits, sampling, generators)
+        for row, token in enumerate(tokens[:live].tolist()):
             if done[row]:
-                step.append(out[row][-1])  # finished rows feed their last token; its output is unused
                 continue
-            token = next_token(logits[row], sampling, generators[row])
             out[row].append(token)
-            step.append(token)
             if token in sampling.end_ids or (sampling.stop and decode is not None and
                                              any(s in decode(out[row]) for s in sampling.stop)):
                 done[row] = True
-        if all(done):
+        if all(done) or step + 1 == sampling.max_new:  # (the last token's logits would go unread)
             break
+        padding: dict = {}
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+            position = position + 1
+            padding = {"attention_mask": mask, "position_ids": position}
         with context():
-            logits = model(input_ids=torch.tensor(step, device=device)[:, None], use_cache=True,
-                           **cache).logits[:, -1].float().cpu()
+            logits = model(input_ids=tokens.to(device)[:, None], use_cache=True, **cache,
+                           **padding).logits[:, -1].float().cpu()
     return [Completion(ids, truncated=not finished) for ids, finished in zip(out, done)]

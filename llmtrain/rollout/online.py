@@ -21,7 +21,9 @@ from llmtrain.common.errors import ConfigError
 from llmtrain.monitoring import console
 from llmtrain.objectives import Objective, reference
 from llmtrain.rollout import build_environment, build_rewards, build_sampler, environment_reward
-from llmtrain.rollout.rollout import RewardError, Rollout, counting
+from llmtrain.rollout.progress import counting
+from llmtrain.rollout.rollout import Rollout
+from llmtrain.rollout.scoring import RewardError
 
 
 class Online:

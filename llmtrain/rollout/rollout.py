@@ -23,9 +23,7 @@ import contextlib
 import json
 import logging
 import math
-import numbers
 import random
-import threading
 import time
 import zlib
 from concurrent.futures import Future
@@ -36,25 +34,21 @@ from typing import Any, Callable, Iterator
 import torch
 
 from llmtrain.common.images import IMAGE_INPUTS, processor_of
-from llmtrain.common.labels import IGNORE_INDEX
 from llmtrain.data.vision import image_tensors
-from llmtrain.monitoring import console
 from llmtrain.objectives.grpo import group_advantages, nanstd
 from llmtrain.parallel import distributed
+from llmtrain.parallel.distributed import derived_seed
+from llmtrain.rollout import completion_log, layout, progress
 from llmtrain.rollout.engines import RolloutEngine
 from llmtrain.rollout.environments import Environment, run_episodes
-from llmtrain.parallel.distributed import derived_seed
 from llmtrain.rollout.generate import Completion, completion_seed
 from llmtrain.rollout.rewards import RewardFunction
+from llmtrain.rollout.scoring import score
 
 log = logging.getLogger("llmtrain")
 
 # The tensors of a training micro-batch that a checkpoint keeps for a pending generation batch.
 BATCH_KEYS = ("input_ids", "attention_mask", "labels", "completion_mask", "advantages", "old_logps", "behaviour_logps")
-
-# A step's sampling says how far it is (``step 3, sampling: 1/2 prompts, ..., eta``) only once it
-# has taken this many seconds, then every 10 s: minutes a step on a CPU, silent when it is fast.
-SAMPLING_QUIET_S = 10.0
 
 
 @dataclass
@@ -81,85 +75,6 @@ class Sampled:
     groups: "list[list[Completion]] | Future"
     on_policy: bool = True  # False: the data's own completions (distillation's λ < 1)
 
-
-class RewardError(RuntimeError):
-    """A reward function failed on the completions of a step (raised with the function's own
-    exception as its cause, so the traceback shows where)."""
-
-
-def reward_value(value: Any) -> float | None:
-    """``value`` as a float when it is a real number as TRL's ``GRPOTrainer`` takes one (it
-    converts a function's values with ``torch.tensor(..., dtype=float32)``): an int, float or
-    bool (1.0 / 0.0, a pass/fail checker's natural answer), any :class:`numbers.Real` (numpy's
-    scalars), or a 0-dimensional numpy array or torch tensor of one; None otherwise (a string,
-    a complex number, an array of several values)."""
-    if isinstance(value, (str, bytes)):
-        return None  # float("0.5") would parse one; TRL refuses text
-    dtype = getattr(value, "dtype", None)
-    scalar = getattr(value, "ndim", None) == 0 and dtype is not None and (
-        not dtype.is_complex if isinstance(dtype, torch.dtype) else getattr(dtype, "kind", "") in ("b", "i", "u", "f"))
-    if not (isinstance(value, numbers.Real) or scalar):
-        return None
-    try:
-        return float(value)
-    except OverflowError:  # an int past float's range: infinite
-        return float("inf")
-
-
-@contextlib.contextmanager
-def counting(sampler: RolloutEngine, progress: console.CountProgress, tick_s: float | None = None) -> Iterator[None]:
-    """Inside, each prompt ``sampler`` finishes advances ``progress`` (its ``on_sampled`` hook,
-    restored after); ``tick_s``: a timer also ticks it every that many seconds, so work whose items
-    are slow still says where it stands. ``progress`` is closed on the way out."""
-    previous, stop = sampler.on_sampled, threading.Event()
-
-    def ticking() -> None:
-        while not stop.wait(tick_s):
-            progress.tick()
-
-    if progress.enabled:
-        sampler.on_sampled = progress.advance
-        if tick_s is not None:
-            threading.Thread(target=ticking, name="llmtrain-sampling-progress", daemon=True).start()
-    try:
-        yield
-    finally:
-        stop.set()
-        sampler.on_sampled = previous
-        progress.close()
-
-
-def score(functions: list[RewardFunction], prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
-          columns: dict[str, list[Any]], where: str) -> torch.Tensor:
-    """float64 ``[completions, functions]``: each function's values (NaN where it returned None).
-
-    Raises:
-        RewardError: a function raised, returned another number of values than completions, a
-            value that is not a real number (:func:`reward_value`) or None, or one that is not
-            finite (NaN, ±inf: an infinite reward makes every advantage of its batch NaN or 0)
-            (``where`` says when: the step or the check).
-    """
-    table = torch.full((len(completions), len(functions)), float("nan"), dtype=torch.float64)
-    for j, f in enumerate(functions):
-        try:
-            values = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as err:  # noqa: BLE001  (a user's function: any exception is its failure)
-            raise RewardError(f"reward function {f.name} raised {type(err).__name__} {where}: {err}") from err
-        values = list(values) if values is not None else []
-        if len(values) != len(completions):
-            raise RewardError(f"reward function {f.name} returned {len(values)} values for {len(completions)} "
-                              f"completions {where}: it must return one float (or None) per completion")
-        for i, value in enumerate(values):
-            if value is None:
-                continue
-            number = reward_value(value)
-            if number is None or not math.isfinite(number):
-                shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-                raise RewardError(f"reward function {f.name} returned {shown} for completion {i} {where}: rewards "
-                                  "must be finite real numbers (float, int, bool or a numpy/torch scalar), or None "
-                                  "where a function does not apply")
-            table[i, j] = number
-    return table
 
 
 class Rollout:
@@ -262,18 +177,12 @@ class Rollout:
             self._behaviour_logps(micro_batches, groups)
         return Sampled(generation, step, micro_batches, groups)
 
-    @contextlib.contextmanager
-    def _sampling_progress(self, step: int, prompts: int) -> Iterator[None]:
-        """Rank 0's progress through this step's prompts while they are sampled, said once it
-        has taken :data:`SAMPLING_QUIET_S` (a CPU takes minutes). Not for multi-turn episodes,
-        whose engine calls count turns, not prompts."""
-        enabled = self.is_main and self.environment is None
+    def _sampling_progress(self, step: int, prompts: int) -> contextlib.AbstractContextManager:
+        """Rank 0's progress through this step's prompts while they are sampled
+        (:func:`~llmtrain.rollout.progress.sampling_progress`); not for multi-turn episodes."""
         share = " (rank 0's share)" if self.engine.dims.dp > 1 else ""  # tp/pp/cp ranks sample every prompt
-        progress = console.CountProgress(f"step {step + 1}, sampling{share}", prompts, "prompts", enabled,
-                                         quiet_s=SAMPLING_QUIET_S, say=self.show)
-        # One prompt can take a minute on a CPU: a timer says the step is sampling before any is done.
-        with counting(self.sampler, progress, tick_s=1.0):
-            yield
+        return progress.sampling_progress(self.sampler, f"step {step + 1}, sampling{share}", prompts,
+                                          self.is_main and self.environment is None, self.show)
 
     def _data_completions(self, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
         """Each sample's own ``completion`` column (tokenized, ending with the end token, cut at
@@ -468,76 +377,24 @@ class Rollout:
             metrics[f"train/rewards/{f.name}/std"] = math.sqrt(max(var, 0.0)) if c > 1 else float("nan")
         return metrics
 
-    def _placements(self, lengths: list[int]) -> list[tuple[int, int]]:
-        """Where each sequence (prompt + completion, of ``lengths`` tokens) of a micro-batch goes:
-        ``(row, offset)``. One per row, or with ``rollout.packing`` first fit, in order, into rows
-        of ``data.seq_len`` tokens (deterministic: the same sequences pack the same way)."""
-        if not self.packing:
-            return [(i, 0) for i in range(len(lengths))]
-        capacity = int(self.cfg.data.seq_len)
-        used: list[int] = []
-        out = []
-        for n in lengths:
-            row = next((r for r, taken in enumerate(used) if taken + n <= capacity), len(used))
-            if row == len(used):
-                used.append(0)
-            out.append((row, used[row]))
-            used[row] += n
-        return out
-
     def _layout(self, rows: list[tuple[dict, Completion, float]]) -> dict[str, torch.Tensor]:
-        """One training micro-batch: each row its prompt then its completion, right-padded; or
-        with ``rollout.packing`` several such sequences per row (:meth:`_placements`), each with
-        positions from 0 (``position_ids``: the model attends within each sequence only) and
-        its own ``segment`` id, padding one more sequence at the row's end."""
-        lengths = [len(s["prompt_ids"]) + len(c.ids) for s, c, _ in rows]
-        placements = self._placements(lengths)
-        used = [0] * (1 + max(r for r, _ in placements))
-        for (r, offset), n in zip(placements, lengths):
-            used[r] = max(used[r], offset + n)
-        shape = (len(used), max(used))
-        batch = {"input_ids": torch.full(shape, self.pad_id, dtype=torch.long),
-                 "attention_mask": torch.zeros(shape, dtype=torch.long),
-                 "labels": torch.full(shape, IGNORE_INDEX, dtype=torch.long),
-                 "completion_mask": torch.zeros(shape, dtype=torch.float32),
-                 "advantages": torch.zeros(shape, dtype=torch.float32),
-                 "old_logps": torch.zeros(shape, dtype=torch.float32),
-                 "ref_logps": torch.zeros(shape, dtype=torch.float32),
-                 "behaviour_logps": torch.zeros(shape, dtype=torch.float32),
-                 "segment": torch.full(shape, -1, dtype=torch.long)}
-        for j, ((sample, completion, advantage), (i, at)) in enumerate(zip(rows, placements)):
-            p, c = len(sample["prompt_ids"]), len(completion.ids)
-            batch["input_ids"][i, at:at + p + c] = torch.tensor(list(sample["prompt_ids"]) + completion.ids)
-            batch["attention_mask"][i, at:at + p + c] = 1
-            batch["segment"][i, at:at + p + c] = j
-            start = at + p
-            batch["labels"][i, start:start + c] = torch.tensor(completion.ids)
-            keep = not (completion.truncated and self.objective.mask_truncated)
-            batch["completion_mask"][i, start:start + c] = float(keep)
-            if completion.env_mask is not None:  # the environment's tokens: context, no loss
-                batch["completion_mask"][i, start:start + c] *= torch.tensor(completion.env_mask, dtype=torch.float32)
-            batch["advantages"][i, start:start + c] = advantage
-            if self.objective.behaviour and completion.logps is not None:
-                batch["behaviour_logps"][i, start:start + c] = torch.tensor(completion.logps, dtype=torch.float32)
-        if self.packing:
-            positions = torch.zeros(shape, dtype=torch.long)
-            for (i, at), n in zip(placements, lengths):
-                positions[i, at:at + n] = torch.arange(n)
-            for i, end in enumerate(used):
-                positions[i, end:] = torch.arange(shape[1] - end)
-            batch["position_ids"] = positions
-        # Image prompts: their pixels, row by row, for the policy's (and the old policy's) forward.
+        """One training micro-batch of ``rows`` (:func:`~llmtrain.rollout.layout.training_batch`,
+        packed into rows of ``data.seq_len`` with ``rollout.packing``), with image prompts' pixels
+        row by row for the policy's (and the old policy's) forward."""
+        batch = layout.training_batch(rows, self.pad_id, self.objective, self._capacity())
         images = [s.get("images") or [] for s, _, _ in rows]
         if any(images):  # a text-only rollout needs no processor
             batch.update(image_tensors(processor_of(self.tokenizer), images))
         return batch
 
+    def _capacity(self) -> int | None:
+        """A packed row's tokens (``data.seq_len``) with ``rollout.packing``, else None."""
+        return int(self.cfg.data.seq_len) if self.packing else None
+
     def _completion_logps(self, batch: dict[str, torch.Tensor], rows: list[tuple[dict, Completion]]) -> list[
             torch.Tensor]:
         """Each completion's ``old_logps`` from a batch :meth:`_layout` made of ``rows`` (in order)."""
-        lengths = [len(s["prompt_ids"]) + len(c.ids) for s, c in rows]
-        return [batch["old_logps"][i, at + len(s["prompt_ids"]):at + len(s["prompt_ids"]) + len(c.ids)]
-                for (s, c), (i, at) in zip(rows, self._placements(lengths))]
+        return layout.completion_logps(batch, rows, self._capacity())
 
     @torch.no_grad()
     def _old_logps(self, batches: list[dict[str, torch.Tensor]]) -> None:
@@ -576,53 +433,11 @@ class Rollout:
 
     def _write_completions(self, step: int, samples: list[dict], groups: list[list[Completion]], table: torch.Tensor,
                            rewards: torch.Tensor, advantages: torch.Tensor) -> None:
-        """``run_dir/completions/step_N.jsonl``: the first ``rollout.log_completions`` completions
-        of the step's global batch (every data-parallel rank's, gathered to rank 0, in the global
-        order: prompt, then completion within its group), each with its prompt, each function's
-        reward, the reward, the advantage and the data-parallel ``rank`` that sampled it.
-        Collective call."""
-        rows, k = [], 0
-        for p, (sample, group) in enumerate(zip(samples, groups)):
-            for i, completion in enumerate(group):
-                if len(rows) < self.log_completions:
-                    rows.append({
-                        "step": step, "rank": self.engine.dp_rank, "record": sample.get("record"),
-                        "prompt": sample["prompt"],
-                        "completion": self.tokenizer.decode(completion.ids, skip_special_tokens=True),
-                        "tokens": len(completion.ids), "truncated": completion.truncated,
-                        "rewards": {f.name: (None if math.isnan(float(table[k, j])) else float(table[k, j]))
-                                    for j, f in enumerate(self.functions)},
-                        "reward": None if math.isnan(float(rewards[p, i])) else float(rewards[p, i]),
-                        "advantage": float(advantages[p, i]), **self._transcript(completion)})
-                k += 1
-        gathered = distributed.gather_objects((self.engine.dp_rank, rows))
-        if gathered is None or not self.is_main:
-            return
-        # Ranks hold contiguous slices of the global batch in data-parallel rank order; the
-        # tensor/pipeline peers of a data-parallel rank hold its rows again.
-        parts: dict[int, list[dict]] = {}
-        for rank, part in gathered:
-            parts.setdefault(rank, part)
-        rows = [row for rank in sorted(parts) for row in parts[rank]][:self.log_completions]
-        folder = self.run_dir / "completions"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"step_{step}.jsonl").write_text("".join(json.dumps(r, default=str) + "\n" for r in rows),
-                                                   encoding="utf-8")
-        if self.on_completions is not None:
-            self.on_completions(rows, step)
-
-    def _transcript(self, completion: Completion) -> dict:
-        """A multi-turn episode's turns for the completions file: ``{"turns": [{"role":
-        "assistant" | "tool", "text": ...}, ...], "tool_calls": n, "tool_errors": n}``."""
-        if completion.env_mask is None:
-            return {}
-        turns, start = [], 0
-        for end in range(1, len(completion.ids) + 1):
-            if end == len(completion.ids) or completion.env_mask[end] != completion.env_mask[start]:
-                turns.append({"role": "assistant" if completion.env_mask[start] else "tool",
-                              "text": self.tokenizer.decode(completion.ids[start:end], skip_special_tokens=True)})
-                start = end
-        return {"turns": turns, "tool_calls": completion.tool_calls, "tool_errors": completion.tool_errors}
+        """``run_dir/completions/step_N.jsonl`` (:mod:`~llmtrain.rollout.completion_log`). Collective call."""
+        rows = completion_log.records(step, self.engine.dp_rank, samples, groups, table, rewards, advantages,
+                                      self.functions, self.tokenizer, self.log_completions)
+        completion_log.write(step, self.engine.dp_rank, rows, self.log_completions, self.run_dir, self.is_main,
+                             self.on_completions)
 
     # ---- evaluation ---------------------------------------------------------------------------
     def evaluate(self, prompt_batches: list[dict]) -> dict[str, float]:
