@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from llmtrain.common.errors import DataError
-from llmtrain.data import remote
+import llmtrain.data.remote as remote
 from llmtrain.config.schema import canonical_format
 from llmtrain.data.formats import encoder, fit_to_length
 from llmtrain.data.order import MixtureOrder

@@ -38,7 +38,9 @@ from llmtrain.data.vision import image_tensors
 from llmtrain.objectives.grpo import group_advantages, nanstd
 from llmtrain.parallel import distributed
 from llmtrain.parallel.distributed import derived_seed
-from llmtrain.rollout import completion_log, layout, progress
+import llmtrain.rollout.completion_log as completion_log
+import llmtrain.rollout.layout as layout
+import llmtrain.rollout.progress as progress
 from llmtrain.rollout.engines import RolloutEngine
 from llmtrain.rollout.environments import Environment, run_episodes
 from llmtrain.rollout.generate import Completion, completion_seed
