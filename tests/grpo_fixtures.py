@@ -132,8 +132,9 @@ class SlowPolicySampler(PolicySampler):
     """``rollout.engine=tests.grpo_fixtures:SlowPolicySampler``: the ``hf`` engine (the same
     completions), whose model forwards each sleep 1 s from its call number
     ``$LLMTRAIN_TEST_SLOW_FROM`` on (unset: never), so that a step samples for about 10 s, as a
-    CPU's real sampling takes minutes; the first slow forward writes the file
-    ``$LLMTRAIN_TEST_SAMPLING_MARKER``: the step has started decoding."""
+    CPU's real sampling takes minutes; the first slow forward of rank ``$LLMTRAIN_TEST_MARKER_RANK``
+    (default 0) writes the file ``$LLMTRAIN_TEST_SAMPLING_MARKER`` (``call N pid P``): that rank's
+    step has started decoding."""
 
     calls = 0
 
@@ -143,11 +144,13 @@ class SlowPolicySampler(PolicySampler):
         if not slow_from or self.calls < slow_from:
             return super().sample(policy, samples, seeds)
         marker = os.environ.get("LLMTRAIN_TEST_SAMPLING_MARKER")
+        if os.environ.get("RANK", "0") != os.environ.get("LLMTRAIN_TEST_MARKER_RANK", "0"):
+            marker = None
 
         def slow(*_):
             if marker and not os.path.exists(marker):
                 with open(marker, "w", encoding="utf-8") as file:
-                    file.write(f"call {self.calls}\n")
+                    file.write(f"call {self.calls} pid {os.getpid()}\n")
             time.sleep(1.0)
 
         handle = policy.model.register_forward_pre_hook(slow)

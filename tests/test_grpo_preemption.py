@@ -5,6 +5,7 @@ process exits 0, and the same command continues as a run never interrupted."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -56,47 +57,87 @@ def _by_step(run_dir) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["train/loss"], r["data/sample_digest"]) for r in read_metrics(run_dir) if "train/loss" in r}
 
 
-def test_sigterm_while_a_step_samples_saves_the_last_step_and_the_rerun_continues_exactly(tmp_path):
-    """SIGTERM once step 2 decodes (each forward 1 s from the engine's second call: step 2's 9
-    forwards would take 9 s): exit 0 from the decode step after it, step_1 saved (the default
-    ``trainer.save_every`` would not have) and intact, no step_2; the same command then trains
-    steps 2 and 3 with the losses and sample digests of an uninterrupted run."""
-    from conftest import subprocess_env
-    from llmtrain.checkpoint.protocol import verify
-
+def _questions(tmp_path):
     path = tmp_path / "q.jsonl"
     path.write_text("".join(json.dumps({"question": f"What is {i}+{i}?", "answer": f"#### {2 * i}"}) + "\n"
                             for i in range(12)), encoding="utf-8")
-    env, marker = subprocess_env(), tmp_path / "sampling"
-    command = [sys.executable, "-m", "llmtrain"]
-    reference = subprocess.run(command + _overrides(path, tmp_path / "reference"), env=env, capture_output=True,
-                               text=True, timeout=600)
-    assert reference.returncode == 0, reference.stderr[-4000:]
-    run = tmp_path / "run"
-    slow = {**env, "LLMTRAIN_TEST_SLOW_FROM": "2", "LLMTRAIN_TEST_SAMPLING_MARKER": str(marker)}
-    proc = subprocess.Popen(command + _overrides(path, run), env=slow, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return path
+
+
+def _interrupted(command: list[str], overrides: list[str], env: dict, marker, signalled_rank: int) -> str:
+    """Run ``command`` slow from the engine's second call (step 2's sampling), SIGTERM the
+    process of rank ``signalled_rank`` once its step 2 decodes, and return the run's output
+    (checked: exit status 0)."""
+    slow = {**env, "LLMTRAIN_TEST_SLOW_FROM": "2", "LLMTRAIN_TEST_SAMPLING_MARKER": str(marker),
+            "LLMTRAIN_TEST_MARKER_RANK": str(signalled_rank)}
+    proc = subprocess.Popen(command + overrides, env=slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert marker.read_text() == "call 2\n"  # step 2's sampling (step 1 sampled at full speed)
+        time.sleep(0.1)  # (the line written whole)
+        call, pid = marker.read_text().split()[1::2]
+        assert call == "2"  # step 2's sampling (step 1 sampled at full speed)
         sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-        took = time.monotonic() - sent
+        os.kill(int(pid), signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+        print(f"exit {time.monotonic() - sent:.1f} s after SIGTERM")
     finally:
         if proc.poll() is None:
             proc.kill()
     log = out + err
     assert proc.returncode == 0, log[-4000:]
-    print(f"exit {took:.1f} s after SIGTERM")
+    return log
+
+
+def test_sigterm_while_a_step_samples_saves_the_last_step_and_the_rerun_continues_exactly(tmp_path):
+    """SIGTERM once step 2 decodes (each forward 1 s from the engine's second call: step 2's 8
+    forwards would take 8 s): exit 0 from the decode step after it, step_1 saved (the default
+    ``trainer.save_every`` would not have) and intact, no step_2; the same command then trains
+    steps 2 and 3 with the losses and sample digests of an uninterrupted run."""
+    from conftest import subprocess_env
+    from llmtrain.checkpoint.protocol import verify
+
+    path, env = _questions(tmp_path), subprocess_env()
+    command = [sys.executable, "-m", "llmtrain"]
+    reference = subprocess.run(command + _overrides(path, tmp_path / "reference"), env=env, capture_output=True,
+                               text=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    run = tmp_path / "run"
+    log = _interrupted(command, _overrides(path, run), env, tmp_path / "sampling", 0)
     assert "SIGTERM while step 2 sampled (stopped at decode step " in log, log[-4000:]
     assert "preempted (SIGTERM): saved step 1" in log
     assert verify(run / "checkpoints" / "step_1") is None
     assert not (run / "checkpoints" / "step_2").exists()
     assert sorted(_by_step(run)) == [1]
     rerun = subprocess.run(command + _overrides(path, run), env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    expected = _by_step(tmp_path / "reference")
+    assert sorted(expected) == [1, 2, 3]
+    assert _by_step(run) == expected
+
+
+@pytest.mark.slow
+def test_a_sigterm_on_one_rank_while_it_samples_stops_both_at_the_same_step(tmp_path):
+    """2 ranks (torchrun, gloo): SIGTERM to rank 1 alone while its step 2 decodes. Rank 1 stops
+    at its next decode step; rank 0, never signalled, samples to the end, and the all-reduce after
+    sampling drops the step on both: step_1 saved, exit 0, and the rerun equals an uninterrupted
+    2-rank run."""
+    from conftest import cores_for, subprocess_env
+    from llmtrain.checkpoint.protocol import verify
+
+    path, env = _questions(tmp_path), subprocess_env()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "llmtrain"]
+    run = tmp_path / "run"
+    with cores_for(2):
+        reference = subprocess.run(command + _overrides(path, tmp_path / "reference"), env=env, capture_output=True,
+                                   text=True, timeout=600)
+        assert reference.returncode == 0, reference.stderr[-4000:]
+        log = _interrupted(command, _overrides(path, run), env, tmp_path / "sampling", 1)
+        rerun = subprocess.run(command + _overrides(path, run), env=env, capture_output=True, text=True, timeout=600)
+    assert "a stop signal on another rank while step 2 sampled (another rank stopped)" in log, log[-4000:]
+    assert "preempted (signal on another rank): saved step 1" in log
+    assert verify(run / "checkpoints" / "step_1", 0, 2) is None and not (run / "checkpoints" / "step_2").exists()
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     expected = _by_step(tmp_path / "reference")
     assert sorted(expected) == [1, 2, 3]
