@@ -64,11 +64,12 @@ def _questions(tmp_path):
     return path
 
 
-def _interrupted(command: list[str], overrides: list[str], env: dict, marker, signalled_rank: int) -> str:
-    """Run ``command`` slow from the engine's second call (step 2's sampling), SIGTERM the
-    process of rank ``signalled_rank`` once its step 2 decodes, and return the run's output
-    (checked: exit status 0)."""
-    slow = {**env, "LLMTRAIN_TEST_SLOW_FROM": "2", "LLMTRAIN_TEST_SAMPLING_MARKER": str(marker),
+def _interrupted(command: list[str], overrides: list[str], env: dict, marker, signalled_rank: int,
+                 call: str = "2") -> str:
+    """Run ``command`` slow from the engine's call ``call`` (step 2's sampling), SIGTERM the
+    process of rank ``signalled_rank`` once it decodes, and return the run's output (checked:
+    exit status 0)."""
+    slow = {**env, "LLMTRAIN_TEST_SLOW_FROM": call, "LLMTRAIN_TEST_SAMPLING_MARKER": str(marker),
             "LLMTRAIN_TEST_MARKER_RANK": str(signalled_rank)}
     proc = subprocess.Popen(command + overrides, env=slow, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -76,8 +77,8 @@ def _interrupted(command: list[str], overrides: list[str], env: dict, marker, si
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.1)  # (the line written whole)
-        call, pid = marker.read_text().split()[1::2]
-        assert call == "2"  # step 2's sampling (step 1 sampled at full speed)
+        slowed, pid = marker.read_text().split()[1::2]
+        assert slowed == call  # step 2's sampling (step 1 sampled at full speed)
         sent = time.monotonic()
         os.kill(int(pid), signal.SIGTERM)
         out, err = proc.communicate(timeout=180)
@@ -90,27 +91,32 @@ def _interrupted(command: list[str], overrides: list[str], env: dict, marker, si
     return log
 
 
-def test_sigterm_while_a_step_samples_saves_the_last_step_and_the_rerun_continues_exactly(tmp_path):
-    """SIGTERM once step 2 decodes (each forward 1 s from the engine's second call: step 2's 8
-    forwards would take 8 s): exit 0 from the decode step after it, step_1 saved (the default
-    ``trainer.save_every`` would not have) and intact, no step_2; the same command then trains
-    steps 2 and 3 with the losses and sample digests of an uninterrupted run."""
+@pytest.mark.parametrize("extra,call", [([], "2"), (["rollout.async_generation=true", "rollout.max_staleness=1"], "3")],
+                         ids=["sync", "async"])
+def test_sigterm_while_a_step_samples_saves_the_last_step_and_the_rerun_continues_exactly(tmp_path, extra, call):
+    """SIGTERM once step 2 decodes (each forward 1 s from the engine's call that samples in step
+    2: step 2's 8 forwards would take 8 s): exit 0 from the decode step after it, step_1 saved
+    (the default ``trainer.save_every`` would not have) and intact, no step_2; the same command
+    then trains steps 2 and 3 with the losses and sample digests of an uninterrupted run. Async
+    generation (step 1 samples generations 1 and 2, step 2 samples 3): the checkpoint keeps the
+    batch step 1 sampled ahead, not the dropped one."""
     from conftest import subprocess_env
     from llmtrain.checkpoint.protocol import verify
 
     path, env = _questions(tmp_path), subprocess_env()
     command = [sys.executable, "-m", "llmtrain"]
-    reference = subprocess.run(command + _overrides(path, tmp_path / "reference"), env=env, capture_output=True,
-                               text=True, timeout=600)
+    reference = subprocess.run(command + _overrides(path, tmp_path / "reference", *extra), env=env,
+                               capture_output=True, text=True, timeout=600)
     assert reference.returncode == 0, reference.stderr[-4000:]
     run = tmp_path / "run"
-    log = _interrupted(command, _overrides(path, run), env, tmp_path / "sampling", 0)
+    log = _interrupted(command, _overrides(path, run, *extra), env, tmp_path / "sampling", 0, call)
     assert "SIGTERM while step 2 sampled (stopped at decode step " in log, log[-4000:]
     assert "preempted (SIGTERM): saved step 1" in log
     assert verify(run / "checkpoints" / "step_1") is None
     assert not (run / "checkpoints" / "step_2").exists()
     assert sorted(_by_step(run)) == [1]
-    rerun = subprocess.run(command + _overrides(path, run), env=env, capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run(command + _overrides(path, run, *extra), env=env, capture_output=True, text=True,
+                           timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     expected = _by_step(tmp_path / "reference")
     assert sorted(expected) == [1, 2, 3]
