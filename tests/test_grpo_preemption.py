@@ -123,6 +123,35 @@ def test_sigterm_while_a_step_samples_saves_the_last_step_and_the_rerun_continue
     assert _by_step(run) == expected
 
 
+def test_sigterm_in_the_first_steps_sampling_saves_nothing_and_says_so(tmp_path, monkeypatch, caplog):
+    """In-process, SIGTERM (from a thread, once step 1 decodes) to this process: train() returns
+    preempted at step 0, no checkpoint written, and the last line says nothing was saved."""
+    import logging
+    import threading
+
+    from conftest import make_cfg
+    from llmtrain.trainer import train
+
+    marker, run = tmp_path / "sampling", tmp_path / "run"
+    monkeypatch.setenv("LLMTRAIN_TEST_SLOW_FROM", "1")
+    monkeypatch.setenv("LLMTRAIN_TEST_SAMPLING_MARKER", str(marker))
+
+    def signal_once_sampling() -> None:
+        while not marker.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_once_sampling, daemon=True).start()
+    with caplog.at_level(logging.INFO, logger="llmtrain"):
+        summary = train(make_cfg(_overrides(_questions(tmp_path), run)))
+    assert summary["preempted_at"] == 0 and summary["losses"] == []
+    assert not list((run / "checkpoints").glob("step_*"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("SIGTERM while step 1 sampled (stopped at decode step ") for line in lines), lines
+    assert lines[-1] == "preempted (SIGTERM) in the first step, before it trained: nothing saved; rerun the same " \
+                        "command to start", lines
+
+
 @pytest.mark.slow
 def test_a_sigterm_on_one_rank_while_it_samples_stops_both_at_the_same_step(tmp_path):
     """2 ranks (torchrun, gloo): SIGTERM to rank 1 alone while its step 2 decodes. Rank 1 stops
