@@ -63,6 +63,7 @@ from llmtrain.parallel.seeding import seed_everything, seed_streams
 from llmtrain.planning import flops
 from llmtrain.planning.auto import check_same_layout
 from llmtrain.planning.preflight import preflight
+from llmtrain.rollout import SamplingInterrupted
 from llmtrain.rollout.online import held_out_detail, setup_online
 
 log = logging.getLogger("llmtrain")
@@ -174,6 +175,8 @@ class Trainer:
             seed_streams(self.t.seed, self.engine.dp_rank, self.engine.pp_rank, self.state.step)
         self.preemption = Preemption(self.t.preempt_signal, self.t.save_every_minutes, distributed.scheduler_signal())
         self.micro_batches.stop_when = lambda: self.preemption.requested  # a step waiting on a hung store stops
+        if self.objective.online:  # so does a step's sampling (llmtrain.rollout.rollout: the step is dropped)
+            self.batches.stop_when = self.micro_batches.stop_when
         self.checkpointer = Checkpointer(self.checkpoints, self.engine, self.tracker, self.preemption, cfg,
                                          self.config_yaml, self.env.world_size)
         self.task_evals = self._setup_task_evals()
@@ -209,6 +212,10 @@ class Trainer:
                 result = self.train_step(step)
             except DataError as err:  # mid-run: the data could not be read (a store that stays down)
                 raise self.checkpointer.stopped_by_data(err, step + 1, self.resume_from) from err
+            except SamplingInterrupted:  # preempted while the step sampled: dropped, the last step's end saved
+                self.checkpointer.save_between_steps(self.state, str(self.resume_from) if self.resume_from else None)
+                self._on_preempted(self.state.step)
+                break
             self.watchdog.set("log")
             metrics = self._step_metrics(result)
             evaluated = self.evaluator.should_run(result.step)

@@ -6,10 +6,12 @@ same and train nothing; these rewards depend on the token ids, so groups differ.
 
 from __future__ import annotations
 
+import os
 import random
+import time
 import zlib
 
-from llmtrain.rollout.engines import RolloutEngine
+from llmtrain.rollout.engines import PolicySampler, RolloutEngine
 from llmtrain.rollout.generate import Completion
 
 EOS = 256  # the byte tokenizer's end token
@@ -124,3 +126,35 @@ class ScriptedCalculator(RolloutEngine):
 def constant(completions, **_):
     """0.5 for every completion: no group has any spread, so no step trains anything."""
     return [0.5] * len(completions)
+
+
+class SlowPolicySampler(PolicySampler):
+    """``rollout.engine=tests.grpo_fixtures:SlowPolicySampler``: the ``hf`` engine (the same
+    completions), whose model forwards each sleep 1 s from its call number
+    ``$LLMTRAIN_TEST_SLOW_FROM`` on (unset: never), so that a step samples for about 10 s, as a
+    CPU's real sampling takes minutes; the first slow forward of rank ``$LLMTRAIN_TEST_MARKER_RANK``
+    (default 0) writes the file ``$LLMTRAIN_TEST_SAMPLING_MARKER`` (``call N pid P``): that rank's
+    step has started decoding."""
+
+    calls = 0
+
+    def sample(self, policy, samples, seeds):
+        self.calls += 1
+        slow_from = int(os.environ.get("LLMTRAIN_TEST_SLOW_FROM", "0"))
+        if not slow_from or self.calls < slow_from:
+            return super().sample(policy, samples, seeds)
+        marker = os.environ.get("LLMTRAIN_TEST_SAMPLING_MARKER")
+        if os.environ.get("RANK", "0") != os.environ.get("LLMTRAIN_TEST_MARKER_RANK", "0"):
+            marker = None
+
+        def slow(*_):
+            if marker and not os.path.exists(marker):
+                with open(marker, "w", encoding="utf-8") as file:
+                    file.write(f"call {self.calls} pid {os.getpid()}\n")
+            time.sleep(1.0)
+
+        handle = policy.model.register_forward_pre_hook(slow)
+        try:
+            return super().sample(policy, samples, seeds)
+        finally:
+            handle.remove()

@@ -66,6 +66,19 @@ class Checkpointer:
         self.stalls_s.append([state.step, stall])
         state.checkpoint_s += stall
 
+    def save_between_steps(self, state: TrainState, resumed_from: str | None) -> None:
+        """A preemption that dropped a step before it trained (its sampling stopped: ``state`` is
+        that of the end of the last finished step): the background write in flight sealed, then
+        ``state`` saved as a preemption at that step's end saves it, unless a checkpoint of it
+        already counts (that step saved, or it is the one the run resumed from) or no step
+        trained. Collective call."""
+        if sealed := self.manager.finish_background():
+            self._commit(sealed)
+        counted = self.latest or resumed_from
+        if state.step == 0 or (counted is not None and step_of(Path(counted)) == state.step):
+            return
+        self.save(state, background=False)
+
     def seal_if_written(self, scalars: Any, state: TrainState) -> None:
         """Every rank's background write is done (``scalars.background_written``, the step's flag summed
         over ranks, :class:`llmtrain.trainer.StepScalars`): make it count."""

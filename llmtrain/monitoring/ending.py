@@ -19,7 +19,12 @@ def write_report_at_end(run_dir: Path) -> str | None:
 
 def log_preempted(requested: str | None, step: int, requeued: bool) -> None:
     """The last line of a preempted run: which signal (``requested``; None: it reached another
-    rank first), the step it saved, and how the run goes on (``requeued``: a scheduler's job
-    that submitit requeues)."""
+    rank first), the step it saved (0: none, the first step's sampling was stopped), and how the
+    run goes on (``requeued``: a scheduler's job that submitit requeues)."""
+    if step == 0:  # stopped while the first step sampled (llmtrain.rollout.rollout): nothing trained
+        log.warning("preempted (%s) in the first step, before it trained: nothing saved; %s",
+                    requested or "signal on another rank",
+                    "submitit requeues the job, which starts again" if requeued else "rerun the same command to start")
+        return
     log.warning("preempted (%s): saved step %d; %s", requested or "signal on another rank", step,
                 "submitit requeues the job, which continues from it" if requeued else "rerun the same command to continue")

@@ -7,7 +7,11 @@ resumes from that checkpoint.
 A handler only sets a flag; once per step the loop sums every rank's :meth:`Preemption.local_flags`
 (in the step's scalar all-reduce, :func:`llmtrain.engine.step.forward_backward`) and
 :meth:`Preemption.decide` reads the sums, so every rank sees a signal that reached any rank, and all
-ranks save the same step and exit together.
+ranks save the same step and exit together. An online objective's step that is still sampling
+when the signal comes stops at its next decode step and is dropped, every rank agreeing by one
+all-reduce after sampling (:meth:`llmtrain.rollout.rollout.Rollout._sample_step`); the trainer
+then saves the state of the last finished step
+(:meth:`llmtrain.checkpoint.checkpointer.Checkpointer.save_between_steps`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ class Preemption:
     def _on_signal(self, signum, frame) -> None:
         if self.requested is None:
             self.requested = signal.Signals(signum).name
-            log.warning("received %s: will save a checkpoint at the end of this step and exit", self.requested)
+            log.warning("received %s: will save a checkpoint at the end of this step (of the last one, when it comes "
+                        "while an online step samples) and exit", self.requested)
 
     def local_flags(self) -> tuple[float, float]:
         """This rank's (signal received, save due by time), as 0/1, to be summed over ranks."""

@@ -17,13 +17,13 @@ from llmtrain.config.schema import mapped_columns
 from llmtrain.rollout import rewards
 from llmtrain.rollout.engines import PolicySampler, RolloutEngine
 from llmtrain.rollout.environments import Environment, build_environment
-from llmtrain.rollout.generate import Sampling
+from llmtrain.rollout.generate import Sampling, SamplingInterrupted
 from llmtrain.rollout.rollout import Rollout
 from llmtrain.rollout.scoring import RewardError, score
 from llmtrain.rollout.vllm_server import VLLMEngine
 
-__all__ = ["Environment", "Rollout", "RolloutEngine", "RewardError", "build_environment", "build_rewards",
-           "build_rollout_engine", "build_sampler", "check_answers", "environment_reward"]
+__all__ = ["Environment", "Rollout", "RolloutEngine", "RewardError", "SamplingInterrupted", "build_environment",
+           "build_rewards", "build_rollout_engine", "build_sampler", "check_answers", "environment_reward"]
 
 ENGINES: dict[str, type[RolloutEngine]] = {"hf": PolicySampler, "vllm": VLLMEngine}
 

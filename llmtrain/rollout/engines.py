@@ -47,6 +47,11 @@ class RolloutEngine(ABC):
         # on_sampled(n): n more prompts' completions done, for a progress line (the held-out
         # evaluation's); engines that sample everything at once need not call it.
         self.on_sampled: Callable[[int], Any] | None = None
+        # stop_when(): True once the step being sampled is to be dropped (a preemption signal;
+        # set by the rollout around a step's sampling only). An engine that asks it raises
+        # :class:`~llmtrain.rollout.generate.SamplingInterrupted` and may leave its work half
+        # done; one that never asks samples to the end, as before.
+        self.stop_when: Callable[[], bool] | None = None
 
     def check(self) -> None:
         """Called before anything is written: raise ConfigError for what cannot work (a server
@@ -97,7 +102,8 @@ class PolicySampler(RolloutEngine):
                 # An image prompt's pixels, read as the training batch reads them (one row's).
                 images = image_tensors(processor, [sample["images"]])
                 groups[i] = sample_group(model, list(sample["prompt_ids"]), seeds[i], self.sampling,
-                                         policy.env.device, decode, policy.generation_autocast, images)
+                                         policy.env.device, decode, policy.generation_autocast, images,
+                                         self.stop_when)
                 if self.on_sampled is not None:
                     self.on_sampled(1)
         return groups
@@ -112,7 +118,8 @@ class PolicySampler(RolloutEngine):
         for start in range(0, len(rows), size):
             chunk = rows[start:start + size]
             out = sample_batch(model, [list(samples[i]["prompt_ids"]) for i, _ in chunk], [s for _, s in chunk],
-                               self.sampling, policy.env.device, size, width, decode, policy.generation_autocast)
+                               self.sampling, policy.env.device, size, width, decode, policy.generation_autocast,
+                               self.stop_when)
             for (i, _), completion in zip(chunk, out):
                 groups[i].append(completion)
             finished = sum(1 for i in dict.fromkeys(i for i, _ in chunk) if len(groups[i]) == len(seeds[i]))

@@ -32,6 +32,11 @@ import torch
 from llmtrain.parallel.distributed import derived_seed
 
 
+class SamplingInterrupted(Exception):
+    """The sampling loop stopped before its end because its ``stop_when`` said so (a preemption
+    signal came while a step sampled): nothing it sampled is returned."""
+
+
 def completion_seed(seed: int, generation: int, record: int, index: int) -> int:
     """The seed of completion ``index`` of prompt ``record`` in generation batch ``generation``."""
     return derived_seed(seed, "rollout", generation, record, index)
@@ -136,10 +141,12 @@ def keep_last(model: torch.nn.Module) -> dict:
 def sample_group(model: torch.nn.Module, prompt_ids: list[int], seeds: list[int | None], sampling: Sampling,
                  device: torch.device, decode: Callable[[list[int]], str] | None = None,
                  autocast: Callable[[], ContextManager] | None = None,
-                 images: dict[str, torch.Tensor] | None = None) -> list[Completion]:
+                 images: dict[str, torch.Tensor] | None = None,
+                 stop_when: Callable[[], bool] | None = None) -> list[Completion]:
     """One completion per seed of ``prompt_ids``, decoded as one batch with a KV cache (``model``
     in eval mode; no collectives: call it where the model's weights are whole on this rank).
     A seed of None decodes greedily. ``decode`` (ids -> text) is needed for ``sampling.stop``.
+    ``stop_when``: asked before each decode step; True raises :class:`SamplingInterrupted`.
     ``images``: an image-text prompt's image tensors for one row (the image processor's, e.g.
     ``pixel_values``), repeated for each row of the group and given to the prompt's forward only:
     later steps read the image tokens' keys and values from the cache."""
@@ -154,18 +161,19 @@ def sample_group(model: torch.nn.Module, prompt_ids: list[int], seeds: list[int 
     context = autocast or torch.no_grad
     with context():
         logits = model(input_ids=ids, use_cache=True, **cache, **pixels, **keep_last(model)).logits[:, -1].float().cpu()
-    return _decode(model, logits, cache, None, seeds, rows, sampling, device, decode, context)
+    return _decode(model, logits, cache, None, seeds, rows, sampling, device, decode, context, stop_when)
 
 
 @torch.no_grad()
 def sample_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[int | None], sampling: Sampling,
                  device: torch.device, rows: int, width: int, decode: Callable[[list[int]], str] | None = None,
-                 autocast: Callable[[], ContextManager] | None = None) -> list[Completion]:
+                 autocast: Callable[[], ContextManager] | None = None,
+                 stop_when: Callable[[], bool] | None = None) -> list[Completion]:
     """One completion per (prompt, seed) pair, decoded as one batch of the fixed shape ``rows`` x
     ``width + 1`` (see the module): each prompt left-padded to ``width + 1`` tokens (positions
     count from its first real token), ``rows - len(prompts)`` dummy rows (one token, greedy,
     never returned) after them. ``width``: the longest prompt of every rank's. ``model`` in eval mode, weights whole on this rank (no collectives);
-    ``decode`` as :func:`sample_group`'s.
+    ``decode`` and ``stop_when`` as :func:`sample_group`'s.
 
     Raises:
         ValueError: more prompts than ``rows``, or one longer than ``width``.
@@ -189,23 +197,32 @@ def sample_batch(model: torch.nn.Module, prompts: list[list[int]], seeds: list[i
                        use_cache=True, **cache, **keep_last(model)).logits[:, -1].float().cpu()
     padded = (mask.to(device), positions[:, -1:].to(device))
     return _decode(model, logits, cache, padded, list(seeds) + [None] * (rows - len(prompts)), len(prompts),
-                   sampling, device, decode, context)
+                   sampling, device, decode, context, stop_when)
 
 
 def _decode(model: torch.nn.Module, logits: torch.Tensor, cache: dict, padded: tuple[torch.Tensor, torch.Tensor] | None,
             seeds: list[int | None], live: int, sampling: Sampling, device: torch.device,
-            decode: Callable[[list[int]], str] | None, context: Callable[[], ContextManager]) -> list[Completion]:
+            decode: Callable[[list[int]], str] | None, context: Callable[[], ContextManager],
+            stop_when: Callable[[], bool] | None = None) -> list[Completion]:
     """The decoding loop after a prefill that gave ``logits`` (fp32 ``[rows, vocab]``) and filled
     ``cache``: a token per row per step (:func:`choose`), until each of the first ``live`` rows
     (the others: dummies, not returned) has ended or ``sampling.max_new``. ``padded``: a left-padded batch's attention mask ``[rows, width]`` and
     last positions ``[rows, 1]`` (None: no padding). Finished rows stay in the batch (its shape
-    must not change) and feed their draws, which nothing reads."""
+    must not change) and feed their draws, which nothing reads. ``stop_when``: asked before each
+    step (a local flag, no collective: ranks decode different numbers of steps); True raises
+    :class:`SamplingInterrupted`.
+
+    Raises:
+        SamplingInterrupted: ``stop_when`` said so.
+    """
     rows = len(seeds)
     generators = [torch.Generator().manual_seed(s) if s is not None and sampling.temperature else None for s in seeds]
     mask, position = padded if padded is not None else (None, None)
     out: list[list[int]] = [[] for _ in range(live)]
     done = [False] * live
     for step in range(sampling.max_new):
+        if stop_when is not None and stop_when():
+            raise SamplingInterrupted(f"stopped at decode step {step + 1} of at most {sampling.max_new}")
         tokens = choose(logits, sampling, generators)
         for row, token in enumerate(tokens[:live].tolist()):
             if done[row]:

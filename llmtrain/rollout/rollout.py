@@ -43,7 +43,7 @@ import llmtrain.rollout.layout as layout
 import llmtrain.rollout.progress as progress
 from llmtrain.rollout.engines import RolloutEngine
 from llmtrain.rollout.environments import Environment, run_episodes
-from llmtrain.rollout.generate import Completion, completion_seed
+from llmtrain.rollout.generate import Completion, SamplingInterrupted, completion_seed
 from llmtrain.rollout.rewards import RewardFunction
 from llmtrain.rollout.scoring import score
 
@@ -128,6 +128,9 @@ class Rollout:
         self.warned_unscorable = False
         # Where a slow step's sampling progress goes instead of the log (the step bar's postfix).
         self.show: Callable[[str], None] | None = None
+        # The preemption signal's name once one came (None: none): a step's sampling stops for it
+        # (:meth:`_sample_step`). Set by the trainer.
+        self.stop_when: Callable[[], str | None] | None = None
 
     # ---- a training step -------------------------------------------------------------------
     def for_step(self, step: int) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
@@ -135,16 +138,29 @@ class Rollout:
         it (empty on steps that reuse a generation batch). A new generation batch every
         ``num_iterations`` steps; with ``rollout.async_generation`` the batches of the next
         ``max_staleness`` generations are sampled (or started) first, with this step's weights.
-        Each generation reads ``accumulation`` prompt micro-batches. Collective call."""
+        Each generation reads ``accumulation`` prompt micro-batches. Collective call.
+
+        Raises:
+            SamplingInterrupted: a preemption signal came while the step sampled
+                (:meth:`_sample_step`); what the call had sampled is dropped, so the rollout's
+                state is that of the end of step ``step - 1`` (its prompt stream aside: a resume
+                reads it from the train state).
+        """
         generation = step // self.objective.num_iterations
         if self.pending is not None and self.pending.generation == generation:
             return self.pending.batches, {}
         started = time.perf_counter()
         self._resolve()  # in-flight samples finish before new weights go to their engine
         last = -(-int(self.cfg.trainer.max_steps) // self.objective.num_iterations) - 1
-        for g in range(generation, min(generation + self.staleness, max(last, generation)) + 1):
-            if g not in self.sampled:
-                self.sampled[g] = self._start(g, step)
+        before = set(self.sampled)
+        try:
+            for g in range(generation, min(generation + self.staleness, max(last, generation)) + 1):
+                if g not in self.sampled:
+                    self.sampled[g] = self._start(g, step)
+        except SamplingInterrupted:
+            for g in set(self.sampled) - before:  # sampled by this step, which never trains
+                del self.sampled[g]
+            raise
         entry = self.sampled.pop(generation)
         if isinstance(entry.groups, Future):  # started in this call (the first step): wait for it alone
             entry.groups = self._checked(entry.groups.result(), self._seeds_shape(entry.micro_batches))
@@ -174,10 +190,43 @@ class Rollout:
                 self.engine.train(True)
             return Sampled(generation, step, micro_batches, future)
         with self._sampling_progress(step, len(samples)):
-            groups = self._sample(samples, seeds)
+            groups = self._sample_step(samples, seeds, step)
         if self.asynchronous and not all(c.logps is not None for group in groups for c in group):
             self._behaviour_logps(micro_batches, groups)
         return Sampled(generation, step, micro_batches, groups)
+
+    def _sample_step(self, samples: list[dict], seeds: list[list[int | None]], step: int) -> list[list[Completion]]:
+        """A step's completions (:meth:`_sample`), given up at the engine's next decode step once
+        :attr:`stop_when` names a signal, so a preemption need not wait out minutes of sampling.
+        The engine asks a local flag (ranks decode different numbers of steps, with no
+        collectives between them); then every rank, interrupted or done, joins one all-reduce of
+        whether any was interrupted, and all drop the step together or none does. Multi-turn
+        episodes (one engine call per turn, each with a collective) and tensor-parallel peers
+        (each decode forward is one) sample to the end: a signal there waits for the step's end.
+        Collective call.
+
+        Raises:
+            SamplingInterrupted: on every rank, when any rank's sampling stopped.
+        """
+        stop_when = self.stop_when
+        if stop_when is None or self.environment is not None or self.engine.dims.tp > 1:
+            return self._sample(samples, seeds)
+        self.sampler.stop_when = lambda: stop_when() is not None
+        stopped: SamplingInterrupted | None = None
+        try:
+            groups = self._sample(samples, seeds)
+        except SamplingInterrupted as err:
+            stopped = err
+        finally:
+            self.sampler.stop_when = None
+        flag = torch.tensor([float(stopped is not None)], dtype=torch.float64, device=self.engine.env.device)
+        if float(distributed.all_reduce_sum(flag)[0]) == 0:
+            return groups
+        if self.is_main:
+            log.warning("%s while step %d sampled (%s): the step is dropped; saving the state of step %d's end",
+                        stop_when() or "a stop signal on another rank", step + 1,
+                        stopped or "another rank stopped", step)
+        raise SamplingInterrupted(f"step {step + 1}'s sampling stopped by {stop_when() or 'another rank'}")
 
     def _sampling_progress(self, step: int, prompts: int) -> contextlib.AbstractContextManager:
         """Rank 0's progress through this step's prompts while they are sampled
