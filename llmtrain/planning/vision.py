@@ -59,7 +59,7 @@ def vision_shape(model_cfg: Any, precision: str) -> VisionShape | None:
     for real on one blank image at the budget (its pixel tensor and image token count)."""
     from llmtrain.models.build import build_tokenizer, model_config
     from llmtrain.models.vision import auto_class, is_image_text
-    from llmtrain.common.images import processor_of
+    from llmtrain.common.images import image_token_id, processor_of
 
     config = model_config(model_cfg)
     if not is_image_text(config):
@@ -73,7 +73,7 @@ def vision_shape(model_cfg: Any, precision: str) -> VisionShape | None:
     height, width = budget_size(processor.image_processor)
     image = Image.new("RGB", (width, height), (128, 128, 128))
     out = processor(text=[processor.image_token], images=[[image]], return_tensors="pt")
-    image_tokens = int((out["input_ids"] == processor.image_token_id).sum())
+    image_tokens = int((out["input_ids"] == image_token_id(processor)).sum())
     inputs = {k: out[k] for k in ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes") if k in out}
     auto = auto_class(config)
     with torch.device("meta"):
