@@ -92,7 +92,11 @@ def _saved_bytes(auto: Any, config: Any, inputs: dict[str, torch.Tensor], precis
     ``inputs`` (one image), under ``FakeTensorMode`` (shapes only)."""
     from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    from transformers.initialization import no_init_weights
+
+    # Shapes only: no weight init, whose data-dependent steps (SigLIP's truncated normal, Gemma 3's
+    # tower) fake tensors cannot run.
+    with FakeTensorMode(allow_non_fake_inputs=True), no_init_weights():
         model = auto.from_config(copy.deepcopy(config), dtype=torch.float32)
         model.train()
         params = {p.untyped_storage()._cdata for p in model.parameters()}
