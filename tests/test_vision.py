@@ -1,5 +1,5 @@
-"""Image-text (vision-language) supervised fine-tuning on one process: the tiny Idefics3 and LLaVA
-presets with processors built offline, TRL's conversational vision layout, assistant-only labels,
+"""Image-text (vision-language) supervised fine-tuning on one process: the tiny Idefics3, LLaVA and
+Gemma 3 presets with processors built offline, TRL's conversational vision layout, assistant-only labels,
 the loss against the model's own, bad records as one-line errors, exports that reload."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from conftest import FAST, assert_ok, make_cfg, read_metrics, run_cli
 QUESTION = "Which colour is this square?"
 COLOURS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220), "white": (240, 240, 240)}
 # Tokens one image becomes: Idefics3 (16x16 image, 4x4 patches, pixel shuffle 2): 4; LLaVA
-# (16x16, 4x4 patches, CLS dropped): 16.
-IMAGE_TOKENS = {"tiny_idefics3": 4, "tiny_llava": 16}
+# (16x16, 4x4 patches, CLS dropped): 16; Gemma 3 (16x16, 4x4 patches pooled 2x2): 4.
+IMAGE_TOKENS = {"tiny_idefics3": 4, "tiny_llava": 16, "tiny_gemma3": 4}
 
 
 def record(image: str | list[str], answer: str, parts: int = 1) -> dict:
@@ -52,9 +52,9 @@ def loaded(model: str, path: Path, *extra: str):
     return cfg, tokenizer, data.load_splits(cfg.data, tokenizer, seed=0)
 
 
-@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava"])
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3"])
 def test_labels_are_the_assistant_turn_and_no_image_token_is_a_target(model, tmp_path):
-    from llmtrain.common.images import processor_of
+    from llmtrain.common.images import image_token_id, processor_of
 
     path = write_dataset(tmp_path)
     _, tokenizer, splits = loaded(model, path)
@@ -65,9 +65,10 @@ def test_labels_are_the_assistant_turn_and_no_image_token_is_a_target(model, tmp
         targets = [t for t in labels if t != -100]
         answer = Path(sample["images"][0]).stem
         assert tokenizer.decode(targets) == answer + "<|im_end|>"  # the answer and its end of turn, nothing else
-        assert ids.count(processor.image_token_id) == IMAGE_TOKENS[model]
-        assert processor.image_token_id not in targets
-        assert all(t == -100 for t, i in zip(labels, ids) if i == processor.image_token_id)
+        image = image_token_id(processor)
+        assert ids.count(image) == IMAGE_TOKENS[model]
+        assert image not in targets and processor.image_token_id not in targets  # (Gemma 3's <start_of_image>)
+        assert all(t == -100 for t, i in zip(labels, ids) if i == image)
         assert sample["images"] == [str(path.parent / "images" / f"{answer}.png")]  # relative to the data file
 
 
@@ -101,6 +102,42 @@ def test_loss_equals_the_models_own_on_the_same_batch_and_the_images_reach_the_f
     first_image = int((batch["input_ids"][0] == 261).nonzero()[0])
     assert torch.equal(blank[0, :first_image], logits[0, :first_image])  # before the image: causal, unchanged
     assert not torch.allclose(blank[0, -1], logits[0, -1])
+
+
+def test_gemma3_loss_equals_the_models_own_and_image_tokens_attend_both_ways(tmp_path):
+    """tiny_gemma3: our objective on the engine's forward arguments gives the model's own
+    cross-entropy with labels and a hand computation; the forward gets the processor's
+    ``token_type_ids`` (its image tokens attend both ways, as in the export's generate), which
+    changes the image's logits from a causal forward's and leaves the tokens before it alone."""
+    from llmtrain import data
+    from llmtrain.common.images import image_token_id, processor_of
+    from llmtrain.engine.base import model_inputs
+    from llmtrain.models.build import build_model
+    from llmtrain.objectives import CausalLM
+
+    cfg, tokenizer, splits = loaded("tiny_gemma3", write_dataset(tmp_path))
+    batch = data.collator_for(cfg.data, tokenizer)([splits.train[0], splits.train[1]])
+    assert batch["pixel_values"].shape == (2, 3, 16, 16)
+    model = build_model(cfg.model, seed=0).eval()
+    image = batch["input_ids"] == image_token_id(processor_of(tokenizer))
+    with torch.no_grad():
+        logits = model(**model_inputs(batch)).logits
+        objective = CausalLM()
+        ours = objective.loss_sums(logits, batch).loss / objective.normaliser(batch)
+        theirs = model(**model_inputs(batch), labels=batch["labels"]).loss
+        logp = torch.log_softmax(logits[:, :-1].double(), -1)
+        mask = batch["labels"][:, 1:] != -100
+        picked = logp.gather(-1, batch["labels"][:, 1:].clamp(min=0)[..., None])[..., 0]
+        by_hand = -(picked * mask).sum() / mask.sum()
+        explicit = model(**model_inputs(batch), token_type_ids=image.long()).logits  # what the processor gives
+        causal = model(**model_inputs(batch), token_type_ids=torch.zeros_like(batch["input_ids"])).logits
+    assert torch.allclose(ours, theirs, atol=1e-5) and torch.allclose(ours.double(), by_hand, atol=1e-5)
+    assert int(mask.sum()) == sum(len(Path(splits.train[i]["images"][0]).stem) + 1 for i in (0, 1))
+    assert int(image.sum()) == 2 * IMAGE_TOKENS["tiny_gemma3"]
+    assert torch.equal(logits, explicit)
+    first = int(image[0].nonzero()[0])
+    assert torch.equal(causal[0, :first], logits[0, :first])
+    assert not torch.allclose(causal[0, first], logits[0, first])  # the first image token sees the later ones
 
 
 @pytest.mark.parametrize("rows, message", [
@@ -144,7 +181,7 @@ def test_a_missing_image_exits_2_with_one_line(tmp_path):
                                         f"{tmp_path}/images/gone.png does not exist"]
 
 
-@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava"])
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3"])
 def test_export_reloads_with_its_processor_and_generates_the_same_tokens(model, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -168,20 +205,22 @@ def test_export_reloads_with_its_processor_and_generates_the_same_tokens(model, 
     assert (reloaded.generation_config.eos_token_id == [259, 256])  # <|im_end|> and EOS end a response
 
 
-def test_one_process_cli_run_trains_and_exports(tmp_path):
+@pytest.mark.parametrize("model,processor", [("tiny_idefics3", "Idefics3Processor"),
+                                             ("tiny_gemma3", "Gemma3Processor")])
+def test_one_process_cli_run_trains_and_exports(model, processor, tmp_path):
     """``python -m llmtrain model=tiny_idefics3 data=vlm_chat``: the loss falls over 4 steps on
     four coloured squares and the export loads with AutoProcessor."""
     from transformers import AutoProcessor
 
     path = write_dataset(tmp_path, n=16)
     run = tmp_path / "run"
-    proc = run_cli(["model=tiny_idefics3", "data=vlm_chat", f"data.path={path}", *FAST, "trainer.max_steps=4",
+    proc = run_cli([f"model={model}", "data=vlm_chat", f"data.path={path}", *FAST, "trainer.max_steps=4",
                     "trainer.global_batch_size=4", "trainer.micro_batch_size=4", "trainer.lr=3e-3",
                     "trainer.warmup_steps=1", f"run_dir={run}"])
     assert_ok(proc)
     losses = [r["train/loss"] for r in read_metrics(run) if "train/loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
-    assert type(AutoProcessor.from_pretrained(run / "hf")).__name__ == "Idefics3Processor"
+    assert type(AutoProcessor.from_pretrained(run / "hf")).__name__ == processor
 
 
 def test_the_digits_folder_encodes(shared_data):

@@ -45,13 +45,13 @@ def pairs_of(model: str, path: Path, *extra: str):
     return cfg, tokenizer, data.load_splits(cfg.data, tokenizer, seed=0)
 
 
-@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava"])
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3"])
 def test_image_pairs_hold_the_image_tokens_in_the_prompt_and_both_rows_get_the_pixels(model, tmp_path):
     from llmtrain import data
-    from llmtrain.common.images import processor_of
+    from llmtrain.common.images import image_token_id, processor_of
 
     cfg, tokenizer, splits = pairs_of(model, write_pairs(tmp_path))
-    image_token = processor_of(tokenizer).image_token_id
+    image_token = image_token_id(processor_of(tokenizer))
     items = [splits.train[i] for i in range(3)]
     for item in items:
         prompt = item["chosen_ids"][:item["prompt_len"]]
@@ -81,7 +81,7 @@ def sequence_logp(net, processor, record: dict, which: str, image_folder: Path) 
     return float(sum(logp[t - 1, ids[t]] for t in range(n, len(ids))))
 
 
-@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava"])
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3"])
 def test_dpo_loss_equals_a_hand_computation_from_each_sequences_log_prob_with_its_image(model, tmp_path):
     """Our DPO loss (the engine's forward arguments, the live reference's log-probs, the batch's
     pixels) equals -log σ(β((π_c - ref_c) - (π_r - ref_r))) averaged over pairs, each log-prob a

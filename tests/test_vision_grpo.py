@@ -165,7 +165,8 @@ def test_bad_image_prompts_are_data_errors_naming_the_line(tmp_path, model, part
         data.load_splits(cfg.data, build_tokenizer(cfg.model), 0, prompt_budget=256 - 4)
 
 
-def test_the_image_token_is_never_sampled():
+@pytest.mark.parametrize("model,image", [("tiny_idefics3", 261), ("tiny_gemma3", 262)])
+def test_the_image_token_is_never_sampled(model, image):
     """A completion holding the image token would stand for an image without pixels (the model's
     forward refuses the batch: "Image features and image tokens do not match"): the sampler of an
     image-text model suppresses it, greedy or sampled, as transformers' SuppressTokensLogitsProcessor."""
@@ -173,11 +174,12 @@ def test_the_image_token_is_never_sampled():
     from llmtrain.rollout import build_sampler
     from llmtrain.rollout.generate import Sampling, next_token
 
-    cfg = make_cfg(overrides(Path("unused.jsonl"), Path("run")))
+    cfg = make_cfg([a for a in overrides(Path("unused.jsonl"), Path("run")) if not a.startswith("model=")]
+                   + [f"model={model}"])
     sampler = build_sampler(cfg, build_tokenizer(cfg.model), [259])
-    assert sampler.sampling.suppress == frozenset([261])  # tiny_idefics3's <image>
+    assert sampler.sampling.suppress == frozenset([image])  # Idefics3's <image>, Gemma 3's <image_soft_token>
     logits = torch.full((320,), -5.0)
-    logits[261], logits[7] = 10.0, 1.0
+    logits[image], logits[7] = 10.0, 1.0
     assert next_token(logits, sampler.sampling, None) == 7  # greedy: the best token that is not <image>
     drawn = {next_token(logits, sampler.sampling, torch.Generator().manual_seed(s)) for s in range(50)}
-    assert 261 not in drawn and next_token(logits, Sampling(), None) == 261
+    assert image not in drawn and next_token(logits, Sampling(), None) == image

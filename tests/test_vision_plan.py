@@ -47,12 +47,13 @@ def measured_step(cfg, micro: int) -> tuple[int, int, int]:
     return states, sum(seen.values()), batch["input_ids"].shape[1]
 
 
-@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava"])
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3"])
 def test_the_plan_counts_the_tower_and_matches_a_measured_step(model, tmp_path):
     """Model states (parameters, gradients, AdamW) within 2% of the measured bytes, and the bytes
     saved for backward within 30% (the planner's bound for activations, docs/planning.md); the
     tower's parameters are what the model holds outside its language model, and one image is the
     preset's image tokens."""
+    from llmtrain.models import parts
     from llmtrain.models.build import build_model
     from llmtrain.planning.memory import plan_recipe
 
@@ -68,9 +69,11 @@ def test_the_plan_counts_the_tower_and_matches_a_measured_step(model, tmp_path):
     assert plan.vision.params == sum(p.numel() for p in full.parameters()) - text
     assert plan.vision.image_tokens == IMAGE_TOKENS[model]
     planned_states = plan.params + plan.grads + plan.optimizer
-    frozen = sum(p.numel() for n, p in full.named_parameters() if "post_layernorm" in n) if model == "tiny_llava" else 0
-    # The plan counts every parameter as trained; tiny_llava's frozen post_layernorm has no
-    # gradient or AdamW state (12 bytes an element).
+    unused = set(parts.unused_parameters(full))
+    frozen = sum(p.numel() for n, p in full.named_parameters() if n in unused)
+    assert frozen > 0 if model != "tiny_idefics3" else frozen == 0
+    # The plan counts every parameter as trained; the parameters frozen as unused (tiny_llava's
+    # post_layernorm, tiny_gemma3's SigLIP head) have no gradient or AdamW state (12 bytes an element).
     assert abs((planned_states - 12 * frozen) / states - 1) < 0.02, (planned_states, states)
     assert abs(plan.activations / saved - 1) < 0.30, (plan.activations, saved)
     without = plan.activations - micro * plan.vision.saved_per_image

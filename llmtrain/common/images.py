@@ -20,6 +20,14 @@ def processor_of(tokenizer: Any) -> Any | None:
     return getattr(tokenizer, _PROCESSOR_ATTR, None)
 
 
+def image_token_id(processor: Any) -> int:
+    """The id of the tokens an image's features replace in the model's input: the processor's
+    ``image_token_ids`` (what ``transformers`` marks in ``mm_token_type_ids``). Not always
+    ``processor.image_token_id``: Gemma 3's is its ``<start_of_image>`` placeholder, while the
+    features go to the ``<image_soft_token>``s it expands into."""
+    return int(processor.image_token_ids[0])
+
+
 def attach(tokenizer: Any, processor: Any) -> Any:
     """Put ``processor`` on ``tokenizer`` (its own ``processor.tokenizer``); returns ``tokenizer``."""
     setattr(tokenizer, _PROCESSOR_ATTR, processor)

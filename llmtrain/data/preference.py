@@ -28,7 +28,7 @@ from llmtrain.data.formats import _apply_template, conversation
 from llmtrain.data.order import pack
 from llmtrain.data.sources import column, record_errors
 from llmtrain.common.errors import ConfigError, DataError
-from llmtrain.common.images import processor_of
+from llmtrain.common.images import image_token_id, processor_of
 from llmtrain.common.labels import IGNORE_INDEX
 
 
@@ -129,7 +129,7 @@ class PairEncoder(_Continuations):
         self.base = path if path.is_dir() else path.parent  # relative image paths: next to the data file
         processor = processor_of(tokenizer)
         # The image token of an image-text model reading an images column, else None (text pairs).
-        self.image_token_id = processor.image_token_id if processor is not None and self.images else None
+        self.image_token_id = image_token_id(processor) if processor is not None and self.images else None
 
     def paths(self, rec: dict, i: int) -> list[Path]:
         """The record's image paths (relative ones under the data file's folder); [] without an

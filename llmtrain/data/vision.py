@@ -29,7 +29,7 @@ from llmtrain.common.labels import IGNORE_INDEX
 from llmtrain.data.formats import ChatEncoder, MESSAGE_ROLES, chat_field, render, template_name, uses_chat_template
 from llmtrain.data.order import Collator
 from llmtrain.data.sources import record_errors
-from llmtrain.common.images import IMAGE_INPUTS, processor_of
+from llmtrain.common.images import IMAGE_INPUTS, image_token_id, processor_of
 
 
 def images_column(records: Any, src: Any) -> str | None:
@@ -242,7 +242,7 @@ def encode_image_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, 
 
     encode = ImageChatEncoder(records, src, data_cfg, tokenizer, key, where, images)
     processor = processor_of(tokenizer)
-    image_ids = set() if processor is None else {processor.image_token_id}
+    image_ids = set() if processor is None else {image_token_id(processor)}
     seq_len, drop_long = data_cfg.seq_len, data_cfg.truncation == "drop"
     rows: dict[str, list] = {"input_ids": [], "labels": [], "images": []}
     counts = {"records": len(records), "truncated": 0, "dropped_too_long": 0, "dropped_no_target": 0,

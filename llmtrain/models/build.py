@@ -242,6 +242,10 @@ def build_model(model_cfg: Any, seed: int, head: str = "logits", pad_token_id: i
         model = auto.from_pretrained(_local_or_hub("model.path", model_cfg.path), **kwargs, **head_config)
     if head == "scores" and model_cfg.source != "config":
         init_weights(model, seed, only=lambda name: name.startswith("score."))
+    if head == "logits":
+        from llmtrain.models.vision import image_block_attention
+
+        image_block_attention(model)
     return model
 
 

@@ -9,8 +9,8 @@ byte tokenizer, the family's image tokens added to it, and ``model.processor`` s
 image sizes for tiny models). The processor rides on the tokenizer (:func:`processor_of`), so the
 data, the collator and the exports reach it through the tokenizer they already receive.
 
-Only families whose processors need no torchvision are built from config: Idefics3 (SmolVLM) and
-LLaVA (``Qwen2VLProcessor`` needs a video processor, which needs torchvision).
+Only families whose processors need no torchvision are built from config: Idefics3 (SmolVLM),
+LLaVA and Gemma 3 (``Qwen2VLProcessor`` needs a video processor, which needs torchvision).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain.common.errors import ConfigError, ModelSourceError
-from llmtrain.common.images import IMAGE_INPUTS, attach, processor_of  # noqa: F401  (public here too)
+from llmtrain.common.images import IMAGE_INPUTS, attach, image_token_id, processor_of  # noqa: F401  (public here too)
 
 # ChatML whose content may be a list of parts (TRL's conversational vision layout): an image part
 # renders as the processor's image placeholder, which the processor expands into the image's tokens.
@@ -41,6 +41,8 @@ class Family:
     image_processor: str
     processor: str
     tokens: tuple[str, ...]
+    # Tokenizer attributes the processor reads (Gemma 3's ``tokenizer.boi_token``, ...): name -> token.
+    named: tuple[tuple[str, str], ...] = ()
 
 
 FAMILIES = {
@@ -49,7 +51,16 @@ FAMILIES = {
                        ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")),
     # LLaVA: a fixed-size tower (CLIP); <image> expands to one token per patch (+1 for CLS).
     "llava": Family("CLIPImageProcessorPil", "LlavaProcessor", ("<image>",)),
+    # Gemma 3: a fixed-size tower (SigLIP); the text's <start_of_image> expands to
+    # "\n\n<start_of_image>" + <image_soft_token> * mm_tokens_per_image + "<end_of_image>\n\n".
+    "gemma3": Family("Gemma3ImageProcessorPil", "Gemma3Processor",
+                     ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
+                     (("boi_token", "<start_of_image>"), ("eoi_token", "<end_of_image>"),
+                      ("image_token", "<image_soft_token>"))),
 }
+# Where the PIL image processors live (transformers exports some at the top level only with torchvision).
+_PIL_MODULES = {"idefics3": "idefics3.image_processing_pil_idefics3", "llava": "clip.image_processing_pil_clip",
+                "gemma3": "gemma3.image_processing_pil_gemma3"}
 
 
 def is_image_text(config: Any) -> bool:
@@ -111,23 +122,48 @@ def _processor_from_config(model_cfg: Any, tokenizer: Any, config: Any) -> Any:
     # As special tokens (never split, skipped when decoding), without replacing the tokenizer's
     # own special-token list (ChatML's markers stay special).
     tokenizer.add_tokens([t for t in family.tokens if t not in tokenizer.get_vocab()], special_tokens=True)
+    if family.named:  # saved in tokenizer_config.json, so AutoProcessor.from_pretrained finds them again
+        tokenizer._set_model_specific_special_tokens(dict(family.named))
     image_processor = getattr(transformers, family.image_processor, None)
     if image_processor is None:  # the PIL backends live in their model's module
-        module = {"idefics3": "idefics3.image_processing_pil_idefics3", "llava": "clip.image_processing_pil_clip"}
         import importlib
 
-        image_processor = getattr(importlib.import_module(f"transformers.models.{module[config.model_type]}"),
+        image_processor = getattr(importlib.import_module(f"transformers.models.{_PIL_MODULES[config.model_type]}"),
                                   family.image_processor)
     processor_cls = getattr(transformers, family.processor)
     processor = processor_cls(image_processor=image_processor(**image_settings), tokenizer=tokenizer, **settings)
     template = CHATML_WITH_IMAGES.replace("@IMAGE@", processor.image_token)
     processor.chat_template = tokenizer.chat_template = template
-    expected = tokenizer.convert_tokens_to_ids(processor.image_token)
+    # The token the image's features replace (Gemma 3's <image_soft_token>, not its placeholder).
+    expected = image_token_id(processor)
     declared = getattr(config, "image_token_id", None)
     if declared is not None and declared != expected:
-        raise ConfigError(f"model.architecture.image_token_id={declared}, but the tokenizer's "
-                          f"{processor.image_token} is id {expected}; set image_token_id={expected}")
+        field = "image_token_index" if config.model_type == "gemma3" else "image_token_id"
+        raise ConfigError(f"model.architecture.{field}={declared}, but the tokenizer's "
+                          f"{tokenizer.convert_ids_to_tokens(expected)} is id {expected}; set {field}={expected}")
     return processor
+
+
+def image_block_attention(model: Any) -> None:
+    """Give a Gemma 3 model's forward the ``token_type_ids`` its processor gives at inference when
+    the caller has none (our collators, the DPO rows, the rollout's prompt forward): 1 at the
+    image's ``<image_soft_token>``s, so each image's tokens attend to each other both ways (Gemma
+    3's block-bidirectional mask, ``modeling_gemma3.create_masks_for_vision_model``) in training as
+    in the export's ``generate``. Only forwards with ``pixel_values`` get them: a decoding step
+    with a cache has no image tokens, and transformers leaves them out there too. Other models are
+    left as they are. A forward pre-hook, so wrappers (FSDP2, DeepSpeed, PEFT) keep it."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "gemma3" or getattr(config, "vision_config", None) is None:
+        return
+    image_id = int(config.image_token_id)
+
+    def add_token_types(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if kwargs.get("token_type_ids") is None and kwargs.get("pixel_values") is not None and ids is not None:
+            kwargs["token_type_ids"] = (ids == image_id).long()
+        return args, kwargs
+
+    model.register_forward_pre_hook(add_token_types, with_kwargs=True)
 
 
 def save_processor(tokenizer: Any, directory: Path) -> None:

@@ -59,7 +59,7 @@ def vision_shape(model_cfg: Any, precision: str) -> VisionShape | None:
     for real on one blank image at the budget (its pixel tensor and image token count)."""
     from llmtrain.models.build import build_tokenizer, model_config
     from llmtrain.models.vision import auto_class, is_image_text
-    from llmtrain.common.images import processor_of
+    from llmtrain.common.images import image_token_id, processor_of
 
     config = model_config(model_cfg)
     if not is_image_text(config):
@@ -73,7 +73,7 @@ def vision_shape(model_cfg: Any, precision: str) -> VisionShape | None:
     height, width = budget_size(processor.image_processor)
     image = Image.new("RGB", (width, height), (128, 128, 128))
     out = processor(text=[processor.image_token], images=[[image]], return_tensors="pt")
-    image_tokens = int((out["input_ids"] == processor.image_token_id).sum())
+    image_tokens = int((out["input_ids"] == image_token_id(processor)).sum())
     inputs = {k: out[k] for k in ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes") if k in out}
     auto = auto_class(config)
     with torch.device("meta"):
@@ -92,7 +92,11 @@ def _saved_bytes(auto: Any, config: Any, inputs: dict[str, torch.Tensor], precis
     ``inputs`` (one image), under ``FakeTensorMode`` (shapes only)."""
     from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    from transformers.initialization import no_init_weights
+
+    # Shapes only: no weight init, whose data-dependent steps (SigLIP's truncated normal, Gemma 3's
+    # tower) fake tensors cannot run.
+    with FakeTensorMode(allow_non_fake_inputs=True), no_init_weights():
         model = auto.from_config(copy.deepcopy(config), dtype=torch.float32)
         model.train()
         params = {p.untyped_storage()._cdata for p in model.parameters()}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmtrain.common.errors import ConfigError, import_object
-from llmtrain.common.images import processor_of
+from llmtrain.common.images import image_token_id, processor_of
 from llmtrain.config.schema import mapped_columns
 from llmtrain.rollout import rewards
 from llmtrain.rollout.engines import PolicySampler, RolloutEngine
@@ -107,7 +107,7 @@ def build_sampler(cfg: Any, tokenizer: Any, end_ids: list[int]) -> RolloutEngine
     """
     r = cfg.rollout
     processor = processor_of(tokenizer)
-    image_token = getattr(processor, "image_token_id", None) if processor is not None else None
+    image_token = image_token_id(processor) if processor is not None else None
     sampling = Sampling(temperature=float(r.temperature), top_k=int(r.top_k), top_p=float(r.top_p),
                         max_new=int(r.max_completion_length), end_ids=frozenset(end_ids), stop=tuple(r.stop),
                         suppress=frozenset([image_token] if image_token is not None else []))
