@@ -144,7 +144,8 @@ class Trainer:
         # precomputed reference log-probs matching it), before anything is written: DataError, ResumeError.
         reference.check_data(self.cfg, self.objective, self.splits, self.run_dir, self.resume_from is not None)
         self.online = setup_online(cfg, self.objective, self.tokenizer, self.splits, self.env, self.dims, phases,
-                                   lambda m: model_config(m).vocab_size, self.hf_config.vocab_size, self._publish)
+                                   lambda m: model_config(m).vocab_size, self.hf_config.vocab_size,
+                                   lambda *where: write_policy(self.engine, cfg, self.tokenizer, *where))  # vLLM's weights
         # Dynamo's count is per process: another run earlier in it (a sweep, a test) is not ours.
         self.graphs_before = compiled_graphs()
         self.engine = self._setup_engine()
@@ -214,7 +215,7 @@ class Trainer:
                 raise self.checkpointer.stopped_by_data(err, step + 1, self.resume_from) from err
             except SamplingInterrupted:  # preempted while the step sampled: dropped, the last step's end saved
                 self.checkpointer.save_between_steps(self.state, str(self.resume_from) if self.resume_from else None)
-                self._on_preempted(self.state.step)
+                self.summary["preempted_at"] = self.state.step  # close() says so, last
                 break
             self.watchdog.set("log")
             metrics = self._step_metrics(result)
@@ -227,8 +228,10 @@ class Trainer:
                 self.unlogged_gc_s = 0.0
                 if self.env.is_main:  # tokens per expert per layer so far (the checkpointed count), for the report
                     moe.write_expert_load(self.run_dir, self.state.step, self.engine.moe_shape, self.state.expert_load)
-            if not result.healthy:
-                self._on_unhealthy(result)
+            if not result.healthy:  # trainer.nonfinite: skip, stop after the last healthy checkpoint, or raise
+                on_nonfinite(self.t, result.step, result.loss, result.grad_norm, result.spike, self.skipped_in_a_row,
+                             self.checkpointer.latest or (str(self.resume_from) if self.resume_from else None),
+                             lambda: self._close_outputs(complete=False))
             check_optimizer_steps(self.engine, self.state)
             self.watchdog.set("checkpoint")
             self.checkpointer.seal_if_written(result.scalars, self.state)
@@ -238,7 +241,7 @@ class Trainer:
                 self.checkpointer.save(self.state, background)
             self.task_evals.poll()
             if result.stop:
-                self._on_preempted(result.step)
+                self.summary["preempted_at"] = result.step  # close() says so, last
                 break
 
     def train_step(self, step: int) -> StepResult:
@@ -391,10 +394,6 @@ class Trainer:
         return rollout, Evaluator(lambda: self.online.held_out_rewards(rollout, val_batches, t.progress_bar),
                                   t.eval_every, t.max_steps)
 
-    def _publish(self, directory: Path, part: str, end_ids: list[int]) -> Path | None:
-        """The policy's weights written for a rollout engine that serves it elsewhere (vLLM)."""
-        return write_policy(self.engine, self.cfg, self.tokenizer, directory, part, end_ids)
-
     def _setup_flops(self) -> tuple[float, flops.Peak | None]:
         """Model FLOPs per token (PaLM appendix B) at ``data.seq_len``, and the peak TFLOP/s per
         device MFU is measured against (:func:`llmtrain.planning.flops.peak_tflops`: configured,
@@ -516,14 +515,6 @@ class Trainer:
             self.summary["final_val"] = {k: v for k, v in metrics.items() if k in ("val/loss", "val/perplexity",
                                          "val/reward", "val/reward_stderr") or k.startswith("val/rewards/")}
         return metrics
-
-    def _on_unhealthy(self, result: StepResult) -> None:
-        last_healthy = self.checkpointer.latest or (str(self.resume_from) if self.resume_from else None)
-        on_nonfinite(self.t, result.step, result.loss, result.grad_norm, result.spike, self.skipped_in_a_row,
-                      last_healthy, lambda: self._close_outputs(complete=False))
-
-    def _on_preempted(self, step: int) -> None:
-        self.summary["preempted_at"] = step  # close() says so, last
 
     # ---- the end -------------------------------------------------------------------------------
     def _close_outputs(self, complete: bool) -> None:

@@ -327,6 +327,7 @@ def _when_step(run_dir: Path, step: int, action, after_s: float = 0.0) -> thread
     return thread
 
 
+@pytest.mark.slow  # about 60 s of held requests and timeouts: a long run, out of the fast tier
 def test_a_store_that_hangs_mid_run_is_retried_then_one_error_and_ctrl_c_stops_the_wait(store, server, tmp_path,
                                                                                          monkeypatch):
     """Pre-training from a token folder in the bucket (small blocks and cache: reads all along),

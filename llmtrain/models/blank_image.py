@@ -68,7 +68,8 @@ def keep_tower_in_every_forward(model: torch.nn.Module, tokenizer: Any) -> torch
     wanted: list[bool] = [False]
 
     def before(module, args, kwargs):
-        wanted[0] = kwargs.get("pixel_values") is None and kwargs.get("past_key_values") is None
+        # A KV cache marks generation; transformers 5.24 on names it ``cache`` (rollout.generate.cache_argument).
+        wanted[0] = kwargs.get("pixel_values") is None and all(kwargs.get(k) is None for k in ("cache", "past_key_values"))
         return None
 
     def into_language_model(decoder, args, kwargs):
