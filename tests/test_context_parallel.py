@@ -16,14 +16,13 @@ all-to-all or ring), equal to whole rows on one process.
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAST, assert_ok, cores_for, make_cfg, run_cli, run_scenarios, subprocess_env, train_rows
-from test_resume import launch, wait_for_step
+from conftest import FAST, assert_ok, cores_for, make_cfg, run_cli, run_scenarios, train_rows
+from test_resume import kill_after
 
 from llmtrain.parallel.context_parallel import chunk_order, local_index
 from llmtrain.common.errors import ConfigError
@@ -291,13 +290,8 @@ def test_packed_rows_hold_several_documents(shared_data):
 @pytest.mark.slow
 def test_sigkill_under_cp_then_resume_on_one_process_continues_exactly(shared_data, runs, tmp_path):
     overrides = common(shared_data / "tinyshakespeare.txt") + [f"run_dir={tmp_path}"]
-    env = subprocess_env()
-    env["LLMTRAIN_FAULT"] = "stall:0:4"  # rank 0 waits before step 4: killed mid-run, a sealed step-2 checkpoint
-    with cores_for(2):
-        proc = launch(overrides + ["+recipe=fsdp", *CP2, "trainer.hang_timeout_s=0"], nproc=2, env=env)
-        wait_for_step(proc, tmp_path, 3, timeout=600)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_after(overrides + ["+recipe=fsdp", *CP2, "trainer.hang_timeout_s=0"], tmp_path, 3, nproc=2,
+               timeout=600)  # a sealed step-2 checkpoint
     resumed = run_cli(overrides + ["+recipe=fsdp"], nproc=1)
     assert_ok(resumed)
     assert "resuming from" in resumed.stdout + resumed.stderr

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, assert_ok, cores_for, read_metrics, run_cli, run_scenarios, train_rows
-from test_resume import launch, stalled_after, wait_for_step
+from test_resume import kill_after, launch, wait_for_step
 
 STEPS = 6
 TOL = 1e-5
@@ -155,11 +155,7 @@ def test_completions_of_every_rank_are_gathered_in_global_order(runs):
 @pytest.mark.slow
 def test_sigkill_inside_a_generation_batch_then_rerun_continues_exactly(runs, questions, tmp_path):
     overrides = overrides_of("lora", questions) + ["+recipe=zero3", f"run_dir={tmp_path}"]
-    with cores_for(2):
-        proc = launch(overrides, nproc=2, env=stalled_after(5))  # step 6 reuses step 5's batch, saves
-        wait_for_step(proc, tmp_path, 5)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_after(overrides, tmp_path, 5, nproc=2)  # step 6 reuses step 5's batch, saves
     assert (tmp_path / "checkpoints" / "step_3" / "rollout_rank_1.safetensors").is_file()  # step 3 is mid-batch
     elsewhere = run_cli(overrides, nproc=1)
     assert elsewhere.returncode == 2, elsewhere.stderr[-2000:]

@@ -19,16 +19,14 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FAST, make_cfg, run_cli, run_scenarios, subprocess_env, train_rows
-from test_resume import launch, wait_for_step
+from conftest import FAST, make_cfg, run_cli, run_scenarios, train_rows
+from test_resume import kill_after
 
 from llmtrain.common.errors import ConfigError
 
@@ -328,15 +326,6 @@ FOUR = {"qwen-fsdp_x_ep": ("qwen", EP2), "mixtral-fsdp_x_ep": ("mixtral", EP2),
 LOOSE = {"qwen-tp"}  # see test_moe_layouts_train_like_one_process
 
 
-def _kill_after(overrides: list[str], nproc: int, run_dir: Path, step: int) -> None:
-    env = subprocess_env()
-    env["LLMTRAIN_FAULT"] = f"stall:0:{step + 1}"  # rank 0 waits before step+1: a sealed step-2 checkpoint
-    proc = launch(overrides + [f"run_dir={run_dir}", "trainer.hang_timeout_s=0"], nproc=nproc, env=env)
-    wait_for_step(proc, run_dir, step, timeout=600)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 @pytest.fixture(scope="module")
 def runs(shared_data, tmp_path_factory) -> dict[str, Path]:
     """Every run of the module in one launch per world size. Resumes run inside those launches
@@ -357,7 +346,8 @@ def runs(shared_data, tmp_path_factory) -> dict[str, Path]:
     groups[2] |= {"killed-resumed_on_2": models["qwen"] + EP2, "two_steps-resumed_under_ep2": models["qwen"] + EP2}
     roots = {n: tmp_path_factory.mktemp(f"moe-{n}") for n in groups}
     killed = tmp_path_factory.mktemp("moe-killed") / "run"
-    _kill_after(models["qwen"] + EP2, 2, killed, 3)
+    kill_after(models["qwen"] + EP2 + [f"run_dir={killed}", "trainer.hang_timeout_s=0"], killed, 3, nproc=2,
+               timeout=600)  # a sealed step-2 checkpoint
     shutil.copytree(killed, roots[1] / "killed-resumed_on_1")
     shutil.copytree(killed, roots[2] / "killed-resumed_on_2")
     out = {}

@@ -136,7 +136,7 @@ def test_two_processes_from_s3_equal_two_processes_from_disk_and_continue_exactl
     exactly: the losses and samples of the undisturbed run, bit for bit; the same checkpoint
     resumed on 1 process continues with the same samples."""
     from llmtrain.prepare import main as prepare
-    from test_resume import launch, wait_for_step
+    from test_resume import kill_after
 
     local = tmp_path / "tokens"
     assert prepare(SOURCE + [f"out={local}"]) == 0
@@ -148,12 +148,7 @@ def test_two_processes_from_s3_equal_two_processes_from_disk_and_continue_exactl
     assert len(_losses(dirs["local"])) == 5
     assert _losses(dirs["s3"]) == _losses(dirs["local"])
     killed = tmp_path / "killed"
-    env = subprocess_env()
-    env["LLMTRAIN_FAULT"] = "stall:0:4"  # rank 0 waits before step 4: killed mid-run, a sealed step-2 checkpoint
-    proc = launch(from_s3 + [f"run_dir={killed}", "trainer.hang_timeout_s=0"], nproc=2, env=env)
-    wait_for_step(proc, killed, 3)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after(from_s3 + [f"run_dir={killed}", "trainer.hang_timeout_s=0"], killed, 3, nproc=2)  # a sealed step-2 checkpoint
     import shutil
 
     shutil.copytree(killed, tmp_path / "on-one")  # the 2-rank step-2 checkpoint, resumed below on 1 process
@@ -172,7 +167,7 @@ def test_sft_from_s3_killed_mid_run_and_run_again_continues_exactly(store, tmp_p
     """SFT from a JSONL file in the bucket (copied once into the cache), one process, checkpoint
     every 2 steps: killed with SIGKILL while stalled before step 4 and launched again with the same
     command, it continues exactly: the losses and samples of an undisturbed run, bit for bit."""
-    from test_resume import launch, wait_for_step
+    from test_resume import kill_after, launch
 
     from llmtrain.trainer import train
 
@@ -186,12 +181,7 @@ def test_sft_from_s3_killed_mid_run_and_run_again_continues_exactly(store, tmp_p
         "trainer.save_every=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2"]
     train(make_cfg(args + [f"run_dir={tmp_path / 'whole'}"]))
     killed = tmp_path / "killed"
-    env = subprocess_env()
-    env["LLMTRAIN_FAULT"] = "stall:0:4"
-    proc = launch(args + [f"run_dir={killed}"], nproc=1, env=env)
-    wait_for_step(proc, killed, 3)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after(args + [f"run_dir={killed}"], killed, 3, nproc=1)  # a sealed step-2 checkpoint
     rerun = launch(args + [f"run_dir={killed}"], nproc=1)
     out = rerun.communicate(timeout=300)[0]
     assert rerun.returncode == 0, out[-3000:]

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 
-from conftest import FAST, assert_ok, read_metrics, run_cli, run_scenarios, subprocess_env, train_rows
-from test_resume import launch, wait_for_step
+from conftest import FAST, assert_ok, read_metrics, run_cli, run_scenarios, train_rows
+from test_resume import kill_after
 
 STEPS = 4  # steps 1-2 warm up, 3-4 at the full rate; a checkpoint and an evaluation mid-run
 TOL = 1e-5
@@ -148,12 +146,7 @@ def test_first_dpo_step_is_ln2_and_rewards_zero(runs):
 @pytest.mark.parametrize("name,recipe", [("dpo_precompute", "zero3"), ("dpo_lora", "fsdp")])
 def test_sigkill_then_rerun_continues_exactly(name, recipe, runs, pairs, short_pairs, tmp_path):
     overrides = overrides_of(name, pairs, short_pairs) + [f"+recipe={recipe}", f"run_dir={tmp_path}"]
-    env = subprocess_env()
-    env["LLMTRAIN_FAULT"] = "stall:0:4"  # rank 0 waits before step 4: killed mid-run, a sealed step-2 checkpoint
-    proc = launch(overrides + ["trainer.hang_timeout_s=0"], nproc=2, env=env)
-    wait_for_step(proc, tmp_path, 3)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after(overrides + ["trainer.hang_timeout_s=0"], tmp_path, 3, nproc=2)  # a sealed step-2 checkpoint
     resumed = run_cli(overrides, nproc=2)
     assert_ok(resumed)
     assert "resuming from" in resumed.stdout + resumed.stderr

@@ -45,12 +45,25 @@ def launch(overrides: list[str], nproc: int, env: dict | None = None) -> subproc
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def stalled_after(step: int, env: dict | None = None) -> dict:
-    """``env`` (default: the tests' own) in which rank 0 stalls on entering step ``step + 1``
+def stalled_after(step: int, env: dict | None = None, rank: int = 0) -> dict:
+    """``env`` (default: the tests' own) in which ``rank`` stalls on entering step ``step + 1``
     (``LLMTRAIN_FAULT``, monitoring/watchdog.py): a kill once ``step`` is logged lands before step
     ``step + 1`` trains or saves, however busy the cores are, so a kill test needs no machine to
     itself. The rerun must use an environment without it (the stall holds on every first attempt)."""
-    return {**(env or subprocess_env()), "LLMTRAIN_FAULT": f"stall:0:{step + 1}"}
+    return {**(env or subprocess_env()), "LLMTRAIN_FAULT": f"stall:{rank}:{step + 1}"}
+
+
+def kill_after(overrides: list[str], run_dir: Path, step: int, nproc: int, env: dict | None = None,
+               rank: int = 0, timeout: float = 300) -> None:
+    """Launch ``python -m llmtrain OVERRIDES`` (under torchrun for ``nproc`` > 1) writing to
+    ``run_dir``, with ``rank`` stalled on entering step ``step + 1`` (:func:`stalled_after`), and
+    SIGKILL its process group once ``step`` is logged: killed after step ``step``, before step
+    ``step + 1`` trains or saves. Holds the cores of an ``nproc`` launch (``conftest.cores_for``)."""
+    with cores_for(nproc):
+        proc = launch(overrides, nproc=nproc, env=stalled_after(step, env, rank))
+        wait_for_step(proc, run_dir, step, timeout=timeout)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 300) -> None:
@@ -217,11 +230,7 @@ def test_sigkill_then_same_command_continues_exactly(recipe, reference, tmp_path
     env = subprocess_env()
     if recipe == "zero3" and not SHARED_DATA.is_dir():  # hh_local's file, where the downloads are not here
         env["LLMTRAIN_DATA_DIR"] = str(_hh_pairs_file(tmp_path.parent / f"{tmp_path.name}-data"))
-    with cores_for(2):
-        proc = launch(overrides, nproc=2, env=stalled_after(5, env))
-        wait_for_step(proc, tmp_path, 5)          # a checkpoint at step 4 exists, step 5 is lost
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_after(overrides, tmp_path, 5, nproc=2, env=env)  # a checkpoint at step 4 exists, step 5 is lost
     read_metrics_before_rerun = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
                                  if line.endswith("}") and "train/loss" in line]
     resumed = run_cli(overrides, nproc=2, env=env)
@@ -328,11 +337,7 @@ def test_a_rerun_names_the_unfinished_process_and_the_steps_it_redoes(tmp_path):
 @pytest.mark.slow
 def test_sigkill_of_a_packed_mixture_continues_exactly_and_counts_sources(mixture, reference, tmp_path):
     overrides = COMMON + mixture + [f"run_dir={tmp_path}"]
-    with cores_for(2):
-        proc = launch(overrides, nproc=2, env=stalled_after(5))
-        wait_for_step(proc, tmp_path, 5)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_after(overrides, tmp_path, 5, nproc=2)
     assert_ok(run_cli(overrides, nproc=2))
     got = per_step(tmp_path)
     assert [row[0] for row in got] == list(range(1, STEPS + 1))

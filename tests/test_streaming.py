@@ -11,13 +11,11 @@ training records, in order.
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 
-from conftest import FAST, make_cfg, read_metrics, subprocess_env
+from conftest import FAST, make_cfg, read_metrics
 from llmtrain.data import _split, load_splits, StepBatchSampler
 from llmtrain.models.build import byte_tokenizer
 
@@ -120,7 +118,7 @@ def test_kill_9_mid_run_and_the_same_command_continues_exactly(tmp_path):
     """A shuffled mixture of two streamed sources, one process, checkpoint every 2 steps: killed
     with SIGKILL while stalled before step 4 and launched again with the same command, it
     continues at the next sample: the losses and samples of an uninterrupted run, bit for bit."""
-    from test_resume import launch, wait_for_step
+    from test_resume import kill_after, launch
 
     from llmtrain.trainer import train
 
@@ -131,12 +129,7 @@ def test_kill_9_mid_run_and_the_same_command_continues_exactly(tmp_path):
                      "trainer.global_batch_size=4", "trainer.micro_batch_size=2"]
     train(make_cfg(args + [f"run_dir={tmp_path / 'whole'}"]))
     killed = tmp_path / "killed"
-    env = subprocess_env()
-    env["LLMTRAIN_FAULT"] = "stall:0:4"  # stalls before step 4: a sealed step-2 checkpoint, step 3 done
-    proc = launch(args + [f"run_dir={killed}"], nproc=1, env=env)
-    wait_for_step(proc, killed, 3)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after(args + [f"run_dir={killed}"], killed, 3, nproc=1)  # a sealed step-2 checkpoint, step 3 done
     rerun = launch(args + [f"run_dir={killed}"], nproc=1)
     out = rerun.communicate(timeout=300)[0]
     assert rerun.returncode == 0, out[-3000:]
@@ -169,7 +162,7 @@ def test_a_stream_saved_on_2_ranks_resumes_on_1_with_the_same_samples(tmp_path):
     """A shuffled stream trained by 2 processes (gloo), killed with SIGKILL while stalled before
     step 4 (a step-2 checkpoint), and resumed by 1 process: steps 3-6 train on the samples of an
     uninterrupted 1-process run (equal digests), with its losses up to the order of the sums."""
-    from test_resume import launch, wait_for_step
+    from test_resume import kill_after, launch
 
     from llmtrain.trainer import train
 
@@ -179,12 +172,7 @@ def test_a_stream_saved_on_2_ranks_resumes_on_1_with_the_same_samples(tmp_path):
                      "trainer.global_batch_size=4", "trainer.micro_batch_size=2", "trainer.hang_timeout_s=0"]
     train(make_cfg(args + [f"run_dir={tmp_path / 'one'}"]))
     moved = tmp_path / "moved"
-    env = subprocess_env()
-    env["LLMTRAIN_FAULT"] = "stall:0:4"
-    proc = launch(args + [f"run_dir={moved}"], nproc=2, env=env)
-    wait_for_step(proc, moved, 3)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after(args + [f"run_dir={moved}"], moved, 3, nproc=2)
     rerun = launch(args + [f"run_dir={moved}"], nproc=1)
     out = rerun.communicate(timeout=300)[0]
     assert rerun.returncode == 0, out[-3000:]

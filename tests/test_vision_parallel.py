@@ -12,15 +12,13 @@ and a step without any image (:func:`test_the_data_gives_ranks_without_images`).
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FAST, assert_ok, make_cfg, read_metrics, run_cli, run_scenarios, subprocess_env
+from conftest import FAST, assert_ok, make_cfg, read_metrics, run_cli, run_scenarios
 from test_vision import QUESTION, record, write_dataset
 
 STEPS = 6
@@ -131,13 +129,10 @@ def test_sigkill_then_rerun_continues_exactly(runs, data_file, tmp_path):
     """fsdp on 2 ranks held at step 6 (``LLMTRAIN_FAULT=stall``) after the step-4 checkpoint,
     SIGKILLed, and the same command run again: every step's loss, learning rate and samples are
     the uninterrupted run's, bit for bit."""
-    from test_resume import launch, per_step, wait_for_step
+    from test_resume import kill_after, per_step
 
     overrides = COMMON + [f"data.path={data_file}"] + TWO + ["+recipe=fsdp", f"run_dir={tmp_path}"]
-    proc = launch(overrides, nproc=2, env={**subprocess_env(), "LLMTRAIN_FAULT": "stall:1:6"})
-    wait_for_step(proc, tmp_path, 5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_after(overrides, tmp_path, 5, nproc=2, rank=1)
     assert (tmp_path / "checkpoints" / "step_4").is_dir() and not (tmp_path / "hf").exists()
     assert_ok(run_cli(overrides, nproc=2))
     got = per_step(tmp_path)
