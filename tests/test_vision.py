@@ -42,6 +42,15 @@ def write_dataset(folder: Path, records: list[dict] | None = None, n: int = 8) -
     return path
 
 
+def cross_entropy_by_hand(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean over target tokens of -log softmax(next-token logits)[label] in float64, and the
+    target mask (labels[:, 1:] != -100): a loss written out, beside the model's and ours."""
+    logp = torch.log_softmax(logits[:, :-1].double(), -1)
+    mask = labels[:, 1:] != -100
+    picked = logp.gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
+    return -(picked * mask).sum() / mask.sum(), mask
+
+
 def loaded(model: str, path: Path, *extra: str):
     """(config, tokenizer, splits) of ``model`` on the vision chat data at ``path``."""
     from llmtrain import data
@@ -89,11 +98,7 @@ def test_loss_equals_the_models_own_on_the_same_batch_and_the_images_reach_the_f
         objective = CausalLM()
         ours = objective.loss_sums(logits, batch).loss / objective.normaliser(batch)
         theirs = model(**model_inputs(batch), labels=batch["labels"]).loss
-        # By hand: mean over the target tokens of -log softmax(next-token logits)[label].
-        logp = torch.log_softmax(logits[:, :-1].double(), -1)
-        mask = batch["labels"][:, 1:] != -100
-        picked = logp.gather(-1, batch["labels"][:, 1:].clamp(min=0)[..., None])[..., 0]
-        by_hand = -(picked * mask).sum() / mask.sum()
+        by_hand, mask = cross_entropy_by_hand(logits, batch["labels"])
         # Other pixels (not zeros: Idefics3 drops all-zero images as padding).
         blank = model(**model_inputs({**batch, "pixel_values": batch["pixel_values"] + 0.5})).logits
     assert torch.allclose(ours, theirs, atol=1e-5) and torch.allclose(ours.double(), by_hand, atol=1e-5)
@@ -125,10 +130,7 @@ def test_gemma3_loss_equals_the_models_own_and_image_tokens_attend_both_ways(tmp
         objective = CausalLM()
         ours = objective.loss_sums(logits, batch).loss / objective.normaliser(batch)
         theirs = model(**model_inputs(batch), labels=batch["labels"]).loss
-        logp = torch.log_softmax(logits[:, :-1].double(), -1)
-        mask = batch["labels"][:, 1:] != -100
-        picked = logp.gather(-1, batch["labels"][:, 1:].clamp(min=0)[..., None])[..., 0]
-        by_hand = -(picked * mask).sum() / mask.sum()
+        by_hand, mask = cross_entropy_by_hand(logits, batch["labels"])
         explicit = model(**model_inputs(batch), token_type_ids=image.long()).logits  # what the processor gives
         causal = model(**model_inputs(batch), token_type_ids=torch.zeros_like(batch["input_ids"])).logits
     assert torch.allclose(ours, theirs, atol=1e-5) and torch.allclose(ours.double(), by_hand, atol=1e-5)
