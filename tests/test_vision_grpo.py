@@ -172,7 +172,10 @@ def test_the_image_token_is_never_sampled(model, image):
     image-text model suppresses it, greedy or sampled, as transformers' SuppressTokensLogitsProcessor."""
     from llmtrain.models.build import build_tokenizer
     from llmtrain.rollout import build_sampler
-    from llmtrain.rollout.generate import Sampling, next_token
+    from llmtrain.rollout.generate import Sampling, choose
+
+    def next_token(logits, sampling, generator):  # one row of the batched draw
+        return int(choose(logits[None], sampling, [generator])[0])
 
     cfg = make_cfg([a for a in overrides(Path("unused.jsonl"), Path("run")) if not a.startswith("model=")]
                    + [f"model={model}"])

@@ -93,11 +93,6 @@ def choose(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Gene
     return greedy
 
 
-def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    """One token from fp32 ``logits`` ``[vocab]`` (CPU) under ``sampling``: :func:`choose` of one row."""
-    return int(choose(logits[None], sampling, [generator])[0])
-
-
 @dataclass
 class Completion:
     """A sampled completion: its token ids, whether ``max_new`` cut it short, and (from engines

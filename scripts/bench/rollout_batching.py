@@ -27,22 +27,12 @@ from types import SimpleNamespace
 
 import benchlib
 import torch
+from rollout import smollm2_shaped  # scripts/bench/rollout.py's model, the same job's shape
 
 from llmtrain.rollout.engines import PolicySampler
 from llmtrain.rollout.generate import Sampling
 
 MODES = ("before", "after")
-
-
-def smollm2_shaped() -> torch.nn.Module:
-    """A Llama with SmolLM2-135M's shape (30 layers, hidden 576, 9 heads / 3 KV heads, 49152 vocab)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                         tie_word_embeddings=True)
-    return LlamaForCausalLM(config).eval()
 
 
 def old_generate(rev: str, work: Path):
