@@ -179,7 +179,7 @@ class Trainer:
         if self.objective.online:  # so does a step's sampling (llmtrain.rollout.rollout: the step is dropped)
             self.batches.stop_when = self.micro_batches.stop_when
         self.checkpointer = Checkpointer(self.checkpoints, self.engine, self.tracker, self.preemption, cfg,
-                                         self.config_yaml, self.env.world_size)
+                                         self.config_yaml, self.env.world_size, self.resume_from)
         self.task_evals = self._setup_task_evals()
         self.progress = console.Progress(self.t.progress_bar and self.env.is_main, self.t.max_steps, self.state.step,
                                          self.t.log_every)
@@ -212,9 +212,9 @@ class Trainer:
             try:
                 result = self.train_step(step)
             except DataError as err:  # mid-run: the data could not be read (a store that stays down)
-                raise self.checkpointer.stopped_by_data(err, step + 1, self.resume_from) from err
+                raise self.checkpointer.stopped_by_data(err, step + 1) from err
             except SamplingInterrupted:  # preempted while the step sampled: dropped, the last step's end saved
-                self.checkpointer.save_between_steps(self.state, str(self.resume_from) if self.resume_from else None)
+                self.checkpointer.save_between_steps(self.state)
                 self.summary["preempted_at"] = self.state.step  # close() says so, last
                 break
             self.watchdog.set("log")
@@ -230,7 +230,7 @@ class Trainer:
                     moe.write_expert_load(self.run_dir, self.state.step, self.engine.moe_shape, self.state.expert_load)
             if not result.healthy:  # trainer.nonfinite: skip, stop after the last healthy checkpoint, or raise
                 on_nonfinite(self.t, result.step, result.loss, result.grad_norm, result.spike, self.skipped_in_a_row,
-                             self.checkpointer.latest or (str(self.resume_from) if self.resume_from else None),
+                             self.checkpointer.last_counted,
                              lambda: self._close_outputs(complete=False))
             check_optimizer_steps(self.engine, self.state)
             self.watchdog.set("checkpoint")

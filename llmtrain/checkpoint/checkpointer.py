@@ -36,10 +36,11 @@ class Checkpointer:
     checkpoint are never logged twice across a crash)."""
 
     def __init__(self, manager: CheckpointManager, engine, tracker: Tracker, preemption: Preemption,
-                 cfg: Any, config_yaml: str, world_size: int):
+                 cfg: Any, config_yaml: str, world_size: int, resumed_from: str | Path | None = None):
         self.manager, self.engine, self.tracker, self.preemption = manager, engine, tracker, preemption
         self.t, self.config_yaml, self.world_size = cfg.trainer, config_yaml, world_size
-        self.latest: str | None = None  # the newest counted checkpoint
+        self.latest: str | None = None  # the newest counted checkpoint this process saved
+        self.resumed_from = str(resumed_from) if resumed_from is not None else None
         self.stalls_s: list[list[float]] = []  # [step, seconds the loop waited for its save] per save
         self.on_counted: list[Callable[[int, Path], None]] = []  # called (step, folder) once a checkpoint counts
         self.also_due: Callable[[int], bool] = lambda step: False  # other components' checkpoint steps
@@ -66,7 +67,13 @@ class Checkpointer:
         self.stalls_s.append([state.step, stall])
         state.checkpoint_s += stall
 
-    def save_between_steps(self, state: TrainState, resumed_from: str | None) -> None:
+    @property
+    def last_counted(self) -> str | None:
+        """The checkpoint the same command continues from now: the newest this process saved,
+        else the one it resumed from (None: neither)."""
+        return self.latest or self.resumed_from
+
+    def save_between_steps(self, state: TrainState) -> None:
         """A preemption that dropped a step before it trained (its sampling stopped: ``state`` is
         that of the end of the last finished step): the background write in flight sealed, then
         ``state`` saved as a preemption at that step's end saves it, unless a checkpoint of it
@@ -74,7 +81,7 @@ class Checkpointer:
         trained. Collective call."""
         if sealed := self.manager.finish_background():
             self._commit(sealed)
-        counted = self.latest or resumed_from
+        counted = self.last_counted
         if state.step == 0 or (counted is not None and step_of(Path(counted)) == state.step):
             return
         self.save(state, background=False)
@@ -102,10 +109,10 @@ class Checkpointer:
         for counted in self.on_counted:
             counted(step_of(sealed), sealed)
 
-    def stopped_by_data(self, err: Exception, step: int, resume_from: str | None) -> DataError:
+    def stopped_by_data(self, err: Exception, step: int) -> DataError:
         """The error that ends a run whose data could not be read in ``step`` (1-based; a store
         that stays down): ``err`` and the checkpoint the same command continues from."""
-        latest = self.latest or resume_from
+        latest = self.last_counted
         return DataError(f"{err}; stopped in step {step}, " + (
             f"the last checkpoint {latest} stands: the same command continues from it once the data can be read"
             if latest else "before any checkpoint: the same command starts again"))
