@@ -273,15 +273,21 @@ def encode_image_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, 
     return datasets.Dataset.from_dict(rows, features=features), counts
 
 
-def refuse_packing(data_cfg: Any) -> None:
-    """Packing several image-text samples into one row is not supported yet.
+def refuse_packing(data_cfg: Any, tokenizer: Any) -> None:
+    """Image-text samples are packed (``data.packing=true``) for the families whose packed rows are
+    tested to equal their unpacked samples (:data:`llmtrain.models.packed_vision.PACKED_PROCESSORS`).
 
     Raises:
-        ConfigError: ``data.packing=true`` with image-text data.
+        ConfigError: ``data.packing=true`` with image-text data for another family's processor.
     """
-    if data_cfg.packing:
-        raise ConfigError("data.packing=true: image-text samples are not packed yet (each row's images must stay "
-                          "with its tokens); set data.packing=false")
+    from llmtrain.models.packed_vision import PACKED_PROCESSORS
+
+    processor = processor_of(tokenizer)
+    name = type(processor).__name__
+    if data_cfg.packing and processor is not None and name not in PACKED_PROCESSORS:
+        raise ConfigError(f"data.packing=true: image-text samples are packed for {', '.join(PACKED_PROCESSORS.values())} "
+                          f"models only, not this model's {name} (its positions and attention across packed samples "
+                          "are not checked); set data.packing=false")
 
 
 def refuse_image_pairs(data_cfg: Any, unpaired: bool) -> None:
