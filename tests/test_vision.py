@@ -145,10 +145,10 @@ def test_gemma3_loss_equals_the_models_own_and_image_tokens_attend_both_ways(tmp
 @pytest.mark.parametrize("rows, message", [
     ([record("images/missing.png", "red")], "line 1: field 'images': image {folder}/images/missing.png does not exist"),
     ([record("train.jsonl", "red")], "line 1: field 'images': image {folder}/train.jsonl cannot be read"),
-    ([record(["images/red.png"], "red", parts=2)], "line 1: 2 image part(s) in field 'messages' but 1 path(s) in "
+    ([record(["images/red.png"], "red", parts=2)], "line 1: 2 image part(s) in field 'messages' but 1 image(s) in "
                                                    "field 'images'"),
     ([record(["images/red.png", "images/blue.png"], "red")], "line 1: 1 image part(s) in field 'messages' but 2 "
-                                                             "path(s) in field 'images'"),
+                                                             "image(s) in field 'images'"),
 ])
 def test_bad_records_are_data_errors_naming_the_line_and_field(rows, message, tmp_path):
     from llmtrain.common.errors import DataError
