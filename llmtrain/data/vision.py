@@ -1,12 +1,17 @@
-"""Image-text conversations (TRL's conversational vision layout) -> samples, and their collator.
+"""Image-text conversations (TRL's conversational vision layout, or LLaMA-Factory's) -> samples, and
+their collator.
 
 A record holds ``messages`` whose ``content`` is a string or a list of parts, ``{"type": "text",
-"text": ...}`` and ``{"type": "image"}``, and an ``images`` column: the paths of the record's
-images, one per image part in order, relative to the data file's folder (or absolute)::
+"text": ...}`` and ``{"type": "image"}``, and an ``images`` column: the record's images, one per
+image part in order (paths relative to the data file's folder or absolute, bytes, ``{"bytes",
+"path"}`` dicts or PIL images: :mod:`llmtrain.data.image_refs`)::
 
     {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which digit?"}]},
                   {"role": "assistant", "content": [{"type": "text", "text": "7"}]}],
      "images": ["images/0007.png"]}
+
+LLaMA-Factory's layout writes the images as ``<image>`` placeholders in the text of ``messages``
+(or ShareGPT ``conversations``, from/value) instead: each becomes an image part.
 
 The conversation is rendered with the chat template, which writes an image part as the
 processor's placeholder (``<image>``); the processor expands each placeholder into the image's
@@ -298,12 +303,12 @@ def encode_image_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, 
 
 def refuse_packing(data_cfg: Any, tokenizer: Any) -> None:
     """Image-text samples are packed (``data.packing=true``) for the families whose packed rows are
-    tested to equal their unpacked samples (:data:`llmtrain.models.packed_vision.PACKED_PROCESSORS`).
+    tested to equal their unpacked samples (:data:`llmtrain.common.images.PACKED_PROCESSORS`).
 
     Raises:
         ConfigError: ``data.packing=true`` with image-text data for another family's processor.
     """
-    from llmtrain.models.packed_vision import PACKED_PROCESSORS
+    from llmtrain.common.images import PACKED_PROCESSORS
 
     processor = processor_of(tokenizer)
     name = type(processor).__name__

@@ -17,7 +17,8 @@ pre-hook that acts only on packed forwards (2-D ``position_ids`` and no ``attent
   The hook builds both masks itself with ``create_causal_mask`` at the row's own indices:
   (causal OR same image block) AND same sample (AND the sliding window).
 
-Other families are not packed with images (:data:`PACKED_PROCESSORS`, refused by the data).
+Other families are not packed with images (:data:`llmtrain.common.images.PACKED_PROCESSORS`, refused by
+the data).
 """
 
 from __future__ import annotations
@@ -27,11 +28,6 @@ from typing import Any, Callable
 import torch
 
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-# Processors of the image-text families whose packed rows equal their unpacked samples (tested to
-# 1e-5 in fp32, tests/test_vision_packing.py; Qwen2.5-VL shares Qwen2-VL's get_rope_index): the
-# data refuse packing for any other (llmtrain.data.vision.refuse_packing).
-PACKED_PROCESSORS = {"Idefics3Processor": "Idefics3", "LlavaProcessor": "LLaVA", "Gemma3Processor": "Gemma 3",
-                     "Qwen2VLProcessor": "Qwen2-VL", "Qwen2_5_VLProcessor": "Qwen2.5-VL"}
 
 
 def is_packed(kwargs: dict) -> bool:
