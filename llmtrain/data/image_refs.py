@@ -43,7 +43,7 @@ def undecoded(records: Any, column: str) -> Any:
     return records
 
 
-def _cached(data: bytes, where: str) -> Path:
+def _cached(data: bytes) -> Path:
     """The content-addressed cache file of ``data`` (written once, atomically)."""
     path = IMAGE_CACHE / hashlib.sha256(data).hexdigest()
     if not path.is_file():
@@ -64,7 +64,7 @@ def _checked_bytes(data: bytes, where: str) -> Path:
         raise DataError(f"{where}: {len(data)} bytes that are not an image PIL reads (no known image format)") from None
     except (OSError, SyntaxError) as err:
         raise DataError(f"{where}: {len(data)} bytes that are not an image PIL reads: {err}") from None
-    return _cached(data, where)
+    return _cached(data)
 
 
 def _pil_bytes(image: Any) -> bytes:
@@ -95,7 +95,7 @@ def image_path(value: Any, base: Path, where: str) -> Path:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return _checked_bytes(bytes(value), where)
     if isinstance(value, Image.Image):
-        return _cached(_pil_bytes(value), where)
+        return _cached(_pil_bytes(value))
     raise DataError(f"{where}: an image is a path, a {{'bytes': ..., 'path': ...}} dict, bytes or a PIL image, got "
                     f"{type(value).__name__} {value!r:.60}")
 
