@@ -186,7 +186,8 @@ def test_packing_images_of_another_family_is_refused_naming_its_processor():
         pass
 
     tokenizer = attach(SimpleNamespace(), MllamaProcessor())
-    with pytest.raises(ConfigError, match=r"^data.packing=true: image-text samples are packed for Idefics3, LLaVA, "
-                                          r"Gemma 3, Qwen2-VL, Qwen2.5-VL models only, not this model's MllamaProcessor"):
+    said = (r"^data.packing=true: image-text samples are packed for Idefics3, LLaVA, Gemma 3, Qwen2-VL, Qwen2.5-VL "
+            r"models only, not this model's MllamaProcessor")
+    with pytest.raises(ConfigError, match=said):
         refuse_packing(SimpleNamespace(packing=True), tokenizer)
     refuse_packing(SimpleNamespace(packing=False), tokenizer)

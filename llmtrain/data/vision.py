@@ -36,11 +36,11 @@ from llmtrain.data.formats import (ChatEncoder, MESSAGE_ROLES, chat_field, conve
 from llmtrain.data.image_refs import image_paths, undecoded  # noqa: F401  (image_paths: public here too)
 from llmtrain.data.order import Collator
 from llmtrain.data.sources import record_errors
-from llmtrain.common.images import IMAGE_INPUTS, image_token_id, processor_of
+from llmtrain.common.images import IMAGE_INPUTS, PACKED_PROCESSORS, image_token_id, processor_of
 
 
 def images_column(records: Any, src: Any) -> str | None:
-    """The column of image paths of a chat source: ``columns.images`` when mapped, else
+    """The column of images of a chat source: ``columns.images`` when mapped, else
     ``images`` when the records have it; None: a text-only chat source."""
     from llmtrain.config.schema import mapped_columns
 
@@ -308,14 +308,13 @@ def refuse_packing(data_cfg: Any, tokenizer: Any) -> None:
     Raises:
         ConfigError: ``data.packing=true`` with image-text data for another family's processor.
     """
-    from llmtrain.common.images import PACKED_PROCESSORS
-
     processor = processor_of(tokenizer)
     name = type(processor).__name__
     if data_cfg.packing and processor is not None and name not in PACKED_PROCESSORS:
-        raise ConfigError(f"data.packing=true: image-text samples are packed for {', '.join(PACKED_PROCESSORS.values())} "
-                          f"models only, not this model's {name} (its positions and attention across packed samples "
-                          "are not checked); set data.packing=false")
+        families = ", ".join(PACKED_PROCESSORS.values())
+        raise ConfigError(f"data.packing=true: image-text samples are packed for {families} models only, not this "
+                          f"model's {name} (its positions and attention across packed samples are not checked); "
+                          "set data.packing=false")
 
 
 def refuse_image_pairs(data_cfg: Any, unpaired: bool) -> None:
