@@ -145,10 +145,10 @@ def test_gemma3_loss_equals_the_models_own_and_image_tokens_attend_both_ways(tmp
 @pytest.mark.parametrize("rows, message", [
     ([record("images/missing.png", "red")], "line 1: field 'images': image {folder}/images/missing.png does not exist"),
     ([record("train.jsonl", "red")], "line 1: field 'images': image {folder}/train.jsonl cannot be read"),
-    ([record(["images/red.png"], "red", parts=2)], "line 1: 2 image part(s) in field 'messages' but 1 path(s) in "
+    ([record(["images/red.png"], "red", parts=2)], "line 1: 2 image part(s) in field 'messages' but 1 image(s) in "
                                                    "field 'images'"),
     ([record(["images/red.png", "images/blue.png"], "red")], "line 1: 1 image part(s) in field 'messages' but 2 "
-                                                             "path(s) in field 'images'"),
+                                                             "image(s) in field 'images'"),
 ])
 def test_bad_records_are_data_errors_naming_the_line_and_field(rows, message, tmp_path):
     from llmtrain.common.errors import DataError
@@ -159,14 +159,12 @@ def test_bad_records_are_data_errors_naming_the_line_and_field(rows, message, tm
     assert str(err.value).startswith(f"data.path: {path} " + message.format(folder=tmp_path)), str(err.value)
 
 
-def test_images_for_a_text_only_model_and_packing_are_refused_and_text_only_records_are_chat(tmp_path):
-    from llmtrain.common.errors import ConfigError, DataError
+def test_images_for_a_text_only_model_are_refused_and_text_only_records_are_chat(tmp_path):
+    from llmtrain.common.errors import DataError
 
     path = write_dataset(tmp_path)
     with pytest.raises(DataError, match=r"line 1: field 'images' holds 1 image\(s\), and the model is text-only"):
         loaded("tiny_llama", path, "data.template=chatml")
-    with pytest.raises(ConfigError, match="data.packing=true: image-text samples are not packed yet"):
-        loaded("tiny_llava", path, "data.packing=true")
     # The same layout without images is plain chat for a text-only model.
     chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
                          {"role": "assistant", "content": "yo"}], "images": []}

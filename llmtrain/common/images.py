@@ -13,6 +13,12 @@ from typing import Any
 # input_ids/attention_mask: the engines pass those a batch holds (llmtrain.engine.base.model_inputs).
 IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes")
 _PROCESSOR_ATTR = "_llmtrain_processor"
+# Processors of the image-text families whose packed rows equal their unpacked samples (tested to
+# 1e-5 in fp32, tests/test_vision_packing.py; Qwen2.5-VL shares Qwen2-VL's get_rope_index, and
+# llmtrain.models.packed_vision hooks the families that need more than 1-D positions): the data
+# refuse packing for any other (llmtrain.data.vision.refuse_packing).
+PACKED_PROCESSORS = {"Idefics3Processor": "Idefics3", "LlavaProcessor": "LLaVA", "Gemma3Processor": "Gemma 3",
+                     "Qwen2VLProcessor": "Qwen2-VL", "Qwen2_5_VLProcessor": "Qwen2.5-VL"}
 
 
 def processor_of(tokenizer: Any) -> Any | None:

@@ -49,7 +49,7 @@ class ColumnsConfig:
     margin: Optional[str] = None
     label: Optional[str] = None
     answer: Optional[str] = None  # format prompts: the reference answers (reward gsm8k)
-    images: Optional[str] = None  # format chat: image paths of each record (llmtrain.data.vision)
+    images: Optional[str] = None  # format chat: each record's images (paths, bytes, ...: llmtrain.data.image_refs)
 
 
 def mapped_columns(columns: Any) -> dict[str, str]:

@@ -252,7 +252,7 @@ def _load_source(src: Any, key: str, data_cfg: Any, tokenizer: Any, seed: int, u
         if src.format == "preference":
             return encode_pairs(records, src, data_cfg, tokenizer, key, where)
         if src.format == "chat" and images_column(records, src) is not None:  # TRL's vision layout
-            refuse_packing(data_cfg)
+            refuse_packing(data_cfg, tokenizer)
             return encode_image_records(records, src, data_cfg, tokenizer, key, where,
                                         column(records, src, "images", key, "chat (with images)", where))
         return encode_records(records, src, data_cfg, tokenizer, key, where)

@@ -234,22 +234,30 @@ def pack(lengths: Sequence[int], seq_len: int, window: int = 64) -> list[list[in
 def packed_samples(samples: Any, seq_len: int) -> Any:
     """Rows of packed samples (``input_ids``, ``labels``, ``position_ids``) as a
     ``datasets.Dataset``. Positions restart at 0 for each sample, and each sample's first label is
-    -100, as it is unpacked (no token predicts across a sample boundary)."""
+    -100, as it is unpacked (no token predicts across a sample boundary). Image-text samples
+    (an ``images`` column of image references) give each row its members' images in row order,
+    the order of their image tokens, which is how the model's forward pairs features with tokens."""
     from llmtrain.common import lazy_datasets
 
     datasets = lazy_datasets.module()
 
     all_ids, all_labels = samples["input_ids"], samples["labels"]
+    all_images = samples["images"] if "images" in samples.column_names else None
     out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+    if all_images is not None:
+        out["images"] = []
     for members in pack([len(ids) for ids in all_ids], seq_len):
-        ids, labels, positions = [], [], []
+        ids, labels, positions, images = [], [], [], []
         for i in members:
             ids += all_ids[i]
             labels += [IGNORE_INDEX] + all_labels[i][1:]
             positions += range(len(all_ids[i]))
+            images += all_images[i] if all_images is not None else []
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["position_ids"].append(positions)
+        if all_images is not None:
+            out["images"].append(images)
     return datasets.Dataset.from_dict(out)
 
 

@@ -1,12 +1,17 @@
-"""Image-text conversations (TRL's conversational vision layout) -> samples, and their collator.
+"""Image-text conversations (TRL's conversational vision layout, or LLaMA-Factory's) -> samples, and
+their collator.
 
 A record holds ``messages`` whose ``content`` is a string or a list of parts, ``{"type": "text",
-"text": ...}`` and ``{"type": "image"}``, and an ``images`` column: the paths of the record's
-images, one per image part in order, relative to the data file's folder (or absolute)::
+"text": ...}`` and ``{"type": "image"}``, and an ``images`` column: the record's images, one per
+image part in order (paths relative to the data file's folder or absolute, bytes, ``{"bytes",
+"path"}`` dicts or PIL images: :mod:`llmtrain.data.image_refs`)::
 
     {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which digit?"}]},
                   {"role": "assistant", "content": [{"type": "text", "text": "7"}]}],
      "images": ["images/0007.png"]}
+
+LLaMA-Factory's layout writes the images as ``<image>`` placeholders in the text of ``messages``
+(or ShareGPT ``conversations``, from/value) instead: each becomes an image part.
 
 The conversation is rendered with the chat template, which writes an image part as the
 processor's placeholder (``<image>``); the processor expands each placeholder into the image's
@@ -26,14 +31,16 @@ import torch
 
 from llmtrain.common.errors import ConfigError, DataError
 from llmtrain.common.labels import IGNORE_INDEX
-from llmtrain.data.formats import ChatEncoder, MESSAGE_ROLES, chat_field, render, template_name, uses_chat_template
+from llmtrain.data.formats import (ChatEncoder, MESSAGE_ROLES, chat_field, conversation, render, template_name,
+                                   uses_chat_template)
+from llmtrain.data.image_refs import image_paths, undecoded  # noqa: F401  (image_paths: public here too)
 from llmtrain.data.order import Collator
 from llmtrain.data.sources import record_errors
-from llmtrain.common.images import IMAGE_INPUTS, image_token_id, processor_of
+from llmtrain.common.images import IMAGE_INPUTS, PACKED_PROCESSORS, image_token_id, processor_of
 
 
 def images_column(records: Any, src: Any) -> str | None:
-    """The column of image paths of a chat source: ``columns.images`` when mapped, else
+    """The column of images of a chat source: ``columns.images`` when mapped, else
     ``images`` when the records have it; None: a text-only chat source."""
     from llmtrain.config.schema import mapped_columns
 
@@ -79,6 +86,39 @@ def parts_conversation(record: dict, field: str, where: str) -> tuple[list[dict]
     return out, images
 
 
+# LLaMA-Factory's image placeholder in a turn's text (its IMAGE_PLACEHOLDER default): one per image, in order.
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def placeholder_parts(turns: list[dict]) -> tuple[list[dict], int]:
+    """``turns`` with each string content that holds :data:`IMAGE_PLACEHOLDER` split into
+    ``text``/``image`` parts (LLaMA-Factory's layout: ``"<image>Which digit?"`` is an image part,
+    then the text), and the number of placeholders; list contents are left as they are."""
+    out, count = [], 0
+    for turn in turns:
+        content = turn["content"]
+        if isinstance(content, str) and IMAGE_PLACEHOLDER in content:
+            pieces = content.split(IMAGE_PLACEHOLDER)
+            count += len(pieces) - 1
+            parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+            for piece in pieces[1:]:
+                parts += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
+            turn = {**turn, "content": parts}
+        out.append(turn)
+    return out, count
+
+
+def count_mismatch(at: str, counts: tuple[int, int], field: str, images: int, column: str) -> DataError:
+    """The one-line error of a record whose image parts and ``<image>`` placeholders (``counts``)
+    are not its number of images."""
+    parts, placeholders = counts
+    said = [f"{parts} image part(s)"] * bool(parts) + [f"{placeholders} {IMAGE_PLACEHOLDER} placeholder(s)"] * bool(
+        placeholders)
+    return DataError(f"{at}: {' and '.join(said) or 'no image part or ' + IMAGE_PLACEHOLDER + ' placeholder'} in field "
+                     f"{field!r} but {images} image(s) in field {column!r}; each {{'type': 'image'}} part or "
+                     f"{IMAGE_PLACEHOLDER} needs one image, in order")
+
+
 def load_image(path: Path, where: str, field: str):
     """The RGB image at ``path`` (PIL).
 
@@ -97,28 +137,12 @@ def load_image(path: Path, where: str, field: str):
         raise DataError(f"{where}: field {field!r}: image {path} cannot be read: {err}") from None
 
 
-def image_paths(value: Any, base: Path, where: str, field: str) -> list[Path]:
-    """A record's image paths (``value``: a list of strings, or None), relative ones under ``base``.
-
-    Raises:
-        DataError: ``value`` is not a list of strings (naming ``where`` and ``field``).
-    """
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise DataError(f"{where}: field {field!r} must be a list of image paths, got {value!r:.80}")
-    return [Path(v).expanduser() if Path(v).expanduser().is_absolute() else base / v for v in value]
-
-
 class ImageChatEncoder:
     """``(record, index) -> (input_ids, labels, image paths) | None`` of one image-text
     conversation (None: no assistant turn), for :func:`encode_image_records`."""
 
     def __init__(self, records: Any, src: Any, data_cfg: Any, tokenizer: Any, key: str, where: str, images: str):
-        self.field, layout = chat_field(records, src, key, where)
-        if layout != "messages":
-            raise DataError(f"{where}: images go with the OpenAI messages layout (role/content parts), not "
-                            f"{layout}")
+        self.field, self.layout = chat_field(records, src, key, where)
         self.images, self.where, self.tokenizer, self.data_cfg = images, where, tokenizer, data_cfg
         self.processor = processor_of(tokenizer)
         self.chat: ChatEncoder | None = None
@@ -138,15 +162,18 @@ class ImageChatEncoder:
 
     def __call__(self, record: dict, i: int) -> tuple[list[int], list[int], list[str]] | None:
         at = f"{self.where} record {i}"
-        turns, placeholders = parts_conversation(record, self.field, at)
+        if self.layout == "sharegpt":  # from/value turns of strings
+            turns, parts = conversation(record, self.field, self.layout, at), 0
+        else:
+            turns, parts = parts_conversation(record, self.field, at)
+        turns, placeholders = placeholder_parts(turns)
         paths = image_paths(record.get(self.images), self.base, at, self.images)
         if paths and self.processor is None:
             raise DataError(f"{at}: field {self.images!r} holds {len(paths)} image(s), and the model is text-only "
                             "(no image processor); use an image-text model (e.g. model=tiny_idefics3) or drop "
                             "the images")
-        if placeholders != len(paths):
-            raise DataError(f"{at}: {placeholders} image part(s) in field {self.field!r} but {len(paths)} path(s) in "
-                            f"field {self.images!r}; each {{'type': 'image'}} part needs one image, in order")
+        if parts + placeholders != len(paths):
+            raise count_mismatch(at, (parts, placeholders), self.field, len(paths), self.images)
         if not any(t["role"] == "assistant" for t in turns):
             return None
         if self.processor is None:  # a text-only model and records without images: plain chat
@@ -240,6 +267,7 @@ def encode_image_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, 
     from llmtrain.common import lazy_datasets
     from llmtrain.data.formats import fit_to_length
 
+    records = undecoded(records, images)  # datasets.Image columns: their bytes or paths, not decoded pixels
     encode = ImageChatEncoder(records, src, data_cfg, tokenizer, key, where, images)
     processor = processor_of(tokenizer)
     image_ids = set() if processor is None else {image_token_id(processor)}
@@ -273,15 +301,20 @@ def encode_image_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, 
     return datasets.Dataset.from_dict(rows, features=features), counts
 
 
-def refuse_packing(data_cfg: Any) -> None:
-    """Packing several image-text samples into one row is not supported yet.
+def refuse_packing(data_cfg: Any, tokenizer: Any) -> None:
+    """Image-text samples are packed (``data.packing=true``) for the families whose packed rows are
+    tested to equal their unpacked samples (:data:`llmtrain.common.images.PACKED_PROCESSORS`).
 
     Raises:
-        ConfigError: ``data.packing=true`` with image-text data.
+        ConfigError: ``data.packing=true`` with image-text data for another family's processor.
     """
-    if data_cfg.packing:
-        raise ConfigError("data.packing=true: image-text samples are not packed yet (each row's images must stay "
-                          "with its tokens); set data.packing=false")
+    processor = processor_of(tokenizer)
+    name = type(processor).__name__
+    if data_cfg.packing and processor is not None and name not in PACKED_PROCESSORS:
+        families = ", ".join(PACKED_PROCESSORS.values())
+        raise ConfigError(f"data.packing=true: image-text samples are packed for {families} models only, not this "
+                          f"model's {name} (its positions and attention across packed samples are not checked); "
+                          "set data.packing=false")
 
 
 def refuse_image_pairs(data_cfg: Any, unpaired: bool) -> None:
