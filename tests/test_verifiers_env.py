@@ -162,3 +162,21 @@ def test_a_factory_that_gives_no_verifiers_environment_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="verifiers cannot load 'no_such_env'"):
         load(None, "verifiers:no_such_env")
     assert messages_as_dicts([vf.UserMessage(content="hi")]) == [{"role": "user", "content": "hi"}]
+
+
+def test_the_prompts_script_writes_the_environments_dataset(tmp_path, capsys):
+    """scripts/tools/verifiers_prompts.py: the environment's own prompts (its system prompt
+    included) and answers, as the data=prompts file the training tests read."""
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "scripts" / "tools"))
+    from verifiers_prompts import main
+
+    assert main(["verifiers_fixtures:single_turn", str(tmp_path / "p.jsonl"), "--size", "3"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert rows == [{"prompt": [{"role": "system", "content": fx.SYSTEM}, {"role": "user", "content": f"What is {i} + {i}?"}],
+                     "answer": str(2 * i), "example_id": i} for i in range(3)]
+    assert main(["no_such_env", str(tmp_path / "q.jsonl")]) == 2
+    assert "verifiers cannot load 'no_such_env'" in capsys.readouterr().err
