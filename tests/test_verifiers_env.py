@@ -95,6 +95,34 @@ def test_the_turn_and_token_limits_end_an_episode_as_verifiers_ends_an_overlong_
     assert short.truncated and len(short.ids) == 8 and short.turns == 1
 
 
+# The single-turn environment by module:function, the multi-turn one as an installed
+# environment's id (vf.load_environment imports the module of that name).
+SPECS = {"single_turn": "tests.verifiers_fixtures:single_turn", "multi_turn": "verifiers:verifiers_fixtures"}
+
+
+def _overrides(data, which: str, run_dir) -> list[str]:
+    return ["objective=grpo", "data=prompts", f"data.path={data}", "data.template=chatml", "data.seq_len=224",
+            "reward.functions=[]", "rollout.max_completion_length=96", f"rollout.environment={SPECS[which]}",
+            "objective.num_generations=4", "trainer.global_batch_size=2", "trainer.micro_batch_size=1",
+            "rollout.log_completions=8", "trainer.max_steps=3", "trainer.eval_every=3", "trainer.eval_samples=2",
+            "tracker=none", "trainer.progress_bar=false", "trainer.export_hf=false", f"run_dir={run_dir}"]
+
+
+@pytest.mark.parametrize("vf_error", [False, True])
+def test_an_environment_that_raises_stops_the_rollout_naming_it(vf_error):
+    """A plain exception out of env_response, or the verifiers error verifiers' loop keeps in the
+    episode's state, is an EnvironmentFailure naming the environment (no episode left waiting)."""
+    from llmtrain.rollout.environments import EnvironmentFailure
+
+    tok = _tokenizer()
+    env = fx.broken(vf_error)
+    wrapped = VerifiersEnvironment(None, env)
+    with pytest.raises(EnvironmentFailure, match="rollout.environment Broken .*the tool is down"):
+        wrapped.episodes(_Scripted(tok), _POLICY, _samples(env, tok), [[1, 2], [3, 4]], max_turns=4, budget=200,
+                         tokenizer=tok)
+    assert not asyncio.all_tasks(wrapped.loop)
+
+
 def _train(tmp_path, which: str) -> tuple[dict, list[dict]]:
     from conftest import make_cfg
     from llmtrain.trainer import train
@@ -102,15 +130,15 @@ def _train(tmp_path, which: str) -> tuple[dict, list[dict]]:
     data = tmp_path / f"{which}.jsonl"
     write_prompts(getattr(fx, which)(), data)
     run_dir = tmp_path / "run"
-    out = train(make_cfg([
-        "objective=grpo", "data=prompts", f"data.path={data}", "data.template=chatml", "data.seq_len=224",
-        "reward.functions=[]", "rollout.max_completion_length=96", f"rollout.environment=tests.verifiers_fixtures:{which}",
-        "objective.num_generations=4", "trainer.global_batch_size=2", "trainer.micro_batch_size=1",
-        "rollout.log_completions=8", "trainer.max_steps=3", "trainer.eval_every=0", "trainer.eval_samples=2",
-        "tracker=none", "trainer.progress_bar=false", "trainer.export_hf=false", f"run_dir={run_dir}"]))
+    out = train(make_cfg(_overrides(data, which, run_dir)))
     rows = [json.loads(line) for step in (1, 2, 3)
             for line in (run_dir / "completions" / f"step_{step}.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in _metrics(run_dir) if "val/reward" in r] == [0, 3]  # greedy episodes too
     return out, rows
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _rubric_score(prompt, completion, answer) -> float:
@@ -180,3 +208,41 @@ def test_the_prompts_script_writes_the_environments_dataset(tmp_path, capsys):
                      "answer": str(2 * i), "example_id": i} for i in range(3)]
     assert main(["no_such_env", str(tmp_path / "q.jsonl")]) == 2
     assert "verifiers cannot load 'no_such_env'" in capsys.readouterr().err
+
+
+def test_an_environment_without_rewards_needs_reward_functions(tmp_path):
+    from conftest import make_cfg
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.trainer import train
+
+    data = tmp_path / "p.jsonl"
+    write_prompts(fx.single_turn(), data)
+    overrides = [o if not o.startswith("rollout.environment=") else "rollout.environment=calculator"
+                 for o in _overrides(data, "single_turn", tmp_path / "run")]
+    with pytest.raises(ConfigError, match="reward.functions is empty and rollout.environment=calculator gives no "
+                                          "rewards"):
+        train(make_cfg(overrides))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_sample_the_same_episodes_as_one_process(tmp_path):
+    """Seeds per episode and turn, one engine call per turn on every rank: zero3 on 2 ranks (each
+    layer gathered as each turn samples) samples the 1-process run's episodes (equal sample
+    digests) and trains to its losses and rewards."""
+    from conftest import assert_ok, run_cli, train_rows
+
+    data = tmp_path / "p.jsonl"
+    write_prompts(fx.multi_turn(), data)
+    runs = {}
+    for nproc, recipe in ((1, "ddp"), (2, "zero3")):
+        run_dir = tmp_path / f"run{nproc}"
+        overrides = [o for o in _overrides(data, "multi_turn", run_dir) if not o.startswith("rollout.environment")]
+        assert_ok(run_cli([*overrides, "rollout.environment=tests.verifiers_fixtures:multi_turn", "trainer.precision=fp32",
+                           "trainer.global_batch_size=4", f"+recipe={recipe}"], nproc=nproc, timeout=1200))
+        runs[nproc] = train_rows(run_dir, 3)
+    assert max(r["train/episodes/turns_mean"] for r in runs[1]) > 1  # episodes went on after an answer
+    for a, b in zip(runs[1], runs[2]):
+        assert b["data/sample_digest"] == a["data/sample_digest"], f"step {a['step']}: other episodes"
+        for key in ("train/loss", "train/reward", "train/episodes/turns_mean"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5, rel=1e-5), f"step {a['step']} {key}"

@@ -58,3 +58,24 @@ def multi_turn() -> Guess:
 def feedback_text() -> str:
     """Not an environment (a factory's wrong return, for the refusal test)."""
     return feedback(1)
+
+
+def load_environment(**kwargs) -> Guess:
+    """What ``vf.load_environment("verifiers_fixtures")`` calls: ``rollout.environment=verifiers:verifiers_fixtures``
+    (with ``tests/`` on the Python path, as an installed environment package would be)."""
+    return multi_turn()
+
+
+class Broken(Guess):
+    """``env_response`` raises: a plain exception (``vf_error=False``) or a verifiers error."""
+
+    def __init__(self, vf_error: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.vf_error = vf_error
+
+    async def env_response(self, messages, state, **kwargs):
+        raise (vf.Error if self.vf_error else KeyError)("the tool is down")
+
+
+def broken(vf_error: bool) -> Broken:
+    return Broken(vf_error, dataset=_dataset(), system_prompt=SYSTEM, parser=vf.Parser(), rubric=rubric(), max_turns=3)

@@ -241,9 +241,12 @@ class _Driver:
             while not all(t.done() or e.request is not None for t, e in zip(tasks, flat)):
                 self.changed.clear()
                 await self.changed.wait()
-            for t in tasks:
-                if t.done() and t.exception() is not None:
-                    raise t.exception()
+            failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None), None)
+            if failed is not None:  # the others would wait for a reply forever: end them first
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise failed.exception()
             waiting = [e for e in flat if e.request is not None]
             if not int(distributed.all_reduce_max(torch.tensor(len(waiting), device=device))):
                 break
