@@ -34,10 +34,10 @@ def _tokenizer():
 
 
 class _Scripted:
-    """Replies "9" and ``<|im_end|>`` until the environment's second answer, then the answer."""
+    """Replies ``wrong`` and ``<|im_end|>`` until the environment's second answer, then the answer."""
 
-    def __init__(self, tok):
-        self.tok = tok
+    def __init__(self, tok, wrong="9"):
+        self.tok, self.wrong = tok, wrong
         self.sampling = Sampling(max_new=64, end_ids=frozenset({tok.convert_tokens_to_ids("<|im_end|>"),
                                                                 tok.eos_token_id}))
         self.seeds = []
@@ -47,7 +47,7 @@ class _Scripted:
         out = []
         for sample in samples:
             context = self.tok.decode(sample["prompt_ids"])
-            text = sample["answer"] if "(turn 2)" in context else "9"
+            text = sample["answer"] if "(turn 2)" in context else self.wrong
             ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.convert_tokens_to_ids("<|im_end|>")]
             out.append([Completion(ids, False)])
         return out
@@ -61,21 +61,22 @@ def _samples(env, tok, n=2):
              "prompt_ids": render(r["prompt"], tok, "chatml", "test")} for k, r in enumerate(rows)]
 
 
-def test_an_episode_is_the_chat_templates_rendering_of_verifiers_conversation():
+@pytest.mark.parametrize("wrong", ["9", ""])
+def test_an_episode_is_the_chat_templates_rendering_of_verifiers_conversation(wrong):
     tok = _tokenizer()
     env = fx.multi_turn()
     samples = _samples(env, tok)[1:]  # 1 + 1 = 2
-    engine = _Scripted(tok)
+    engine = _Scripted(tok, wrong)
     [[episode, other]] = VerifiersEnvironment(None, env).episodes(engine, _POLICY, samples, [[11, 12]], max_turns=4,
                                                                   budget=200, tokenizer=tok)
     # The conversation verifiers itself builds from these replies (its env_response), rendered.
-    conversation = [*samples[0]["prompt"], {"role": "assistant", "content": "9"},
-                    {"role": "user", "content": fx.feedback(1)}, {"role": "assistant", "content": "9"},
+    conversation = [*samples[0]["prompt"], {"role": "assistant", "content": wrong},
+                    {"role": "user", "content": fx.feedback(1)}, {"role": "assistant", "content": wrong},
                     {"role": "user", "content": fx.feedback(2)}, {"role": "assistant", "content": "2"}]
     rendered = tok.apply_chat_template(conversation, tokenize=False)
     assert tok.decode(samples[0]["prompt_ids"] + episode.ids, skip_special_tokens=False) + "\n" == rendered
     assert episode.turns == 3 and not episode.truncated
-    model_tokens = 3 * 2  # "9"/"2" and <|im_end|>, each turn
+    model_tokens = 2 * (len(wrong) + 1) + 2  # the replies and <|im_end|>, each turn
     assert sum(episode.env_mask) == model_tokens and len(episode.env_mask) == len(episode.ids)
     assert episode.env_reward == pytest.approx(1.0 + 0.5)  # all digits, and exact
     assert other.ids == episode.ids and other.env_reward == episode.env_reward

@@ -50,6 +50,7 @@ from llmtrain.rollout.generate import Completion
 PREFIX = "verifiers:"
 # The columns of a verifiers dataset that make an episode's input (verifiers' RolloutInput).
 INPUT_COLUMNS = ("prompt", "answer", "info", "task", "example_id")
+MARKER = "\x00llmtrain-reply\x00"
 
 
 def _vf() -> Any:
@@ -323,9 +324,14 @@ class _Driver:
             if a != b:
                 break
             common += 1
+        # Where the reply ends in the rendering: found through a marker in its place (an empty
+        # reply, or one the template's own text repeats, cannot be searched for).
         reply = e.conversation[-1]["content"]
-        end = before.rfind(reply) + len(reply) if reply and before.rfind(reply) >= 0 else common
-        if end > common:  # the template rewrote the model's reply: its tokens are no longer the context
+        marked = template([*e.conversation[:-1], {"role": "assistant", "content": MARKER}], tokenize=False)
+        start = marked.find(MARKER)
+        end = start + len(reply)
+        if start < 0 or before[:end] != marked[:start] + reply or end > common:
+            # the template rewrote the model's reply: its tokens are no longer the context
             raise EnvironmentFailure(f"rollout.environment {type(self.env).__name__}: the chat template renders "
                                      "the conversation so far differently once the environment answers (e.g. it "
                                      "drops earlier reasoning), so the episode's tokens cannot continue it; use "
