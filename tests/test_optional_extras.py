@@ -1,4 +1,4 @@
-"""llmtrain without its optional extras (``eval``, ``tracking``, ``slurm``, ``lowbit``, ``s3``): the command
+"""llmtrain without its optional extras (``eval``, ``tracking``, ``slurm``, ``lowbit``, ``s3``, ``verifiers``): the command
 line works and prints no warning about them, and every feature that needs one is refused in one
 line naming the extra to install, exit status 2, before anything is written or built (the ``dev``
 extra installs them all, so only hiding them shows this). The packages are hidden from a
@@ -57,6 +57,9 @@ CASES = {
     "fp8": (["torchao"], "llmtrain", ["engine=torch", "recipe.fp8=true"], "lowbit"),
     # Refused before any request to the store (none is running here).
     "s3": (["s3fs"], "llmtrain", ["data=tokens", "data.path=s3://bucket/tokens"], "s3"),
+    "verifiers": (["verifiers"], "llmtrain", ["objective=grpo", "data=prompts", "data.path=q.jsonl",
+                                              "rollout.environment=verifiers:gsm8k", "reward.functions=[]",
+                                              "rollout.max_completion_length=16"], "verifiers"),
 }
 
 # Each require_extra(...) call in llmtrain/ (file, its module argument, its feature argument as
@@ -71,6 +74,7 @@ CALL_SITES = {
     ("llmtrain/planning/preflight.py", "'torchao'", "f'{peft_label(cfg)} (model.quantize=nf4)'"): ["qlora"],
     ("llmtrain/planning/preflight.py", "'torchao'", "'recipe.fp8=true'"): ["fp8"],
     ("llmtrain/data/remote.py", "'s3fs'", "f'{field}={value}'"): ["s3"],
+    ("llmtrain/planning/preflight.py", "'verifiers'", "f'rollout.environment={environment}'"): ["verifiers"],
 }
 
 

@@ -58,7 +58,7 @@ class MissingExtra(LlmtrainError, ImportError):
 
 # The optional extras of pyproject.toml and what each installs.
 EXTRAS = {"eval": "lm-eval", "lowbit": "torchao", "tracking": "tensorboard and mlflow", "slurm": "hydra-submitit-launcher and submitit",
-          "s3": "s3fs"}
+          "s3": "s3fs", "verifiers": "verifiers"}
 
 
 def require_extra(module: str, extra: str, feature: str, instead: str = "") -> None:

@@ -570,7 +570,9 @@ class RolloutConfig:
         max_staleness: with ``async_generation``: optimizer steps between the weights that
             sample a batch and the step that trains it (0: the synchronous run, bit for bit).
         environment: multi-turn episodes with tools (:mod:`llmtrain.rollout.environments`):
-            ``calculator`` or ``module:Class`` of your own ``Environment``; "": single-turn
+            ``calculator`` or ``module:Class`` of your own ``Environment``; a verifiers
+            environment, ``verifiers:ENV_ID`` or ``module:function`` returning one
+            (:mod:`llmtrain.rollout.verifiers_env`, ``llmtrain[verifiers]``); "": single-turn
             completions. An episode's turns and the environment's answers share
             ``max_completion_length`` tokens; the answers carry no loss.
         max_turns: with ``environment``: model turns an episode may have.

@@ -652,8 +652,10 @@ def validate_online(cfg: Any, formats: set[str]) -> None:
                  "with rollout.engine=vllm: vLLM loads adapters of Linear layers only; use rollout.engine=hf or drop "
                  "them")
         _require(int(p.r) <= 512, f"peft.r={p.r} with rollout.engine=vllm: vLLM serves LoRA ranks up to 512")
-    _require(bool(cfg.reward.functions) or o.name == "distill", "reward.functions is empty: an online objective needs "
-             "at least one reward function, e.g. reward.functions=[gsm8k] or reward.functions=[my_module:my_reward]")
+    # An environment may score the episodes itself (a verifiers rubric): checked once it is built.
+    _require(bool(cfg.reward.functions) or o.name == "distill" or bool(ro.environment), "reward.functions is empty: "
+             "an online objective needs at least one reward function, e.g. reward.functions=[gsm8k] or "
+             "reward.functions=[my_module:my_reward]")
     _require(not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.functions),
              f"reward.weights has {len(cfg.reward.weights)} values for {len(cfg.reward.functions)} reward.functions; "
              "give one weight per function (or none: 1 each)")

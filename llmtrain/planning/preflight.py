@@ -189,6 +189,9 @@ def preflight(cfg: Any) -> None:
     if cfg.model.quantize == "nf4":  # +peft=qlora: torchao's NF4 stores the base (llmtrain.models.quantize)
         require_extra("torchao", "lowbit", f"{peft_label(cfg)} (model.quantize=nf4)",
                       instead="or train full-precision adapters with +peft=lora")
+    environment = str(cfg.get("rollout", {}).get("environment", "") or "")
+    if environment.startswith("verifiers:"):
+        require_extra("verifiers", "verifiers", f"rollout.environment={environment}")
     preflight_fp8(cfg.recipe)
     preflight_image_text(cfg)
     preflight_context_parallel(cfg)

@@ -16,7 +16,8 @@ from llmtrain.common.images import image_token_id, processor_of
 from llmtrain.config.schema import mapped_columns
 from llmtrain.rollout import rewards
 from llmtrain.rollout.engines import PolicySampler, RolloutEngine
-from llmtrain.rollout.environments import Environment, build_environment
+from llmtrain.rollout import environments, verifiers_env
+from llmtrain.rollout.environments import Environment
 from llmtrain.rollout.generate import Sampling, SamplingInterrupted
 from llmtrain.rollout.rollout import Rollout
 from llmtrain.rollout.scoring import RewardError, score
@@ -88,6 +89,20 @@ def check_answers(k: int, cfg: Any, answers: list[Any]) -> None:
                       f"{column}, holds a number (e.g. {shown}), so every completion would score None and nothing "
                       "would train; map the column holding the reference answers, each ending in its number as "
                       "GSM8K's '#### 42'")
+
+
+def build_environment(cfg: Any) -> Environment | None:
+    """``rollout.environment``'s environment (:func:`llmtrain.rollout.environments.build_environment`),
+    a verifiers one for ``verifiers:ENV_ID`` and for a ``module:function`` returning one
+    (:mod:`llmtrain.rollout.verifiers_env`).
+
+    Raises:
+        ConfigError: an environment that cannot be built, naming ``rollout.environment``.
+    """
+    spec = str(cfg.rollout.get("environment", "") or "")
+    if spec.startswith(verifiers_env.PREFIX):
+        return verifiers_env.load(cfg, spec)
+    return environments.build_environment(cfg, adapt=verifiers_env.adapt)
 
 
 def environment_reward() -> rewards.RewardFunction:

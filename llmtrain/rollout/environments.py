@@ -28,7 +28,7 @@ import operator
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from llmtrain.common.errors import ConfigError, import_object
 from llmtrain.parallel import distributed
@@ -79,6 +79,13 @@ class Environment(ABC):
         """The state of a new episode on ``sample`` (the prompt's record: ``prompt``,
         ``prompt_ids``, ``record`` and the data's other columns). Default: None."""
         return None
+
+    def episodes(self, engine: Any, policy: Any, samples: list[dict], seeds: list[list[int | None]], max_turns: int,
+                 budget: int, tokenizer: Any) -> list[list[Completion]]:
+        """One episode per seed of each sample: by default :func:`run_episodes` driving
+        :meth:`reset` and :meth:`step`; an environment with its own rollout loop (a verifiers
+        one: :mod:`llmtrain.rollout.verifiers_env`) overrides it. Collective call."""
+        return run_episodes(engine, policy, self, samples, seeds, max_turns, budget, tokenizer)
 
     @abstractmethod
     def step(self, state: Any, text: str) -> Turn:
@@ -171,12 +178,15 @@ class Calculator(Environment):
 ENVIRONMENTS: dict[str, type[Environment]] = {"calculator": Calculator}
 
 
-def build_environment(cfg: Any) -> Environment | None:
-    """``rollout.environment``'s environment ("": none, single-turn completions).
+def build_environment(cfg: Any, adapt: Callable[[Any, Any, str], Environment | None] | None = None
+                      ) -> Environment | None:
+    """``rollout.environment``'s environment ("": none, single-turn completions). ``adapt(cfg, obj,
+    spec)``: an :class:`Environment` for an imported ``obj`` that is not one (a function returning
+    another library's environment), or None.
 
     Raises:
         ConfigError: an unknown name, or a ``module:Class`` that cannot be imported or is not an
-            :class:`Environment`.
+            :class:`Environment` (nor anything ``adapt`` takes).
     """
     spec = str(cfg.rollout.get("environment", "") or "")
     if not spec:
@@ -187,6 +197,9 @@ def build_environment(cfg: Any) -> Environment | None:
         raise ConfigError(f"rollout.environment={spec!r} is neither a built-in environment "
                           f"({', '.join(ENVIRONMENTS)}) nor module:Class")
     cls = import_object(spec, "rollout.environment", "importable.module:Class")
+    adapted = None if isinstance(cls, type) or adapt is None else adapt(cfg, cls, spec)
+    if adapted is not None:
+        return adapted
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ConfigError(f"rollout.environment={spec!r} is not a subclass of llmtrain.rollout.environments.Environment")
     return cls(cfg)

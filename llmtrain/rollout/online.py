@@ -138,6 +138,9 @@ def setup_online(cfg: Any, objective: Objective, tokenizer: Any, splits: Any, en
     environment = build_environment(cfg)
     if environment is not None and environment.gives_rewards:  # one more function: weighted, logged
         functions.append(environment_reward())
+    if not functions and objective.reference_model() is None:
+        raise ConfigError(f"reward.functions is empty and rollout.environment={cfg.rollout.environment} gives no "
+                          "rewards: give at least one reward function, e.g. reward.functions=[gsm8k]")
     return Online(cfg, objective, tokenizer, env, dims, phases, sampler, functions, environment)
 
 

@@ -42,7 +42,7 @@ import llmtrain.rollout.completion_log as completion_log
 import llmtrain.rollout.layout as layout
 import llmtrain.rollout.progress as progress
 from llmtrain.rollout.engines import RolloutEngine
-from llmtrain.rollout.environments import Environment, run_episodes
+from llmtrain.rollout.environments import Environment
 from llmtrain.rollout.generate import Completion, SamplingInterrupted, completion_seed
 from llmtrain.rollout.rewards import RewardFunction
 from llmtrain.rollout.scoring import score
@@ -323,8 +323,8 @@ class Rollout:
         try:
             if self.environment is not None:
                 ro = self.cfg.rollout
-                groups = run_episodes(self.sampler, self.engine, self.environment, samples, seeds, int(ro.max_turns),
-                                      int(ro.max_completion_length), self.tokenizer)
+                groups = self.environment.episodes(self.sampler, self.engine, samples, seeds, int(ro.max_turns),
+                                                   int(ro.max_completion_length), self.tokenizer)
             else:
                 groups = self.sampler.sample(self.engine, samples, seeds)
         finally:
