@@ -8,6 +8,10 @@ process, 2 on each of two. A step's
 samples ``[4s, 4s + 4)`` split as rank 0 ``4s, 4s + 1`` and rank 1 ``4s + 2, 4s + 3``, so the records
 are laid out for rank 1 to see no image in a whole step, a rank with 2 images beside one with 1,
 and a step without any image (:func:`test_the_data_gives_ranks_without_images`).
+
+The same two launches train Gemma 3 on zero3 and fsdp (and resume its checkpoints on one
+process), DPO on image pairs (zero3) and GRPO on image prompts (fsdp), each beside its
+one-process reference (:func:`more_scenarios`).
 """
 
 from __future__ import annotations
