@@ -10,8 +10,8 @@ are laid out for rank 1 to see no image in a whole step, a rank with 2 images be
 and a step without any image (:func:`test_the_data_gives_ranks_without_images`).
 
 The same two launches train Gemma 3 on zero3 and fsdp (and resume its checkpoints on one
-process), DPO on image pairs (zero3) and GRPO on image prompts (fsdp), each beside its
-one-process reference (:func:`more_scenarios`).
+process), DPO on image pairs (zero3, fsdp), GRPO on image prompts (fsdp) and Idefics3 QLoRA
+(zero3), each beside its one-process reference (:func:`more_scenarios`).
 """
 
 from __future__ import annotations
@@ -182,8 +182,11 @@ OBJECTIVE_STEPS = len(OBJECTIVE_LAYOUT)
 PER_STEP = [f"trainer.max_steps={OBJECTIVE_STEPS}", "trainer.global_batch_size=4", "trainer.micro_batch_size=1",
             "data.shuffle=false", "data.val_fraction=0.01", "trainer.lr=3e-3", "trainer.warmup_steps=1"]
 # The runs on 2 processes and their 1-process references: DPO on zero3 (its frozen reference copy
-# is a second ZeRO-3 build), GRPO on fsdp (FSDP2 gathers in generation too).
-OBJECTIVE_RUNS = {"dpo": "zero3", "grpo": "fsdp"}
+# is a second ZeRO-3 build) and fsdp, GRPO on fsdp (FSDP2 gathers in generation too).
+OBJECTIVE_RUNS = {"dpo": ["zero3", "fsdp"], "grpo": ["fsdp"]}
+# QLoRA on Idefics3 (4-bit language model, adapters on it and on the full-precision tower) on
+# LAYOUT's data: ZeRO-3 gathers the packed codes like any frozen weight.
+QLORA = ["+peft=qlora", "peft.parts=[language,vision]", "trainer.lr=1e-2"]
 
 
 def with_held_out(rows: list[dict], held_out: dict) -> list[dict]:
@@ -245,12 +248,16 @@ def objective_overrides(name: str, path: Path) -> list[str]:
 
 def more_scenarios(data_file: Path, folder: Path) -> dict[int, dict[str, list[str]]]:
     """nproc -> name -> overrides: Gemma 3 on :data:`GEMMA3_RECIPES` (2 processes) and on one
-    process; DPO and GRPO (:data:`OBJECTIVE_RUNS`) on 2 processes and on one."""
+    process; DPO and GRPO (:data:`OBJECTIVE_RUNS`) and Idefics3 QLoRA (zero3) on 2 processes and
+    on one."""
     paths = {"dpo": image_pairs(folder / "pairs"), "grpo": image_prompts(folder / "prompts")}
     gemma3 = GEMMA3 + [f"data.path={data_file}"]
     two = {f"gemma3_{r}": gemma3 + TWO + [f"+recipe={r}"] for r in GEMMA3_RECIPES}
-    two.update({f"{n}_{r}": objective_overrides(n, paths[n]) + [f"+recipe={r}"] for n, r in OBJECTIVE_RUNS.items()})
-    one = {"gemma3_plain": gemma3 + ONE + ["+recipe=ddp"]}
+    two.update({f"{n}_{r}": objective_overrides(n, paths[n]) + [f"+recipe={r}"]
+                for n, recipes in OBJECTIVE_RUNS.items() for r in recipes})
+    two["qlora_zero3"] = COMMON + [f"data.path={data_file}"] + TWO + QLORA + ["+recipe=zero3"]
+    one = {"gemma3_plain": gemma3 + ONE + ["+recipe=ddp"],
+           "qlora_one": COMMON + [f"data.path={data_file}"] + ONE + QLORA + ["+recipe=ddp"]}
     one.update({f"{n}_one": objective_overrides(n, paths[n]) + ["+recipe=ddp"] for n in OBJECTIVE_RUNS})
     return {2: two, 1: one}
 
@@ -347,15 +354,16 @@ def test_gemma3_sigkill_then_rerun_continues_exactly(runs, data_file, tmp_path):
 
 
 @pytest.mark.slow
-def test_dpo_on_image_pairs_on_two_processes_equals_one(runs):
-    """DPO (frozen reference copy) on ZeRO-3 x 2 with ranks without images: each step's loss,
+@pytest.mark.parametrize("recipe", OBJECTIVE_RUNS["dpo"])
+def test_dpo_on_image_pairs_on_two_processes_equals_one(recipe, runs):
+    """DPO (frozen reference copy) on 2 processes with ranks without images: each step's loss,
     reward margin and accuracy within 1e-5 of one process, and the exported weights; the
     policy moved off the reference (the loss left log 2)."""
     import math
 
     keys = ("train/loss", "train/rewards/margins", "train/rewards/accuracies")
-    assert_same_run(runs["dpo_one"], runs[f"dpo_{OBJECTIVE_RUNS['dpo']}"], OBJECTIVE_STEPS, keys)
-    assert_same_weights(runs["dpo_one"], runs[f"dpo_{OBJECTIVE_RUNS['dpo']}"])
+    assert_same_run(runs["dpo_one"], runs[f"dpo_{recipe}"], OBJECTIVE_STEPS, keys)
+    assert_same_weights(runs["dpo_one"], runs[f"dpo_{recipe}"])
     assert abs(train_rows(runs["dpo_one"], OBJECTIVE_STEPS)[-1]["train/loss"] - math.log(2)) > 1e-3
 
 
@@ -364,7 +372,7 @@ def test_grpo_on_image_prompts_on_two_processes_samples_the_completions_of_one(r
     """GRPO on FSDP2 x 2 with ranks without images: every step's logged completions (the whole
     global batch, gathered) are one process's, token for token, with the same rewards; losses and
     gradient norms within 1e-5."""
-    one, two = runs["grpo_one"], runs[f"grpo_{OBJECTIVE_RUNS['grpo']}"]
+    one, two = runs["grpo_one"], runs["grpo_fsdp"]
     assert_same_run(one, two, OBJECTIVE_STEPS, ("train/loss", "train/grad_norm", "train/reward"))
     keys = ("record", "tokens", "rewards", "advantage")
     for step in range(1, OBJECTIVE_STEPS + 1):
@@ -373,3 +381,12 @@ def test_grpo_on_image_prompts_on_two_processes_samples_the_completions_of_one(r
         assert len(want) == 16 and [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want], step
         assert [r["rank"] for r in got] == [0] * 8 + [1] * 8
     assert any(abs(r["train/loss"]) > 1e-3 for r in train_rows(one, OBJECTIVE_STEPS))
+
+
+@pytest.mark.slow
+def test_qlora_on_images_on_two_processes_equals_one(runs):
+    """Idefics3 QLoRA on ZeRO-3 x 2 with ranks without images: each step's loss within 1e-5 of
+    one process, and the loss fell."""
+    assert_same_run(runs["qlora_one"], runs["qlora_zero3"], STEPS)
+    rows = train_rows(runs["qlora_one"], STEPS)
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.1
