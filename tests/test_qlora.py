@@ -120,3 +120,82 @@ def test_bad_quantize_settings_are_refused_naming_the_field(overrides, needle):
     with pytest.raises(ConfigError, match=None) as err:
         validate(make_cfg(overrides), world_size=2)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_gemma3"])
+def test_qlora_on_an_image_text_model_quantizes_the_language_model_only_and_computes_lora_on_its_dequantized_base(
+        model, tmp_path):
+    """+peft=qlora on an image-text model: every Linear of the language model but the head is NF4,
+    the vision tower and projector stay whole (LLaVA's QLoRA recipe); with adapters on the
+    language model and the (full-precision) tower, the loss of a batch with images and the
+    adapters' gradients are those of LoRA on the dequantized base, and the image counts."""
+    from test_vision import loaded, write_dataset
+
+    from llmtrain import data
+    from llmtrain.engine.base import model_inputs
+
+    cfg, tokenizer, splits = loaded(model, write_dataset(tmp_path), "+peft=qlora", "peft.parts=[language,vision]")
+    plain = build_model(cfg.model, cfg.trainer.seed)
+    language = plain.get_decoder()
+    linears = sum(m.weight.numel() for m in language.modules() if type(m) is nn.Linear)
+    qlora = copy.deepcopy(plain)
+    assert quantize_base(qlora, cfg) == linears > 0
+    inside = {id(m) for m in qlora.get_decoder().modules()}
+    assert {id(m) for m in qlora.modules() if isinstance(m, NF4Linear)} <= inside
+    whole = {n: p for n, p in qlora.named_parameters() if not n.startswith(_prefix(qlora, qlora.get_decoder()))}
+    assert any("vision" in n for n in whole)
+    reference = dict(plain.named_parameters())
+    assert all(torch.equal(p, reference[n]) for n, p in whole.items())  # the tower and projector untouched
+    on_dequantized = dequantize_model(copy.deepcopy(qlora))
+    batch = data.collator_for(cfg.data, tokenizer)([splits.train[i] for i in range(2)])
+    assert "pixel_values" in batch
+    losses, grads = {}, {}
+    for key, net in (("qlora", qlora), ("dequantized", on_dequantized)):
+        _lora(net, cfg)
+        with torch.no_grad():  # B != 0 so that the adapters take part
+            for name, p in net.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(torch.full_like(p, 0.01))
+        out = net(**model_inputs(batch), labels=batch["labels"])
+        out.loss.backward()
+        losses[key] = out.loss.item()
+        grads[key] = {n: p.grad for n, p in net.named_parameters() if p.requires_grad}
+    assert any("vision" in n for n in grads["qlora"]) and any(n.startswith(_prefix(qlora, qlora.get_decoder()))
+                                                               for n in grads["qlora"])
+    assert losses["qlora"] == pytest.approx(losses["dequantized"], abs=1e-6)
+    for name, g in grads["qlora"].items():
+        torch.testing.assert_close(g, grads["dequantized"][name], rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        other = qlora(**model_inputs(dict(batch, pixel_values=batch["pixel_values"] + 0.5)), labels=batch["labels"])
+    assert abs(other.loss.item() - losses["qlora"]) > 1e-5
+
+
+def _prefix(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module) + "."
+
+
+def test_a_qlora_run_on_image_text_data_trains_and_exports_a_loadable_merged_model(tmp_path):
+    """One process, 4 steps of +peft=qlora on tiny_idefics3 with images: the loss falls, and the
+    merged export (adapters merged into the dequantized language model) loads with
+    AutoModelForImageTextToText, its vision tower the initial one bit for bit (never quantized)."""
+    from transformers import AutoModelForImageTextToText
+
+    from conftest import FAST, assert_ok, read_metrics, run_cli
+    from test_vision import write_dataset
+
+    run = tmp_path / "run"
+    path = write_dataset(tmp_path, n=16)
+    assert_ok(run_cli(["model=tiny_idefics3", "data=vlm_chat", f"data.path={path}", *FAST, "+peft=qlora",
+                       "trainer.max_steps=4", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+                       "trainer.lr=1e-2", "trainer.warmup_steps=1", "trainer.export_merged=true", f"run_dir={run}"]))
+    rows = [r for r in read_metrics(run) if "train/loss" in r]
+    assert len(rows) == 4 and rows[-1]["train/loss"] < rows[0]["train/loss"], [r["train/loss"] for r in rows]
+    merged = AutoModelForImageTextToText.from_pretrained(run / "hf")
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    cfg = make_cfg(["model=tiny_idefics3"])
+    initial = build_model(cfg.model, cfg.trainer.seed).state_dict()
+    exported = merged.state_dict()
+    tower = [k for k in initial if k.startswith("model.vision_model.") and k in exported]
+    assert tower and all(torch.equal(exported[k], initial[k]) for k in tower)  # LoRA on the language model only
+    q = "model.text_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(exported[q], initial[q])

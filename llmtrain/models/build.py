@@ -229,6 +229,7 @@ def build_model(model_cfg: Any, seed: int, head: str = "logits", pad_token_id: i
     config = model_config(model_cfg) if head == "logits" else None
     if config is not None:
         auto = auto_class(config)  # AutoModelForImageTextToText for a vision-language model
+        import_sub_models(config)
     if model_cfg.source == "config":
         config = config if config is not None else model_config(model_cfg)
         for key, value in head_config.items():
@@ -249,6 +250,31 @@ def build_model(model_cfg: Any, seed: int, head: str = "logits", pad_token_id: i
         image_block_attention(model)
         packed_rows(model)
     return model
+
+
+def import_sub_models(config: Any) -> None:
+    """Import the modeling module of each of ``config``'s sub-models (an image-text model's
+    language model and vision tower), recursively, before the model is built.
+
+    Why: under ZeRO-3 transformers builds the model inside ``deepspeed.zero.Init``, which wraps
+    the ``__init__`` of every Module class, also of classes defined while it is active (its
+    ``__init_subclass__`` hook), and puts back on exit the ``__init__`` it saw at definition. A
+    module first imported inside it (Idefics3's Llama decoder, built by ``AutoModel.from_config``
+    in the outer model's ``__init__``) then loses the ``__init__`` that transformers' class
+    decorators install after the class body (``use_kernelized_func``: LlamaAttention's
+    ``_kernel_funcs``), so the next model built in the process (a DPO reference, a resumed
+    build) fails in its first forward. Imported here, outside Init, the classes keep theirs."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    for name in getattr(config, "sub_configs", {}):
+        sub = getattr(config, name, None)
+        if sub is None or isinstance(sub, dict):
+            continue
+        try:
+            MODEL_MAPPING[type(sub)]  # the lazy mapping imports the class's module
+        except (KeyError, ValueError, ImportError):
+            pass  # a sub-config without a model class of its own (built by its parent's module)
+        import_sub_models(sub)
 
 
 def _gathered(params: Iterable[torch.nn.Parameter]):

@@ -145,13 +145,31 @@ class NF4Linear(nn.Linear):
 
 def _skipped(model: nn.Module) -> set[int]:
     """Linear layers that stay in full precision: the output head (QLoRA and bitsandbytes keep
-    it), a reward model's ``score`` head, mixture-of-experts routers."""
+    it), a reward model's ``score`` head, mixture-of-experts routers, and an image-text model's
+    vision tower and projector (everything outside its language model, :func:`_language_model`)."""
     from llmtrain.models.moe import sparse_blocks
 
     keep = {id(model.get_output_embeddings())} if hasattr(model, "get_output_embeddings") else set()
     keep |= {id(module) for name, module in model.named_modules() if name == "score" or name.endswith(".score")}
     keep |= {id(block.gate) for _, block in sparse_blocks(model)}
+    language = _language_model(model)
+    if language is not None:
+        inside = {id(module) for module in language.modules()}
+        keep |= {id(module) for module in model.modules() if id(module) not in inside}
     return keep
+
+
+def _language_model(model: nn.Module) -> nn.Module | None:
+    """An image-text model's language model (transformers' ``get_decoder()``: Idefics3's
+    ``model.text_model``, LLaVA's and Gemma 3's ``model.language_model``), or None for a text-only
+    model. Only its Linear layers are stored in 4 bits: the vision tower and the projector are a
+    small share of the weights and feed every image token, so they stay in full precision, as
+    LLaVA's QLoRA recipe keeps them (its tower is loaded apart from the 4-bit language model and
+    ``BitsAndBytesConfig(llm_int8_skip_modules=["mm_projector"])`` skips the projector)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is None or not hasattr(model, "get_decoder"):
+        return None
+    return model.get_decoder()
 
 
 @torch.no_grad()
