@@ -49,6 +49,7 @@ from llmtrain.common.errors import ChildDied, ConfigError
 from llmtrain.parallel import distributed
 from llmtrain.rollout.engines import RolloutEngine
 from llmtrain.rollout.generate import Completion, Sampling
+from llmtrain.rollout.vllm_images import SERVER_ARGS, ImagePrompts, check_architecture
 
 log = logging.getLogger("llmtrain")
 
@@ -80,7 +81,8 @@ def server_command(cfg: Any, model_dir: Path, port: int) -> list[str]:
                # vLLM 0.32 rewinds a seeded request's generator when a chunked prefill discards its
                # token, which CPU generators cannot do ("CPU Generator does not use offset"): the
                # engine dies under many concurrent seeded requests. Whole prefills avoid it.
-               "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(int(cfg.data.seq_len), 8192))]
+               "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(int(cfg.data.seq_len), 8192)),
+               *SERVER_ARGS]  # image prompts' endpoint (llmtrain.rollout.vllm_images)
     if cfg.get("peft") is not None:
         rank = next(r for r in LORA_RANKS if r >= int(cfg.peft.r))
         command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
@@ -164,11 +166,13 @@ class VLLMEngine(RolloutEngine):
         self.version: int | None = None  # the optimizer step whose weights the server holds
         self.model_name = SERVED_NAME
         self.background: ThreadPoolExecutor | None = None  # the thread that waits on this rank's requests
+        self.images = ImagePrompts(tokenizer)
 
     overlaps = True
 
     def check(self) -> None:
         check_environment(self.cfg)
+        check_architecture(self.cfg, self.tokenizer, vllm_python(self.cfg))
 
     # ---- the server's life -------------------------------------------------------------------
     def _start(self, policy: Any) -> None:
@@ -296,8 +300,8 @@ class VLLMEngine(RolloutEngine):
         return self.background.submit(self._requests, samples, seeds)
 
     def _requests(self, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
-        jobs = [(i, j, list(sample["prompt_ids"]), seed) for i, (sample, row) in enumerate(zip(samples, seeds))
-                for j, seed in enumerate(row)]
+        jobs = [(i, j, list(sample["prompt_ids"]), seed, sample.get("images") or [])
+                for i, (sample, row) in enumerate(zip(samples, seeds)) for j, seed in enumerate(row)]
         groups: list[list[Completion | None]] = [[None] * len(row) for row in seeds]
         if jobs:
             with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
@@ -305,8 +309,8 @@ class VLLMEngine(RolloutEngine):
                     groups[i][j] = completion
         return groups  # type: ignore[return-value]
 
-    def _complete(self, job: tuple[int, int, list[int], int | None]) -> Completion:
-        _, _, prompt_ids, seed = job
+    def _complete(self, job: tuple[int, int, list[int], int | None, list[str]]) -> Completion:
+        _, _, prompt_ids, seed, images = job
         s = self.sampling
         body = {"model": self.model_name, "prompt": prompt_ids, "max_tokens": s.max_new, "n": 1,
                 "temperature": s.temperature if seed is not None else 0.0, "logprobs": 0, "return_token_ids": True,
@@ -320,8 +324,13 @@ class VLLMEngine(RolloutEngine):
                 body["top_p"] = s.top_p
         if s.stop:
             body["stop"] = list(s.stop)
+        if s.suppress:  # an image-text model's image token (Sampling): vLLM clamps a bias to -100, e^-100 is 0
+            body["logit_bias"] = {str(t): -100.0 for t in sorted(s.suppress)}
         try:
-            choice = _request(self.url, "/v1/completions", body)["choices"][0]
+            if images:
+                choice = self.images.choice(lambda path, b: _request(self.url, path, b), body, prompt_ids, images)
+            else:
+                choice = _request(self.url, "/v1/completions", body)["choices"][0]
         except (OSError, VLLMServerError) as err:
             raise self._gone(err) from None
         except (KeyError, IndexError) as err:
