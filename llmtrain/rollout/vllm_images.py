@@ -20,6 +20,7 @@ the vLLM environment); any other is refused at start-up in one line naming it.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import mimetypes
 import subprocess
@@ -76,10 +77,17 @@ def check_architecture(cfg: Any, tokenizer: Any, python: Path) -> None:
                           "its model registry), so it cannot sample this model's image prompts; use rollout.engine=hf")
 
 
-def data_url(path: str) -> str:
-    """The image file at ``path`` as a ``data:`` URL (the bytes as they are, base64)."""
+def image_part(path: str, version: int | None) -> dict:
+    """The ``content_parts`` entry of the image file at ``path``: its bytes as a ``data:`` URL,
+    and a ``uuid`` (what vLLM keys its encoder cache by, instead of the content's hash) of the
+    content and the weights' ``version``. vLLM 0.32's in-place weight reload empties the
+    workers' encoder cache but not the scheduler's record of it, so an image seen before the
+    reload crashed the engine ("Encoder cache miss"); a new key per version also keeps image
+    features computed with the old weights from being reused."""
+    raw = Path(path).read_bytes()
     kind = mimetypes.guess_type(path)[0] or "image/png"
-    return f"data:{kind};base64," + base64.b64encode(Path(path).read_bytes()).decode()
+    return {"type": "image_url", "url": f"data:{kind};base64," + base64.b64encode(raw).decode(),
+            "uuid": f"{hashlib.sha256(raw).hexdigest()[:32]}-w{version}"}
 
 
 class ImagePrompts:
@@ -120,10 +128,11 @@ class ImagePrompts:
             start = at + len(expansion)
         return out + prompt_ids[start:]
 
-    def choice(self, post: Callable[[str, dict], Any], body: dict, prompt_ids: list[int], images: list[str]) -> dict:
+    def choice(self, post: Callable[[str, dict], Any], body: dict, prompt_ids: list[int], images: list[str],
+               version: int | None) -> dict:
         """One completion of an image prompt: the ``/v1/completions`` request ``body`` (its
         ``prompt`` is ``prompt_ids``) sent as a ``/inference/v1/generate`` request through
-        ``post(path, body)``; the answer's choice in ``/v1/completions``' shape (``token_ids``,
+        ``post(path, body)``, the server holding the weights of step ``version``; the answer's choice in ``/v1/completions``' shape (``token_ids``,
         ``finish_reason``, ``logprobs.token_logprobs``).
 
         Raises:
@@ -137,7 +146,7 @@ class ImagePrompts:
         except ValueError as err:
             raise ConfigError(f"rollout.engine=vllm: {err}") from None
         request = {"model": body["model"], "token_ids": collapsed,
-                   "content_parts": [{"type": "image_url", "url": data_url(p)} for p in images],
+                   "content_parts": [image_part(p, version) for p in images],
                    "sampling_params": {k: body[k] for k in keep if k in body}, "return_token_ids": True}
         answer = post(GENERATE_PATH, request)
         if [int(t) for t in answer.get("prompt_token_ids") or []] != list(prompt_ids):

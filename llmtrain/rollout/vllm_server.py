@@ -305,7 +305,7 @@ class VLLMEngine(RolloutEngine):
         groups: list[list[Completion | None]] = [[None] * len(row) for row in seeds]
         if jobs:
             with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
-                for (i, j, _, _), completion in zip(jobs, pool.map(self._complete, jobs)):
+                for (i, j, *_), completion in zip(jobs, pool.map(self._complete, jobs)):
                     groups[i][j] = completion
         return groups  # type: ignore[return-value]
 
@@ -328,7 +328,8 @@ class VLLMEngine(RolloutEngine):
             body["logit_bias"] = {str(t): -100.0 for t in sorted(s.suppress)}
         try:
             if images:
-                choice = self.images.choice(lambda path, b: _request(self.url, path, b), body, prompt_ids, images)
+                choice = self.images.choice(lambda path, b: _request(self.url, path, b), body, prompt_ids, images,
+                                            self.version)
             else:
                 choice = _request(self.url, "/v1/completions", body)["choices"][0]
         except (OSError, VLLMServerError) as err:
