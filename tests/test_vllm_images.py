@@ -14,6 +14,7 @@ weight sync; and 3 steps of GRPO on the digits' images train with every step's
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,6 +30,19 @@ from test_vision_grpo import write_prompts
 HEAD_32 = {"tiny_idefics3": ["model.architecture.text_config.num_attention_heads=2",
                              "model.architecture.text_config.num_key_value_heads=1"],
            "tiny_gemma3": ["model.architecture.text_config.head_dim=32"]}
+HEAD_32["tiny_llava"] = HEAD_32["tiny_idefics3"]
+
+
+def _has_torchvision() -> bool:
+    if not PYTHON.is_file():
+        return False
+    code = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('torchvision') else 3)"
+    return subprocess.run([str(PYTHON), "-c", code], capture_output=True).returncode == 0
+
+
+# vLLM 0.32's llava and gemma3_mm modules import transformers' processors that need torchvision, and the
+# CPU set-up (docs/online-rl.md) removes torchvision because it breaks `import vllm` there.
+needs_torchvision = pytest.mark.skipif(not _has_torchvision(), reason="vLLM's LLaVA and Gemma 3 need torchvision in its venv")
 
 
 def image_cfg(path: Path, run_dir: Path, model: str = "tiny_idefics3", *extra: str):
@@ -79,24 +93,31 @@ def test_a_family_vllm_lacks_is_refused_naming_its_architecture(tmp_path, monkey
     assert [vllm_images.architecture(make_cfg([f"model={m}"]).model) for m in ("tiny_idefics3", "tiny_llava",
                                                                                "tiny_gemma3", "tiny_llama")] == [
         "Idefics3ForConditionalGeneration", "LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration", None]
-    monkeypatch.setattr(vllm_images, "supported_architectures", lambda python: {"LlavaForConditionalGeneration"})
-    with pytest.raises(ConfigError, match="does not serve Idefics3ForConditionalGeneration .*use rollout.engine=hf"):
+    monkeypatch.setattr(vllm_images, "why_not_served",
+                        lambda python, name: "" if name == "LlavaForConditionalGeneration" else "not in its model registry")
+    with pytest.raises(ConfigError, match=r"cannot serve Idefics3ForConditionalGeneration \(not in its model registry\)"
+                                          ".*use rollout.engine=hf"):
         vllm_images.check_architecture(cfg, tokenizer, Path("/vllm/bin/python"))
     llava = image_cfg(tmp_path / "train.jsonl", tmp_path / "run", "tiny_llava")
     vllm_images.check_architecture(llava, build_tokenizer(llava.model), Path("/vllm/bin/python"))  # served: no error
 
 
 @needs_vllm
-def test_vllms_registry_serves_the_image_text_families():
-    from llmtrain.rollout.vllm_images import supported_architectures
+def test_vllm_says_which_families_it_serves():
+    """Idefics3 is served; an architecture vLLM's registry lacks is named as such; LLaVA's module
+    imports only with torchvision (the CPU set-up removes it)."""
+    from llmtrain.rollout.vllm_images import why_not_served
 
-    served = supported_architectures(PYTHON)
-    assert {"Idefics3ForConditionalGeneration", "LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration",
-            "Qwen2VLForConditionalGeneration"} <= served and "FooForConditionalGeneration" not in served
+    assert why_not_served(PYTHON, "Idefics3ForConditionalGeneration") == ""
+    assert why_not_served(PYTHON, "FooForConditionalGeneration") == "not in its model registry"
+    llava = why_not_served(PYTHON, "LlavaForConditionalGeneration")
+    assert llava == "" if _has_torchvision() else "No module named 'torchvision'" in llava
 
 
 @needs_vllm
-def test_vllm_samples_image_prompts_with_the_policys_weights_before_and_after_a_sync(tmp_path):
+@pytest.mark.parametrize("model", ["tiny_idefics3", pytest.param("tiny_llava", marks=[pytest.mark.slow, needs_torchvision]),
+                                   pytest.param("tiny_gemma3", marks=[pytest.mark.slow, needs_torchvision])])
+def test_vllm_samples_image_prompts_with_the_policys_weights_before_and_after_a_sync(tmp_path, model):
     """Greedy completions equal llmtrain's sampler's on the same weights and pixels; sampled
     tokens' log-probs equal the policy's (its forward with the pixels, the image token
     suppressed as the sampler does) within 1e-5 in fp32, before and after the weights change."""
@@ -107,7 +128,7 @@ def test_vllm_samples_image_prompts_with_the_policys_weights_before_and_after_a_
     from llmtrain.rollout import build_sampler
     from llmtrain.rollout.generate import sample_group
 
-    cfg = image_cfg(write_prompts(tmp_path), tmp_path / "run", "tiny_idefics3", *HEAD_32["tiny_idefics3"])
+    cfg = image_cfg(write_prompts(tmp_path), tmp_path / "run", model, *HEAD_32[model])
     tokenizer = build_tokenizer(cfg.model)
     model = build_model(cfg.model, 0).eval()
     engine = build_sampler(cfg, tokenizer, [256])

@@ -13,8 +13,8 @@ processor makes it, back to its placeholder), and the ids vLLM answers it expand
 (``return_token_ids``) must equal llmtrain's: the policy's log-probs are of those tokens.
 
 Which families: those whose architecture (``transformers``' image-text-to-text class of the
-model's ``model_type``) vLLM's model registry holds (``ModelRegistry.get_supported_archs()`` of
-the vLLM environment); any other is refused at start-up in one line naming it.
+model's ``model_type``) the vLLM environment can serve: in vLLM's model registry, its module
+importable (:func:`why_not_served`); any other is refused at start-up in one line naming it.
 """
 
 from __future__ import annotations
@@ -51,30 +51,51 @@ def architecture(model_cfg: Any) -> str | None:
     return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type)
 
 
-def supported_architectures(python: Path) -> set[str]:
-    """The architectures vLLM's model registry holds, asked of the vLLM environment's ``python``
-    (an import of vLLM: seconds)."""
-    code = "import json; from vllm import ModelRegistry; print(json.dumps(sorted(ModelRegistry.get_supported_archs())))"
-    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+# Run by the vLLM environment's python with an architecture: "" where vLLM serves it, else why not.
+_PROBE = """import sys
+from vllm import ModelRegistry
+name = sys.argv[1]
+if name not in ModelRegistry.get_supported_archs():
+    print("not in its model registry")
+else:
+    try:
+        ModelRegistry.models[name].load_model_cls()
+        print("")
+    except Exception as err:  # what its model module needs and lacks
+        print(f"in its registry, but its model module does not import: {type(err).__name__}: {err}")
+"""
+
+
+def why_not_served(python: Path, name: str) -> str:
+    """Why the vLLM of the environment's ``python`` cannot serve the architecture ``name``: not
+    in its model registry (``ModelRegistry.get_supported_archs()``), or its model module fails to
+    import (vLLM 0.32's LLaVA and Gemma 3 need torchvision, which the CPU set-up removes); "" where
+    it can. An import of vLLM: seconds.
+
+    Raises:
+        ConfigError: vLLM itself does not import there.
+    """
+    out = subprocess.run([str(python), "-c", _PROBE, name], capture_output=True, text=True)
     if out.returncode != 0:
         raise ConfigError(f"rollout.vllm_python={python}: importing vLLM's model registry failed: "
                           f"{(out.stderr.strip().splitlines() or ['?'])[-1]}")
-    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+    return (out.stdout.strip().splitlines() or [""])[-1]
 
 
 def check_architecture(cfg: Any, tokenizer: Any, python: Path) -> None:
     """For an image-text model (a processor on ``tokenizer``) on a server llmtrain starts: vLLM
-    must serve its architecture.
+    must serve its architecture (:func:`why_not_served`).
 
     Raises:
-        ConfigError: naming the architecture, the vLLM environment and the fix.
+        ConfigError: naming the architecture, the vLLM environment, why, and the fix.
     """
     if processor_of(tokenizer) is None or cfg.rollout.vllm_url:
         return
     name = architecture(cfg.model)
-    if name is not None and name not in supported_architectures(python):
-        raise ConfigError(f"rollout.engine=vllm: vLLM at rollout.vllm_python={python} does not serve {name} (not in "
-                          "its model registry), so it cannot sample this model's image prompts; use rollout.engine=hf")
+    reason = why_not_served(python, name) if name is not None else ""
+    if reason:
+        raise ConfigError(f"rollout.engine=vllm: vLLM at rollout.vllm_python={python} cannot serve {name} ({reason}), "
+                          "so it cannot sample this model's image prompts; use rollout.engine=hf")
 
 
 def image_part(path: str, version: int | None) -> dict:
