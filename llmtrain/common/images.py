@@ -32,3 +32,11 @@ def attach(tokenizer: Any, processor: Any) -> Any:
     """Put ``processor`` on ``tokenizer`` (its own ``processor.tokenizer``); returns ``tokenizer``."""
     setattr(tokenizer, _PROCESSOR_ATTR, processor)
     return tokenizer
+
+
+def has_pixel_budget(image_processor: Any) -> bool:
+    """Whether ``image_processor`` resizes each image to its own size within a pixel budget
+    (Qwen2-VL's dynamic resolution: ``size`` ``{"shortest_edge": min_pixels, "longest_edge":
+    max_pixels}``, counted in pixels, not edges) rather than to a fixed size."""
+    kwargs = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
+    return "max_pixels" in kwargs and "min_pixels" in kwargs

@@ -243,9 +243,9 @@ def build_model(model_cfg: Any, seed: int, head: str = "logits", pad_token_id: i
     if head == "scores" and model_cfg.source != "config":
         init_weights(model, seed, only=lambda name: name.startswith("score."))
     if head == "logits":
-        from llmtrain.models.vision import image_block_attention
+        from llmtrain.models.vision import image_token_types
 
-        image_block_attention(model)
+        image_token_types(model)
     return model
 
 

@@ -35,25 +35,31 @@ _CACHE: dict[tuple, VisionShape | None] = {}
 
 
 def budget_size(image_processor: Any) -> tuple[int, int]:
-    """(height, width) of the largest image ``image_processor`` keeps: its ``size``'s
-    ``longest_edge`` (Idefics3, SmolVLM), ``height``/``width``, ``shortest_edge`` with its
-    ``crop_size`` (CLIP), or the square root of ``max_pixels`` (Qwen2-VL)."""
+    """(height, width) of the largest image ``image_processor`` keeps: the square of
+    ``max_pixels`` pixels for dynamic resolution (Qwen2-VL, whose ``size["longest_edge"]`` counts
+    pixels: ``data.max_pixels`` when set), else its ``size``'s ``longest_edge`` (Idefics3, SmolVLM),
+    ``height``/``width``, ``shortest_edge`` with its ``crop_size`` (CLIP)."""
+    from llmtrain.common.images import has_pixel_budget
+
     size = dict(getattr(image_processor, "size", None) or {})
     crop = dict(getattr(image_processor, "crop_size", None) or {})
+    if has_pixel_budget(image_processor):
+        side = int(size["longest_edge"] ** 0.5)
+        return side, side
     if "longest_edge" in size:
         return size["longest_edge"], size["longest_edge"]
     if "height" in size and "width" in size:
         return size["height"], size["width"]
     if crop.get("height") and crop.get("width"):
         return crop["height"], crop["width"]
-    if "shortest_edge" in size:
-        return size["shortest_edge"], size["shortest_edge"]
-    side = int((size.get("max_pixels") or getattr(image_processor, "max_pixels", 224 * 224)) ** 0.5)
+    side = size.get("shortest_edge", 224)
     return side, side
 
 
-def vision_shape(model_cfg: Any, precision: str) -> VisionShape | None:
-    """The :class:`VisionShape` of ``model_cfg``'s model, None for a text-only model. Built on
+def vision_shape(model_cfg: Any, precision: str, data_cfg: Any = None) -> VisionShape | None:
+    """The :class:`VisionShape` of ``model_cfg``'s model, None for a text-only model, at the pixel
+    budget of ``data_cfg`` (``data.max_pixels``, :func:`llmtrain.data.vision.apply_pixel_budget`)
+    when it sets one. Built on
     the meta device (weights) and run under ``FakeTensorMode`` (the tower's saved tensors, counted
     as :func:`llmtrain.planning.shapes.measure_activations` counts a layer's); the processor runs
     for real on one blank image at the budget (its pixel tensor and image token count)."""
@@ -64,12 +70,16 @@ def vision_shape(model_cfg: Any, precision: str) -> VisionShape | None:
     config = model_config(model_cfg)
     if not is_image_text(config):
         return None
-    key = (config.to_json_string(), str(model_cfg.get("processor")), precision)
+    budget = {k: data_cfg.get(k) for k in ("min_pixels", "max_pixels")} if data_cfg is not None else {}
+    key = (config.to_json_string(), str(model_cfg.get("processor")), precision, str(budget))
     if key in _CACHE:
         return _CACHE[key]
     from PIL import Image
 
-    processor = processor_of(build_tokenizer(model_cfg))
+    from llmtrain.data.vision import apply_pixel_budget
+
+    tokenizer = build_tokenizer(model_cfg)
+    processor = processor_of(apply_pixel_budget(data_cfg, tokenizer) if data_cfg is not None else tokenizer)
     height, width = budget_size(processor.image_processor)
     image = Image.new("RGB", (width, height), (128, 128, 128))
     out = processor(text=[processor.image_token], images=[[image]], return_tensors="pt")
