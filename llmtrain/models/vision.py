@@ -204,7 +204,27 @@ def save_processor(tokenizer: Any, directory: Path) -> None:
         processor.save_pretrained(directory)
 
 
+# Language parts without a causal-LM class of their own (their decoder lives only inside the
+# image-text model) and the causal LM of the same weights: Qwen2-VL's text model is a Qwen2
+# decoder whose rotary positions are M-RoPE's (the same parameters and activations).
+_CAUSAL_TWINS = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
+
+
 def text_config(config: Any) -> Any:
     """The language model's part of ``config`` (its vocabulary, positions and layers): the text
-    config of an image-text model, else ``config`` itself."""
-    return config.get_text_config() if is_image_text(config) else config
+    config of an image-text model, else ``config`` itself. A text config that
+    ``AutoModelForCausalLM`` cannot build (Qwen2-VL's) is given as the config of the causal LM with
+    the same weights (:data:`_CAUSAL_TWINS`), which the planners build on the meta device."""
+    if not is_image_text(config):
+        return config
+    text = config.get_text_config()
+    twin = _CAUSAL_TWINS.get(getattr(text, "model_type", None))
+    if twin is None:
+        return text
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in text.to_dict().items() if k not in ("model_type", "architectures", "rope_parameters",
+                                                                  "layer_types", "transformers_version")}
+    theta = (text.rope_parameters or {}).get("rope_theta", 10000.0)
+    return AutoConfig.for_model(twin, **fields, rope_parameters={"rope_type": "default", "rope_theta": theta},
+                                tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
