@@ -372,7 +372,8 @@ def test_a_resumed_run_continues_as_the_uninterrupted_one(tmp_path):
     assert [losses[parts][s] for s in (4, 5)] == pytest.approx([losses[whole][s] for s in (4, 5)], abs=1e-5)
 
 
-@pytest.mark.parametrize("model,lora_parts", [("tiny_idefics3", "[language]"), ("tiny_llava", "[language,vision]")])
+@pytest.mark.parametrize("model,lora_parts", [("tiny_idefics3", "[language]"), ("tiny_llava", "[language,vision]"),
+                                              ("tiny_qwen2vl", "[language,vision]")])
 def test_lora_on_chosen_parts_and_its_merged_export_generates_the_same_tokens(model, lora_parts, tmp_path):
     """+peft=lora on an image-text model: adapters on the language model only by default, on the
     vision tower too with peft.parts=[language,vision], never on the projector or the head. The
