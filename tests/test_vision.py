@@ -219,6 +219,36 @@ def test_qwen2vl_pixel_budget_sets_the_image_tokens_and_travels_with_the_export(
         loaded("tiny_qwen2vl", path, "data.min_pixels=512")
 
 
+def test_a_qwen2vl_folder_with_the_stock_processor_loads_its_images_part_without_torchvision(tmp_path):
+    """A folder laid out as a Hub Qwen2-VL checkpoint (``processor_class: Qwen2VLProcessor``, no
+    llmtrain code), where torchvision is missing: ``AutoProcessor``, and ``model.source=pretrained`` trains with its image processor (the folder's pixel
+    budget) and tokenizer; the model's export reloads."""
+    import importlib.util
+
+    from llmtrain import data
+    from llmtrain.checkpoint.export import save_hf_folder
+    from llmtrain.common.images import processor_of
+    from llmtrain.models.build import build_model
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the stock Qwen2VLProcessor loads")
+    path = write_dataset(tmp_path)
+    cfg, tokenizer, _ = loaded("tiny_qwen2vl", path, "data.max_pixels=1024")
+    out = save_hf_folder(build_model(cfg.model, seed=0).state_dict(), cfg.model, tokenizer, tmp_path / "hf",
+                         data.end_token_ids(cfg.data, tokenizer))
+    config = json.loads((out / "processor_config.json").read_text())
+    config["processor_class"] = "Qwen2VLProcessor"
+    for node in (config, config["image_processor"]):
+        node.pop("auto_map")
+    (out / "processor_config.json").write_text(json.dumps(config))
+    (out / "qwen2vl_images.py").unlink()
+    pretrained = ["model.source=pretrained", f"model.path={out}", "model.tokenizer=model"]
+    _, tokenizer, splits = loaded("tiny_qwen2vl", path, *pretrained)
+    processor = processor_of(tokenizer)
+    assert type(processor).__name__ == "Qwen2VLImagesProcessor" and processor.image_processor.size["longest_edge"] == 1024
+    assert splits.train[0]["input_ids"].count(262) == 4  # 12x12 squares: 16x16 at any budget over 256
+
+
 @pytest.mark.parametrize("rows, message", [
     ([record("images/missing.png", "red")], "line 1: field 'images': image {folder}/images/missing.png does not exist"),
     ([record("train.jsonl", "red")], "line 1: field 'images': image {folder}/train.jsonl cannot be read"),

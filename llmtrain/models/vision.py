@@ -108,16 +108,27 @@ def attach_processor(model_cfg: Any, tokenizer: Any, config: Any, source: str | 
     if model_cfg.source == "config":
         processor = _processor_from_config(model_cfg, tokenizer, config)
     else:
-        import transformers
-
-        import llmtrain.models.qwen2vl_images  # noqa: F401  (registers llmtrain's Qwen2-VL processor for exports)
-
-        try:
-            processor = transformers.AutoProcessor.from_pretrained(source)
-        except (OSError, ValueError, ImportError) as err:
-            raise ModelSourceError(f"model.path={model_cfg.path}: no image processor could be loaded for this "
-                                   f"{config.model_type} model: {str(err).splitlines()[0]}") from err
+        processor = _pretrained_processor(model_cfg, config, source)
     return attach(processor.tokenizer, processor)
+
+
+def _pretrained_processor(model_cfg: Any, config: Any, source: str) -> Any:
+    """``AutoProcessor.from_pretrained(source)``; for a Qwen2-VL folder whose ``Qwen2VLProcessor``
+    cannot load its video processor (no torchvision: a Hub checkpoint), the same folder's image
+    processor and tokenizer as :class:`~llmtrain.models.qwen2vl_images.Qwen2VLImagesProcessor`."""
+    import importlib.util
+
+    import transformers
+
+    from llmtrain.models.qwen2vl_images import Qwen2VLImagesProcessor  # registered: exports of it load
+
+    try:
+        return transformers.AutoProcessor.from_pretrained(source)
+    except (OSError, ValueError, ImportError) as err:
+        if config.model_type == "qwen2_vl" and importlib.util.find_spec("torchvision") is None:
+            return Qwen2VLImagesProcessor.from_pretrained(source)
+        raise ModelSourceError(f"model.path={model_cfg.path}: no image processor could be loaded for this "
+                               f"{config.model_type} model: {str(err).splitlines()[0]}") from err
 
 
 def _processor_from_config(model_cfg: Any, tokenizer: Any, config: Any) -> Any:
