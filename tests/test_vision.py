@@ -221,8 +221,9 @@ def test_qwen2vl_pixel_budget_sets_the_image_tokens_and_travels_with_the_export(
 
 def test_a_qwen2vl_folder_with_the_stock_processor_loads_its_images_part_without_torchvision(tmp_path):
     """A folder laid out as a Hub Qwen2-VL checkpoint (``processor_class: Qwen2VLProcessor``, no
-    llmtrain code), where torchvision is missing: ``AutoProcessor``, and ``model.source=pretrained`` trains with its image processor (the folder's pixel
-    budget) and tokenizer; the model's export reloads."""
+    llmtrain code), where torchvision is missing: ``AutoProcessor`` cannot load its video
+    processor, and ``model.source=pretrained`` trains with the folder's image processor (its pixel
+    budget) and tokenizer."""
     import importlib.util
 
     from llmtrain import data
