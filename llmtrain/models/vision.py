@@ -218,7 +218,7 @@ def save_processor(tokenizer: Any, directory: Path) -> None:
 # Language parts without a causal-LM class of their own (their decoder lives only inside the
 # image-text model) and the causal LM of the same weights: Qwen2-VL's text model is a Qwen2
 # decoder whose rotary positions are M-RoPE's (the same parameters and activations).
-_CAUSAL_TWINS = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
+_CAUSAL_TWINS = {"qwen2_vl_text": "qwen2"}
 
 
 def text_config(config: Any) -> Any:
