@@ -50,7 +50,8 @@ def greedy_answers(folder: Path, images: list[Path]) -> list[str]:
     return answers
 
 
-def test_digits_local_scores_an_export_as_its_own_greedy_answers(shared_data, tmp_path):
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_qwen2vl"])
+def test_digits_local_scores_an_export_as_its_own_greedy_answers(model, shared_data, tmp_path):
     """The score through llmtrain.evaluate (hf-multimodal, the chat template, the images) equals
     the share of answer-column values that the model's greedy answers, computed by hand, match.
     A random model answers junk, not digits, so the answers of a copy of the first four test
@@ -68,7 +69,7 @@ def test_digits_local_scores_an_export_as_its_own_greedy_answers(shared_data, tm
     assert len(docs) == 300 and docs[0]["prompt"] == "<image>" + QUESTION
     records = [json.loads(line) for line in (digits / "test.jsonl").read_text().splitlines()[:4]]
     assert [d["answer"] for d in docs.select(range(4))] == [r["answer"] for r in records] == ["6", "3", "2", "1"]
-    folder = tiny_export(digits, tmp_path / "hf")
+    folder = tiny_export(digits, tmp_path / "hf", model)
     answers = greedy_answers(folder, [digits / r["images"][0] for r in records])
     assert len(set(answers)) > 1, answers  # the pixels change the answer: they reach generation
     for record, answer in zip(records, [answers[0], "never", answers[2], answers[3]]):

@@ -382,13 +382,13 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, merged: bool = False,
     if problem is not None:
         raise ResumeError(f"checkpoint {checkpoint_dir} is not usable: {problem}")
     from llmtrain.config.schema import DataConfig
-    from llmtrain.data import apply_template_setting, end_token_ids
+    from llmtrain.data import apply_pixel_budget, apply_template_setting, end_token_ids
 
     cfg = OmegaConf.load(checkpoint_dir / "config.yaml")
     state = consolidated_state_dict(checkpoint_dir, cfg.recipe.engine, cfg.recipe.zero_stage)
     # Older checkpoints lack newer data fields: the schema's defaults fill them.
     data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), cfg.data)
-    tokenizer = apply_template_setting(data_cfg, build_tokenizer(cfg.model))
+    tokenizer = apply_pixel_budget(data_cfg, apply_template_setting(data_cfg, build_tokenizer(cfg.model)))
     end_tokens = end_token_ids(data_cfg, tokenizer)
     if adapters.is_partial(cfg):
         current = adapters.base_fingerprint(cfg.model, cfg.trainer.seed)

@@ -301,6 +301,40 @@ def encode_image_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, 
     return datasets.Dataset.from_dict(rows, features=features), counts
 
 
+def apply_pixel_budget(data_cfg: Any, tokenizer: Any) -> Any:
+    """Set ``data.max_pixels``/``data.min_pixels`` (the pixel budget of each image) on the image
+    processor that ``tokenizer`` carries, which then saves them with the export, so inference
+    resizes images as training did. Unset: the processor's own. Returns ``tokenizer``.
+
+    Raises:
+        ConfigError: a budget for a text-only model or an image processor of fixed size (not
+            Qwen2-VL's dynamic resolution), one not positive, or ``min_pixels`` over ``max_pixels``.
+    """
+    from llmtrain.common.images import has_pixel_budget
+
+    wanted = {k: data_cfg.get(k) for k in ("min_pixels", "max_pixels") if data_cfg.get(k) is not None}
+    if not wanted:
+        return tokenizer
+    field = "data." + ("max_pixels" if "max_pixels" in wanted else "min_pixels")
+    processor = processor_of(tokenizer)
+    if processor is None or not has_pixel_budget(processor.image_processor):
+        kind = type(processor.image_processor).__name__ if processor is not None else "none: the model is text-only"
+        raise ConfigError(f"{field}={wanted[field[5:]]}: a pixel budget is for image processors with dynamic "
+                          f"resolution (Qwen2-VL's), and this model's image processor ({kind}) resizes to a fixed "
+                          "size (model.processor.image_processor sets it); unset data.max_pixels and data.min_pixels")
+    size = dict(processor.image_processor.size)
+    size.update({"shortest_edge": wanted.get("min_pixels", size.get("shortest_edge")),
+                 "longest_edge": wanted.get("max_pixels", size.get("longest_edge"))})
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if not isinstance(size[edge], int) or size[edge] <= 0:
+            raise ConfigError(f"data.{key}={size[edge]} must be a positive number of pixels")
+    if size["shortest_edge"] > size["longest_edge"]:
+        raise ConfigError(f"data.min_pixels={size['shortest_edge']} is over data.max_pixels={size['longest_edge']}; "
+                          "lower data.min_pixels or raise data.max_pixels")
+    processor.image_processor.size = size
+    return tokenizer
+
+
 def refuse_packing(data_cfg: Any, tokenizer: Any) -> None:
     """Image-text samples are packed (``data.packing=true``) for the families whose packed rows are
     tested to equal their unpacked samples (:data:`llmtrain.common.images.PACKED_PROCESSORS`).
@@ -311,7 +345,7 @@ def refuse_packing(data_cfg: Any, tokenizer: Any) -> None:
     processor = processor_of(tokenizer)
     name = type(processor).__name__
     if data_cfg.packing and processor is not None and name not in PACKED_PROCESSORS:
-        families = ", ".join(PACKED_PROCESSORS.values())
+        families = ", ".join(dict.fromkeys(PACKED_PROCESSORS.values()))
         raise ConfigError(f"data.packing=true: image-text samples are packed for {families} models only, not this "
                           f"model's {name} (its positions and attention across packed samples are not checked); "
                           "set data.packing=false")

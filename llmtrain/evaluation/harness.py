@@ -351,6 +351,8 @@ def _harness_model(folder: str, dtype: str, batch_size: int | str, device: str) 
                           "auto; give batch_size=8")
     from lm_eval.models.hf_vlms import HFMultimodalLM
 
+    import llmtrain.models.qwen2vl_images  # noqa: F401  (registers the processor a tiny_qwen2vl export names)
+
     lm = HFMultimodalLM(pretrained=folder, dtype=dtype, batch_size=batch_size, device=device)
     return lm, bool(getattr(lm.processor, "chat_template", None))
 
