@@ -29,7 +29,7 @@ from pathlib import Path
 from benchlib import REPO, launch
 
 MODEL = ["model=tiny_idefics3"]
-QUESTION_TOKENS = ["rollout.max_completion_length=2"]  # a digit and <|im_end|>
+ANSWER_TOKENS = ["rollout.max_completion_length=2"]  # a digit and <|im_end|> (not an end token: docs/vision.md)
 # Each stage's run directory under --out: docs/vision.md's names.
 RUNS = {"step0": "digits-step0", "sft": "digits-vlm", "start": "digits-start", "grpo": "digits-rl"}
 STAGES = tuple(RUNS)
@@ -46,7 +46,7 @@ def stage_overrides(stage: str, train: Path, out: Path, args: argparse.Namespace
         return [*sft, f"trainer.max_steps={args.start_steps}", "trainer.lr=3e-3"]
     return [*MODEL, "model.source=pretrained", f"model.path={out / 'digits-start' / 'hf'}", "model.tokenizer=model",
             "objective=grpo", "data=prompts", f"data.path={train}", "data.columns.prompt=messages",
-            "reward.functions=[answer]", *QUESTION_TOKENS, f"rollout.temperature={args.temperature}",
+            "reward.functions=[answer]", *ANSWER_TOKENS, f"rollout.temperature={args.temperature}",
             "objective.num_generations=8", "trainer.global_batch_size=16", "trainer.micro_batch_size=16",
             f"trainer.max_steps={args.grpo_steps}", "trainer.lr=3e-3", "trainer.eval_every=25"]
 
