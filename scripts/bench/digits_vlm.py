@@ -29,7 +29,7 @@ from pathlib import Path
 from benchlib import REPO, launch
 
 MODEL = ["model=tiny_idefics3"]
-ANSWER_TOKENS = ["rollout.max_completion_length=2"]  # a digit and <|im_end|> (not an end token: docs/vision.md)
+ANSWER_TOKENS = ["rollout.max_completion_length=2"]  # a digit and <|im_end|>, which ends the completion
 # Each stage's run directory under --out: docs/vision.md's names.
 RUNS = {"step0": "digits-step0", "sft": "digits-vlm", "start": "digits-start", "grpo": "digits-rl"}
 STAGES = tuple(RUNS)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-steps", type=int, default=1000, help="steps of the long supervised run")
     p.add_argument("--start-steps", type=int, default=100, help="steps of the supervised run GRPO starts from")
     p.add_argument("--grpo-steps", type=int, default=150)
-    p.add_argument("--temperature", type=float, default=0.7, help="GRPO's sampling temperature")
+    p.add_argument("--temperature", type=float, default=1.0, help="GRPO's sampling temperature")
     args = p.parse_args(argv)
     data, out = args.data.resolve(), args.out.resolve()
     if not (data / "train.jsonl").is_file() or not (data / "test.jsonl").is_file():
