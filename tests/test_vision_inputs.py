@@ -141,3 +141,45 @@ def test_bytes_that_are_no_image_exit_2_with_one_line_naming_the_record(tmp_path
     assert proc.stderr.splitlines() == [f"llmtrain: error: data.path: {tmp_path / 'train.parquet'} record 1: field "
                                         "'images' image 0: 11 bytes that are not an image PIL reads (no known image "
                                         "format)"], proc.stderr
+
+
+def test_sixteen_bit_grey_gray_rgba_and_palette_pngs_read_as_the_rgb_pixels_they_show(tmp_path):
+    """A 16-bit grayscale PNG (values v * 257, PIL mode I;16) reads as the 8-bit image v, not
+    clipped at 255 (what a bare ``convert("RGB")`` gives); 8-bit gray, RGBA and palette copies of
+    an image read as its RGB pixels."""
+    from PIL import Image
+
+    from llmtrain.data.vision import load_image
+
+    grey = np.arange(0, 256, 4, dtype=np.uint8).reshape(8, 8)  # 0 .. 252: mostly above 255 / 257
+    Image.fromarray(grey.astype(np.uint16) * 257).save(tmp_path / "g16.png")
+    assert Image.open(tmp_path / "g16.png").mode == "I;16"
+    assert np.array_equal(np.asarray(load_image(tmp_path / "g16.png", "", "")), np.stack([grey] * 3, -1))
+    assert np.asarray(Image.open(tmp_path / "g16.png").convert("RGB")).max() == 255  # the clipping avoided
+    source = Image.fromarray(np.stack([grey] * 3, -1), "RGB")
+    for mode in ("L", "RGBA"):
+        source.convert(mode).save(tmp_path / f"{mode}.png")
+        assert np.array_equal(np.asarray(load_image(tmp_path / f"{mode}.png", "", "")), np.asarray(source)), mode
+    palette = Image.fromarray(np.arange(64, dtype=np.uint8).reshape(8, 8), "P")  # index k: the colour grey[k]
+    palette.putpalette([v for g in grey.flat for v in (g, g, g)])
+    palette.save(tmp_path / "P.png")
+    assert np.array_equal(np.asarray(load_image(tmp_path / "P.png", "", "")), np.asarray(source))
+
+
+def test_an_image_over_pils_bomb_limit_is_a_one_line_data_error(tmp_path, monkeypatch):
+    """PIL raises DecompressionBombError (not an OSError) past twice ``MAX_IMAGE_PIXELS``: a path
+    or bytes that large is refused naming the record and field, not a traceback."""
+    from PIL import Image
+
+    from llmtrain.common.errors import DataError
+    from llmtrain.data import image_refs
+    from llmtrain.data.vision import load_image
+
+    monkeypatch.setattr(image_refs, "IMAGE_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 50)  # an error past 100 pixels: 12 x 12 is over it
+    (tmp_path / "big.png").write_bytes(png("red"))
+    with pytest.raises(DataError, match=r"^line 3: field 'images': image .*big.png is too large: Image size \(144 "
+                                        r"pixels\) exceeds limit of 100 pixels"):
+        load_image(tmp_path / "big.png", "line 3", "images")
+    with pytest.raises(DataError, match=r"^record 3: field 'images' image 0: an image too large: Image size"):
+        image_refs.image_paths([png("red")], tmp_path, "record 3", "images")

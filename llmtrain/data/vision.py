@@ -119,20 +119,39 @@ def count_mismatch(at: str, counts: tuple[int, int], field: str, images: int, co
                      f"{IMAGE_PLACEHOLDER} needs one image, in order")
 
 
+# PIL's modes of 16-bit grayscale (16-bit PNGs): ``convert("RGB")`` clips their 0-65535 values at
+# 255, which turns the image into black and white; they are scaled to 8 bits first.
+_SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
+
+
+def rgb(image: Any) -> Any:
+    """``image`` (PIL) as RGB: ``convert("RGB")`` (what transformers' processors and TRL do), but a
+    16-bit grayscale image is first scaled to 8 bits (``value >> 8``) instead of clipped at 255."""
+    if image.mode in _SIXTEEN_BIT:
+        import numpy as np
+        from PIL import Image
+
+        image = Image.fromarray((np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8), "L")
+    return image.convert("RGB")
+
+
 def load_image(path: Path, where: str, field: str):
-    """The RGB image at ``path`` (PIL).
+    """The RGB image at ``path`` (PIL, :func:`rgb`).
 
     Raises:
-        DataError: the file is missing or not an image PIL reads (names ``where``, the field and
-            the path).
+        DataError: the file is missing or not an image PIL reads, or larger than PIL's
+            decompression-bomb limit (names ``where``, the field and the path).
     """
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
-            return image.convert("RGB")
+            return rgb(image)
     except FileNotFoundError:
         raise DataError(f"{where}: field {field!r}: image {path} does not exist") from None
+    except Image.DecompressionBombError as err:
+        raise DataError(f"{where}: field {field!r}: image {path} is too large: {err}; resize it (the "
+                        "processor shrinks it to its own size anyway)") from None
     except (UnidentifiedImageError, OSError) as err:
         raise DataError(f"{where}: field {field!r}: image {path} cannot be read: {err}") from None
 
