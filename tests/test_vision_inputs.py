@@ -183,3 +183,19 @@ def test_an_image_over_pils_bomb_limit_is_a_one_line_data_error(tmp_path, monkey
         load_image(tmp_path / "big.png", "line 3", "images")
     with pytest.raises(DataError, match=r"^record 3: field 'images' image 0: an image too large: Image size"):
         image_refs.image_paths([png("red")], tmp_path, "record 3", "images")
+
+
+def test_a_string_content_read_back_as_a_number_is_refused_saying_why(tmp_path):
+    """datasets 5 reads a messages column that mixes string contents and lists of parts as Json, and
+    a string content that is valid JSON ("7") comes back as the int 7: refused naming the record and
+    turn, and what to write instead."""
+    from llmtrain.common.errors import DataError
+
+    mixed = {"messages": [{"role": "user", "content": "<image>" + QUESTION}, {"role": "assistant", "content": "7"}],
+             "images": ["images/red.png"]}
+    path = write_dataset(tmp_path, [record("images/red.png", "red"), mixed, record("images/blue.png", "blue")] * 2)
+    with pytest.raises(DataError) as err:
+        loaded("tiny_idefics3", path)
+    assert str(err.value) == (f"data.path: {path} line 2 turn 1: 'content' is the int 7: when a file mixes string "
+                              "contents with lists of parts, datasets reads a string that is a JSON number or boolean "
+                              "as one; write every content as a list of parts (or every one as a string)")

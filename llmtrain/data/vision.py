@@ -79,6 +79,12 @@ def parts_conversation(record: dict, field: str, where: str) -> tuple[list[dict]
                     raise DataError(f"{where} turn {j} part {k}: a content part is {{'type': 'text', 'text': "
                                     f"str}} or {{'type': 'image'}}, got {part!r:.80}")
             content = parts
+        elif isinstance(content, (int, float, bool)):
+            # datasets 5 stores a column of string and list contents as Json, and reads a string
+            # content that is valid JSON ("7", "true") back as that value: the text is lost there.
+            raise DataError(f"{where} turn {j}: 'content' is the {type(content).__name__} {content!r}: when a file "
+                            "mixes string contents with lists of parts, datasets reads a string that is a JSON number or "
+                            "boolean as one; write every content as a list of parts (or every one as a string)")
         elif not isinstance(content, str):
             raise DataError(f"{where} turn {j}: 'content' must be a string or a list of parts, got "
                             f"{type(content).__name__}")
