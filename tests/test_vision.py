@@ -5,6 +5,7 @@ the loss against the model's own, bad records as one-line errors, exports that r
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -329,3 +330,20 @@ def adapters_off(model):
     from llmtrain.objectives.reference import adapters_disabled
 
     return adapters_disabled(model)
+
+
+@pytest.mark.parametrize("model, setting, said", [
+    ("tiny_idefics3", "size={longest_edge:0}", "size must be a dictionary with key 'longest_edge'"),
+    ("tiny_llava", "crop_size={height:0,width:0}", "it gives pixel_values of shape [1, 3, 0, 0], no pixel"),
+    ("tiny_gemma3", "size={height:0,width:16}", "Size must contain 'height' and 'width' keys"),
+])
+def test_image_sizes_the_processor_cannot_use_are_refused_at_the_build(model, setting, said):
+    """Once a ValueError traceback at the first record (or empty pixels for LLaVA): a config error
+    naming model.processor.image_processor, before any data is read."""
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.models.build import build_tokenizer
+
+    with pytest.raises(ConfigError, match=r"^model\.processor\.image_processor=\{.*\}: the image processor cannot "
+                                          r"prepare an image with these settings: " + re.escape(said)):
+        build_tokenizer(make_cfg([f"model={model}", f"model.processor.image_processor.{setting}"]).model)
+    build_tokenizer(make_cfg([f"model={model}"]).model)  # the preset's own sizes pass
