@@ -347,3 +347,18 @@ def test_image_sizes_the_processor_cannot_use_are_refused_at_the_build(model, se
                                           r"prepare an image with these settings: " + re.escape(said)):
         build_tokenizer(make_cfg([f"model={model}", f"model.processor.image_processor.{setting}"]).model)
     build_tokenizer(make_cfg([f"model={model}"]).model)  # the preset's own sizes pass
+
+
+@pytest.mark.parametrize("seq_len, too_long, cut", [(8, 8, 0), (24, 0, 8)])
+def test_records_that_do_not_fit_are_counted_by_why_and_the_fix_named(seq_len, too_long, cut, tmp_path):
+    """data.seq_len=8 cuts through each record's image (4 image tokens after ChatML's user header):
+    dropped as too long; 24 keeps the image but cuts the question before the answer: every record
+    is counted (once the second kind was in no count: '0 of 8 ... too long 0, ... 0')."""
+    from llmtrain.common.errors import DataError
+
+    path = write_dataset(tmp_path)
+    with pytest.raises(DataError) as err:
+        loaded("tiny_idefics3", path, f"data.seq_len={seq_len}")
+    assert str(err.value) == (f"data.path: {path}: 0 of 8 records give a usable sample at data.seq_len={seq_len} "
+                              f"(dropped as too long or cut through an image {too_long}, cut before their first "
+                              f"target token {cut}, without an assistant turn 0); need at least 2; raise data.seq_len")

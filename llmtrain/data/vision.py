@@ -316,9 +316,12 @@ def encode_image_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, 
             rows["labels"].append(labels)
             rows["images"].append(paths)
     if len(rows["input_ids"]) < 2:
+        short = counts["dropped_too_long"] + counts["dropped_truncated_away"]
         raise DataError(f"{where}: {len(rows['input_ids'])} of {len(records)} records give a usable sample at "
-                        f"data.seq_len={seq_len} (dropped as too long {counts['dropped_too_long']}, without an "
-                        f"assistant turn {counts['dropped_no_target']}); need at least 2")
+                        f"data.seq_len={seq_len} (dropped as too long or cut through an image "
+                        f"{counts['dropped_too_long']}, cut before their first target token "
+                        f"{counts['dropped_truncated_away']}, without an assistant turn {counts['dropped_no_target']}); "
+                        "need at least 2" + ("; raise data.seq_len" if short else ""))
     datasets = lazy_datasets.module()
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                   "labels": datasets.Sequence(datasets.Value("int32")),
