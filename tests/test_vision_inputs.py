@@ -199,3 +199,19 @@ def test_a_string_content_read_back_as_a_number_is_refused_saying_why(tmp_path):
     assert str(err.value) == (f"data.path: {path} line 2 turn 1: 'content' is the int 7: when a file mixes string "
                               "contents with lists of parts, datasets reads a string that is a JSON number or boolean "
                               "as one; write every content as a list of parts (or every one as a string)")
+
+
+def test_a_placeholder_inside_a_text_part_is_an_image_as_in_a_string_content(tmp_path):
+    """``[{"type": "text", "text": "<image>Which colour..."}]`` gives the samples of an image part
+    then the text (the template writes the placeholder as it is and the processor would expand it);
+    once it was no image, and a record with its image was refused as having none."""
+    expected = samples_of(loaded("tiny_idefics3", write_dataset(tmp_path / "parts", trl_records()))[2])
+    rows = []
+    for rec in trl_records():
+        user = rec["messages"][0]
+        text = "".join("<image>" if p["type"] == "image" else p["text"] for p in user["content"])
+        rows.append({**rec, "messages": [{"role": "user", "content": [{"type": "text", "text": text}]},
+                                         *rec["messages"][1:]]})
+    assert all("<image>" in r["messages"][0]["content"][0]["text"] for r in rows)
+    _, _, splits = loaded("tiny_idefics3", write_dataset(tmp_path / "text", rows))
+    assert samples_of(splits) == expected

@@ -96,19 +96,32 @@ def parts_conversation(record: dict, field: str, where: str) -> tuple[list[dict]
 IMAGE_PLACEHOLDER = "<image>"
 
 
+def _split_text(text: str) -> list[dict]:
+    """``text`` as ``text``/``image`` parts, an image part at each :data:`IMAGE_PLACEHOLDER`."""
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+    for piece in pieces[1:]:
+        parts += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
+    return parts
+
+
 def placeholder_parts(turns: list[dict]) -> tuple[list[dict], int]:
-    """``turns`` with each string content that holds :data:`IMAGE_PLACEHOLDER` split into
-    ``text``/``image`` parts (LLaMA-Factory's layout: ``"<image>Which digit?"`` is an image part,
-    then the text), and the number of placeholders; list contents are left as they are."""
+    """``turns`` with each string content or text part that holds :data:`IMAGE_PLACEHOLDER` split
+    into ``text``/``image`` parts (LLaMA-Factory's layout: ``"<image>Which digit?"`` is an image
+    part, then the text), and the number of placeholders. A text part's placeholder counts too:
+    the chat template writes it as it is, and the processor would expand it into an image's tokens."""
     out, count = [], 0
     for turn in turns:
         content = turn["content"]
         if isinstance(content, str) and IMAGE_PLACEHOLDER in content:
-            pieces = content.split(IMAGE_PLACEHOLDER)
-            count += len(pieces) - 1
-            parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
-            for piece in pieces[1:]:
-                parts += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
+            count += content.count(IMAGE_PLACEHOLDER)
+            turn = {**turn, "content": _split_text(content)}
+        elif isinstance(content, list) and any(IMAGE_PLACEHOLDER in p.get("text", "") for p in content):
+            parts = []
+            for part in content:
+                text = part.get("text", "") if part["type"] == "text" else ""
+                count += text.count(IMAGE_PLACEHOLDER)
+                parts += _split_text(text) if IMAGE_PLACEHOLDER in text else [part]
             turn = {**turn, "content": parts}
         out.append(turn)
     return out, count
