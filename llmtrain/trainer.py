@@ -47,6 +47,7 @@ from llmtrain.evaluation.validation import Evaluator, evaluate, log_eval
 from llmtrain.models import adapters, moe, quantize
 from llmtrain.models.blank_image import keep_tower_in_every_forward
 from llmtrain.models.build import build_model, build_tokenizer, check_sequence_length, language_config, model_config
+from llmtrain.models.vision import is_image_text
 from llmtrain.monitoring import console, goodput
 from llmtrain.monitoring.ending import log_preempted, write_report_at_end
 from llmtrain.monitoring.health import FlatRewards, loss_spike, on_nonfinite, peak_memory_bytes
@@ -281,7 +282,7 @@ class Trainer:
         layout = validate(self.cfg, self.env.world_size)
         preflight(self.cfg)
         if self.t.eval_tasks:
-            in_loop.check(self.t)
+            in_loop.check(self.t, image_text=is_image_text(model_config(self.cfg.model)))
         if self.cfg.recipe.auto and self.env.world_size > 1:
             check_same_layout(self.cfg, self.env.device)
         console.configure_library_output(self.env.is_main, console.interactive())

@@ -5,6 +5,7 @@ the loss against the model's own, bad records as one-line errors, exports that r
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -450,3 +451,35 @@ def adapters_off(model):
     from llmtrain.objectives.reference import adapters_disabled
 
     return adapters_disabled(model)
+
+
+@pytest.mark.parametrize("model, setting, said", [
+    ("tiny_idefics3", "size={longest_edge:0}", "size must be a dictionary with key 'longest_edge'"),
+    ("tiny_llava", "crop_size={height:0,width:0}", "it gives pixel_values of shape [1, 3, 0, 0], no pixel"),
+    ("tiny_gemma3", "size={height:0,width:16}", "Size must contain 'height' and 'width' keys"),
+])
+def test_image_sizes_the_processor_cannot_use_are_refused_at_the_build(model, setting, said):
+    """Once a ValueError traceback at the first record (or empty pixels for LLaVA): a config error
+    naming model.processor.image_processor, before any data is read."""
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.models.build import build_tokenizer
+
+    with pytest.raises(ConfigError, match=r"^model\.processor\.image_processor=\{.*\}: the image processor cannot "
+                                          r"prepare an image with these settings: " + re.escape(said)):
+        build_tokenizer(make_cfg([f"model={model}", f"model.processor.image_processor.{setting}"]).model)
+    build_tokenizer(make_cfg([f"model={model}"]).model)  # the preset's own sizes pass
+
+
+@pytest.mark.parametrize("seq_len, too_long, cut", [(8, 8, 0), (24, 0, 8)])
+def test_records_that_do_not_fit_are_counted_by_why_and_the_fix_named(seq_len, too_long, cut, tmp_path):
+    """data.seq_len=8 cuts through each record's image (4 image tokens after ChatML's user header):
+    dropped as too long; 24 keeps the image but cuts the question before the answer: every record
+    is counted (once the second kind was in no count: '0 of 8 ... too long 0, ... 0')."""
+    from llmtrain.common.errors import DataError
+
+    path = write_dataset(tmp_path)
+    with pytest.raises(DataError) as err:
+        loaded("tiny_idefics3", path, f"data.seq_len={seq_len}")
+    assert str(err.value) == (f"data.path: {path}: 0 of 8 records give a usable sample at data.seq_len={seq_len} "
+                              f"(dropped as too long or cut through an image {too_long}, cut before their first "
+                              f"target token {cut}, without an assistant turn 0); need at least 2; raise data.seq_len")

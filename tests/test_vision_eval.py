@@ -85,3 +85,26 @@ def test_digits_local_scores_an_export_as_its_own_greedy_answers(model, shared_d
     result = json.loads(next((tmp_path / "eval").glob("*.json")).read_text())
     assert result["scores"]["eval/digits_local/exact_match"] == expected
     assert result["scores"]["eval/digits_local/documents"] == 4
+
+
+def test_an_image_task_for_a_text_only_model_is_refused_before_the_run_starts(tmp_path):
+    """trainer.eval_tasks=[digits_local] on tiny_llama once trained and then failed in the evaluation
+    process (lm-eval's multimodal check, exit 1, the run's own exit 0): now one line at start-up.
+    The image-text model's check passes on the same file."""
+    pytest.importorskip("lm_eval")
+    from PIL import Image
+
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.evaluation import in_loop
+
+    (tmp_path / "digits" / "images").mkdir(parents=True)
+    Image.new("L", (8, 8)).save(tmp_path / "digits" / "images" / "0.png")
+    record = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+                           {"role": "assistant", "content": [{"type": "text", "text": "0"}]}],
+              "images": ["images/0.png"], "answer": "0"}
+    (tmp_path / "digits" / "test.jsonl").write_text(json.dumps(record) + "\n")
+    t = make_cfg(["trainer.eval_tasks=[digits_local]", f"trainer.eval_tasks_data_dir={tmp_path}"]).trainer
+    with pytest.raises(ConfigError, match=r"^evaluation task digits_local gives the model images, and this model is "
+                                          r"text-only; evaluate an image-text model"):
+        in_loop.check(t, image_text=False)
+    in_loop.check(t, image_text=True)

@@ -210,3 +210,18 @@ def test_a_family_without_parts_keeps_patterns_and_hand_named_lora_targets_and_r
     p = make_cfg(["model=tiny_llava", "+peft=lora"]).peft
     with pytest.raises(ConfigError, match=r"^peft.parts: llmtrain does not know the parts of paligemma models"):
         adapters.lora_config(p, model)
+
+
+def test_lora_on_a_vision_part_of_a_text_model_is_refused_and_its_language_part_is_all_linear():
+    """``+peft=lora peft.parts=[vision]`` on tiny_llama once trained adapters on the whole language
+    model, without a word: the text model has no vision part, so the run is refused."""
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.models import adapters
+
+    _, model = built("tiny_llama")
+    for named in (["vision"], ["language", "projector"]):
+        p = make_cfg(["+peft=lora", f"peft.parts=[{','.join(named)}]"]).peft
+        with pytest.raises(ConfigError, match=r"^peft.parts: '(vision|projector)' is not a part of a llama model; its "
+                                              r"parts are language, lm_head$"):
+            adapters.lora_config(p, model)
+    assert adapters.lora_config(make_cfg(["+peft=lora"]).peft, model).target_modules == "all-linear"

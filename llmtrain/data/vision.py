@@ -79,6 +79,12 @@ def parts_conversation(record: dict, field: str, where: str) -> tuple[list[dict]
                     raise DataError(f"{where} turn {j} part {k}: a content part is {{'type': 'text', 'text': "
                                     f"str}} or {{'type': 'image'}}, got {part!r:.80}")
             content = parts
+        elif isinstance(content, (int, float, bool)):
+            # datasets 5 stores a column of string and list contents as Json, and reads a string
+            # content that is valid JSON ("7", "true") back as that value: the text is lost there.
+            raise DataError(f"{where} turn {j}: 'content' is the {type(content).__name__} {content!r}: when a file "
+                            "mixes string contents with lists of parts, datasets reads a string that is a JSON number or "
+                            "boolean as one; write every content as a list of parts (or every one as a string)")
         elif not isinstance(content, str):
             raise DataError(f"{where} turn {j}: 'content' must be a string or a list of parts, got "
                             f"{type(content).__name__}")
@@ -90,19 +96,32 @@ def parts_conversation(record: dict, field: str, where: str) -> tuple[list[dict]
 IMAGE_PLACEHOLDER = "<image>"
 
 
+def _split_text(text: str) -> list[dict]:
+    """``text`` as ``text``/``image`` parts, an image part at each :data:`IMAGE_PLACEHOLDER`."""
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+    for piece in pieces[1:]:
+        parts += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
+    return parts
+
+
 def placeholder_parts(turns: list[dict]) -> tuple[list[dict], int]:
-    """``turns`` with each string content that holds :data:`IMAGE_PLACEHOLDER` split into
-    ``text``/``image`` parts (LLaMA-Factory's layout: ``"<image>Which digit?"`` is an image part,
-    then the text), and the number of placeholders; list contents are left as they are."""
+    """``turns`` with each string content or text part that holds :data:`IMAGE_PLACEHOLDER` split
+    into ``text``/``image`` parts (LLaMA-Factory's layout: ``"<image>Which digit?"`` is an image
+    part, then the text), and the number of placeholders. A text part's placeholder counts too:
+    the chat template writes it as it is, and the processor would expand it into an image's tokens."""
     out, count = [], 0
     for turn in turns:
         content = turn["content"]
         if isinstance(content, str) and IMAGE_PLACEHOLDER in content:
-            pieces = content.split(IMAGE_PLACEHOLDER)
-            count += len(pieces) - 1
-            parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
-            for piece in pieces[1:]:
-                parts += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
+            count += content.count(IMAGE_PLACEHOLDER)
+            turn = {**turn, "content": _split_text(content)}
+        elif isinstance(content, list) and any(IMAGE_PLACEHOLDER in p.get("text", "") for p in content):
+            parts = []
+            for part in content:
+                text = part.get("text", "") if part["type"] == "text" else ""
+                count += text.count(IMAGE_PLACEHOLDER)
+                parts += _split_text(text) if IMAGE_PLACEHOLDER in text else [part]
             turn = {**turn, "content": parts}
         out.append(turn)
     return out, count
@@ -119,20 +138,39 @@ def count_mismatch(at: str, counts: tuple[int, int], field: str, images: int, co
                      f"{IMAGE_PLACEHOLDER} needs one image, in order")
 
 
+# PIL's modes of 16-bit grayscale (16-bit PNGs): ``convert("RGB")`` clips their 0-65535 values at
+# 255, which turns the image into black and white; they are scaled to 8 bits first.
+_SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
+
+
+def rgb(image: Any) -> Any:
+    """``image`` (PIL) as RGB: ``convert("RGB")`` (what transformers' processors and TRL do), but a
+    16-bit grayscale image is first scaled to 8 bits (``value >> 8``) instead of clipped at 255."""
+    if image.mode in _SIXTEEN_BIT:
+        import numpy as np
+        from PIL import Image
+
+        image = Image.fromarray((np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8), "L")
+    return image.convert("RGB")
+
+
 def load_image(path: Path, where: str, field: str):
-    """The RGB image at ``path`` (PIL).
+    """The RGB image at ``path`` (PIL, :func:`rgb`).
 
     Raises:
-        DataError: the file is missing or not an image PIL reads (names ``where``, the field and
-            the path).
+        DataError: the file is missing or not an image PIL reads, or larger than PIL's
+            decompression-bomb limit (names ``where``, the field and the path).
     """
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
-            return image.convert("RGB")
+            return rgb(image)
     except FileNotFoundError:
         raise DataError(f"{where}: field {field!r}: image {path} does not exist") from None
+    except Image.DecompressionBombError as err:
+        raise DataError(f"{where}: field {field!r}: image {path} is too large: {err}; resize it (the "
+                        "processor shrinks it to its own size anyway)") from None
     except (UnidentifiedImageError, OSError) as err:
         raise DataError(f"{where}: field {field!r}: image {path} cannot be read: {err}") from None
 
@@ -291,9 +329,12 @@ def encode_image_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, 
             rows["labels"].append(labels)
             rows["images"].append(paths)
     if len(rows["input_ids"]) < 2:
+        short = counts["dropped_too_long"] + counts["dropped_truncated_away"]
         raise DataError(f"{where}: {len(rows['input_ids'])} of {len(records)} records give a usable sample at "
-                        f"data.seq_len={seq_len} (dropped as too long {counts['dropped_too_long']}, without an "
-                        f"assistant turn {counts['dropped_no_target']}); need at least 2")
+                        f"data.seq_len={seq_len} (dropped as too long or cut through an image "
+                        f"{counts['dropped_too_long']}, cut before their first target token "
+                        f"{counts['dropped_truncated_away']}, without an assistant turn {counts['dropped_no_target']}); "
+                        "need at least 2" + ("; raise data.seq_len" if short else ""))
     datasets = lazy_datasets.module()
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                   "labels": datasets.Sequence(datasets.Value("int32")),

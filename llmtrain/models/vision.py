@@ -157,6 +157,7 @@ def _processor_from_config(model_cfg: Any, tokenizer: Any, config: Any) -> Any:
                                   family.image_processor)
     processor_cls = getattr(importlib.import_module(family.processor_module), family.processor)
     processor = processor_cls(image_processor=image_processor(**image_settings), tokenizer=tokenizer, **settings)
+    _probe(processor, image_settings)
     template = CHATML_WITH_IMAGES.replace("@IMAGE@", family.image_text.format(image=processor.image_token))
     processor.chat_template = tokenizer.chat_template = template
     # The token the image's features replace (Gemma 3's <image_soft_token>, not its placeholder).
@@ -167,6 +168,26 @@ def _processor_from_config(model_cfg: Any, tokenizer: Any, config: Any) -> Any:
         raise ConfigError(f"model.architecture.{field}={declared}, but the tokenizer's "
                           f"{tokenizer.convert_ids_to_tokens(expected)} is id {expected}; set {field}={expected}")
     return processor
+
+
+def _probe(processor: Any, image_settings: dict) -> None:
+    """Run the image processor on one 2x2 image, so that sizes it cannot use
+    (``model.processor.image_processor.size={longest_edge:0}``) stop the run here, naming the
+    settings, rather than as a traceback at the first record.
+
+    Raises:
+        ConfigError: the image processor fails on the probe (its message and the settings).
+    """
+    from PIL import Image
+
+    try:
+        pixels = processor.image_processor(images=[[Image.new("RGB", (2, 2))]], return_tensors="pt")["pixel_values"]
+        said = "" if pixels.numel() else f"it gives pixel_values of shape {list(pixels.shape)}, no pixel"
+    except (ValueError, TypeError, ZeroDivisionError, KeyError) as err:
+        said = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if said:
+        raise ConfigError(f"model.processor.image_processor={image_settings}: the image processor cannot prepare an "
+                          f"image with these settings: {said}; give positive sizes (e.g. size={{longest_edge: 16}})")
 
 
 def image_token_types(model: Any) -> None:
