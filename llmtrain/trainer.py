@@ -252,7 +252,7 @@ class Trainer:
         started = time.perf_counter()
         self.watchdog.set("data", step + 1)
         host_batches, source_metrics = self.batches.for_step(step)
-        data_wait_s = self.micro_batches.take_wait()
+        data_wait_s, source_metrics = self.micro_batches.take_wait(), {**source_metrics, **self.micro_batches.take_work()}
         # Fingerprint on the host copies: on an accelerator this avoids a device-to-host sync.
         digest = sample_digest(host_batches)
         batches = [{k: v.to(self.env.device) for k, v in b.items()} for b in host_batches]
@@ -377,7 +377,7 @@ class Trainer:
         loader, sampler = data.train_loader(self.splits, self.tokenizer, self.cfg.data, t.seed, t.micro_batch_size,
                                             self.accumulation, self.engine.dp_rank, self.dims.dp,
                                             start_step=-(-self.state.step // per), max_steps=-(-t.max_steps // per))
-        return sampler, data.Feed(iter(loader), self.cfg.data.prefetch)
+        return sampler, data.Feed(iter(loader), self.cfg.data.prefetch, work=getattr(loader.collate_fn, "take_metrics", None))
 
     def _setup_batches(self, val_batches: list[dict]) -> tuple[Any, Evaluator]:
         """The step's batch source and the held-out evaluator: the data loader's micro-batches and

@@ -341,6 +341,9 @@ def test_one_process_cli_run_trains_and_exports(model, processor, tmp_path):
     assert_ok(proc)
     losses = [r["train/loss"] for r in read_metrics(run) if "train/loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
+    # The images' preparation is reported each step (read ahead, so early steps may hold several).
+    prepared = [r.get("time/image_prep_s") for r in read_metrics(run) if "train/loss" in r]
+    assert None not in prepared and sum(prepared) > 0, prepared
     assert type(AutoProcessor.from_pretrained(run / "hf")).__name__ == processor
 
 
