@@ -13,6 +13,7 @@ alive, re-parented to init.
 The server answers ``/health``, ``/v1/models``, ``/v1/completions`` (a few token ids below 256
 drawn from the request's seed, no log-probs: the trainer computes them), ``/collective_rpc`` and the
 LoRA adapter calls. Every process writes ``ROLE PID`` to ``$STANDIN_PIDS`` (a file) when set.
+While the file ``$STANDIN_FAIL_START`` exists, the server exits with status 1 as it starts.
 
 :func:`python_wrapper` writes the ``python`` to give as ``rollout.vllm_python``: the environment
 probe (``-c``) passes, anything else runs this file. The first completion request writes
@@ -114,6 +115,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def server(port: int) -> None:
+    if os.environ.get("STANDIN_FAIL_START") and Path(os.environ["STANDIN_FAIL_START"]).exists():
+        print("standin: told not to start ($STANDIN_FAIL_START exists)", file=sys.stderr)
+        sys.exit(1)  # a server that cannot come back (no memory left, a broken environment)
     _note("server")
     child = subprocess.Popen([sys.executable, __file__, "--engine"])
 
