@@ -143,6 +143,31 @@ def test_a_server_that_cannot_come_back_is_one_line_naming_its_log(tmp_path, cen
     assert census.left(timeout_s=5) == ([], [])
 
 
+def test_the_memory_folder_of_synced_weights_goes_with_its_trainer_even_on_sigkill(tmp_path):
+    """The /dev/shm folder a full fine-tuning sync writes to: removed by close(), and by its guard
+    when the trainer is SIGKILLed (nothing else would free that memory); a rerun finds no record."""
+    from llmtrain.common import children
+    from llmtrain.rollout.vllm_server import MemoryFolder
+
+    folder = MemoryFolder(tmp_path)
+    path = folder.open(1)
+    (path / "model.safetensors").write_bytes(b"x" * 1024)
+    folder.close()
+    assert not path.exists() and not (tmp_path / children.RECORD).exists()
+    code = ("import sys, time; from pathlib import Path; from llmtrain.rollout.vllm_server import MemoryFolder; "
+            f"p = MemoryFolder(Path({str(tmp_path)!r})).open(1); (p / 'w').write_bytes(b'x'); print(p, flush=True); "
+            "time.sleep(600)")
+    trainer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    path = Path(trainer.stdout.readline().strip())
+    assert (path / "w").is_file()
+    trainer.kill()
+    trainer.wait()
+    deadline = time.monotonic() + 10
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not path.exists(), "the weights' memory folder outlived its SIGKILLed trainer"
+
+
 # ---- the CLI on the stand-in ---------------------------------------------------------------------------
 def _questions(folder: Path) -> Path:
     rng = random.Random(0)
@@ -225,3 +250,91 @@ def test_a_server_that_cannot_come_back_ends_the_run_in_one_line_and_the_rerun_c
     calm = [r["train/loss"] for r in train_rows(tmp_path / "calm", 6)]
     assert [r["train/loss"] for r in train_rows(tmp_path / "broken", 6)] == calm
     assert census.left(timeout_s=10) == ([], []), again[-3000:]
+
+
+# ---- with vLLM ---------------------------------------------------------------------------------------
+from test_grpo_vllm import needs_vllm, overrides, questions  # noqa: E402,F401  (questions: a fixture)
+
+
+def _real_engine(cfg, policy_model, step):
+    from types import SimpleNamespace
+
+    from llmtrain.checkpoint.export import write_policy
+    from llmtrain.models.build import build_tokenizer
+    from llmtrain.rollout import build_sampler
+
+    tokenizer = build_tokenizer(cfg.model)
+    engine = build_sampler(cfg, tokenizer, [256])
+    policy = SimpleNamespace(full_state_dict=lambda: policy_model.state_dict(), env=SimpleNamespace(is_main=True),
+                             optimizer_step_count=lambda: step[0])
+    engine.publish = lambda directory, part: write_policy(policy, cfg, tokenizer, directory, part, [256])
+    prompts = [{"prompt_ids": list(tokenizer(f"What is {a}+{a}?")["input_ids"]), "record": a} for a in range(8)]
+    return engine, policy, prompts
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.alone
+def test_two_vllm_servers_give_the_completions_of_one(questions, tmp_path):
+    """fp32, the same seeds: the completions (and their log-probs) of 2 servers, each on one CPU
+    and sampling its share of the groups, are those of 1 server sampling all, before and after a
+    weight sync (every server gets the weights)."""
+    import torch
+
+    from llmtrain.config.compose import compose
+    from test_grpo_vllm import _tiny_policy
+
+    results = {}
+    for servers in (1, 2):
+        cfg = compose(overrides(questions, f"run_dir={tmp_path / str(servers)}", "rollout.max_completion_length=12",
+                                f"rollout.vllm_servers={servers}"))
+        model, step = _tiny_policy(), [0]
+        engine, policy, prompts = _real_engine(cfg, model, step)
+        seeds = [[11 + r, 12 + r, 13 + r] for r in range(len(prompts))]
+        try:
+            before = engine.sample(policy, prompts, seeds)
+            torch.manual_seed(5)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            step[0] = 1
+            after = engine.sample(policy, prompts, seeds)
+            assert engine.version == 1
+        finally:
+            engine.close()
+        results[servers] = [[(c.ids, c.logps) for c in g] for g in before + after]
+    ids = {n: [[c[0] for c in g] for g in r] for n, r in results.items()}
+    assert ids[2] == ids[1]
+    worst = max(abs(a - b) for g1, g2 in zip(results[1], results[2]) for (_, l1), (_, l2) in zip(g1, g2)
+                for a, b in zip(l1, l2))
+    print(f"largest |log-prob difference| 2 servers vs 1: {worst:.2e}")
+    assert worst <= 1e-5
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.alone
+def test_a_vllm_server_killed_mid_run_is_restarted_and_the_run_keeps_its_losses(questions, tmp_path):
+    """Full fine-tuning, fp32: SIGKILL to the server after step 2; it is restarted with step 2's
+    weights, and the run's losses equal the undisturbed run's."""
+    from conftest import assert_ok, run_cli
+
+    assert_ok(run_cli(overrides(questions, f"run_dir={tmp_path / 'calm'}"), timeout=900))
+    run_dir = tmp_path / "killed"
+
+    def kill(process):
+        deadline = time.monotonic() + 800
+        while not ((run_dir / "metrics.jsonl").exists() and
+                   [r for r in read_metrics(run_dir) if r.get("step", 0) >= 2 and "train/loss" in r]):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        os.kill(json.loads((run_dir / ".children.json").read_text())[-1]["pid"], signal.SIGKILL)
+
+    code, out = _run(overrides(questions, f"run_dir={run_dir}"), subprocess_env(), kill)
+    assert code == 0, out[-4000:]
+    assert "restarting it on port" in out and "with the weights of step 2" in out, out[-4000:]
+    calm, killed = train_rows(tmp_path / "calm", 5), train_rows(run_dir, 5)
+    print("losses", [r["train/loss"] for r in calm], [r["train/loss"] for r in killed])
+    assert [r["train/loss"] for r in killed] == pytest.approx([r["train/loss"] for r in calm], abs=1e-6)
+    assert max(r["rollout/logp_diff_max"] for r in killed) <= 1e-3
+    assert killed[-1]["rollout/vllm_restarts"] == 1.0

@@ -7,7 +7,10 @@
   (tensor parallel inside a server). A prompt's group goes whole to one server, chosen from the
   prompt's record number (:func:`server_of`): which server samples a completion never depends on
   timing, and a seeded request's completion does not depend on its server.
-* **Weights** reach every server at each sync (written once, loaded by each in parallel).
+* **Weights** reach every server at each sync (written once, loaded by each in parallel). Full
+  fine-tuning writes only the weights' tensors (``write_policy``'s ``"weights"``: no model
+  rebuilt, no config or tokenizer, the server's dtype, frozen blocks left out), to a folder in
+  memory (``/dev/shm``) when the servers run on this host.
 * **Restarts**: rank 0 watches the servers it started; one that dies is restarted on the same
   port with the weights the others hold (at most ``rollout.vllm_restarts`` times in a run, each
   logged and counted in ``rollout/vllm_restarts``), and the requests it lost are sent again with
@@ -32,8 +35,8 @@ from llmtrain.common.errors import ChildDied
 from llmtrain.parallel import distributed
 from llmtrain.rollout.engines import RolloutEngine
 from llmtrain.rollout.generate import Completion, Sampling
-from llmtrain.rollout.vllm_server import (SERVED_NAME, Server, VLLMServerError, _free_port, _request, check_environment,
-                                          refused, server_cores, user_urls)
+from llmtrain.rollout.vllm_server import (SERVED_NAME, MemoryFolder, Server, VLLMServerError, _free_port, _request,
+                                          check_environment, refused, server_cores, user_urls)
 
 log = logging.getLogger("llmtrain")
 
@@ -74,6 +77,7 @@ class VLLMEngine(RolloutEngine):
         self.sync_s = 0.0
         self.watcher: threading.Thread | None = None
         self.closing = threading.Event()
+        self.memory = MemoryFolder(self.run_dir)
 
     def check(self) -> None:
         check_environment(self.cfg)
@@ -193,6 +197,7 @@ class VLLMEngine(RolloutEngine):
         with self.lock:
             for server in self.servers:
                 server.stop()
+        self.memory.close()
         if self.own_server and self.work.is_dir():
             shutil.rmtree(self.work, ignore_errors=True)
 
@@ -212,8 +217,8 @@ class VLLMEngine(RolloutEngine):
         # flight across the step) before rank 0 swaps the weights: not every layout's publish is collective.
         distributed.barrier()
         started = time.perf_counter()
-        folder = self.work / f"step_{step}"
-        self.publish(folder, "adapter" if self.lora else "model")
+        folder = self._steps_folder(policy) / f"step_{step}"
+        self.publish(folder, "adapter" if self.lora else "weights")
         error, died = "", False
         if policy.env.is_main:
             try:
@@ -229,7 +234,18 @@ class VLLMEngine(RolloutEngine):
         self.model_name = f"policy-step{step}" if self.lora else SERVED_NAME
         self.sync_s = time.perf_counter() - started
         if policy.env.is_main and previous is not None and previous >= 0:
-            shutil.rmtree(self.work / f"step_{previous}", ignore_errors=True)
+            shutil.rmtree(folder.parent / f"step_{previous}", ignore_errors=True)
+
+    def _steps_folder(self, policy: Any) -> Path:
+        """Where a sync writes (rank 0): in memory (:class:`~llmtrain.rollout.vllm_server.MemoryFolder`)
+        for full weights sent to servers this run started on this host, with room for two steps'
+        (the one loaded, kept for a restart, and the next); else the run folder."""
+        if policy.env.is_main and self.own_server and not self.lora:
+            start = self.work / "model" / "model.safetensors"
+            need = 2 * start.stat().st_size if start.is_file() else 0
+            if need and (path := self.memory.open(need)) is not None:
+                return path
+        return self.work
 
     def _load_all(self, folder: Path, step: int) -> None:
         """Rank 0: every server loads what :meth:`_sync` wrote (in parallel); one found dead is

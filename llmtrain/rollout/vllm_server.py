@@ -35,12 +35,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -282,3 +284,34 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+class MemoryFolder:
+    """A folder in ``/dev/shm`` (memory) for the weights a sync sends to servers on this host:
+    writing there costs no disk, and the server reads it from memory. A guard process (a shell
+    with the trainer's death as its SIGTERM, in a session of its own, recorded for a rerun)
+    removes it on every ending, the trainer's SIGKILL included, as nothing else would free that
+    memory. :meth:`open` returns None where ``/dev/shm`` is missing or has under ``need_bytes`` free."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.path = children.SHM / f"llmtrain-weights-{os.getpid()}-{zlib.crc32(str(self.run_dir.resolve()).encode()):08x}"
+        self.guard: subprocess.Popen | None = None
+
+    def open(self, need_bytes: int) -> Path | None:
+        if self.guard is not None:
+            return self.path
+        if not children.SHM.is_dir() or shutil.disk_usage(children.SHM).free < need_bytes:
+            return None
+        self.path.mkdir(exist_ok=True)
+        script = 'trap \'rm -rf "$0"; exit 0\' TERM INT HUP; while :; do sleep 1; done'
+        self.guard = subprocess.Popen(["sh", "-c", script, str(self.path)], start_new_session=True,
+                                      preexec_fn=lambda: distributed.die_with_parent(signal.SIGTERM))
+        children.remember(self.run_dir, "weights folder guard", self.guard.pid, folder=str(self.path))
+        return self.path
+
+    def close(self) -> None:
+        guard, self.guard = self.guard, None
+        if guard is not None:
+            children.stop(self.run_dir, guard)
+        shutil.rmtree(self.path, ignore_errors=True)
