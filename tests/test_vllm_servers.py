@@ -328,7 +328,8 @@ def test_a_vllm_server_killed_mid_run_is_restarted_and_the_run_keeps_its_losses(
                    [r for r in read_metrics(run_dir) if r.get("step", 0) >= 2 and "train/loss" in r]):
             assert process.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
-        os.kill(json.loads((run_dir / ".children.json").read_text())[-1]["pid"], signal.SIGKILL)
+        records = json.loads((run_dir / ".children.json").read_text())
+        os.kill(next(r["pid"] for r in records if r["kind"] == "vLLM server"), signal.SIGKILL)
 
     code, out = _run(overrides(questions, f"run_dir={run_dir}"), subprocess_env(), kill)
     assert code == 0, out[-4000:]

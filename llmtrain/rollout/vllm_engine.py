@@ -218,7 +218,9 @@ class VLLMEngine(RolloutEngine):
         distributed.barrier()
         started = time.perf_counter()
         folder = self._steps_folder(policy) / f"step_{step}"
-        self.publish(folder, "adapter" if self.lora else "weights")
+        # A user's server gets the whole folder first: frozen blocks are sent once, and only where
+        # llmtrain did not start the server on them.
+        self.publish(folder, "adapter" if self.lora else "model" if self.version < 0 else "weights")
         error, died = "", False
         if policy.env.is_main:
             try:
