@@ -11,7 +11,8 @@ engine stops its worker on SIGTERM and shuts down (cleanly) when its worker dies
 alive, re-parented to init.
 
 The server answers ``/health``, ``/v1/models``, ``/v1/completions`` (a few token ids below 256
-drawn from the request's seed, no log-probs: the trainer computes them), ``/collective_rpc`` and the
+drawn from the request's seed and the weights it holds: the folder last reloaded, the adapter
+named; no log-probs: the trainer computes them), ``/collective_rpc`` and the
 LoRA adapter calls. Every process writes ``ROLE PID`` to ``$STANDIN_PIDS`` (a file) when set.
 While the file ``$STANDIN_FAIL_START`` exists, the server exits with status 1 as it starts.
 
@@ -103,12 +104,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
+        if self.path == "/collective_rpc":  # reload_weights: the weights' folder names them (step_N)
+            self.server.weights = Path(request["kwargs"]["weights_path"]).name
         if self.path != "/v1/completions":
             return self._answer(None)
         if not self.server.served:
             self.server.served = True
             _note("served")
-        rng = random.Random(request.get("seed", 0))
+        rng = random.Random(f"{request.get('seed', 0)} {self.server.weights} {request['model']}")
         n = min(int(request["max_tokens"]), 3)
         return self._answer({"choices": [{"token_ids": [rng.randrange(256) for _ in range(n)],
                                           "finish_reason": "length" if n == int(request["max_tokens"]) else "stop"}]})
@@ -131,6 +134,7 @@ def server(port: int) -> None:
     ThreadingHTTPServer.request_queue_size = 256  # a rank sends up to 32 requests at once (uvicorn's backlog: 2048)
     http = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
     http.served = False
+    http.weights = "start"  # the weights it holds: its completions depend on them, as a model's do
     http.serve_forever()
 
 

@@ -99,18 +99,30 @@ def test_rollout_vllm_url_takes_several_servers_and_conflicting_fields_are_refus
 
 
 def test_two_servers_answer_as_one_and_a_killed_one_comes_back_with_the_same_requests(tmp_path, census):
+    # The stand-in's completions depend on the weights it last loaded (a folder's name), as a model's do.
     one = _engine(tmp_path / "one", 1)
     try:
+        start = one._requests(SAMPLES, SEEDS)
+        one._load_all(tmp_path / "step_7", 7)
         expected = one._requests(SAMPLES, SEEDS)
     finally:
         one.close()
+    assert [[c.ids for c in g] for g in start] != [[c.ids for c in g] for g in expected]
     two = _engine(tmp_path / "two", 2)
+    load = two._load
+
+    def slow_load(*args):  # a restarted server answers before its weights are loaded: requests must wait
+        time.sleep(3)
+        load(*args)
+
     try:
+        two._load_all(tmp_path / "step_7", 7)
         assert [[c.ids for c in g] for g in two._requests(SAMPLES, SEEDS)] == [[c.ids for c in g] for g in expected]
         victim = two.servers[1]
         old_pid, port = victim.process.pid, victim.port
+        two._load = slow_load
         os.kill(old_pid, signal.SIGKILL)
-        again = two._requests(SAMPLES, SEEDS)  # waits for the restart, then the same seeds
+        again = two._requests(SAMPLES, SEEDS)  # waits for the restart and its weights, then the same seeds
         assert [[c.ids for c in g] for g in again] == [[c.ids for c in g] for g in expected]
         assert two.restarts == 1 and victim.process.pid != old_pid and victim.port == port
         assert two.metrics()["rollout/vllm_restarts"] == 1.0

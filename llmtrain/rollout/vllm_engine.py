@@ -144,8 +144,13 @@ class VLLMEngine(RolloutEngine):
                         if server.process is not None and server.process.poll() is not None:
                             self._revive(server)
 
-    def _failed_file(self, server: Server) -> Path:
-        return self.work / f"server-{server.index}.failed"
+    def _failed_file(self, server: Server, what: str = "failed") -> Path:
+        return self.work / f"server-{server.index}.{what}"
+
+    def _restarting(self, server: Server) -> bool:
+        """Whether rank 0 is restarting ``server`` (a file every rank sees): it answers before its
+        weights are loaded, and a request must not reach it until then."""
+        return self._failed_file(server, "restarting").exists()
 
     def _failed(self, server: Server) -> str:
         """The one line rank 0 wrote for a server that cannot come back ("" if none): every rank
@@ -157,7 +162,16 @@ class VLLMEngine(RolloutEngine):
 
     def _revive(self, server: Server) -> None:
         """Rank 0, holding the lock: restart ``server`` (dead) on its port with the weights the
-        others hold, or write the one line that ends the run (:meth:`_failed`)."""
+        others hold, or write the one line that ends the run (:meth:`_failed`); requests wait
+        meanwhile (:meth:`_restarting`)."""
+        marker = self._failed_file(server, "restarting")
+        marker.touch()
+        try:
+            self._restart(server)
+        finally:
+            marker.unlink(missing_ok=True)
+
+    def _restart(self, server: Server) -> None:
         how, limit = server.ended(), int(self.cfg.rollout.vllm_restarts)
         pid = server.process.pid if server.process is not None else None
         server.stop()
@@ -338,9 +352,11 @@ class VLLMEngine(RolloutEngine):
                 if not (self.own_server and restarting and (refused(err) or server.ended())) or self.closing.is_set():
                     raise server.gone(err) from None
                 deadline = deadline or time.monotonic() + float(self.cfg.rollout.vllm_start_timeout_s) + 60
+                time.sleep(1.0)  # the server is being restarted (rank 0 notices within WATCH_S)
+                while self._restarting(server) and time.monotonic() < deadline:
+                    time.sleep(1.0)
                 if time.monotonic() > deadline:
                     raise server.gone(err) from None
-                time.sleep(1.0)  # the server is being restarted
             except (KeyError, IndexError) as err:
                 raise VLLMServerError(f"rollout.engine=vllm: a completion request to {server.url} failed: "
                                       f"{err!r}") from None
