@@ -99,11 +99,17 @@ def test_rollout_vllm_url_takes_several_servers_and_conflicting_fields_are_refus
 
 
 def test_two_servers_answer_as_one_and_a_killed_one_comes_back_with_the_same_requests(tmp_path, census):
+    import torch
+    from safetensors.torch import save_file
+
     # The stand-in's completions depend on the weights it last loaded (a folder's name), as a model's do.
+    step_7 = tmp_path / "step_7"
+    step_7.mkdir()
+    save_file({"w": torch.ones(3)}, str(step_7 / "model.safetensors"))
     one = _engine(tmp_path / "one", 1)
     try:
         start = one._requests(SAMPLES, SEEDS)
-        one._load_all(tmp_path / "step_7", 7)
+        one._load_all(step_7, 7)
         expected = one._requests(SAMPLES, SEEDS)
     finally:
         one.close()
@@ -116,7 +122,7 @@ def test_two_servers_answer_as_one_and_a_killed_one_comes_back_with_the_same_req
         load(*args)
 
     try:
-        two._load_all(tmp_path / "step_7", 7)
+        two._load_all(step_7, 7)
         assert [[c.ids for c in g] for g in two._requests(SAMPLES, SEEDS)] == [[c.ids for c in g] for g in expected]
         victim = two.servers[1]
         old_pid, port = victim.process.pid, victim.port
