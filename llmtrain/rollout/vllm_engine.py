@@ -31,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from llmtrain.common import children
 from llmtrain.common.errors import ChildDied
 from llmtrain.parallel import distributed
 from llmtrain.rollout.engines import RolloutEngine
@@ -122,8 +123,6 @@ class VLLMEngine(RolloutEngine):
 
     def _launch(self, model_dir: Path) -> None:
         """Rank 0: start every server (together: each takes its own time to load) and wait for each."""
-        from llmtrain.common import children
-
         ports = self._ports()
         for port in ports if int(self.cfg.rollout.vllm_port) else []:
             if holder := children.port_holder(port):  # a killed run's leftovers were stopped when its lock was taken

@@ -51,7 +51,7 @@ def main() -> None:
                   "trainer.eval_every=0", "trainer.save_every=0", "trainer.precision=fp32", "trainer.export_hf=false",
                   "tracker=none"]
         for servers in args.servers:
-            run = benchlib.launch(common + [f"rollout.vllm_servers={servers}"], Path(tmp) / f"s{servers}",
+            run = benchlib.launch(common + ([f"rollout.vllm_servers={servers}"] if servers > 1 else []), Path(tmp) / f"s{servers}",
                                   what=f"{servers} server(s)")
             steps = run.steps(warmup=1)
             sync = [s.get("rollout/sync_s", float("nan")) for s in steps]
