@@ -301,7 +301,8 @@ def test_no_vllm_process_outlives_a_run_whose_server_or_trainer_was_killed(quest
     log = tmp_path / "out.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "llmtrain", *overrides(questions, f"run_dir={run_dir}",
-                                                                               "trainer.max_steps=200")],
+                                                                               "trainer.max_steps=200",
+                                                                               "rollout.vllm_restarts=0")],
                                 env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and not (
