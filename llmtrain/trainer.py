@@ -47,6 +47,7 @@ from llmtrain.evaluation.validation import Evaluator, evaluate, log_eval
 from llmtrain.models import adapters, moe, quantize
 from llmtrain.models.blank_image import keep_tower_in_every_forward
 from llmtrain.models.build import build_model, build_tokenizer, check_sequence_length, language_config, model_config
+from llmtrain.models.vision import is_image_text
 from llmtrain.monitoring import console, goodput
 from llmtrain.monitoring.ending import log_preempted, write_report_at_end
 from llmtrain.monitoring.health import FlatRewards, loss_spike, on_nonfinite, peak_memory_bytes
@@ -251,7 +252,7 @@ class Trainer:
         started = time.perf_counter()
         self.watchdog.set("data", step + 1)
         host_batches, source_metrics = self.batches.for_step(step)
-        data_wait_s = self.micro_batches.take_wait()
+        data_wait_s, source_metrics = self.micro_batches.take_wait(), {**source_metrics, **self.micro_batches.take_work()}
         # Fingerprint on the host copies: on an accelerator this avoids a device-to-host sync.
         digest = sample_digest(host_batches)
         batches = [{k: v.to(self.env.device) for k, v in b.items()} for b in host_batches]
@@ -281,7 +282,7 @@ class Trainer:
         layout = validate(self.cfg, self.env.world_size)
         preflight(self.cfg)
         if self.t.eval_tasks:
-            in_loop.check(self.t)
+            in_loop.check(self.t, image_text=is_image_text(model_config(self.cfg.model)))
         if self.cfg.recipe.auto and self.env.world_size > 1:
             check_same_layout(self.cfg, self.env.device)
         console.configure_library_output(self.env.is_main, console.interactive())
@@ -376,7 +377,7 @@ class Trainer:
         loader, sampler = data.train_loader(self.splits, self.tokenizer, self.cfg.data, t.seed, t.micro_batch_size,
                                             self.accumulation, self.engine.dp_rank, self.dims.dp,
                                             start_step=-(-self.state.step // per), max_steps=-(-t.max_steps // per))
-        return sampler, data.Feed(iter(loader), self.cfg.data.prefetch)
+        return sampler, data.Feed(iter(loader), self.cfg.data.prefetch, work=getattr(loader.collate_fn, "take_metrics", None))
 
     def _setup_batches(self, val_batches: list[dict]) -> tuple[Any, Evaluator]:
         """The step's batch source and the held-out evaluator: the data loader's micro-batches and

@@ -73,8 +73,10 @@ def numpy_values(completion_ids, **_):
 
 def fixed_completion(prompt_ids: list[int], index: int, max_length: int) -> list[int]:
     """Completion ``index`` of a prompt: random bytes seeded by the prompt and the index; about
-    two in three end with EOS before ``max_length``, the others are cut at it."""
-    rng = random.Random(zlib.crc32(bytes(prompt_ids) + bytes([index])))
+    two in three end with EOS before ``max_length``, the others are cut at it. A prompt with ids
+    past a byte (an image-text model's image tokens) is keyed by two bytes an id."""
+    key = bytes(prompt_ids) if max(prompt_ids, default=0) < 256 else b"".join(t.to_bytes(2, "little") for t in prompt_ids)
+    rng = random.Random(zlib.crc32(key + bytes([index])))
     if rng.random() < 0.65:
         return [rng.randrange(256) for _ in range(rng.randint(0, max_length - 2))] + [EOS]
     return [rng.randrange(256) for _ in range(max_length)]

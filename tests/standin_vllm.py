@@ -11,8 +11,11 @@ engine stops its worker on SIGTERM and shuts down (cleanly) when its worker dies
 alive, re-parented to init.
 
 The server answers ``/health``, ``/v1/models``, ``/v1/completions`` (a few token ids below 256
-drawn from the request's seed, no log-probs: the trainer computes them), ``/collective_rpc`` and the
+drawn from the request's seed and the weights it holds: digests of the tensors of its
+``--model`` folder, updated by each in-place reload, and the adapter named; no log-probs: the
+trainer computes them), ``/collective_rpc`` and the
 LoRA adapter calls. Every process writes ``ROLE PID`` to ``$STANDIN_PIDS`` (a file) when set.
+While the file ``$STANDIN_FAIL_START`` exists, the server exits with status 1 as it starts.
 
 :func:`python_wrapper` writes the ``python`` to give as ``rollout.vllm_python``: the environment
 probe (``-c``) passes, anything else runs this file. The first completion request writes
@@ -21,6 +24,7 @@ probe (``-c``) passes, anything else runs this file. The first completion reques
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -102,18 +106,35 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null")
+        if self.path == "/collective_rpc":  # reload_weights: in place, as many tensors as the folder holds
+            self.server.weights.update(_digests(request["kwargs"]["weights_path"]))
         if self.path != "/v1/completions":
             return self._answer(None)
         if not self.server.served:
             self.server.served = True
             _note("served")
-        rng = random.Random(request.get("seed", 0))
+        weights = hashlib.sha1(json.dumps(sorted(self.server.weights.items())).encode()).hexdigest()
+        rng = random.Random(f"{request.get('seed', 0)} {weights} {request['model']}")
         n = min(int(request["max_tokens"]), 3)
         return self._answer({"choices": [{"token_ids": [rng.randrange(256) for _ in range(n)],
                                           "finish_reason": "length" if n == int(request["max_tokens"]) else "stop"}]})
 
 
-def server(port: int) -> None:
+def _digests(folder: str) -> dict[str, str]:
+    """Each tensor's digest (of its fp32 values) in ``folder/model.safetensors`` (none without it)."""
+    path = Path(folder) / "model.safetensors"
+    if not path.is_file():
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        return {k: hashlib.sha1(handle.get_tensor(k).float().numpy().tobytes()).hexdigest() for k in handle.keys()}
+
+
+def server(port: int, model: str) -> None:
+    if os.environ.get("STANDIN_FAIL_START") and Path(os.environ["STANDIN_FAIL_START"]).exists():
+        print("standin: told not to start ($STANDIN_FAIL_START exists)", file=sys.stderr)
+        sys.exit(1)  # a server that cannot come back (no memory left, a broken environment)
     _note("server")
     child = subprocess.Popen([sys.executable, __file__, "--engine"])
 
@@ -127,6 +148,7 @@ def server(port: int) -> None:
     ThreadingHTTPServer.request_queue_size = 256  # a rank sends up to 32 requests at once (uvicorn's backlog: 2048)
     http = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
     http.served = False
+    http.weights = _digests(model)  # the weights it holds: its completions depend on them, as a model's do
     http.serve_forever()
 
 
@@ -136,4 +158,5 @@ if __name__ == "__main__":
     elif "--engine" in sys.argv:
         engine()
     else:
-        server(int(sys.argv[sys.argv.index("--port") + 1]))
+        server(int(sys.argv[sys.argv.index("--port") + 1]),
+               sys.argv[sys.argv.index("--model") + 1] if "--model" in sys.argv else "")

@@ -359,6 +359,21 @@ def test_sweeps_hydra_expands_itself_pass_the_option_check():
         check_overrides(["-m", "trainer=choice(default,finetun)"])
 
 
+def test_a_misspelt_key_inside_a_mapping_value_is_named_as_a_field():
+    """``model.lr_multipliers={tower:2}``: Hydra's "Key 'tower' not in 'LrMultipliersConfig'" (six
+    lines, exit 1) becomes the one line of a misspelt field; free-form mappings take any key."""
+    from llmtrain.config.compose import check_overrides
+
+    with pytest.raises(ConfigError, match=r"^model\.lr_multipliers\.tower is not a field of model\.lr_multipliers: "
+                                          r"the fields are vision, projector, language, lm_head\."):
+        check_overrides(["model=tiny_idefics3", "model.lr_multipliers={tower:2}"])
+    with pytest.raises(ConfigError, match=r"^model\.lr_multipliers\.visoin is not a field .* did you mean "
+                                          r"model\.lr_multipliers\.vision\?"):
+        check_overrides(["model.lr_multipliers={vision:0.1,visoin:2}"])
+    check_overrides(["model.lr_multipliers={vision:0.1,lm_head:2}", "model.architecture={a:{b:1}}",
+                     "model.processor={image_processor:{size:{longest_edge:32}}}"])
+
+
 @pytest.mark.parametrize("args,message", [
     (["trainer.max_steps=ten"], "trainer.max_steps=ten: trainer.max_steps takes a whole number, not 'ten'"),
     (["trainer.lr=fast"], "trainer.lr=fast: trainer.lr takes a number, not 'fast'"),

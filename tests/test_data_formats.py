@@ -98,6 +98,16 @@ def test_instruction_with_a_chat_template_ends_in_end_of_turn_and_export_stops_o
     assert data.end_token_ids(cfg(tmp_path / "a.json", format="instruction", template="alpaca"), tok) == [256]
 
 
+def test_online_prompts_through_the_chat_template_end_completions_at_end_of_turn(tmp_path):
+    """data=prompts rendered with the template's generation prompt: a sampled completion ends at
+    the end of turn as a supervised answer does (before, only EOS ended it, so a GRPO completion
+    ran past ``<|im_end|>`` and the export's generate did too); the Alpaca prompt has no turns."""
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": f"Q{i}"}) + "\n" for i in range(4)))
+    chatml, alpaca = (cfg(tmp_path / "p.jsonl", format="prompts", template=t) for t in ("chatml", "alpaca"))
+    assert data.end_token_ids(chatml, data.apply_template_setting(chatml, byte_tokenizer())) == [IM_END, 256]
+    assert data.end_token_ids(alpaca, data.apply_template_setting(alpaca, byte_tokenizer())) == [256]
+
+
 def test_prompt_completion_trains_the_completion_and_eos_only(tmp_path):
     rows = [{"p": f"2+{i}=", "completion": str(2 + i)} for i in range(6)]
     (tmp_path / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -118,6 +118,36 @@ def test_the_folder_written_for_a_server_has_an_untied_head_and_the_policys_logi
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 256
 
 
+def test_a_syncs_weights_are_the_model_folders_tensors_in_the_servers_dtype_without_frozen_blocks(questions, tmp_path):
+    """``write_policy(..., "weights")`` (what a full fine-tuning sync sends) holds exactly the
+    ``"model"`` folder's tensors, the untied head included, cast to bf16 for a bf16 run; a
+    transformer block whose parameters are all frozen is left out, a block with one trainable
+    tensor is written whole."""
+    from safetensors.torch import load_file
+
+    from llmtrain.checkpoint.export import write_policy
+    from llmtrain.models.build import build_tokenizer
+
+    model = _tiny_policy()
+    engine = SimpleNamespace(full_state_dict=lambda: model.state_dict(), env=SimpleNamespace(is_main=True), model=model)
+    for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        cfg = compose(overrides(questions, f"trainer.precision={precision}"))
+        tokenizer = build_tokenizer(cfg.model)
+        whole = load_file(write_policy(engine, cfg, tokenizer, tmp_path / precision / "m", "model", [256]) / "model.safetensors")
+        sent = load_file(write_policy(engine, cfg, tokenizer, tmp_path / precision / "w", "weights") / "model.safetensors")
+        assert sorted(sent) == sorted(whole) and "lm_head.weight" in sent
+        assert all(sent[k].dtype == dtype and torch.equal(sent[k], whole[k].to(dtype)) for k in whole)
+        assert sorted(p.name for p in (tmp_path / precision / "w").iterdir()) == ["model.safetensors"]
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith("model.layers.0.") or name.endswith("mlp.up_proj.weight"))
+        if name.startswith("model.layers.1."):
+            p.requires_grad_(False)
+    sent = load_file(write_policy(engine, cfg, tokenizer, tmp_path / "frozen", "weights") / "model.safetensors")
+    assert not [k for k in sent if k.startswith("model.layers.1.")]
+    assert sorted(k for k in sent if k.startswith("model.layers.0.")) == sorted(k for k in whole if k.startswith("model.layers.0."))
+    assert sorted(sent) == sorted(k for k in whole if not k.startswith("model.layers.1."))
+
+
 # ---- with vLLM ---------------------------------------------------------------------------------
 @needs_vllm
 def test_vllm_samples_with_the_policys_weights_before_and_after_a_sync(questions, tmp_path):
@@ -271,7 +301,8 @@ def test_no_vllm_process_outlives_a_run_whose_server_or_trainer_was_killed(quest
     log = tmp_path / "out.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "llmtrain", *overrides(questions, f"run_dir={run_dir}",
-                                                                               "trainer.max_steps=200")],
+                                                                               "trainer.max_steps=200",
+                                                                               "rollout.vllm_restarts=0")],
                                 env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and not (

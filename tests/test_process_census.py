@@ -3,7 +3,7 @@ run started (their sessions hold no live process) and none of their ``/dev/shm``
 
 The children are stand-ins (tests/standin_vllm.py) shaped like vLLM's API server, its engine core
 and a worker (one process group, a ``/dev/shm`` file held by the engine), started through the
-real code: :class:`~llmtrain.rollout.vllm_server.VLLMEngine` with ``rollout.vllm_python`` pointing
+real code: :class:`~llmtrain.rollout.vllm_engine.VLLMEngine` with ``rollout.vllm_python`` pointing
 at the stand-in, and :class:`~llmtrain.evaluation.in_loop.TaskEvals` with the stand-in as its
 command. Two levels:
 
@@ -108,7 +108,7 @@ def _engine(tmp_path: Path, *extra: str):
     from llmtrain.config.compose import compose
     from llmtrain.models.build import build_tokenizer
     from llmtrain.rollout.generate import Sampling
-    from llmtrain.rollout.vllm_server import VLLMEngine
+    from llmtrain.rollout.vllm_engine import VLLMEngine
 
     python = standin_vllm.python_wrapper(tmp_path)
     cfg = compose(["objective=grpo", "data=prompts", "rollout.engine=vllm", f"rollout.vllm_python={python}",
@@ -140,7 +140,7 @@ def test_a_request_to_a_killed_server_is_one_line_naming_it_and_the_fix(tmp_path
     engine = _engine(tmp_path)
     os.kill(census.pid("server"), signal.SIGKILL)
     with pytest.raises(ChildDied) as err:
-        engine._complete((0, 0, [1, 2, 3], 7))
+        engine._complete((0, 0, [1, 2, 3], 7, 0))
     message = str(err.value)
     assert "\n" not in message and "was killed by SIGKILL mid-run" in message and "Rerun the same command" in message
     engine.close()
@@ -156,7 +156,7 @@ def test_a_rerun_stops_what_a_killed_run_left_and_no_reused_pid(tmp_path, census
 
     engine = _engine(tmp_path)
     census.pid("worker")
-    engine.process = None  # the trainer is gone: nothing of this process will close it
+    engine.servers[0].process = None  # the trainer is gone: nothing of this process will close it
     os.kill(census.pid("server"), signal.SIGKILL)
     time.sleep(0.3)
     assert _live(census.pid("engine")) and _live(census.pid("worker"))
@@ -269,6 +269,8 @@ def test_a_grpo_run_leaves_no_process_and_no_shm_file_after_each_ending(tmp_path
     action, status, line = ENDINGS.get(ending, (None, 1, "checker crashed"))
     extra = [f"reward.functions=[{FIXTURES}:raises_at_step_two]", "objective.num_generations=4",
              "trainer.global_batch_size=4"] if ending == "raised error" else []
+    if status == 5:  # no restart: the run ends (restarts: tests/test_vllm_servers.py)
+        extra.append("rollout.vllm_restarts=0")
     with cores_for(1):
         process = _start(tmp_path, census, 3 if action is None else 10_000, *extra)
         try:

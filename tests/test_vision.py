@@ -1,10 +1,11 @@
-"""Image-text (vision-language) supervised fine-tuning on one process: the tiny Idefics3, LLaVA and
-Gemma 3 presets with processors built offline, TRL's conversational vision layout, assistant-only labels,
+"""Image-text (vision-language) supervised fine-tuning on one process: the tiny Idefics3, LLaVA,
+Gemma 3 and Qwen2-VL presets with processors built offline, TRL's conversational vision layout, assistant-only labels,
 the loss against the model's own, bad records as one-line errors, exports that reload."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,10 @@ from conftest import FAST, assert_ok, make_cfg, read_metrics, run_cli
 QUESTION = "Which colour is this square?"
 COLOURS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220), "white": (240, 240, 240)}
 # Tokens one image becomes: Idefics3 (16x16 image, 4x4 patches, pixel shuffle 2): 4; LLaVA
-# (16x16, 4x4 patches, CLS dropped): 16; Gemma 3 (16x16, 4x4 patches pooled 2x2): 4.
-IMAGE_TOKENS = {"tiny_idefics3": 4, "tiny_llava": 16, "tiny_gemma3": 4}
+# (16x16, 4x4 patches, CLS dropped): 16; Gemma 3 (16x16, 4x4 patches pooled 2x2): 4; Qwen2-VL (a
+# 12x12 square resized to 16x16, a multiple of patch 4 x merge 2, 4x4 patches merged 2x2): 4.
+IMAGE_TOKENS = {"tiny_idefics3": 4, "tiny_llava": 16, "tiny_gemma3": 4, "tiny_qwen2vl": 4}
+FAMILIES = list(IMAGE_TOKENS)
 
 
 def record(image: str | list[str], answer: str, parts: int = 1) -> dict:
@@ -61,7 +64,7 @@ def loaded(model: str, path: Path, *extra: str):
     return cfg, tokenizer, data.load_splits(cfg.data, tokenizer, seed=0)
 
 
-@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3"])
+@pytest.mark.parametrize("model", FAMILIES)
 def test_labels_are_the_assistant_turn_and_no_image_token_is_a_target(model, tmp_path):
     from llmtrain.common.images import image_token_id, processor_of
 
@@ -142,6 +145,112 @@ def test_gemma3_loss_equals_the_models_own_and_image_tokens_attend_both_ways(tmp
     assert not torch.allclose(causal[0, first], logits[0, first])  # the first image token sees the later ones
 
 
+def test_qwen2vl_loss_equals_the_models_own_and_image_tokens_get_their_mrope_positions(tmp_path):
+    """tiny_qwen2vl: the collator gives the images' patches and grids (``image_grid_thw``); our
+    objective gives the model's own cross-entropy with labels and a hand computation; the forward
+    gets the processor's ``mm_token_type_ids`` (1 at <|image_pad|>), so each image's tokens sit on
+    M-RoPE's 2-D grid: the logits equal a forward given the processor's types, and differ after
+    the image from one given plain 1-D positions (the tokens before it are alike)."""
+    from PIL import Image
+
+    from llmtrain import data
+    from llmtrain.common.images import processor_of
+    from llmtrain.engine.base import model_inputs
+    from llmtrain.models.build import build_model
+    from llmtrain.objectives import CausalLM
+
+    cfg, tokenizer, splits = loaded("tiny_qwen2vl", write_dataset(tmp_path))
+    samples = [splits.train[0], splits.train[1]]
+    batch = data.collator_for(cfg.data, tokenizer)(samples)
+    # Two 16x16 images of 4x4 patches, each flattened to channels x 2 frames x 4 x 4 values.
+    assert batch["pixel_values"].shape == (32, 3 * 2 * 4 * 4) and batch["image_grid_thw"].tolist() == [[1, 4, 4]] * 2
+    model = build_model(cfg.model, seed=0).eval()
+    processor = processor_of(tokenizer)
+    text = processor.apply_chat_template([record("x", "")["messages"][0]])
+    by_processor = processor(text=[text], images=[[Image.new("RGB", (12, 12))]])
+    image = batch["input_ids"] == processor.image_token_id
+    assert by_processor["mm_token_type_ids"][0] == [int(t == processor.image_token_id) for t in by_processor["input_ids"][0]]
+    with torch.no_grad():
+        logits = model(**model_inputs(batch)).logits
+        objective = CausalLM()
+        ours = objective.loss_sums(logits, batch).loss / objective.normaliser(batch)
+        theirs = model(**model_inputs(batch), labels=batch["labels"]).loss
+        by_hand, mask = cross_entropy_by_hand(logits, batch["labels"])
+        explicit = model(**model_inputs(batch), mm_token_type_ids=image.long()).logits
+        flat = torch.arange(batch["input_ids"].shape[1]).expand(3, 2, -1)  # text positions on every axis
+        plain = model(**model_inputs(batch), position_ids=flat).logits
+    assert torch.allclose(ours, theirs, atol=1e-5) and torch.allclose(ours.double(), by_hand, atol=1e-5)
+    assert int(mask.sum()) == sum(len(Path(s["images"][0]).stem) + 1 for s in samples)
+    assert int(image.sum()) == 2 * IMAGE_TOKENS["tiny_qwen2vl"]
+    assert torch.equal(logits, explicit)
+    first = int(image[0].nonzero()[0])
+    assert torch.equal(plain[0, :first + 1], logits[0, :first + 1])  # the first image token: (t, h, w) = its text position
+    assert not torch.allclose(plain[0, first + 1], logits[0, first + 1])
+
+
+def test_qwen2vl_pixel_budget_sets_the_image_tokens_and_travels_with_the_export(tmp_path):
+    """data.max_pixels: a 40x40 image is 16x16 (4 tokens) at the preset's budget of 256 pixels and
+    32x32 (16 tokens) at 1024; the export's processor keeps the budget. A fixed-size image
+    processor refuses a budget in one line."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from llmtrain import data
+    from llmtrain.checkpoint.export import save_hf_folder
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.models.build import build_model
+
+    path = write_dataset(tmp_path)
+    Image.new("RGB", (40, 40), (20, 20, 220)).save(tmp_path / "images" / "blue.png")
+    counts = {}
+    for budget in (None, 1024):
+        extra = [f"data.max_pixels={budget}"] if budget else []
+        cfg, tokenizer, splits = loaded("tiny_qwen2vl", path, *extra)
+        blue = next(s for s in (splits.train[i] for i in range(len(splits.train))) if "blue" in s["images"][0])
+        counts[budget] = blue["input_ids"].count(262)
+    assert counts == {None: 4, 1024: 16}
+    out = save_hf_folder(build_model(cfg.model, seed=0).state_dict(), cfg.model, tokenizer, tmp_path / "hf",
+                         data.end_token_ids(cfg.data, tokenizer))
+    assert AutoProcessor.from_pretrained(out).image_processor.size["longest_edge"] == 1024
+    with pytest.raises(ConfigError) as err:
+        loaded("tiny_llava", path, "data.max_pixels=1024")
+    assert str(err.value).startswith("data.max_pixels=1024: a pixel budget is for image processors with dynamic "
+                                     "resolution (Qwen2-VL's), and this model's image processor (CLIPImageProcessorPil)")
+    with pytest.raises(ConfigError, match=r"^data.min_pixels=512 is over data.max_pixels=256"):
+        loaded("tiny_qwen2vl", path, "data.min_pixels=512")
+
+
+def test_a_qwen2vl_folder_with_the_stock_processor_loads_its_images_part_without_torchvision(tmp_path):
+    """A folder laid out as a Hub Qwen2-VL checkpoint (``processor_class: Qwen2VLProcessor``, no
+    llmtrain code), where torchvision is missing: ``AutoProcessor`` cannot load its video
+    processor, and ``model.source=pretrained`` trains with the folder's image processor (its pixel
+    budget) and tokenizer."""
+    import importlib.util
+
+    from llmtrain import data
+    from llmtrain.checkpoint.export import save_hf_folder
+    from llmtrain.common.images import processor_of
+    from llmtrain.models.build import build_model
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the stock Qwen2VLProcessor loads")
+    path = write_dataset(tmp_path)
+    cfg, tokenizer, _ = loaded("tiny_qwen2vl", path, "data.max_pixels=1024")
+    out = save_hf_folder(build_model(cfg.model, seed=0).state_dict(), cfg.model, tokenizer, tmp_path / "hf",
+                         data.end_token_ids(cfg.data, tokenizer))
+    config = json.loads((out / "processor_config.json").read_text())
+    config["processor_class"] = "Qwen2VLProcessor"
+    for node in (config, config["image_processor"]):
+        node.pop("auto_map")
+    (out / "processor_config.json").write_text(json.dumps(config))
+    (out / "qwen2vl_images.py").unlink()
+    pretrained = ["model.source=pretrained", f"model.path={out}", "model.tokenizer=model"]
+    _, tokenizer, splits = loaded("tiny_qwen2vl", path, *pretrained)
+    processor = processor_of(tokenizer)
+    assert type(processor).__name__ == "Qwen2VLImagesProcessor" and processor.image_processor.size["longest_edge"] == 1024
+    assert splits.train[0]["input_ids"].count(262) == 4  # 12x12 squares: 16x16 at any budget over 256
+
+
 @pytest.mark.parametrize("rows, message", [
     ([record("images/missing.png", "red")], "line 1: field 'images': image {folder}/images/missing.png does not exist"),
     ([record("train.jsonl", "red")], "line 1: field 'images': image {folder}/train.jsonl cannot be read"),
@@ -181,7 +290,7 @@ def test_a_missing_image_exits_2_with_one_line(tmp_path):
                                         f"{tmp_path}/images/gone.png does not exist"]
 
 
-@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3"])
+@pytest.mark.parametrize("model", FAMILIES)
 def test_export_reloads_with_its_processor_and_generates_the_same_tokens(model, tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -203,10 +312,22 @@ def test_export_reloads_with_its_processor_and_generates_the_same_tokens(model, 
     expected = trained.generate(**inputs, **same, pad_token_id=257)
     assert torch.equal(reloaded.generate(**inputs, **same), expected)
     assert (reloaded.generation_config.eos_token_id == [259, 256])  # <|im_end|> and EOS end a response
+    if model == "tiny_qwen2vl":  # a process without llmtrain loads the processor the export carries
+        import os
+        import subprocess
+        import sys
+
+        code = ("import sys; from transformers import AutoProcessor; "
+                "p = AutoProcessor.from_pretrained(sys.argv[1], trust_remote_code=True); "
+                "print(type(p).__name__, 'llmtrain' in sys.modules)")
+        env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")}
+        proc = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, env=env)
+        assert proc.stdout.split() == ["Qwen2VLImagesProcessor", "False"], proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("model,processor", [("tiny_idefics3", "Idefics3Processor"),
-                                             ("tiny_gemma3", "Gemma3Processor")])
+                                             ("tiny_gemma3", "Gemma3Processor"),
+                                             ("tiny_qwen2vl", "Qwen2VLImagesProcessor")])
 def test_one_process_cli_run_trains_and_exports(model, processor, tmp_path):
     """``python -m llmtrain model=tiny_idefics3 data=vlm_chat``: the loss falls over 4 steps on
     four coloured squares and the export loads with AutoProcessor."""
@@ -220,6 +341,9 @@ def test_one_process_cli_run_trains_and_exports(model, processor, tmp_path):
     assert_ok(proc)
     losses = [r["train/loss"] for r in read_metrics(run) if "train/loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
+    # The images' preparation is reported each step (read ahead, so early steps may hold several).
+    prepared = [r.get("time/image_prep_s") for r in read_metrics(run) if "train/loss" in r]
+    assert None not in prepared and sum(prepared) > 0, prepared
     assert type(AutoProcessor.from_pretrained(run / "hf")).__name__ == processor
 
 
@@ -281,7 +405,8 @@ def test_a_resumed_run_continues_as_the_uninterrupted_one(tmp_path):
     assert [losses[parts][s] for s in (4, 5)] == pytest.approx([losses[whole][s] for s in (4, 5)], abs=1e-5)
 
 
-@pytest.mark.parametrize("model,lora_parts", [("tiny_idefics3", "[language]"), ("tiny_llava", "[language,vision]")])
+@pytest.mark.parametrize("model,lora_parts", [("tiny_idefics3", "[language]"), ("tiny_llava", "[language,vision]"),
+                                              ("tiny_qwen2vl", "[language,vision]")])
 def test_lora_on_chosen_parts_and_its_merged_export_generates_the_same_tokens(model, lora_parts, tmp_path):
     """+peft=lora on an image-text model: adapters on the language model only by default, on the
     vision tower too with peft.parts=[language,vision], never on the projector or the head. The
@@ -329,3 +454,35 @@ def adapters_off(model):
     from llmtrain.objectives.reference import adapters_disabled
 
     return adapters_disabled(model)
+
+
+@pytest.mark.parametrize("model, setting, said", [
+    ("tiny_idefics3", "size={longest_edge:0}", "size must be a dictionary with key 'longest_edge'"),
+    ("tiny_llava", "crop_size={height:0,width:0}", "it gives pixel_values of shape [1, 3, 0, 0], no pixel"),
+    ("tiny_gemma3", "size={height:0,width:16}", "Size must contain 'height' and 'width' keys"),
+])
+def test_image_sizes_the_processor_cannot_use_are_refused_at_the_build(model, setting, said):
+    """Once a ValueError traceback at the first record (or empty pixels for LLaVA): a config error
+    naming model.processor.image_processor, before any data is read."""
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.models.build import build_tokenizer
+
+    with pytest.raises(ConfigError, match=r"^model\.processor\.image_processor=\{.*\}: the image processor cannot "
+                                          r"prepare an image with these settings: " + re.escape(said)):
+        build_tokenizer(make_cfg([f"model={model}", f"model.processor.image_processor.{setting}"]).model)
+    build_tokenizer(make_cfg([f"model={model}"]).model)  # the preset's own sizes pass
+
+
+@pytest.mark.parametrize("seq_len, too_long, cut", [(8, 8, 0), (24, 0, 8)])
+def test_records_that_do_not_fit_are_counted_by_why_and_the_fix_named(seq_len, too_long, cut, tmp_path):
+    """data.seq_len=8 cuts through each record's image (4 image tokens after ChatML's user header):
+    dropped as too long; 24 keeps the image but cuts the question before the answer: every record
+    is counted (once the second kind was in no count: '0 of 8 ... too long 0, ... 0')."""
+    from llmtrain.common.errors import DataError
+
+    path = write_dataset(tmp_path)
+    with pytest.raises(DataError) as err:
+        loaded("tiny_idefics3", path, f"data.seq_len={seq_len}")
+    assert str(err.value) == (f"data.path: {path}: 0 of 8 records give a usable sample at data.seq_len={seq_len} "
+                              f"(dropped as too long or cut through an image {too_long}, cut before their first "
+                              f"target token {cut}, without an assistant turn 0); need at least 2; raise data.seq_len")

@@ -45,7 +45,7 @@ def pairs_of(model: str, path: Path, *extra: str):
     return cfg, tokenizer, data.load_splits(cfg.data, tokenizer, seed=0)
 
 
-@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3"])
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3", "tiny_qwen2vl"])
 def test_image_pairs_hold_the_image_tokens_in_the_prompt_and_both_rows_get_the_pixels(model, tmp_path):
     from llmtrain import data
     from llmtrain.common.images import image_token_id, processor_of
@@ -61,6 +61,9 @@ def test_image_pairs_hold_the_image_tokens_in_the_prompt_and_both_rows_get_the_p
         assert item["images"] == [str(tmp_path / "images" / f"{colour}.png")]
     batch = data.collator_for(cfg.data, tokenizer)(items)
     pixels = batch["pixel_values"]
+    if "image_grid_thw" in batch:  # Qwen2-VL: every image's patches in one [patches, values] tensor, 16 an image
+        assert batch["image_grid_thw"].tolist() == [[1, 4, 4]] * 6
+        pixels = pixels.reshape(6, 16, -1)
     assert pixels.shape[0] == 6  # rows: the 3 chosen, then the 3 rejected, one image each
     assert torch.equal(pixels[:3], pixels[3:]) and not torch.equal(pixels[0], pixels[1])
 
@@ -81,7 +84,7 @@ def sequence_logp(net, processor, record: dict, which: str, image_folder: Path) 
     return float(sum(logp[t - 1, ids[t]] for t in range(n, len(ids))))
 
 
-@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3"])
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3", "tiny_qwen2vl"])
 def test_dpo_loss_equals_a_hand_computation_from_each_sequences_log_prob_with_its_image(model, tmp_path):
     """Our DPO loss (the engine's forward arguments, the live reference's log-probs, the batch's
     pixels) equals -log σ(β((π_c - ref_c) - (π_r - ref_r))) averaged over pairs, each log-prob a

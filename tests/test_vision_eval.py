@@ -50,7 +50,8 @@ def greedy_answers(folder: Path, images: list[Path]) -> list[str]:
     return answers
 
 
-def test_digits_local_scores_an_export_as_its_own_greedy_answers(shared_data, tmp_path):
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_qwen2vl"])
+def test_digits_local_scores_an_export_as_its_own_greedy_answers(model, shared_data, tmp_path):
     """The score through llmtrain.evaluate (hf-multimodal, the chat template, the images) equals
     the share of answer-column values that the model's greedy answers, computed by hand, match.
     A random model answers junk, not digits, so the answers of a copy of the first four test
@@ -68,7 +69,7 @@ def test_digits_local_scores_an_export_as_its_own_greedy_answers(shared_data, tm
     assert len(docs) == 300 and docs[0]["prompt"] == "<image>" + QUESTION
     records = [json.loads(line) for line in (digits / "test.jsonl").read_text().splitlines()[:4]]
     assert [d["answer"] for d in docs.select(range(4))] == [r["answer"] for r in records] == ["6", "3", "2", "1"]
-    folder = tiny_export(digits, tmp_path / "hf")
+    folder = tiny_export(digits, tmp_path / "hf", model)
     answers = greedy_answers(folder, [digits / r["images"][0] for r in records])
     assert len(set(answers)) > 1, answers  # the pixels change the answer: they reach generation
     for record, answer in zip(records, [answers[0], "never", answers[2], answers[3]]):
@@ -84,3 +85,26 @@ def test_digits_local_scores_an_export_as_its_own_greedy_answers(shared_data, tm
     result = json.loads(next((tmp_path / "eval").glob("*.json")).read_text())
     assert result["scores"]["eval/digits_local/exact_match"] == expected
     assert result["scores"]["eval/digits_local/documents"] == 4
+
+
+def test_an_image_task_for_a_text_only_model_is_refused_before_the_run_starts(tmp_path):
+    """trainer.eval_tasks=[digits_local] on tiny_llama once trained and then failed in the evaluation
+    process (lm-eval's multimodal check, exit 1, the run's own exit 0): now one line at start-up.
+    The image-text model's check passes on the same file."""
+    pytest.importorskip("lm_eval")
+    from PIL import Image
+
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.evaluation import in_loop
+
+    (tmp_path / "digits" / "images").mkdir(parents=True)
+    Image.new("L", (8, 8)).save(tmp_path / "digits" / "images" / "0.png")
+    record = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+                           {"role": "assistant", "content": [{"type": "text", "text": "0"}]}],
+              "images": ["images/0.png"], "answer": "0"}
+    (tmp_path / "digits" / "test.jsonl").write_text(json.dumps(record) + "\n")
+    t = make_cfg(["trainer.eval_tasks=[digits_local]", f"trainer.eval_tasks_data_dir={tmp_path}"]).trainer
+    with pytest.raises(ConfigError, match=r"^evaluation task digits_local gives the model images, and this model is "
+                                          r"text-only; evaluate an image-text model"):
+        in_loop.check(t, image_text=False)
+    in_loop.check(t, image_text=True)

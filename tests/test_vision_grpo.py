@@ -166,7 +166,7 @@ def test_bad_image_prompts_are_data_errors_naming_the_line(tmp_path, model, part
         data.load_splits(cfg.data, build_tokenizer(cfg.model), 0, prompt_budget=256 - 4)
 
 
-@pytest.mark.parametrize("model,image", [("tiny_idefics3", 261), ("tiny_gemma3", 262)])
+@pytest.mark.parametrize("model,image", [("tiny_idefics3", 261), ("tiny_gemma3", 262), ("tiny_qwen2vl", 262)])
 def test_the_image_token_is_never_sampled(model, image):
     """A completion holding the image token would stand for an image without pixels (the model's
     forward refuses the batch: "Image features and image tokens do not match"): the sampler of an
@@ -181,9 +181,37 @@ def test_the_image_token_is_never_sampled(model, image):
     cfg = make_cfg([a for a in overrides(Path("unused.jsonl"), Path("run")) if not a.startswith("model=")]
                    + [f"model={model}"])
     sampler = build_sampler(cfg, build_tokenizer(cfg.model), [259])
-    assert sampler.sampling.suppress == frozenset([image])  # Idefics3's <image>, Gemma 3's <image_soft_token>
+    assert sampler.sampling.suppress == frozenset([image])  # Idefics3's <image>, Gemma 3's <image_soft_token>, Qwen2-VL's <|image_pad|>
     logits = torch.full((320,), -5.0)
     logits[image], logits[7] = 10.0, 1.0
     assert next_token(logits, sampler.sampling, None) == 7  # greedy: the best token that is not <image>
     drawn = {next_token(logits, sampler.sampling, torch.Generator().manual_seed(s)) for s in range(50)}
     assert image not in drawn and next_token(logits, Sampling(), None) == image
+
+
+def test_qwen2vl_sampler_draws_the_greedy_tokens_of_transformers_generate(tmp_path):
+    """tiny_qwen2vl: llmtrain's sampler (a group of 2 rows, the image's tensors repeated per row,
+    a KV cache) decodes greedily the tokens ``generate`` gives on the processor's inputs: the
+    decode steps after the prompt keep M-RoPE's positions (text positions shifted past the image's
+    grid, ``rope_deltas``)."""
+    from PIL import Image
+
+    from llmtrain.common.images import processor_of
+    from llmtrain.data.vision import image_tensors
+    from llmtrain.models.build import build_model, build_tokenizer
+    from llmtrain.rollout.generate import Sampling, sample_group
+
+    Image.new("RGB", (40, 24), (200, 30, 30)).save(tmp_path / "wide.png")  # a 3x5 grid of tokens: not square
+    cfg = make_cfg(["model=tiny_qwen2vl"])
+    processor = processor_of(build_tokenizer(cfg.model))
+    processor.image_processor.size = {"shortest_edge": 64, "longest_edge": 1024}  # data.max_pixels=1024's budget
+    model = build_model(cfg.model, seed=3).eval()
+    turn = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}
+    prompt = processor.apply_chat_template([turn], add_generation_prompt=True)
+    inputs = processor(text=[prompt], images=[[Image.open(tmp_path / "wide.png")]], return_tensors="pt")
+    assert inputs["image_grid_thw"].tolist() == [[1, 6, 10]]
+    expected = model.generate(**inputs, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=257)
+    pixels = image_tensors(processor, [[str(tmp_path / "wide.png")]])
+    drawn = sample_group(model, inputs["input_ids"][0].tolist(), [None, None], Sampling(temperature=0, max_new=8),
+                         torch.device("cpu"), images=pixels)
+    assert [c.ids for c in drawn] == [expected[0, inputs["input_ids"].shape[1]:].tolist()] * 2

@@ -141,3 +141,77 @@ def test_bytes_that_are_no_image_exit_2_with_one_line_naming_the_record(tmp_path
     assert proc.stderr.splitlines() == [f"llmtrain: error: data.path: {tmp_path / 'train.parquet'} record 1: field "
                                         "'images' image 0: 11 bytes that are not an image PIL reads (no known image "
                                         "format)"], proc.stderr
+
+
+def test_sixteen_bit_grey_gray_rgba_and_palette_pngs_read_as_the_rgb_pixels_they_show(tmp_path):
+    """A 16-bit grayscale PNG (values v * 257, PIL mode I;16) reads as the 8-bit image v, not
+    clipped at 255 (what a bare ``convert("RGB")`` gives); 8-bit gray, RGBA and palette copies of
+    an image read as its RGB pixels."""
+    from PIL import Image
+
+    from llmtrain.data.vision import load_image
+
+    grey = np.arange(0, 256, 4, dtype=np.uint8).reshape(8, 8)  # 0 .. 252: mostly above 255 / 257
+    Image.fromarray(grey.astype(np.uint16) * 257).save(tmp_path / "g16.png")
+    assert Image.open(tmp_path / "g16.png").mode == "I;16"
+    assert np.array_equal(np.asarray(load_image(tmp_path / "g16.png", "", "")), np.stack([grey] * 3, -1))
+    assert np.asarray(Image.open(tmp_path / "g16.png").convert("RGB")).max() == 255  # the clipping avoided
+    source = Image.fromarray(np.stack([grey] * 3, -1), "RGB")
+    for mode in ("L", "RGBA"):
+        source.convert(mode).save(tmp_path / f"{mode}.png")
+        assert np.array_equal(np.asarray(load_image(tmp_path / f"{mode}.png", "", "")), np.asarray(source)), mode
+    palette = Image.fromarray(np.arange(64, dtype=np.uint8).reshape(8, 8), "P")  # index k: the colour grey[k]
+    palette.putpalette([v for g in grey.flat for v in (g, g, g)])
+    palette.save(tmp_path / "P.png")
+    assert np.array_equal(np.asarray(load_image(tmp_path / "P.png", "", "")), np.asarray(source))
+
+
+def test_an_image_over_pils_bomb_limit_is_a_one_line_data_error(tmp_path, monkeypatch):
+    """PIL raises DecompressionBombError (not an OSError) past twice ``MAX_IMAGE_PIXELS``: a path
+    or bytes that large is refused naming the record and field, not a traceback."""
+    from PIL import Image
+
+    from llmtrain.common.errors import DataError
+    from llmtrain.data import image_refs
+    from llmtrain.data.vision import load_image
+
+    monkeypatch.setattr(image_refs, "IMAGE_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 50)  # an error past 100 pixels: 12 x 12 is over it
+    (tmp_path / "big.png").write_bytes(png("red"))
+    with pytest.raises(DataError, match=r"^line 3: field 'images': image .*big.png is too large: Image size \(144 "
+                                        r"pixels\) exceeds limit of 100 pixels"):
+        load_image(tmp_path / "big.png", "line 3", "images")
+    with pytest.raises(DataError, match=r"^record 3: field 'images' image 0: an image too large: Image size"):
+        image_refs.image_paths([png("red")], tmp_path, "record 3", "images")
+
+
+def test_a_string_content_read_back_as_a_number_is_refused_saying_why(tmp_path):
+    """datasets 5 reads a messages column that mixes string contents and lists of parts as Json, and
+    a string content that is valid JSON ("7") comes back as the int 7: refused naming the record and
+    turn, and what to write instead."""
+    from llmtrain.common.errors import DataError
+
+    mixed = {"messages": [{"role": "user", "content": "<image>" + QUESTION}, {"role": "assistant", "content": "7"}],
+             "images": ["images/red.png"]}
+    path = write_dataset(tmp_path, [record("images/red.png", "red"), mixed, record("images/blue.png", "blue")] * 2)
+    with pytest.raises(DataError) as err:
+        loaded("tiny_idefics3", path)
+    assert str(err.value) == (f"data.path: {path} line 2 turn 1: 'content' is the int 7: when a file mixes string "
+                              "contents with lists of parts, datasets reads a string that is a JSON number or boolean "
+                              "as one; write every content as a list of parts (or every one as a string)")
+
+
+def test_a_placeholder_inside_a_text_part_is_an_image_as_in_a_string_content(tmp_path):
+    """``[{"type": "text", "text": "<image>Which colour..."}]`` gives the samples of an image part
+    then the text (the template writes the placeholder as it is and the processor would expand it);
+    once it was no image, and a record with its image was refused as having none."""
+    expected = samples_of(loaded("tiny_idefics3", write_dataset(tmp_path / "parts", trl_records()))[2])
+    rows = []
+    for rec in trl_records():
+        user = rec["messages"][0]
+        text = "".join("<image>" if p["type"] == "image" else p["text"] for p in user["content"])
+        rows.append({**rec, "messages": [{"role": "user", "content": [{"type": "text", "text": text}]},
+                                         *rec["messages"][1:]]})
+    assert all("<image>" in r["messages"][0]["content"][0]["text"] for r in rows)
+    _, _, splits = loaded("tiny_idefics3", write_dataset(tmp_path / "text", rows))
+    assert samples_of(splits) == expected

@@ -70,6 +70,7 @@ def test_every_parameter_of_a_family_lies_in_one_named_part(family):
 
 
 @pytest.mark.parametrize("model,extra", [("tiny_idefics3", []), ("tiny_llava", []), ("tiny_gemma3", []),
+                                         ("tiny_qwen2vl", []),
                                          ("tiny_llava", ["model.architecture.vision_feature_layer=-2"])])
 def test_the_parameters_frozen_as_unused_are_those_autograd_leaves_without_a_gradient(model, extra, tmp_path):
     """The family's rule (LLaVA: the tower's post_layernorm and the layers after the one read)
@@ -86,13 +87,13 @@ def test_the_parameters_frozen_as_unused_are_those_autograd_leaves_without_a_gra
     no_grad = sorted(n for n, p in net.named_parameters() if p.grad is None)
     assert sorted(parts.unused_parameters(net)) == no_grad
     # Gemma 3: SigLIP's attention-pooling head, 11 tensors (probe, attention 4, layernorm 2, mlp 4).
-    expected = {"tiny_idefics3": 0, "tiny_llava": 2, "tiny_gemma3": 11}[model] + (16 if extra else 0)  # a CLIP layer: 16
+    expected = {"tiny_idefics3": 0, "tiny_llava": 2, "tiny_gemma3": 11, "tiny_qwen2vl": 0}[model] + (16 if extra else 0)  # a CLIP layer: 16
     assert len(no_grad) == expected
     _, applied = built(model, *extra)
     assert sorted(n for n, p in applied.named_parameters() if not p.requires_grad) == no_grad
 
 
-@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava"])
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_qwen2vl"])
 def test_frozen_parts_stay_bit_identical_and_each_part_gets_its_learning_rate(model, tmp_path):
     """model.freeze=[vision] and lr multipliers {projector: 0.1, lm_head: 3}: the optimizer's groups
     hold each part at trainer.lr times its multiplier (lm_head's own over language's 1), frozen
@@ -209,3 +210,18 @@ def test_a_family_without_parts_keeps_patterns_and_hand_named_lora_targets_and_r
     p = make_cfg(["model=tiny_llava", "+peft=lora"]).peft
     with pytest.raises(ConfigError, match=r"^peft.parts: llmtrain does not know the parts of paligemma models"):
         adapters.lora_config(p, model)
+
+
+def test_lora_on_a_vision_part_of_a_text_model_is_refused_and_its_language_part_is_all_linear():
+    """``+peft=lora peft.parts=[vision]`` on tiny_llama once trained adapters on the whole language
+    model, without a word: the text model has no vision part, so the run is refused."""
+    from llmtrain.common.errors import ConfigError
+    from llmtrain.models import adapters
+
+    _, model = built("tiny_llama")
+    for named in (["vision"], ["language", "projector"]):
+        p = make_cfg(["+peft=lora", f"peft.parts=[{','.join(named)}]"]).peft
+        with pytest.raises(ConfigError, match=r"^peft.parts: '(vision|projector)' is not a part of a llama model; its "
+                                              r"parts are language, lm_head$"):
+            adapters.lora_config(p, model)
+    assert adapters.lora_config(make_cfg(["+peft=lora"]).peft, model).target_modules == "all-linear"

@@ -88,15 +88,17 @@ def write_policy(engine, cfg: Any, tokenizer: Any, directory: Path, part: str,
 
     ``part``: ``"model"``: a Hugging Face folder of the whole model (for a LoRA run, its untrained
     base: :func:`untrained_base`) with the tokenizer and ``generation_config.json`` ending at
-    ``end_token_ids``; ``"adapter"``: a LoRA run's PEFT adapter folder. The folder's output
+    ``end_token_ids``; ``"adapter"``: a LoRA run's PEFT adapter folder; ``"weights"``: for a
+    server already serving a ``"model"`` folder of this run, only what an in-place reload needs
+    (:func:`_write_weights`). The folder's output
     embedding is written untied (``lm_head.weight`` saved, ``tie_word_embeddings`` false): vLLM
     0.32's in-place weight reload skips a tied head, which would then keep its old values.
 
     Raises:
         ValueError: ``part`` is neither, or ``"adapter"`` for a run without ``+peft``.
     """
-    if part not in ("model", "adapter") or (part == "adapter" and cfg.get("peft") is None):
-        raise ValueError(f"write_policy: part={part!r} (model, or adapter for a +peft run)")
+    if part not in ("model", "adapter", "weights") or (part != "model" and (cfg.get("peft") is None) == (part == "adapter")):
+        raise ValueError(f"write_policy: part={part!r} (model; adapter for a +peft run, weights for one without)")
     state = trained_state(engine, cfg)
     if state is None:
         return None
@@ -104,6 +106,8 @@ def write_policy(engine, cfg: Any, tokenizer: Any, directory: Path, part: str,
     if part == "adapter":
         save_adapter(state, cfg, directory, "")
         return directory
+    if part == "weights":
+        return _write_weights(engine, state, cfg, directory)
     from safetensors.torch import save_file
 
     whole = untrained_base(state, cfg) if cfg.get("peft") is not None else state
@@ -124,6 +128,41 @@ def write_policy(engine, cfg: Any, tokenizer: Any, directory: Path, part: str,
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     save_processor(tokenizer, directory)  # a vision-language model's processor too
     follow_umask(directory)
+    return directory
+
+
+def _write_weights(engine, state: dict[str, torch.Tensor], cfg: Any, directory: Path) -> Path:
+    """``write_policy``'s ``"weights"``: the state's tensors as one ``model.safetensors``, in one
+    pass, cast to the server's dtype (bf16 under ``trainer.precision=bf16``, else fp32), with no
+    model rebuilt and no config or tokenizer (the server has those from its ``"model"`` folder):
+    building a fresh model to save it was 80% of a SmolLM2-135M sync. The output embedding is
+    written under ``lm_head.weight`` too where the model ties it (the served folder is untied).
+    A transformer block (``*.layers.N.*``; elsewhere a module) whose parameters are all frozen
+    (``model.freeze``) never changes and is left out: whole blocks only, as a server fuses a
+    block's projections (q/k/v) into one tensor that a partial load would leave half old."""
+    import re
+
+    from safetensors.torch import save_file
+
+    dtype = torch.bfloat16 if cfg.trainer.precision == "bf16" else torch.float32
+    frozen = {n for n, p in engine.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+    def block(name: str) -> str:
+        match = re.match(r"(.*\.layers\.\d+)\.", name)
+        return match.group(1) if match else name.rpartition(".")[0]
+
+    changing = {block(k) for k in state if k not in frozen}
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items() if block(k) in changing}
+    embed = next((k for k in state if k.endswith("embed_tokens.weight")), None)
+    if "lm_head.weight" not in state and embed in tensors and getattr(model_config(cfg.model), "tie_word_embeddings", False):
+        tensors["lm_head.weight"] = tensors[embed]
+    # Tied names share storage, which safetensors refuses: each its own tensor (a no-op copy for most).
+    seen: set[int] = set()
+    for k, v in tensors.items():
+        if v.data_ptr() in seen:
+            tensors[k] = v.clone()
+        seen.add(v.data_ptr())
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
 
 
@@ -385,13 +424,13 @@ def export_checkpoint(checkpoint_dir: Path, out_dir: Path, merged: bool = False,
     if problem is not None:
         raise ResumeError(f"checkpoint {checkpoint_dir} is not usable: {problem}")
     from llmtrain.config.schema import DataConfig
-    from llmtrain.data import apply_template_setting, end_token_ids
+    from llmtrain.data import apply_pixel_budget, apply_template_setting, end_token_ids
 
     cfg = OmegaConf.load(checkpoint_dir / "config.yaml")
     state = consolidated_state_dict(checkpoint_dir, cfg.recipe.engine, cfg.recipe.zero_stage)
     # Older checkpoints lack newer data fields: the schema's defaults fill them.
     data_cfg = OmegaConf.merge(OmegaConf.structured(DataConfig), cfg.data)
-    tokenizer = apply_template_setting(data_cfg, build_tokenizer(cfg.model))
+    tokenizer = apply_pixel_budget(data_cfg, apply_template_setting(data_cfg, build_tokenizer(cfg.model)))
     end_tokens = end_token_ids(data_cfg, tokenizer)
     if adapters.is_partial(cfg):
         current = adapters.base_fingerprint(cfg.model, cfg.trainer.seed)

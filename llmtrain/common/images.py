@@ -18,7 +18,8 @@ _PROCESSOR_ATTR = "_llmtrain_processor"
 # llmtrain.models.packed_vision hooks the families that need more than 1-D positions): the data
 # refuse packing for any other (llmtrain.data.vision.refuse_packing).
 PACKED_PROCESSORS = {"Idefics3Processor": "Idefics3", "LlavaProcessor": "LLaVA", "Gemma3Processor": "Gemma 3",
-                     "Qwen2VLProcessor": "Qwen2-VL", "Qwen2_5_VLProcessor": "Qwen2.5-VL"}
+                     "Qwen2VLProcessor": "Qwen2-VL", "Qwen2VLImagesProcessor": "Qwen2-VL",
+                     "Qwen2_5_VLProcessor": "Qwen2.5-VL"}
 
 
 def processor_of(tokenizer: Any) -> Any | None:
@@ -38,3 +39,11 @@ def attach(tokenizer: Any, processor: Any) -> Any:
     """Put ``processor`` on ``tokenizer`` (its own ``processor.tokenizer``); returns ``tokenizer``."""
     setattr(tokenizer, _PROCESSOR_ATTR, processor)
     return tokenizer
+
+
+def has_pixel_budget(image_processor: Any) -> bool:
+    """Whether ``image_processor`` resizes each image to its own size within a pixel budget
+    (Qwen2-VL's dynamic resolution: ``size`` ``{"shortest_edge": min_pixels, "longest_edge":
+    max_pixels}``, counted in pixels, not edges) rather than to a fixed size."""
+    kwargs = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
+    return "max_pixels" in kwargs and "min_pixels" in kwargs

@@ -249,11 +249,12 @@ def check_overrides(args: list[str]) -> None:
             continue
         # Through Optional and list elements (data.datasets.0.path); keys inside a free-form
         # mapping (model.architecture.*) are the user's.
-        hint, depth, fields = _walk_schema(key, through_containers=True)
-        if hint is _NOT_IN_SCHEMA:
-            parts = key.split(".")
-            prefix = ".".join(parts[:depth])
-            raise _unknown_key(".".join(parts[:depth + 1]), f"{prefix}." if prefix else "", fields)
+        for dotted in [*_dict_keys(key, override.value()), key]:  # the key last: its hint is checked below
+            hint, depth, fields = _walk_schema(dotted, through_containers=True)
+            if hint is _NOT_IN_SCHEMA:
+                parts = dotted.split(".")
+                prefix = ".".join(parts[:depth])
+                raise _unknown_key(".".join(parts[:depth + 1]), f"{prefix}." if prefix else "", fields)
         _check_scalar_type(arg, key, hint, override)
         _check_list_type(arg, key, hint, override)
     if groups and not any(a in ("--config-name", "-cn") or a.startswith("--config-name=") for a in args):
@@ -305,6 +306,18 @@ def _check_group_selections(selected: dict[str, list[tuple[str, Any]]], deleted:
                               f"choose another without '+': {arg[1:]}")
         if override.type == OverrideType.CHANGE and key not in defaults:
             raise ConfigError(f"{arg}: the {key} group has no default to override; select it with +{arg}")
+
+
+def _dict_keys(key: str, value: Any) -> list[str]:
+    """The dotted keys a mapping value sets under ``key`` (``model.lr_multipliers={tower:2}``:
+    ``model.lr_multipliers.tower``), nested mappings included, so a typo inside one is named as a
+    typo of a field is (Hydra's own error for it is multi-line, exit status 1)."""
+    if not isinstance(value, dict):
+        return []
+    out = []
+    for name, inner in value.items():
+        out += [f"{key}.{name}", *_dict_keys(f"{key}.{name}", inner)]
+    return out
 
 
 _SCALAR_KINDS = {int: "a whole number", float: "a number", bool: "true or false"}

@@ -554,9 +554,16 @@ class RolloutConfig:
             more samples from weights up to ``sync_every - 1`` steps old).
         vllm_python: ``vllm``: the Python of the environment with vLLM ("": ``$LLMTRAIN_VLLM_PYTHON``
             or ``~/.cache/llmtrain/vllm-venv/bin/python``).
-        vllm_url: ``vllm``: a server you started (same flags as llmtrain's, on this filesystem);
-            "": llmtrain starts and stops one.
-        vllm_port: ``vllm``: the port of the server llmtrain starts (0: a free one).
+        vllm_url: ``vllm``: a server you started (same flags as llmtrain's, on this filesystem),
+            or several (a list, or URLs separated by commas); "": llmtrain starts and stops
+            ``vllm_servers``.
+        vllm_servers: ``vllm``: how many servers llmtrain starts (each a share of the host's CPUs
+            and of every step's prompts, whole groups; the weights reach each at every sync).
+        vllm_restarts: ``vllm``: how many times in a run a server llmtrain started is restarted
+            after it died (with the current weights; the step goes on with the same seeded
+            requests); once they are used, a dead server ends the run (exit status 5).
+        vllm_port: ``vllm``: the port of the server llmtrain starts (0: a free one; server K of
+            several: this + K).
         vllm_start_timeout_s: ``vllm``: seconds to wait for the server to answer ``/health``.
         vllm_args: ``vllm``: extra arguments to the server llmtrain starts.
         async_generation: sample the generation batch of step k + ``max_staleness`` while step k
@@ -592,7 +599,9 @@ class RolloutConfig:
     generation_batch: int = 16
     sync_every: int = 1
     vllm_python: str = ""
-    vllm_url: str = ""
+    vllm_url: Any = ""  # a URL, or a list of URLs
+    vllm_servers: int = 1
+    vllm_restarts: int = 2
     vllm_port: int = 0
     vllm_start_timeout_s: float = 600.0
     vllm_args: List[str] = field(default_factory=list)

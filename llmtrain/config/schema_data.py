@@ -133,6 +133,10 @@ class DataConfig(DataSourceConfig):
     ``read_timeout_s``: how long a request to object storage waits for an answer before it counts
     as a fault (retried with backoff, ``data/retries``; a store that stays down ends the run in one
     error naming the last checkpoint).
+    ``max_pixels``/``min_pixels``: the pixel budget of each image for a model with dynamic
+    resolution (Qwen2-VL: an image keeps its aspect ratio and is resized to at most ``max_pixels``
+    and at least ``min_pixels`` pixels, in multiples of its patch and merge size; more pixels, more
+    image tokens); null: the processor's own. Refused for an image processor of fixed size.
     """
 
     name: str = MISSING
@@ -150,5 +154,7 @@ class DataConfig(DataSourceConfig):
     val_samples: int = 16
     read_timeout_s: float = 30.0
     max_prompt_tokens: Optional[int] = None
+    max_pixels: Optional[int] = None
+    min_pixels: Optional[int] = None
     datasets: List[DataSourceConfig] = field(default_factory=list)
     weights: List[float] = field(default_factory=list)

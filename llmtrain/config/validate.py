@@ -646,6 +646,10 @@ def validate_online(cfg: Any, formats: set[str]) -> None:
              "decoded together)")
     _require(ro.sync_every >= 1, f"rollout.sync_every={ro.sync_every} must be >= 1 (optimizer steps between weight "
              "syncs to the vLLM server)")
+    _require(ro.vllm_servers >= 1 and ro.vllm_restarts >= 0, f"rollout.vllm_servers={ro.vllm_servers} must be >= 1 "
+             f"and rollout.vllm_restarts={ro.vllm_restarts} >= 0")
+    _require(ro.vllm_servers == 1 or not ro.vllm_url, f"rollout.vllm_servers={ro.vllm_servers} with rollout.vllm_url "
+             "set: the URLs are the servers; list several in rollout.vllm_url, or drop it to let llmtrain start them")
     if ro.engine == "vllm" and cfg.get("peft") is not None:
         p = cfg.peft
         _require(not p.modules_to_save and not p.target_parameters, "peft.modules_to_save / peft.target_parameters "

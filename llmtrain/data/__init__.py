@@ -39,8 +39,8 @@ from llmtrain.data.preference import (PackedPairs, PairCollator, WithReference, 
                                      encode_pairs, pairs_of)
 from llmtrain.data import remote
 from llmtrain.data.prompts import PromptCollator, encode_prompts
-from llmtrain.data.vision import (ImageCollator, encode_image_records, images_column, refuse_image_pairs,
-                                  refuse_packing)
+from llmtrain.data.vision import (ImageCollator, apply_pixel_budget, encode_image_records, images_column,
+                                  refuse_image_pairs, refuse_packing)
 from llmtrain.data.tokens import MANIFEST, Complement, TokenBlocks, num_blocks, open_tokens, tokenizer_fingerprint, write_token_folder
 from llmtrain.common.errors import ConfigError, DataError
 from llmtrain.common.images import processor_of
@@ -297,6 +297,7 @@ def load_splits(data_cfg: Any, tokenizer: Any, seed: int, unpair: bool = False, 
         ConfigError: the format needs a chat template the tokenizer lacks (names ``data.template``).
     """
     apply_template_setting(data_cfg, tokenizer)
+    apply_pixel_budget(data_cfg, tokenizer)
     remote.set_read_timeout(data_cfg.read_timeout_s)
     sources = list(data_cfg.datasets) or [data_cfg]
     if data_cfg.get("streaming"):

@@ -117,18 +117,30 @@ def end_of_turn(tokenizer: Any) -> tuple[str | None, int | None]:
 
 def end_token_ids(data_cfg: Any, tokenizer: Any) -> list[int]:
     """Every token training teaches as the end of a response: the chat template's end-of-turn
-    token (when samples go through the template) and the tokenizer's EOS. The exported
+    token (when samples or online-RL prompts go through the template) and the tokenizer's EOS.
+    Sampling (``objective=grpo``) stops a completion at any of them, and the exported
     ``generation_config.json`` stops on all of them."""
     sources = list(data_cfg.datasets) or [data_cfg]
     ends: list[int] = []
-    if any(canonical_format(s.format) in ("chat", "instruction") and uses_chat_template(data_cfg, s.format, tokenizer)
-           for s in sources):
+    if any(_ends_turns(data_cfg, s.format, tokenizer) for s in sources):
         eot = end_of_turn(tokenizer)[1]
         if eot is not None:
             ends.append(eot)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ends:
         ends.append(tokenizer.eos_token_id)
     return ends
+
+
+def _ends_turns(data_cfg: Any, fmt: str, tokenizer: Any) -> bool:
+    """Whether responses to samples of format ``fmt`` end with the chat template's end-of-turn:
+    chat and instruction data rendered with the template, and online-RL prompts
+    (:mod:`llmtrain.data.prompts`), which the template renders with its generation prompt whenever
+    the tokenizer has one (not with ``data.template=alpaca``); a sampled completion then ends at
+    the end-of-turn, as the same model's supervised answers do."""
+    kind = canonical_format(fmt)
+    if kind == "prompts":
+        return data_cfg.template != "alpaca" and bool(getattr(tokenizer, "chat_template", None))
+    return kind in ("chat", "instruction") and uses_chat_template(data_cfg, fmt, tokenizer)
 
 
 # ``{% generation %}`` (with any whitespace control): transformers' mark of assistant text.

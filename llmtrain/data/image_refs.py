@@ -60,6 +60,8 @@ def _checked_bytes(data: bytes, where: str) -> Path:
     try:
         with Image.open(io.BytesIO(data)) as image:
             image.verify()
+    except Image.DecompressionBombError as err:
+        raise DataError(f"{where}: an image too large: {err}; resize it") from None
     except UnidentifiedImageError:
         raise DataError(f"{where}: {len(data)} bytes that are not an image PIL reads (no known image format)") from None
     except (OSError, SyntaxError) as err:

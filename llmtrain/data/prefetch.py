@@ -43,8 +43,11 @@ class Feed:
     steps before it train as without prefetch.
     """
 
-    def __init__(self, source: Iterator[Any], depth: int, stop_when: Callable[[], str | None] | None = None):
+    def __init__(self, source: Iterator[Any], depth: int, stop_when: Callable[[], str | None] | None = None,
+                 work: Callable[[], dict[str, float]] | None = None):
         self.source, self.depth = source, depth
+        # What the reads cost, taken once a step (ImageCollator.take_metrics: image preparation).
+        self.work = work
         # Asked while the step waits for an item: a signal's name (SIGINT, SIGTERM) when the run
         # was asked to stop. The loop's handler only sets a flag and saves at the step's end, which
         # a step waiting on a store that hangs never reaches: the wait itself gives up.
@@ -72,6 +75,10 @@ class Feed:
         """Seconds ``next()`` waited for items since the previous call (a step's data wait)."""
         waited, self.waited_s = self.waited_s, 0.0
         return waited
+
+    def take_work(self) -> dict[str, float]:
+        """The source's own cost metrics since the previous call (``work``), or none."""
+        return self.work() if self.work is not None else {}
 
     def _get(self) -> Any:
         if self._ended:

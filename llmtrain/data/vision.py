@@ -24,6 +24,7 @@ so the dataset holds token ids and paths, not pixels.
 from __future__ import annotations
 
 import bisect
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,12 @@ def parts_conversation(record: dict, field: str, where: str) -> tuple[list[dict]
                     raise DataError(f"{where} turn {j} part {k}: a content part is {{'type': 'text', 'text': "
                                     f"str}} or {{'type': 'image'}}, got {part!r:.80}")
             content = parts
+        elif isinstance(content, (int, float, bool)):
+            # datasets 5 stores a column of string and list contents as Json, and reads a string
+            # content that is valid JSON ("7", "true") back as that value: the text is lost there.
+            raise DataError(f"{where} turn {j}: 'content' is the {type(content).__name__} {content!r}: when a file "
+                            "mixes string contents with lists of parts, datasets reads a string that is a JSON number or "
+                            "boolean as one; write every content as a list of parts (or every one as a string)")
         elif not isinstance(content, str):
             raise DataError(f"{where} turn {j}: 'content' must be a string or a list of parts, got "
                             f"{type(content).__name__}")
@@ -90,19 +97,32 @@ def parts_conversation(record: dict, field: str, where: str) -> tuple[list[dict]
 IMAGE_PLACEHOLDER = "<image>"
 
 
+def _split_text(text: str) -> list[dict]:
+    """``text`` as ``text``/``image`` parts, an image part at each :data:`IMAGE_PLACEHOLDER`."""
+    pieces = text.split(IMAGE_PLACEHOLDER)
+    parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
+    for piece in pieces[1:]:
+        parts += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
+    return parts
+
+
 def placeholder_parts(turns: list[dict]) -> tuple[list[dict], int]:
-    """``turns`` with each string content that holds :data:`IMAGE_PLACEHOLDER` split into
-    ``text``/``image`` parts (LLaMA-Factory's layout: ``"<image>Which digit?"`` is an image part,
-    then the text), and the number of placeholders; list contents are left as they are."""
+    """``turns`` with each string content or text part that holds :data:`IMAGE_PLACEHOLDER` split
+    into ``text``/``image`` parts (LLaMA-Factory's layout: ``"<image>Which digit?"`` is an image
+    part, then the text), and the number of placeholders. A text part's placeholder counts too:
+    the chat template writes it as it is, and the processor would expand it into an image's tokens."""
     out, count = [], 0
     for turn in turns:
         content = turn["content"]
         if isinstance(content, str) and IMAGE_PLACEHOLDER in content:
-            pieces = content.split(IMAGE_PLACEHOLDER)
-            count += len(pieces) - 1
-            parts = [{"type": "text", "text": pieces[0]}] if pieces[0] else []
-            for piece in pieces[1:]:
-                parts += [{"type": "image"}] + ([{"type": "text", "text": piece}] if piece else [])
+            count += content.count(IMAGE_PLACEHOLDER)
+            turn = {**turn, "content": _split_text(content)}
+        elif isinstance(content, list) and any(IMAGE_PLACEHOLDER in p.get("text", "") for p in content):
+            parts = []
+            for part in content:
+                text = part.get("text", "") if part["type"] == "text" else ""
+                count += text.count(IMAGE_PLACEHOLDER)
+                parts += _split_text(text) if IMAGE_PLACEHOLDER in text else [part]
             turn = {**turn, "content": parts}
         out.append(turn)
     return out, count
@@ -119,20 +139,39 @@ def count_mismatch(at: str, counts: tuple[int, int], field: str, images: int, co
                      f"{IMAGE_PLACEHOLDER} needs one image, in order")
 
 
+# PIL's modes of 16-bit grayscale (16-bit PNGs): ``convert("RGB")`` clips their 0-65535 values at
+# 255, which turns the image into black and white; they are scaled to 8 bits first.
+_SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
+
+
+def rgb(image: Any) -> Any:
+    """``image`` (PIL) as RGB: ``convert("RGB")`` (what transformers' processors and TRL do), but a
+    16-bit grayscale image is first scaled to 8 bits (``value >> 8``) instead of clipped at 255."""
+    if image.mode in _SIXTEEN_BIT:
+        import numpy as np
+        from PIL import Image
+
+        image = Image.fromarray((np.asarray(image).astype(np.uint32) >> 8).astype(np.uint8), "L")
+    return image.convert("RGB")
+
+
 def load_image(path: Path, where: str, field: str):
-    """The RGB image at ``path`` (PIL).
+    """The RGB image at ``path`` (PIL, :func:`rgb`).
 
     Raises:
-        DataError: the file is missing or not an image PIL reads (names ``where``, the field and
-            the path).
+        DataError: the file is missing or not an image PIL reads, or larger than PIL's
+            decompression-bomb limit (names ``where``, the field and the path).
     """
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
-            return image.convert("RGB")
+            return rgb(image)
     except FileNotFoundError:
         raise DataError(f"{where}: field {field!r}: image {path} does not exist") from None
+    except Image.DecompressionBombError as err:
+        raise DataError(f"{where}: field {field!r}: image {path} is too large: {err}; resize it (the "
+                        "processor shrinks it to its own size anyway)") from None
     except (UnidentifiedImageError, OSError) as err:
         raise DataError(f"{where}: field {field!r}: image {path} cannot be read: {err}") from None
 
@@ -291,14 +330,51 @@ def encode_image_records(records: Any, src: Any, data_cfg: Any, tokenizer: Any, 
             rows["labels"].append(labels)
             rows["images"].append(paths)
     if len(rows["input_ids"]) < 2:
+        short = counts["dropped_too_long"] + counts["dropped_truncated_away"]
         raise DataError(f"{where}: {len(rows['input_ids'])} of {len(records)} records give a usable sample at "
-                        f"data.seq_len={seq_len} (dropped as too long {counts['dropped_too_long']}, without an "
-                        f"assistant turn {counts['dropped_no_target']}); need at least 2")
+                        f"data.seq_len={seq_len} (dropped as too long or cut through an image "
+                        f"{counts['dropped_too_long']}, cut before their first target token "
+                        f"{counts['dropped_truncated_away']}, without an assistant turn {counts['dropped_no_target']}); "
+                        "need at least 2" + ("; raise data.seq_len" if short else ""))
     datasets = lazy_datasets.module()
     features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
                                   "labels": datasets.Sequence(datasets.Value("int32")),
                                   "images": datasets.Sequence(datasets.Value("string"))})
     return datasets.Dataset.from_dict(rows, features=features), counts
+
+
+def apply_pixel_budget(data_cfg: Any, tokenizer: Any) -> Any:
+    """Set ``data.max_pixels``/``data.min_pixels`` (the pixel budget of each image) on the image
+    processor that ``tokenizer`` carries, which then saves them with the export, so inference
+    resizes images as training did. Unset: the processor's own. Returns ``tokenizer``.
+
+    Raises:
+        ConfigError: a budget for a text-only model or an image processor of fixed size (not
+            Qwen2-VL's dynamic resolution), one not positive, or ``min_pixels`` over ``max_pixels``.
+    """
+    from llmtrain.common.images import has_pixel_budget
+
+    wanted = {k: data_cfg.get(k) for k in ("min_pixels", "max_pixels") if data_cfg.get(k) is not None}
+    if not wanted:
+        return tokenizer
+    field = "data." + ("max_pixels" if "max_pixels" in wanted else "min_pixels")
+    processor = processor_of(tokenizer)
+    if processor is None or not has_pixel_budget(processor.image_processor):
+        kind = type(processor.image_processor).__name__ if processor is not None else "none: the model is text-only"
+        raise ConfigError(f"{field}={wanted[field[5:]]}: a pixel budget is for image processors with dynamic "
+                          f"resolution (Qwen2-VL's), and this model's image processor ({kind}) resizes to a fixed "
+                          "size (model.processor.image_processor sets it); unset data.max_pixels and data.min_pixels")
+    size = dict(processor.image_processor.size)
+    size.update({"shortest_edge": wanted.get("min_pixels", size.get("shortest_edge")),
+                 "longest_edge": wanted.get("max_pixels", size.get("longest_edge"))})
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if not isinstance(size[edge], int) or size[edge] <= 0:
+            raise ConfigError(f"data.{key}={size[edge]} must be a positive number of pixels")
+    if size["shortest_edge"] > size["longest_edge"]:
+        raise ConfigError(f"data.min_pixels={size['shortest_edge']} is over data.max_pixels={size['longest_edge']}; "
+                          "lower data.min_pixels or raise data.max_pixels")
+    processor.image_processor.size = size
+    return tokenizer
 
 
 def refuse_packing(data_cfg: Any, tokenizer: Any) -> None:
@@ -311,7 +387,7 @@ def refuse_packing(data_cfg: Any, tokenizer: Any) -> None:
     processor = processor_of(tokenizer)
     name = type(processor).__name__
     if data_cfg.packing and processor is not None and name not in PACKED_PROCESSORS:
-        families = ", ".join(PACKED_PROCESSORS.values())
+        families = ", ".join(dict.fromkeys(PACKED_PROCESSORS.values()))
         raise ConfigError(f"data.packing=true: image-text samples are packed for {families} models only, not this "
                           f"model's {name} (its positions and attention across packed samples are not checked); "
                           "set data.packing=false")
@@ -341,11 +417,22 @@ class ImageCollator(Collator):
     def __init__(self, pad_id: int, processor: Any):
         super().__init__(pad_id)
         self.processor = processor
+        self.prepared_s = 0.0  # seconds spent reading and processing images since take_metrics()
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
         batch = super().__call__(samples)
+        started = time.perf_counter()
         batch.update(image_tensors(self.processor, [s.get("images") or [] for s in samples]))
+        self.prepared_s += time.perf_counter() - started
         return batch
+
+    def take_metrics(self) -> dict[str, float]:
+        """``time/image_prep_s``: the seconds this collator spent reading and processing images
+        since the previous call; the trainer takes it once a step. With ``data.prefetch`` > 0 that
+        work runs in the read-ahead thread beside the step (``time/data_wait_s`` is what the step
+        waited), so it is the images' cost per step, not time the step lost."""
+        spent, self.prepared_s = self.prepared_s, 0.0
+        return {"time/image_prep_s": spent}
 
 
 def image_tensors(processor: Any, paths: list[list[str]]) -> dict[str, torch.Tensor]:

@@ -178,25 +178,32 @@ def data_metadata(data_dir: str | None = None, data_file: str | None = None) -> 
     return metadata or None
 
 
-def check_tasks(tasks: list[str], include: list[str], data_dir: str | None = None, data_file: str | None = None):
+def check_tasks(tasks: list[str], include: list[str], data_dir: str | None = None, data_file: str | None = None,
+                image_text: bool | None = None):
     """Every task is known and its documents load (before a run writes anything); returns the
-    ``TaskManager``. ``data_dir`` / ``data_file``: where the local tasks read their file.
+    ``TaskManager``. ``data_dir`` / ``data_file``: where the local tasks read their file;
+    ``image_text``: whether the model to evaluate takes images (None: not known yet).
 
     Raises:
-        ConfigError: an unknown task; DataError: a task whose data files are missing or unreadable
-            (a standard task offline without the datasets cache, too).
+        ConfigError: an unknown task, or a task with images (``digits_local``: the harness's
+            ``MULTIMODAL``) for a text-only model (``image_text=False``); DataError: a task whose data
+            files are missing or unreadable (a standard task offline without the datasets cache, too).
     """
     manager = task_manager(tasks, include, data_metadata(data_dir, data_file))
     for name in tasks:
         try:
             with _quiet_harness():
-                manager.load([name])
+                loaded = manager.load([name])
         except DataError:
             raise
         except Exception as err:  # noqa: BLE001  (datasets' and the hub's many errors)
             raise DataError(f"evaluation task {name}: its documents could not be loaded ({type(err).__name__}: "
                             f"{str(err).splitlines()[0] if str(err) else ''}); a standard task needs the network or "
                             "its datasets cache, a local one its data files") from None
+        leaves = loaded.get("tasks", {}) if isinstance(loaded, dict) else {}
+        if image_text is False and any(getattr(task, "MULTIMODAL", False) for task in leaves.values()):
+            raise ConfigError(f"evaluation task {name} gives the model images, and this model is text-only; evaluate "
+                              "an image-text model (e.g. model=tiny_idefics3) or drop the task")
     return manager
 
 
@@ -350,6 +357,8 @@ def _harness_model(folder: str, dtype: str, batch_size: int | str, device: str) 
         raise ConfigError(f"batch_size={batch_size}: lm-eval's multimodal model takes a number of documents, not "
                           "auto; give batch_size=8")
     from lm_eval.models.hf_vlms import HFMultimodalLM
+
+    import llmtrain.models.qwen2vl_images  # noqa: F401  (registers the processor a tiny_qwen2vl export names)
 
     lm = HFMultimodalLM(pretrained=folder, dtype=dtype, batch_size=batch_size, device=device)
     return lm, bool(getattr(lm.processor, "chat_template", None))

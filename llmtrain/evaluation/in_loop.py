@@ -242,9 +242,9 @@ class TaskEvals:
             k.split("/")[1] for k in self.logged.get(step, {})}
 
 
-def check(t: Any) -> None:
+def check(t: Any, image_text: bool | None = None) -> None:
     """Before anything is written: lm-eval is installed, every ``trainer.eval_tasks`` task is
-    known and its documents load.
+    known and its documents load, and a task with images has an image-text model (``image_text``).
 
     Raises:
         MissingExtra: lm-eval is not installed; ConfigError: an unknown task or a missing
@@ -255,7 +255,8 @@ def check(t: Any) -> None:
     require_extra("lm_eval", "eval", "trainer.eval_tasks", instead="or drop trainer.eval_tasks")
     if t.eval_tasks_device:
         harness.check_device(t.eval_tasks_device, "trainer.eval_tasks_device")
-    harness.check_tasks(list(t.eval_tasks), harness.include_paths(list(t.eval_tasks_include)), t.eval_tasks_data_dir)
+    harness.check_tasks(list(t.eval_tasks), harness.include_paths(list(t.eval_tasks_include)), t.eval_tasks_data_dir,
+                        image_text=image_text)
 
 
 def _step_of(path: Path) -> int | None:

@@ -78,6 +78,8 @@ def _in_parts(model: nn.Module, targets: Any, names: list[str]) -> Any:
         ConfigError: a part the model lacks, or suffixes that match nothing inside the parts.
     """
     family = parts.known_family(model)
+    if family is parts.TEXT:  # all language: peft.parts=[vision] would have adapted it silently
+        parts.check_names(family, names, "peft.parts", getattr(getattr(model, "config", None), "model_type", None))
     if family is parts.TEXT or (family is None and targets != "all-linear"):
         return targets  # a text-only model is all language; module names chosen by hand are kept
     family = parts.family_of(model, "peft.parts")  # all-linear on a family without parts: refused

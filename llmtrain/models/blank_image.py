@@ -46,7 +46,14 @@ def blank_pixels(processor: Any, size: int) -> dict[str, torch.Tensor]:
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     """The floating tensors in ``get_image_features``' output (a tensor, a tuple or list of them,
-    or a ``ModelOutput``, as families and transformers versions differ)."""
+    or a ``ModelOutput``, as families and transformers versions differ): a ``ModelOutput``'s
+    ``pooler_output`` alone when it has one, the features a forward with images puts into the
+    embeddings. Its other tensors would add backward paths a forward with images lacks: Qwen2-VL's
+    tower returns its blocks' output beside its merger's, and ZeRO-3 would fetch the tower twice in
+    backward on a rank without images and once on the others (a trace that must match across ranks)."""
+    pooled = value.get("pooler_output") if isinstance(value, dict) else None
+    if pooled is not None:
+        return _tensors(pooled)
     if isinstance(value, torch.Tensor):
         return [value] if value.is_floating_point() else []
     if isinstance(value, dict):

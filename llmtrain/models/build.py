@@ -245,9 +245,10 @@ def build_model(model_cfg: Any, seed: int, head: str = "logits", pad_token_id: i
         init_weights(model, seed, only=lambda name: name.startswith("score."))
     if head == "logits":
         from llmtrain.models.packed_vision import packed_rows
-        from llmtrain.models.vision import image_block_attention
+        from llmtrain.models.vision import image_token_types
 
-        image_block_attention(model)
+        # Token types first: the packed-row hooks read a forward's arguments as the model gets them.
+        image_token_types(model)
         packed_rows(model)
     return model
 

@@ -10,11 +10,13 @@ image sizes for tiny models). The processor rides on the tokenizer (:func:`proce
 data, the collator and the exports reach it through the tokenizer they already receive.
 
 Only families whose processors need no torchvision are built from config: Idefics3 (SmolVLM),
-LLaVA and Gemma 3 (``Qwen2VLProcessor`` needs a video processor, which needs torchvision).
+LLaVA, Gemma 3 and Qwen2-VL (with :class:`~llmtrain.models.qwen2vl_images.Qwen2VLImagesProcessor`,
+``Qwen2VLProcessor`` without its video processor, which needs torchvision).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,10 @@ class Family:
     tokens: tuple[str, ...]
     # Tokenizer attributes the processor reads (Gemma 3's ``tokenizer.boi_token``, ...): name -> token.
     named: tuple[tuple[str, str], ...] = ()
+    # What the chat template writes for an image part ({image}: the processor's image token).
+    image_text: str = "{image}"
+    # Where ``processor`` lives when transformers has no such class (llmtrain's own).
+    processor_module: str = "transformers"
 
 
 FAMILIES = {
@@ -57,10 +63,16 @@ FAMILIES = {
                      ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
                      (("boi_token", "<start_of_image>"), ("eoi_token", "<end_of_image>"),
                       ("image_token", "<image_soft_token>"))),
+    # Qwen2-VL: <|image_pad|> expands to image_grid_thw.prod() / merge_size**2 tokens (dynamic
+    # resolution), written between <|vision_start|> and <|vision_end|> as Qwen2-VL's template does.
+    "qwen2_vl": Family("Qwen2VLImageProcessorPil", "Qwen2VLImagesProcessor",
+                       ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+                       image_text="<|vision_start|>{image}<|vision_end|>",
+                       processor_module="llmtrain.models.qwen2vl_images"),
 }
 # Where the PIL image processors live (transformers exports some at the top level only with torchvision).
 _PIL_MODULES = {"idefics3": "idefics3.image_processing_pil_idefics3", "llava": "clip.image_processing_pil_clip",
-                "gemma3": "gemma3.image_processing_pil_gemma3"}
+                "gemma3": "gemma3.image_processing_pil_gemma3", "qwen2_vl": "qwen2_vl.image_processing_pil_qwen2_vl"}
 
 
 def is_image_text(config: Any) -> bool:
@@ -96,17 +108,32 @@ def attach_processor(model_cfg: Any, tokenizer: Any, config: Any, source: str | 
     if model_cfg.source == "config":
         processor = _processor_from_config(model_cfg, tokenizer, config)
     else:
-        import transformers
-
-        try:
-            processor = transformers.AutoProcessor.from_pretrained(source)
-        except (OSError, ValueError, ImportError) as err:
-            raise ModelSourceError(f"model.path={model_cfg.path}: no image processor could be loaded for this "
-                                   f"{config.model_type} model: {str(err).splitlines()[0]}") from err
+        processor = _pretrained_processor(model_cfg, config, source)
     return attach(processor.tokenizer, processor)
 
 
+def _pretrained_processor(model_cfg: Any, config: Any, source: str) -> Any:
+    """``AutoProcessor.from_pretrained(source)``; for a Qwen2-VL folder whose ``Qwen2VLProcessor``
+    cannot load its video processor (no torchvision: a Hub checkpoint), the same folder's image
+    processor and tokenizer as :class:`~llmtrain.models.qwen2vl_images.Qwen2VLImagesProcessor`."""
+    import importlib.util
+
+    import transformers
+
+    from llmtrain.models.qwen2vl_images import Qwen2VLImagesProcessor  # registered: exports of it load
+
+    try:
+        return transformers.AutoProcessor.from_pretrained(source)
+    except (OSError, ValueError, ImportError) as err:
+        if config.model_type == "qwen2_vl" and importlib.util.find_spec("torchvision") is None:
+            return Qwen2VLImagesProcessor.from_pretrained(source)
+        raise ModelSourceError(f"model.path={model_cfg.path}: no image processor could be loaded for this "
+                               f"{config.model_type} model: {str(err).splitlines()[0]}") from err
+
+
 def _processor_from_config(model_cfg: Any, tokenizer: Any, config: Any) -> Any:
+    import importlib
+
     import transformers
     from omegaconf import OmegaConf
 
@@ -126,13 +153,12 @@ def _processor_from_config(model_cfg: Any, tokenizer: Any, config: Any) -> Any:
         tokenizer._set_model_specific_special_tokens(dict(family.named))
     image_processor = getattr(transformers, family.image_processor, None)
     if image_processor is None:  # the PIL backends live in their model's module
-        import importlib
-
         image_processor = getattr(importlib.import_module(f"transformers.models.{_PIL_MODULES[config.model_type]}"),
                                   family.image_processor)
-    processor_cls = getattr(transformers, family.processor)
+    processor_cls = getattr(importlib.import_module(family.processor_module), family.processor)
     processor = processor_cls(image_processor=image_processor(**image_settings), tokenizer=tokenizer, **settings)
-    template = CHATML_WITH_IMAGES.replace("@IMAGE@", processor.image_token)
+    _probe(processor, image_settings)
+    template = CHATML_WITH_IMAGES.replace("@IMAGE@", family.image_text.format(image=processor.image_token))
     processor.chat_template = tokenizer.chat_template = template
     # The token the image's features replace (Gemma 3's <image_soft_token>, not its placeholder).
     expected = image_token_id(processor)
@@ -144,23 +170,56 @@ def _processor_from_config(model_cfg: Any, tokenizer: Any, config: Any) -> Any:
     return processor
 
 
-def image_block_attention(model: Any) -> None:
-    """Give a Gemma 3 model's forward the ``token_type_ids`` its processor gives at inference when
-    the caller has none (our collators, the DPO rows, the rollout's prompt forward): 1 at the
-    image's ``<image_soft_token>``s, so each image's tokens attend to each other both ways (Gemma
-    3's block-bidirectional mask, ``modeling_gemma3.create_masks_for_vision_model``) in training as
-    in the export's ``generate``. Only forwards with ``pixel_values`` get them: a decoding step
-    with a cache has no image tokens, and transformers leaves them out there too. Other models are
-    left as they are. A forward pre-hook, so wrappers (FSDP2, DeepSpeed, PEFT) keep it."""
+def _probe(processor: Any, image_settings: dict) -> None:
+    """Run the image processor on one 2x2 image, so that sizes it cannot use
+    (``model.processor.image_processor.size={longest_edge:0}``) stop the run here, naming the
+    settings, rather than as a traceback at the first record.
+
+    Raises:
+        ConfigError: the image processor fails on the probe (its message and the settings).
+    """
+    from PIL import Image
+
+    try:
+        pixels = processor.image_processor(images=[[Image.new("RGB", (2, 2))]], return_tensors="pt")["pixel_values"]
+        said = "" if pixels.numel() else f"it gives pixel_values of shape {list(pixels.shape)}, no pixel"
+    except (ValueError, TypeError, ZeroDivisionError, KeyError) as err:
+        said = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if said:
+        raise ConfigError(f"model.processor.image_processor={image_settings}: the image processor cannot prepare an "
+                          f"image with these settings: {said}; give positive sizes (e.g. size={{longest_edge: 16}})")
+
+
+def image_token_types(model: Any) -> None:
+    """Give an image-text model's forward the token types its processor gives at inference when the
+    caller has none (our collators, the DPO rows, the rollout's prompt forward), so training sees
+    the image as the export's ``generate`` does. A forward pre-hook, so wrappers (FSDP2, DeepSpeed,
+    PEFT) keep it; other models are left as they are.
+
+    - Gemma 3: ``token_type_ids``, 1 at the image's ``<image_soft_token>``s, so each image's tokens
+      attend to each other both ways (Gemma 3's block-bidirectional mask,
+      ``modeling_gemma3.create_masks_for_vision_model``). Only forwards with ``pixel_values``.
+    - Qwen2-VL (and families whose forward takes ``mm_token_type_ids`` with ``image_grid_thw``):
+      ``mm_token_type_ids``, 1 at ``image_token_id``, from which the model places each image's
+      tokens on M-RoPE's (time, height, width) grid (``get_rope_index``); transformers refuses a
+      forward with ``image_grid_thw`` and without them. Only forwards with ``image_grid_thw``.
+
+    A decoding step with a cache carries no image, and transformers leaves the types out there too."""
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) != "gemma3" or getattr(config, "vision_config", None) is None:
+    if getattr(config, "vision_config", None) is None or getattr(config, "image_token_id", None) is None:
         return
     image_id = int(config.image_token_id)
+    if config.model_type == "gemma3":
+        key, needs = "token_type_ids", "pixel_values"
+    elif "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        key, needs = "mm_token_type_ids", "image_grid_thw"
+    else:
+        return
 
     def add_token_types(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if kwargs.get("token_type_ids") is None and kwargs.get("pixel_values") is not None and ids is not None:
-            kwargs["token_type_ids"] = (ids == image_id).long()
+        if kwargs.get(key) is None and kwargs.get(needs) is not None and ids is not None:
+            kwargs[key] = (ids == image_id).long()
         return args, kwargs
 
     model.register_forward_pre_hook(add_token_types, with_kwargs=True)
@@ -177,7 +236,27 @@ def save_processor(tokenizer: Any, directory: Path) -> None:
         processor.save_pretrained(directory)
 
 
+# Language parts without a causal-LM class of their own (their decoder lives only inside the
+# image-text model) and the causal LM of the same weights: Qwen2-VL's text model is a Qwen2
+# decoder whose rotary positions are M-RoPE's (the same parameters and activations).
+_CAUSAL_TWINS = {"qwen2_vl_text": "qwen2"}
+
+
 def text_config(config: Any) -> Any:
     """The language model's part of ``config`` (its vocabulary, positions and layers): the text
-    config of an image-text model, else ``config`` itself."""
-    return config.get_text_config() if is_image_text(config) else config
+    config of an image-text model, else ``config`` itself. A text config that
+    ``AutoModelForCausalLM`` cannot build (Qwen2-VL's) is given as the config of the causal LM with
+    the same weights (:data:`_CAUSAL_TWINS`), which the planners build on the meta device."""
+    if not is_image_text(config):
+        return config
+    text = config.get_text_config()
+    twin = _CAUSAL_TWINS.get(getattr(text, "model_type", None))
+    if twin is None:
+        return text
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in text.to_dict().items() if k not in ("model_type", "architectures", "rope_parameters",
+                                                                  "layer_types", "transformers_version")}
+    theta = (text.rope_parameters or {}).get("rope_theta", 10000.0)
+    return AutoConfig.for_model(twin, **fields, rope_parameters={"rope_type": "default", "rope_theta": theta},
+                                tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))

@@ -283,7 +283,7 @@ def _setting(cfg: Any, world_size: int, hf_config: Any, dims: Any, shape: ModelS
     return _Setting(cfg=cfg, hf_config=hf_config, dims=dims, shape=shape, ckpt=ckpt, accumulation=accumulation,
                     compute=2 if bf16 else 4, bf16=bf16, fsdp=fsdp, replicated_bf16=replicated_bf16, pairs=pairs,
                     online=online, group=group, rows=rows, frozen_copy=frozen_copy, teacher=teacher, chunk=chunk,
-                    local_seq=local_seq, acts=acts, vision=vision_shape(cfg.model, t.precision),
+                    local_seq=local_seq, acts=acts, vision=vision_shape(cfg.model, t.precision, cfg.data),
                     layer_n=shape.tp_sharded // dims.tp + (shape.layer - shape.tp_sharded),
                     embedding_n=shape.embedding // (dims.tp if shape.embedding_tp else 1),
                     head_n=shape.head // (dims.tp if shape.head_tp else 1),

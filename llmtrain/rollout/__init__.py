@@ -21,7 +21,7 @@ from llmtrain.rollout.environments import Environment
 from llmtrain.rollout.generate import Sampling, SamplingInterrupted
 from llmtrain.rollout.rollout import Rollout
 from llmtrain.rollout.scoring import RewardError, score
-from llmtrain.rollout.vllm_server import VLLMEngine
+from llmtrain.rollout.vllm_engine import VLLMEngine
 
 __all__ = ["Environment", "Rollout", "RolloutEngine", "RewardError", "SamplingInterrupted", "build_environment",
            "build_rewards", "build_rollout_engine", "build_sampler", "check_answers", "environment_reward"]

@@ -9,7 +9,7 @@ objective. The seam is :class:`RolloutEngine`'s one method; the rest of a genera
   model). A rank's text prompts decode together, ``rollout.generation_batch`` rows at a time,
   every batch of one fixed shape on every layout (:func:`~llmtrain.rollout.generate.sample_batch`);
   image prompts one group at a time, their pixels given to the group's prompt forward.
-* ``vllm`` (:class:`llmtrain.rollout.vllm_server.VLLMEngine`): a vLLM server in its own Python
+* ``vllm`` (:class:`llmtrain.rollout.vllm_engine.VLLMEngine`): a vLLM server in its own Python
   environment, started and stopped by llmtrain (or one you run), the policy's weights sent to it
   after optimizer steps.
 * ``module:Class``: a subclass of :class:`RolloutEngine` of your own, built as
@@ -59,6 +59,11 @@ class RolloutEngine(ABC):
 
     def close(self) -> None:
         """Release what the engine started (a server): at the end of the run and on errors."""
+
+    def metrics(self) -> dict[str, float]:
+        """The engine's own figures for the step's metrics (a server's restarts, its weight sync's
+        seconds), rank 0's; none by default."""
+        return {}
 
     @abstractmethod
     def sample(self, policy: Any, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:

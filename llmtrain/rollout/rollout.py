@@ -167,7 +167,7 @@ class Rollout:
         sampled = time.perf_counter()
         self.pending = self._finish(entry, step)
         metrics = {**self.pending.metrics, "rollout/generation_s": sampled - started,
-                   "rollout/staleness": float(step - entry.sampled_at)}
+                   "rollout/staleness": float(step - entry.sampled_at), **self.sampler.metrics()}
         return self.pending.batches, metrics
 
     def _start(self, generation: int, step: int) -> "Sampled":

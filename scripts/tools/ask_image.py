@@ -19,6 +19,8 @@ def ask(folder: str, image_path: str, question: str, max_new_tokens: int = 16) -
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    import llmtrain.models.qwen2vl_images  # noqa: F401  (registers the processor a tiny_qwen2vl export names)
+
     processor = AutoProcessor.from_pretrained(folder)
     model = AutoModelForImageTextToText.from_pretrained(folder).eval()
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
