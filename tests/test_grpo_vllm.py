@@ -77,7 +77,8 @@ def test_the_server_command_serves_the_run_as_configured(questions, tmp_path):
     text = " ".join(command)
     for part in ("-m vllm.entrypoints.openai.api_server", f"--model {tmp_path}", "--port 8123", "--dtype bfloat16",
                  "--max-model-len 64", "--logprobs-mode processed_logprobs", "--no-enable-prefix-caching",
-                 "--enable-lora --max-lora-rank 8", "--seed 1234", "--no-enable-chunked-prefill", "--enforce-eager"):
+                 "--enable-lora --max-lora-rank 8", "--seed 1234", "--no-enable-chunked-prefill", "--enforce-eager",
+                 "--enable-scale-out"):  # (image prompts' endpoint)
         assert part in text, part
     assert "--enable-lora" not in server_command(compose(overrides(questions)), tmp_path, 1)
 

@@ -83,6 +83,52 @@ def test_the_ids_sent_to_vllm_are_the_chat_templates_before_the_processor(tmp_pa
         prompts.collapse(reference, sample["images"])  # no expansion in it
 
 
+def test_image_prompts_on_two_servers_go_whole_to_one_with_their_images(tmp_path, monkeypatch):
+    """rollout.vllm_servers=2 (requests answered in place of the servers): every completion of an
+    image prompt is a generate request with the chat template's ids (an independent rendering),
+    its image and the weights' version, the image token suppressed, sent to the server of its
+    record (:func:`~llmtrain.rollout.vllm_engine.server_of`), both servers used; the answers come
+    back as completions."""
+    from llmtrain.data.formats import render
+    from llmtrain.models.build import build_tokenizer
+    from llmtrain.rollout import build_sampler, vllm_engine
+    from llmtrain.rollout.vllm_images import GENERATE_PATH
+
+    cfg = image_cfg(write_prompts(tmp_path), tmp_path / "run", "tiny_idefics3", "rollout.vllm_servers=2")
+    tokenizer = build_tokenizer(cfg.model)
+    engine = build_sampler(cfg, tokenizer, [256])
+    for k, server in enumerate(engine.servers):
+        server.url = f"http://server{k}"
+    engine.version = 3
+    samples = _samples(cfg, tokenizer)
+    records = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    rendered = {tuple(tokenizer(render(tokenizer, records[s["record"]]["messages"][:1], True, "test"),
+                                add_special_tokens=False)["input_ids"]): s for s in samples}
+    sent = []
+
+    def answer(url, path, body, timeout=600):
+        sent.append((url, path, body))
+        sample = rendered[tuple(body["token_ids"])]
+        return {"prompt_token_ids": list(sample["prompt_ids"]),
+                "choices": [{"token_ids": [7, sample["record"]], "finish_reason": "length",
+                             "logprobs": {"content": [{"logprob": -1.0}, {"logprob": -2.0}]}}]}
+
+    monkeypatch.setattr(vllm_engine, "_request", answer)
+    groups = engine._requests(samples, [[11, 12]] * len(samples))
+    (image_id,) = engine.sampling.suppress
+    assert len(sent) == 2 * len(samples) and {path for _, path, _ in sent} == {GENERATE_PATH}
+    for sample, group in zip(samples, groups):
+        bodies = [(url, b) for url, _, b in sent if rendered[tuple(b["token_ids"])] is sample]
+        assert {url for url, _ in bodies} == {f"http://server{vllm_engine.server_of(sample, 0, 2)}"}
+        assert sorted(b["sampling_params"]["seed"] for _, b in bodies) == [11, 12]
+        for _, b in bodies:
+            (part,) = b["content_parts"]
+            assert part["url"].startswith("data:image/png;base64,") and part["uuid"].endswith("-w3")
+            assert b["sampling_params"]["logit_bias"] == {str(image_id): -100.0}
+        assert [(c.ids, c.truncated, c.logps) for c in group] == [([7, sample["record"]], True, [-1.0, -2.0])] * 2
+    assert {url for url, _, _ in sent} == {"http://server0", "http://server1"}
+
+
 def test_a_family_vllm_lacks_is_refused_naming_its_architecture(tmp_path, monkeypatch):
     from llmtrain.common.errors import ConfigError
     from llmtrain.models.build import build_tokenizer
@@ -134,7 +180,7 @@ def test_vllm_samples_image_prompts_with_the_policys_weights_before_and_after_a_
     engine = build_sampler(cfg, tokenizer, [256])
     step = [0]
     policy = SimpleNamespace(full_state_dict=lambda: model.state_dict(), env=SimpleNamespace(is_main=True),
-                             optimizer_step_count=lambda: step[0])
+                             optimizer_step_count=lambda: step[0], model=model)  # (model: the frozen blocks)
     engine.publish = lambda directory, part: write_policy(policy, cfg, tokenizer, directory, part, [256])
     samples = [s for s in _samples(cfg, tokenizer)][:3]
     (image_id,) = engine.sampling.suppress
