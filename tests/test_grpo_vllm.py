@@ -166,7 +166,7 @@ def test_vllm_samples_with_the_policys_weights_before_and_after_a_sync(questions
     engine = build_sampler(cfg, tokenizer, [256])
     step = [0]
     policy = SimpleNamespace(full_state_dict=lambda: model.state_dict(), env=SimpleNamespace(is_main=True),
-                             optimizer_step_count=lambda: step[0])
+                             optimizer_step_count=lambda: step[0], model=model)  # (model: the frozen blocks)
     engine.publish = lambda directory, part: write_policy(policy, cfg, tokenizer, directory, part, [256])
     prompts = [{"prompt_ids": list(tokenizer(f"What is {a}+{a}?")["input_ids"])} for a in (3, 17, 42)]
     largest = []
