@@ -36,13 +36,13 @@ import argparse
 import gzip
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+import benchlib
 from benchlib import DATA, REPO
 
 GSM8K = DATA / "gsm8k_train.jsonl.gz"
@@ -74,10 +74,12 @@ class Meter:
         self.starts: list[tuple[float, float]] = []
         self.end: tuple[float, float] | None = None
         self.samples: list[tuple[int, float, float]] = []
+        self.load_peak = 0
 
     def step_start(self) -> None:
-        if not self.starts:
-            with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS (proc(5))
+        if not self.starts:  # the peak so far (model loading), then reset it (proc(5), clear_refs "5")
+            self.load_peak = vm_hwm()
+            with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
         self.starts.append((time.perf_counter(), time.process_time()))
 
@@ -96,8 +98,7 @@ class Meter:
         return wrapper
 
     def result(self) -> dict:
-        with open("/proc/self/status") as f:
-            hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+        hwm = vm_hwm()
         marks = self.starts[1:] + [self.end]  # step 1 warms up
         steps = len(marks) - 1
         gen = self.samples[1:] or self.samples
@@ -105,7 +106,14 @@ class Meter:
         return {"step_wall": (marks[-1][0] - marks[0][0]) / steps, "step_cpu": (marks[-1][1] - marks[0][1]) / steps,
                 "sample_tok_s": tokens / wall, "sample_tok_cpu_s": tokens / cpu, "sample_tokens": tokens / len(gen),
                 "train_peak_gib": hwm / 2**30,
-                "process_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30}
+                "process_peak_gib": max(hwm, self.load_peak) / 2**30}
+
+
+def vm_hwm() -> int:
+    """This process's peak resident set in bytes since it started or since the last reset
+    (``ru_maxrss`` follows the reset too, so it cannot give the whole process's peak)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
 
 
 def run_llmtrain(opts: argparse.Namespace, run_dir: str, meter: Meter) -> None:
@@ -183,10 +191,13 @@ def run_trl(opts: argparse.Namespace, run_dir: str, meter: Meter) -> None:
 def child(side: str, opts: argparse.Namespace) -> None:
     import torch
 
+    if side == "llmtrain_ckpt":  # llmtrain with activation checkpointing, as TRL's default
+        opts.llmtrain = [*opts.llmtrain, "trainer.activation_checkpointing=true"]
+
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     meter = Meter()
     with tempfile.TemporaryDirectory() as run_dir:
-        (run_llmtrain if side == "llmtrain" else run_trl)(opts, run_dir, meter)
+        (run_trl if side == "trl" else run_llmtrain)(opts, run_dir, meter)
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(meter.result()), flush=True)
 
@@ -217,27 +228,32 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--trl-no-checkpointing", action="store_true", help="TRL gradient_checkpointing=False")
     parser.add_argument("--llmtrain", action="append", default=[], metavar="OVERRIDE", help="an extra llmtrain override")
-    parser.add_argument("--child", choices=["llmtrain", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--ckpt", action="store_true",
+                        help="a third side: llmtrain with trainer.activation_checkpointing=true")
+    parser.add_argument("--child", choices=["llmtrain", "llmtrain_ckpt", "trl"], help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child:
         return child(opts.child, opts)
     passed = [f"--steps={opts.steps}", f"--prompts={opts.prompts}", f"--g={opts.g}", f"--tokens={opts.tokens}",
               f"--precision={opts.precision}", f"--nproc={opts.nproc}", *[f"--llmtrain={o}" for o in opts.llmtrain],
-              *(["--trl-no-checkpointing"] if opts.trl_no_checkpointing else [])]
+              *(["--trl-no-checkpointing"] if opts.trl_no_checkpointing else [])]  # not --rounds / --ckpt
     print(f"GRPO, SmolLM2-135M-Instruct (GGUF weights), LoRA r=16, "
           f"{opts.prompts} prompts x G={opts.g} x {opts.tokens} tokens, {opts.precision}, {opts.nproc} process(es), "
           f"{opts.steps} steps (from step 2 timed), {opts.rounds} alternating rounds; load {os.getloadavg()}", flush=True)
-    got: dict[str, list[dict]] = {"llmtrain": [], "trl": []}
+    sides = ("llmtrain", "trl", *(["llmtrain_ckpt"] if opts.ckpt else []))
+    got: dict[str, list[dict]] = {side: [] for side in sides}
     for r in range(opts.rounds):
-        for side in (("llmtrain", "trl") if r % 2 == 0 else ("trl", "llmtrain")):
+        for side in benchlib.alternating(sides, r):
             got[side].append(launch(side, opts, passed))
-            print(f"round {r} {side:8s} " + " ".join(f"{k} {got[side][-1][k]:.2f}" for k in KEYS)
+            print(f"round {r} {side:13s} " + " ".join(f"{k} {got[side][-1][k]:.2f}" for k in KEYS)
                   + f" tokens/call {got[side][-1]['sample_tokens']:.0f}; load {os.getloadavg()[0]:.1f}", flush=True)
     med = {s: {k: statistics.median(x[k] for x in v) for k in KEYS} for s, v in got.items()}
-    print(f"\n{'':10s}" + "".join(f"{k:>18s}" for k in KEYS))
+    print(f"\n{'':22s}" + "".join(f"{k:>18s}" for k in KEYS))
     for side in got:
-        print(f"{side:10s}" + "".join(f"{med[side][k]:18.2f}" for k in KEYS))
-    print(f"{'ratio':10s}" + "".join(f"{med['llmtrain'][k] / med['trl'][k]:17.2f}x" for k in KEYS))
+        print(f"{side:22s}" + "".join(f"{med[side][k]:18.2f}" for k in KEYS))
+    for side in sides:
+        if side != "trl":
+            print(f"{side + ' / trl':22s}" + "".join(f"{med[side][k] / med['trl'][k]:17.2f}x" for k in KEYS))
 
 
 if __name__ == "__main__":
