@@ -234,9 +234,11 @@ def test_qwen2vl_pixel_budget_sets_the_image_tokens_and_travels_with_the_export(
         loaded("tiny_qwen2vl", path, "data.min_pixels=512")
 
 
-def test_a_qwen2vl_folder_with_the_stock_processor_loads_its_images_part_without_torchvision(tmp_path):
-    """A folder laid out as a Hub Qwen2-VL checkpoint (``processor_class: Qwen2VLProcessor``, no
-    llmtrain code), where torchvision is missing: ``AutoProcessor`` cannot load its video
+@pytest.mark.parametrize("preset,stock", [("tiny_qwen2vl", "Qwen2VLProcessor"),
+                                          ("tiny_qwen2_5vl", "Qwen2_5_VLProcessor")])
+def test_a_qwen2vl_folder_with_the_stock_processor_loads_its_images_part_without_torchvision(preset, stock, tmp_path):
+    """A folder laid out as a Hub Qwen2-VL or Qwen2.5-VL checkpoint (``processor_class:
+    Qwen2VLProcessor`` or ``Qwen2_5_VLProcessor``, no llmtrain code), where torchvision is missing: ``AutoProcessor`` cannot load its video
     processor, and ``model.source=pretrained`` trains with the folder's image processor (its pixel
     budget) and tokenizer."""
     import importlib.util
@@ -249,17 +251,17 @@ def test_a_qwen2vl_folder_with_the_stock_processor_loads_its_images_part_without
     if importlib.util.find_spec("torchvision") is not None:
         pytest.skip("torchvision is installed: the stock Qwen2VLProcessor loads")
     path = write_dataset(tmp_path)
-    cfg, tokenizer, _ = loaded("tiny_qwen2vl", path, "data.max_pixels=1024")
+    cfg, tokenizer, _ = loaded(preset, path, "data.max_pixels=1024")
     out = save_hf_folder(build_model(cfg.model, seed=0).state_dict(), cfg.model, tokenizer, tmp_path / "hf",
                          data.end_token_ids(cfg.data, tokenizer))
     config = json.loads((out / "processor_config.json").read_text())
-    config["processor_class"] = "Qwen2VLProcessor"
+    config["processor_class"] = stock
     for node in (config, config["image_processor"]):
         node.pop("auto_map")
     (out / "processor_config.json").write_text(json.dumps(config))
     (out / "qwen2vl_images.py").unlink()
     pretrained = ["model.source=pretrained", f"model.path={out}", "model.tokenizer=model"]
-    _, tokenizer, splits = loaded("tiny_qwen2vl", path, *pretrained)
+    _, tokenizer, splits = loaded(preset, path, *pretrained)
     processor = processor_of(tokenizer)
     assert type(processor).__name__ == "Qwen2VLImagesProcessor" and processor.image_processor.size["longest_edge"] == 1024
     assert splits.train[0]["input_ids"].count(262) == 4  # 12x12 squares: 16x16 at any budget over 256
