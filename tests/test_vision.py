@@ -1,5 +1,5 @@
 """Image-text (vision-language) supervised fine-tuning on one process: the tiny Idefics3, LLaVA,
-Gemma 3 and Qwen2-VL presets with processors built offline, TRL's conversational vision layout, assistant-only labels,
+Gemma 3, Qwen2-VL and Qwen2.5-VL presets with processors built offline, TRL's conversational vision layout, assistant-only labels,
 the loss against the model's own, bad records as one-line errors, exports that reload."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ COLOURS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220), 
 # Tokens one image becomes: Idefics3 (16x16 image, 4x4 patches, pixel shuffle 2): 4; LLaVA
 # (16x16, 4x4 patches, CLS dropped): 16; Gemma 3 (16x16, 4x4 patches pooled 2x2): 4; Qwen2-VL (a
 # 12x12 square resized to 16x16, a multiple of patch 4 x merge 2, 4x4 patches merged 2x2): 4.
-IMAGE_TOKENS = {"tiny_idefics3": 4, "tiny_llava": 16, "tiny_gemma3": 4, "tiny_qwen2vl": 4}
+IMAGE_TOKENS = {"tiny_idefics3": 4, "tiny_llava": 16, "tiny_gemma3": 4, "tiny_qwen2vl": 4, "tiny_qwen2_5vl": 4}
+QWEN_VL = ["tiny_qwen2vl", "tiny_qwen2_5vl"]  # Qwen2-VL and Qwen2.5-VL: the same processor and M-RoPE
 FAMILIES = list(IMAGE_TOKENS)
 
 
@@ -145,12 +146,15 @@ def test_gemma3_loss_equals_the_models_own_and_image_tokens_attend_both_ways(tmp
     assert not torch.allclose(causal[0, first], logits[0, first])  # the first image token sees the later ones
 
 
-def test_qwen2vl_loss_equals_the_models_own_and_image_tokens_get_their_mrope_positions(tmp_path):
-    """tiny_qwen2vl: the collator gives the images' patches and grids (``image_grid_thw``); our
+@pytest.mark.parametrize("preset", QWEN_VL)
+def test_qwen2vl_loss_equals_the_models_own_and_image_tokens_get_their_mrope_positions(preset, tmp_path):
+    """tiny_qwen2vl and tiny_qwen2_5vl: the collator gives the images' patches and grids (``image_grid_thw``); our
     objective gives the model's own cross-entropy with labels and a hand computation; the forward
     gets the processor's ``mm_token_type_ids`` (1 at <|image_pad|>), so each image's tokens sit on
     M-RoPE's 2-D grid: the logits equal a forward given the processor's types, and differ after
-    the image from one given plain 1-D positions (the tokens before it are alike)."""
+    the image from one given plain 1-D positions (the tokens before it are alike). Qwen2.5-VL's
+    tower attends within windows of one merged token (2x2 patches) in block 0: its image features
+    differ from those of the same tower attending over the whole image in every block."""
     from PIL import Image
 
     from llmtrain import data
@@ -159,7 +163,7 @@ def test_qwen2vl_loss_equals_the_models_own_and_image_tokens_get_their_mrope_pos
     from llmtrain.models.build import build_model
     from llmtrain.objectives import CausalLM
 
-    cfg, tokenizer, splits = loaded("tiny_qwen2vl", write_dataset(tmp_path))
+    cfg, tokenizer, splits = loaded(preset, write_dataset(tmp_path))
     samples = [splits.train[0], splits.train[1]]
     batch = data.collator_for(cfg.data, tokenizer)(samples)
     # Two 16x16 images of 4x4 patches, each flattened to channels x 2 frames x 4 x 4 values.
@@ -181,11 +185,21 @@ def test_qwen2vl_loss_equals_the_models_own_and_image_tokens_get_their_mrope_pos
         plain = model(**model_inputs(batch), position_ids=flat).logits
     assert torch.allclose(ours, theirs, atol=1e-5) and torch.allclose(ours.double(), by_hand, atol=1e-5)
     assert int(mask.sum()) == sum(len(Path(s["images"][0]).stem) + 1 for s in samples)
-    assert int(image.sum()) == 2 * IMAGE_TOKENS["tiny_qwen2vl"]
+    assert int(image.sum()) == 2 * IMAGE_TOKENS[preset]
     assert torch.equal(logits, explicit)
     first = int(image[0].nonzero()[0])
     assert torch.equal(plain[0, :first + 1], logits[0, :first + 1])  # the first image token: (t, h, w) = its text position
     assert not torch.allclose(plain[0, first + 1], logits[0, first + 1])
+    if preset == "tiny_qwen2_5vl":
+        # Noise, not the squares: a one-colour image's patches are alike, so any mask averages the same values.
+        noise = torch.randn(batch["pixel_values"].shape, generator=torch.Generator().manual_seed(0))
+        tower, pixels = model.model.visual, (noise, batch["image_grid_thw"])
+        assert tower.fullatt_block_indexes == [1] and tower.window_size == 8
+        with torch.no_grad():
+            windowed = tower(*pixels).pooler_output
+            tower.fullatt_block_indexes = [0, 1]
+            whole = tower(*pixels).pooler_output
+        assert windowed.shape == whole.shape == (8, 64) and not torch.allclose(windowed, whole, atol=1e-4)
 
 
 def test_qwen2vl_pixel_budget_sets_the_image_tokens_and_travels_with_the_export(tmp_path):
@@ -220,9 +234,11 @@ def test_qwen2vl_pixel_budget_sets_the_image_tokens_and_travels_with_the_export(
         loaded("tiny_qwen2vl", path, "data.min_pixels=512")
 
 
-def test_a_qwen2vl_folder_with_the_stock_processor_loads_its_images_part_without_torchvision(tmp_path):
-    """A folder laid out as a Hub Qwen2-VL checkpoint (``processor_class: Qwen2VLProcessor``, no
-    llmtrain code), where torchvision is missing: ``AutoProcessor`` cannot load its video
+@pytest.mark.parametrize("preset,stock", [("tiny_qwen2vl", "Qwen2VLProcessor"),
+                                          ("tiny_qwen2_5vl", "Qwen2_5_VLProcessor")])
+def test_a_qwen2vl_folder_with_the_stock_processor_loads_its_images_part_without_torchvision(preset, stock, tmp_path):
+    """A folder laid out as a Hub Qwen2-VL or Qwen2.5-VL checkpoint (``processor_class:
+    Qwen2VLProcessor`` or ``Qwen2_5_VLProcessor``, no llmtrain code), where torchvision is missing: ``AutoProcessor`` cannot load its video
     processor, and ``model.source=pretrained`` trains with the folder's image processor (its pixel
     budget) and tokenizer."""
     import importlib.util
@@ -235,17 +251,17 @@ def test_a_qwen2vl_folder_with_the_stock_processor_loads_its_images_part_without
     if importlib.util.find_spec("torchvision") is not None:
         pytest.skip("torchvision is installed: the stock Qwen2VLProcessor loads")
     path = write_dataset(tmp_path)
-    cfg, tokenizer, _ = loaded("tiny_qwen2vl", path, "data.max_pixels=1024")
+    cfg, tokenizer, _ = loaded(preset, path, "data.max_pixels=1024")
     out = save_hf_folder(build_model(cfg.model, seed=0).state_dict(), cfg.model, tokenizer, tmp_path / "hf",
                          data.end_token_ids(cfg.data, tokenizer))
     config = json.loads((out / "processor_config.json").read_text())
-    config["processor_class"] = "Qwen2VLProcessor"
+    config["processor_class"] = stock
     for node in (config, config["image_processor"]):
         node.pop("auto_map")
     (out / "processor_config.json").write_text(json.dumps(config))
     (out / "qwen2vl_images.py").unlink()
     pretrained = ["model.source=pretrained", f"model.path={out}", "model.tokenizer=model"]
-    _, tokenizer, splits = loaded("tiny_qwen2vl", path, *pretrained)
+    _, tokenizer, splits = loaded(preset, path, *pretrained)
     processor = processor_of(tokenizer)
     assert type(processor).__name__ == "Qwen2VLImagesProcessor" and processor.image_processor.size["longest_edge"] == 1024
     assert splits.train[0]["input_ids"].count(262) == 4  # 12x12 squares: 16x16 at any budget over 256
@@ -312,7 +328,7 @@ def test_export_reloads_with_its_processor_and_generates_the_same_tokens(model, 
     expected = trained.generate(**inputs, **same, pad_token_id=257)
     assert torch.equal(reloaded.generate(**inputs, **same), expected)
     assert (reloaded.generation_config.eos_token_id == [259, 256])  # <|im_end|> and EOS end a response
-    if model == "tiny_qwen2vl":  # a process without llmtrain loads the processor the export carries
+    if model in QWEN_VL:  # a process without llmtrain loads the processor the export carries
         import os
         import subprocess
         import sys
@@ -327,7 +343,8 @@ def test_export_reloads_with_its_processor_and_generates_the_same_tokens(model, 
 
 @pytest.mark.parametrize("model,processor", [("tiny_idefics3", "Idefics3Processor"),
                                              ("tiny_gemma3", "Gemma3Processor"),
-                                             ("tiny_qwen2vl", "Qwen2VLImagesProcessor")])
+                                             ("tiny_qwen2vl", "Qwen2VLImagesProcessor"),
+                                             ("tiny_qwen2_5vl", "Qwen2VLImagesProcessor")])
 def test_one_process_cli_run_trains_and_exports(model, processor, tmp_path):
     """``python -m llmtrain model=tiny_idefics3 data=vlm_chat``: the loss falls over 4 steps on
     four coloured squares and the export loads with AutoProcessor."""

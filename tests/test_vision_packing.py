@@ -1,7 +1,8 @@
 """Packed image-text rows (``data.packing=true``): several samples and their images in one row give
 the unpacked samples' loss and gradients (fp32, within 1e-5) for tiny_idefics3, tiny_llava,
-tiny_gemma3 and tiny_qwen2vl (through the data, the collator and the engine's forward arguments), and for a tiny
-Qwen2-VL built here (M-RoPE positions computed per packed sample by the family's hook)."""
+tiny_gemma3, tiny_qwen2vl and tiny_qwen2_5vl (through the data, the collator and the engine's
+forward arguments), and for a tiny Qwen2-VL built here (M-RoPE positions computed per packed
+sample by the family's hook)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def mean_loss_and_grads(model, batches: list[dict], inputs=None) -> tuple[float,
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3", "tiny_qwen2vl"])
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3", "tiny_qwen2vl", "tiny_qwen2_5vl"])
 def test_packed_rows_give_the_unpacked_loss_and_gradients(model, tmp_path):
     from llmtrain import data
     from llmtrain.models.build import build_model

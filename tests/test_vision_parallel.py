@@ -393,7 +393,8 @@ def test_qlora_on_images_on_two_processes_equals_one(runs):
 # Qwen2-VL (tiny_qwen2vl): its images are patch rows with a grid each (image_grid_thw) and its
 # positions M-RoPE's, from token types added at the forward; a rank without images runs the tower
 # on the blank image as the other families do. Its own two launches: zero3 and fsdp on 2 processes,
-# then one process plain and resumed from the 2-rank fsdp checkpoint.
+# then one process plain and resumed from the 2-rank fsdp checkpoint; zero3's run is also the
+# uninterrupted one a SIGKILLed and rerun zero3 run must equal.
 QWEN = [o for o in COMMON if not o.startswith("model=")] + ["model=tiny_qwen2vl"]
 QWEN_RECIPES = ["zero3", "fsdp"]
 
@@ -447,3 +448,19 @@ def test_qwen2vl_two_rank_fsdp_checkpoint_resumes_on_one_process(qwen_runs):
     for step in (5, 6):
         assert got[step]["data/sample_digest"] == want[step]["data/sample_digest"]
         assert abs(got[step]["train/loss"] - want[step]["train/loss"]) < 1e-5, (step, got[step], want[step])
+
+
+@pytest.mark.slow
+def test_qwen2vl_sigkill_then_rerun_continues_exactly(qwen_runs, data_file, tmp_path):
+    """tiny_qwen2vl on zero3 (2 ranks) SIGKILLed after step 5 (its step-4 checkpoint saved) and
+    run again with the same command: every step's loss, learning rate and samples are the
+    uninterrupted 2-rank run's, bit for bit."""
+    from test_resume import kill_after, per_step
+
+    overrides = QWEN + [f"data.path={data_file}"] + TWO + ["+recipe=zero3", f"run_dir={tmp_path}"]
+    kill_after(overrides, tmp_path, 5, nproc=2, rank=1)
+    assert (tmp_path / "checkpoints" / "step_4").is_dir() and not (tmp_path / "hf").exists()
+    assert_ok(run_cli(overrides, nproc=2))
+    got = per_step(tmp_path)
+    assert [row[0] for row in got] == list(range(1, STEPS + 1))
+    assert got == per_step(qwen_runs["zero3"])

@@ -70,7 +70,7 @@ def test_every_parameter_of_a_family_lies_in_one_named_part(family):
 
 
 @pytest.mark.parametrize("model,extra", [("tiny_idefics3", []), ("tiny_llava", []), ("tiny_gemma3", []),
-                                         ("tiny_qwen2vl", []),
+                                         ("tiny_qwen2vl", []), ("tiny_qwen2_5vl", []),
                                          ("tiny_llava", ["model.architecture.vision_feature_layer=-2"])])
 def test_the_parameters_frozen_as_unused_are_those_autograd_leaves_without_a_gradient(model, extra, tmp_path):
     """The family's rule (LLaVA: the tower's post_layernorm and the layers after the one read)
@@ -87,7 +87,8 @@ def test_the_parameters_frozen_as_unused_are_those_autograd_leaves_without_a_gra
     no_grad = sorted(n for n, p in net.named_parameters() if p.grad is None)
     assert sorted(parts.unused_parameters(net)) == no_grad
     # Gemma 3: SigLIP's attention-pooling head, 11 tensors (probe, attention 4, layernorm 2, mlp 4).
-    expected = {"tiny_idefics3": 0, "tiny_llava": 2, "tiny_gemma3": 11, "tiny_qwen2vl": 0}[model] + (16 if extra else 0)  # a CLIP layer: 16
+    expected = {"tiny_idefics3": 0, "tiny_llava": 2, "tiny_gemma3": 11, "tiny_qwen2vl": 0,
+                "tiny_qwen2_5vl": 0}[model] + (16 if extra else 0)  # a CLIP layer: 16
     assert len(no_grad) == expected
     _, applied = built(model, *extra)
     assert sorted(n for n, p in applied.named_parameters() if not p.requires_grad) == no_grad

@@ -47,7 +47,7 @@ def measured_step(cfg, micro: int) -> tuple[int, int, int]:
     return states, sum(seen.values()), batch["input_ids"].shape[1]
 
 
-@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3", "tiny_qwen2vl"])
+@pytest.mark.parametrize("model", ["tiny_idefics3", "tiny_llava", "tiny_gemma3", "tiny_qwen2vl", "tiny_qwen2_5vl"])
 def test_the_plan_counts_the_tower_and_matches_a_measured_step(model, tmp_path):
     """Model states (parameters, gradients, AdamW) within 2% of the measured bytes, and the bytes
     saved for backward within 30% (the planner's bound for activations, docs/planning.md); the

@@ -1,4 +1,6 @@
 """Qwen2-VL's processor for images and text only, without a video processor (so without torchvision).
+Qwen2.5-VL's too: ``Qwen2_5_VLProcessor`` differs from ``Qwen2VLProcessor`` only in its videos'
+time steps (``second_per_grid_ts``), and both use ``Qwen2VLImageProcessor``.
 
 ``transformers.Qwen2VLProcessor`` takes an image processor, a tokenizer and a video processor;
 every video processor is a torchvision one, and ``ProcessorMixin`` builds (``__init__``) and loads
@@ -11,11 +13,12 @@ merge_size**2`` tokens, ``mm_token_type_ids``) is ``Qwen2VLProcessor``'s own.
 Saved folders name this class (``processor_config.json``) and carry this file with an ``auto_map``
 (transformers' custom-processor mechanism, ``register_for_auto_class``): a process that imported
 llmtrain loads them with ``AutoProcessor.from_pretrained`` (the class is registered for
-``Qwen2VLConfig``); any other with ``AutoProcessor.from_pretrained(folder, trust_remote_code=True)``.
+``Qwen2VLConfig`` and ``Qwen2_5_VLConfig``); any other with
+``AutoProcessor.from_pretrained(folder, trust_remote_code=True)``.
 This file imports transformers only, as a file copied next to a model must.
 """
 
-from transformers import AutoProcessor, Qwen2VLConfig, Qwen2VLProcessor
+from transformers import AutoProcessor, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen2VLProcessor
 
 
 class Qwen2VLImagesProcessor(Qwen2VLProcessor):
@@ -29,3 +32,4 @@ class Qwen2VLImagesProcessor(Qwen2VLProcessor):
 
 Qwen2VLImagesProcessor.register_for_auto_class("AutoProcessor")
 AutoProcessor.register(Qwen2VLConfig, Qwen2VLImagesProcessor, exist_ok=True)
+AutoProcessor.register(Qwen2_5_VLConfig, Qwen2VLImagesProcessor, exist_ok=True)

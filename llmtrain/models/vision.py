@@ -10,8 +10,9 @@ image sizes for tiny models). The processor rides on the tokenizer (:func:`proce
 data, the collator and the exports reach it through the tokenizer they already receive.
 
 Only families whose processors need no torchvision are built from config: Idefics3 (SmolVLM),
-LLaVA, Gemma 3 and Qwen2-VL (with :class:`~llmtrain.models.qwen2vl_images.Qwen2VLImagesProcessor`,
-``Qwen2VLProcessor`` without its video processor, which needs torchvision).
+LLaVA, Gemma 3, Qwen2-VL and Qwen2.5-VL (with
+:class:`~llmtrain.models.qwen2vl_images.Qwen2VLImagesProcessor`, ``Qwen2VLProcessor`` without its
+video processor, which needs torchvision).
 """
 
 from __future__ import annotations
@@ -70,9 +71,16 @@ FAMILIES = {
                        image_text="<|vision_start|>{image}<|vision_end|>",
                        processor_module="llmtrain.models.qwen2vl_images"),
 }
+# Qwen2.5-VL: the same tokens, image processor and image expansion (Qwen2_5_VLProcessor differs
+# from Qwen2VLProcessor only in its videos' time steps, second_per_grid_ts), so the same class.
+FAMILIES["qwen2_5_vl"] = FAMILIES["qwen2_vl"]
 # Where the PIL image processors live (transformers exports some at the top level only with torchvision).
 _PIL_MODULES = {"idefics3": "idefics3.image_processing_pil_idefics3", "llava": "clip.image_processing_pil_clip",
-                "gemma3": "gemma3.image_processing_pil_gemma3", "qwen2_vl": "qwen2_vl.image_processing_pil_qwen2_vl"}
+                "gemma3": "gemma3.image_processing_pil_gemma3", "qwen2_vl": "qwen2_vl.image_processing_pil_qwen2_vl",
+                "qwen2_5_vl": "qwen2_vl.image_processing_pil_qwen2_vl"}
+# Families whose Hub processors name a video processor (torchvision) and whose images go through
+# Qwen2VLImagesProcessor when torchvision is missing.
+_QWEN_VL = ("qwen2_vl", "qwen2_5_vl")
 
 
 def is_image_text(config: Any) -> bool:
@@ -113,9 +121,9 @@ def attach_processor(model_cfg: Any, tokenizer: Any, config: Any, source: str | 
 
 
 def _pretrained_processor(model_cfg: Any, config: Any, source: str) -> Any:
-    """``AutoProcessor.from_pretrained(source)``; for a Qwen2-VL folder whose ``Qwen2VLProcessor``
-    cannot load its video processor (no torchvision: a Hub checkpoint), the same folder's image
-    processor and tokenizer as :class:`~llmtrain.models.qwen2vl_images.Qwen2VLImagesProcessor`."""
+    """``AutoProcessor.from_pretrained(source)``; for a Qwen2-VL or Qwen2.5-VL folder whose
+    processor cannot load its video processor (no torchvision: a Hub checkpoint), the same folder's
+    image processor and tokenizer as :class:`~llmtrain.models.qwen2vl_images.Qwen2VLImagesProcessor`."""
     import importlib.util
 
     import transformers
@@ -125,7 +133,7 @@ def _pretrained_processor(model_cfg: Any, config: Any, source: str) -> Any:
     try:
         return transformers.AutoProcessor.from_pretrained(source)
     except (OSError, ValueError, ImportError) as err:
-        if config.model_type == "qwen2_vl" and importlib.util.find_spec("torchvision") is None:
+        if config.model_type in _QWEN_VL and importlib.util.find_spec("torchvision") is None:
             return Qwen2VLImagesProcessor.from_pretrained(source)
         raise ModelSourceError(f"model.path={model_cfg.path}: no image processor could be loaded for this "
                                f"{config.model_type} model: {str(err).splitlines()[0]}") from err
@@ -237,9 +245,9 @@ def save_processor(tokenizer: Any, directory: Path) -> None:
 
 
 # Language parts without a causal-LM class of their own (their decoder lives only inside the
-# image-text model) and the causal LM of the same weights: Qwen2-VL's text model is a Qwen2
-# decoder whose rotary positions are M-RoPE's (the same parameters and activations).
-_CAUSAL_TWINS = {"qwen2_vl_text": "qwen2"}
+# image-text model) and the causal LM of the same weights: Qwen2-VL's and Qwen2.5-VL's text models
+# are Qwen2 decoders whose rotary positions are M-RoPE's (the same parameters and activations).
+_CAUSAL_TWINS = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
 
 
 def text_config(config: Any) -> Any:
