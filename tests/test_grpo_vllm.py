@@ -77,7 +77,8 @@ def test_the_server_command_serves_the_run_as_configured(questions, tmp_path):
     text = " ".join(command)
     for part in ("-m vllm.entrypoints.openai.api_server", f"--model {tmp_path}", "--port 8123", "--dtype bfloat16",
                  "--max-model-len 64", "--logprobs-mode processed_logprobs", "--no-enable-prefix-caching",
-                 "--enable-lora --max-lora-rank 8", "--seed 1234", "--no-enable-chunked-prefill", "--enforce-eager"):
+                 "--enable-lora --max-lora-rank 8", "--seed 1234", "--no-enable-chunked-prefill", "--enforce-eager",
+                 "--enable-scale-out"):  # (image prompts' endpoint)
         assert part in text, part
     assert "--enable-lora" not in server_command(compose(overrides(questions)), tmp_path, 1)
 
@@ -165,7 +166,7 @@ def test_vllm_samples_with_the_policys_weights_before_and_after_a_sync(questions
     engine = build_sampler(cfg, tokenizer, [256])
     step = [0]
     policy = SimpleNamespace(full_state_dict=lambda: model.state_dict(), env=SimpleNamespace(is_main=True),
-                             optimizer_step_count=lambda: step[0])
+                             optimizer_step_count=lambda: step[0], model=model)  # (model: the frozen blocks)
     engine.publish = lambda directory, part: write_policy(policy, cfg, tokenizer, directory, part, [256])
     prompts = [{"prompt_ids": list(tokenizer(f"What is {a}+{a}?")["input_ids"])} for a in (3, 17, 42)]
     largest = []

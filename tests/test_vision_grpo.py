@@ -1,6 +1,6 @@
 """GRPO with image prompts on the hf engine (issue 58): TRL's conversational vision layout as
 prompts, the prompt's pixels in generation and in the policy's log-prob forward, the ``answer``
-reward; other engines refused in one line."""
+reward; engines of your own refused in one line (vLLM: tests/test_vllm_images.py)."""
 
 from __future__ import annotations
 
@@ -133,8 +133,9 @@ def test_grpo_on_image_prompts_uses_the_pixels_in_generation_and_in_the_loss(tmp
 
 
 @pytest.mark.parametrize("override,message", [
-    ("rollout.engine=vllm", "rollout.engine=vllm: image prompts (the data's images column) are sampled on the hf "
-                            "engine only, one sequence per row, single-turn, for now; rollout.engine=hf"),
+    ("rollout.engine=tests.grpo_fixtures:FixedCompletions",
+     "rollout.engine=tests.grpo_fixtures:FixedCompletions: image prompts (the data's images column) are sampled on "
+     "the hf and vllm engines only, one sequence per row, single-turn, for now; rollout.engine=hf"),
     ("rollout.packing=true", "rollout.packing=true: image prompts"),
 ])
 def test_image_prompts_on_another_engine_are_refused_in_one_line(tmp_path, override, message):

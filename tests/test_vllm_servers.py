@@ -131,6 +131,8 @@ def test_two_servers_answer_as_one_and_a_killed_one_comes_back_with_the_same_req
         again = two._requests(SAMPLES, SEEDS)  # waits for the restart and its weights, then the same seeds
         assert [[c.ids for c in g] for g in again] == [[c.ids for c in g] for g in expected]
         assert two.restarts == 1 and victim.process.pid != old_pid and victim.port == port
+        for server in two.servers:  # each server, the restarted one too, serves image prompts' endpoint
+            assert "--enable-scale-out" in Path(f"/proc/{server.process.pid}/cmdline").read_text().split("\0")
         assert two.metrics()["rollout/vllm_restarts"] == 1.0
     finally:
         two.close()

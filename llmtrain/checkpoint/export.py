@@ -116,6 +116,9 @@ def write_policy(engine, cfg: Any, tokenizer: Any, directory: Path, part: str,
     # Every key, a tied head too (PyTorch's state_dict lists it under both names), as its own copy.
     tensors = {k: v.detach().clone().contiguous() for k, v in fresh.state_dict().items()}
     fresh.config.tie_word_embeddings = False
+    # vLLM picks its model class from `architectures` (save_pretrained would write it; config's
+    # does not): without it an image-text folder resolves to the bare Idefics3Model, a pooling model.
+    fresh.config.architectures = [type(fresh).__name__]
     if hasattr(fresh.config, "get_text_config"):
         fresh.config.get_text_config().tie_word_embeddings = False
     fresh.config.save_pretrained(directory)

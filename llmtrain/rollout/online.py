@@ -146,22 +146,24 @@ def setup_online(cfg: Any, objective: Objective, tokenizer: Any, splits: Any, en
 
 def _check_image_prompts(cfg: Any, probe: list[dict]) -> None:
     """Image prompts (samples with ``images``: :mod:`llmtrain.data.prompts`) sample on the ``hf``
-    engine, one sequence per row, single-turn: what is not built for them yet is refused.
+    and ``vllm`` engines (vLLM where it serves the architecture:
+    :func:`llmtrain.rollout.vllm_images.check_architecture`), one sequence per row, single-turn:
+    what is not built for them yet is refused.
 
     Raises:
-        ConfigError: image prompts with ``rollout.engine`` other than ``hf``, ``rollout.packing``
-            or a multi-turn ``rollout.environment`` (each naming the field).
+        ConfigError: image prompts with another ``rollout.engine`` (one of your own),
+            ``rollout.packing`` or a multi-turn ``rollout.environment`` (each naming the field).
     """
     if not probe or "images" not in probe[0]:  # (every sample has it when the data has an images column)
         return
     r = cfg.rollout
-    for field, value, fine, fix in (("rollout.engine", r.engine, "hf", "rollout.engine=hf"),
-                                    ("rollout.packing", r.packing, False, "rollout.packing=false"),
-                                    ("rollout.environment", r.environment or "", "", "leave rollout.environment unset")):
-        if value != fine:
+    for field, value, fine, fix in (("rollout.engine", r.engine, ("hf", "vllm"), "rollout.engine=hf"),
+                                    ("rollout.packing", r.packing, (False,), "rollout.packing=false"),
+                                    ("rollout.environment", r.environment or "", ("",), "leave rollout.environment unset")):
+        if value not in fine:
             value = str(value).lower() if isinstance(value, bool) else value
             raise ConfigError(f"{field}={value}: image prompts (the data's images column) are sampled on the hf "
-                              f"engine only, one sequence per row, single-turn, for now; {fix}")
+                              f"and vllm engines only, one sequence per row, single-turn, for now; {fix}")
 
 
 def _check_teacher(cfg: Any, objective: Objective, vocab_of: Callable[[Any], int], vocab_size: int) -> None:

@@ -36,8 +36,9 @@ from llmtrain.common.errors import ChildDied
 from llmtrain.parallel import distributed
 from llmtrain.rollout.engines import RolloutEngine
 from llmtrain.rollout.generate import Completion, Sampling
+from llmtrain.rollout.vllm_images import ImagePrompts, check_architecture
 from llmtrain.rollout.vllm_server import (SERVED_NAME, MemoryFolder, Server, VLLMServerError, _free_port, _request,
-                                          check_environment, refused, server_cores, user_urls)
+                                          check_environment, refused, server_cores, user_urls, vllm_python)
 
 log = logging.getLogger("llmtrain")
 
@@ -79,9 +80,11 @@ class VLLMEngine(RolloutEngine):
         self.watcher: threading.Thread | None = None
         self.closing = threading.Event()
         self.memory = MemoryFolder(self.run_dir)
+        self.images = ImagePrompts(tokenizer)
 
     def check(self) -> None:
         check_environment(self.cfg)
+        check_architecture(self.cfg, self.tokenizer, vllm_python(self.cfg))
 
     @property
     def process(self):  # the first server's process (tests, and the one-server case's log lines)
@@ -323,7 +326,7 @@ class VLLMEngine(RolloutEngine):
 
     def _requests(self, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
         count = len(self.servers)
-        jobs = [(i, j, list(sample["prompt_ids"]), seed, server_of(sample, i, count))
+        jobs = [(i, j, list(sample["prompt_ids"]), seed, server_of(sample, i, count), sample.get("images") or [])
                 for i, (sample, row) in enumerate(zip(samples, seeds)) for j, seed in enumerate(row)]
         groups: list[list[Completion | None]] = [[None] * len(row) for row in seeds]
         if jobs:
@@ -332,16 +335,20 @@ class VLLMEngine(RolloutEngine):
                     groups[i][j] = completion
         return groups  # type: ignore[return-value]
 
-    def _complete(self, job: tuple[int, int, list[int], int | None, int]) -> Completion:
+    def _complete(self, job: tuple[int, int, list[int], int | None, int, list[str]]) -> Completion:
         """One completion from its server; a server that stopped answering is waited for (rank 0
         restarts one it started: :meth:`_watch`) and asked again, with the same seed."""
-        _, _, prompt_ids, seed, index = job
+        _, _, prompt_ids, seed, index, images = job
         server = self.servers[index]
         body = self._body(prompt_ids, seed)
         deadline = None
         while True:
             try:
-                choice = _request(server.url, "/v1/completions", body)["choices"][0]
+                if images:  # (the weights' version keys vLLM's encoder cache: vllm_images.image_part)
+                    choice = self.images.choice(lambda path, b: _request(server.url, path, b), body, prompt_ids,
+                                                images, self.version)
+                else:
+                    choice = _request(server.url, "/v1/completions", body)["choices"][0]
                 break
             except (OSError, VLLMServerError) as err:
                 if failed := self._failed(server):
@@ -379,4 +386,6 @@ class VLLMEngine(RolloutEngine):
                 body["top_p"] = s.top_p
         if s.stop:
             body["stop"] = list(s.stop)
+        if s.suppress:  # an image-text model's image token (Sampling): vLLM clamps a bias to -100, e^-100 is 0
+            body["logit_bias"] = {str(t): -100.0 for t in sorted(s.suppress)}
         return body

@@ -49,6 +49,7 @@ from typing import Any
 from llmtrain.common import children
 from llmtrain.common.errors import ChildDied, ConfigError
 from llmtrain.parallel import distributed
+from llmtrain.rollout.vllm_images import SERVER_ARGS
 
 log = logging.getLogger("llmtrain")
 
@@ -80,7 +81,8 @@ def server_command(cfg: Any, model_dir: Path, port: int) -> list[str]:
                # vLLM 0.32 rewinds a seeded request's generator when a chunked prefill discards its
                # token, which CPU generators cannot do ("CPU Generator does not use offset"): the
                # engine dies under many concurrent seeded requests. Whole prefills avoid it.
-               "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(int(cfg.data.seq_len), 8192))]
+               "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(int(cfg.data.seq_len), 8192)),
+               *SERVER_ARGS]  # image prompts' endpoint (llmtrain.rollout.vllm_images)
     if cfg.get("peft") is not None:
         rank = next(r for r in LORA_RANKS if r >= int(cfg.peft.r))
         command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2"]
