@@ -33,7 +33,7 @@ from llmtrain.checkpoint.checkpointer import (Checkpointer, checkpoint_bytes, op
 from llmtrain.checkpoint.export import export_hf, write_policy
 from llmtrain.checkpoint.protocol import lock_run_dir
 from llmtrain.checkpoint.state import restore_rng
-from llmtrain.common import collection, hardware
+from llmtrain.common import allocator, collection, hardware
 from llmtrain.common.errors import ConfigError, DataError
 from llmtrain.config.compose import run_dir_of
 from llmtrain.config.validate import validate
@@ -127,6 +127,7 @@ class Trainer:
         phases.begin("process group")
         self.env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
         self.dims, self.accumulation = self._setup_layout()
+        allocator.set_mmap_threshold(self.t.malloc_mmap_threshold)  # validated; before the model and data
         seed_everything(self.t.seed)
         self.run_dir = run_dir_of(cfg)
         phases.begin("tokenizer", f"model {cfg.model.name}")

@@ -21,7 +21,7 @@ log = logging.getLogger("llmtrain")
 RESUMABLE_CHANGES = ("name", "run_dir", "tracker", "trainer.max_steps", "trainer.eval_every", "trainer.eval_samples",
                      "trainer.log_every", "trainer.save_every", "trainer.save_every_minutes", "trainer.keep_checkpoints",
                      "trainer.checkpoint_hash", "trainer.async_checkpoint", "trainer.resume", "trainer.preempt_signal", "trainer.export_hf", "trainer.progress_bar",
-                     "trainer.peak_tflops", "trainer.hang_timeout_s", "trainer.gc_every",
+                     "trainer.peak_tflops", "trainer.hang_timeout_s", "trainer.gc_every", "trainer.malloc_mmap_threshold",
                      # How the data are read, not which: the same samples in the same order (a run
                      # that a slow store stopped is resumed with a longer timeout or more read-ahead).
                      "data.read_timeout_s", "data.prefetch",

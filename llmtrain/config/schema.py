@@ -206,6 +206,9 @@ class TrainerConfig:
     ``gc_every``: Python's garbage collector runs a full collection every that many steps, at the
     same step on every rank, with the automatic collector off and set-up's objects frozen out of
     it (:mod:`llmtrain.common.collection`); 0 = Python's automatic collector.
+    ``malloc_mmap_threshold``: glibc's mmap threshold in bytes, fixed at start-up, so freed
+    tensors above it go back to the system instead of staying in the heap
+    (:mod:`llmtrain.common.allocator`); 0 = glibc's default (dynamic, up to 32 MiB).
     ``checkpoint_hash``: the completion marker's per-file checksum, ``xxh3`` (XXH3-128: detects
     corruption at memory speed) or ``sha256`` (cryptographic, slower); either way each rank
     checksums a share of the files. ``async_checkpoint`` (torch engine): a periodic save copies
@@ -288,6 +291,7 @@ class TrainerConfig:
     save_every_minutes: float = 30.0
     keep_checkpoints: int = 3
     gc_every: int = 50
+    malloc_mmap_threshold: int = 65536
     checkpoint_hash: str = "xxh3"
     async_checkpoint: bool = False
     resume: str = "auto"

@@ -180,6 +180,8 @@ def validate_trainer(t: Any, r: Any) -> None:
         _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
     for key in ("warmup_steps", "eval_every", "log_every", "save_every", "eval_samples", "gc_every"):
         _require(t[key] >= 0, f"trainer.{key}={t[key]} must be >= 0")
+    _require(0 <= t.malloc_mmap_threshold <= 32 * 2**20,
+             f"trainer.malloc_mmap_threshold={t.malloc_mmap_threshold} must be 0 (glibc's default) to 33554432 bytes")
     _require(t.lr > 0, f"trainer.lr={t.lr} must be > 0")
     _validate_eval_tasks(t)
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"trainer.beta1={t.beta1}, trainer.beta2={t.beta2} must be in [0, 1)")

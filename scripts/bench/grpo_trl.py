@@ -206,6 +206,7 @@ def launch(side: str, opts: argparse.Namespace, passed: list[str]) -> dict:
     cmd = ([sys.executable] if opts.nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={opts.nproc}"])
     env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", **os.environ,
+           **({"MALLOC_MMAP_THRESHOLD_": str(opts.mmap_threshold)} if opts.mmap_threshold else {}),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run(cmd + [__file__, "--child", side, *passed], capture_output=True, text=True, cwd=REPO, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
@@ -230,6 +231,9 @@ def main() -> None:
     parser.add_argument("--llmtrain", action="append", default=[], metavar="OVERRIDE", help="an extra llmtrain override")
     parser.add_argument("--ckpt", action="store_true",
                         help="a third side: llmtrain with trainer.activation_checkpointing=true")
+    parser.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
+                        help="every side's MALLOC_MMAP_THRESHOLD_ (glibc), the same allocator for both sides: llmtrain "
+                             "sets 65536 itself (trainer.malloc_mmap_threshold), TRL leaves glibc's dynamic default")
     parser.add_argument("--child", choices=["llmtrain", "llmtrain_ckpt", "trl"], help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child:
@@ -237,6 +241,7 @@ def main() -> None:
     passed = [f"--steps={opts.steps}", f"--prompts={opts.prompts}", f"--g={opts.g}", f"--tokens={opts.tokens}",
               f"--precision={opts.precision}", f"--nproc={opts.nproc}", *[f"--llmtrain={o}" for o in opts.llmtrain],
               *(["--trl-no-checkpointing"] if opts.trl_no_checkpointing else [])]  # not --rounds / --ckpt
+    print(f"MALLOC_MMAP_THRESHOLD_={opts.mmap_threshold or 'unset'}", flush=True)
     print(f"GRPO, SmolLM2-135M-Instruct (GGUF weights), LoRA r=16, "
           f"{opts.prompts} prompts x G={opts.g} x {opts.tokens} tokens, {opts.precision}, {opts.nproc} process(es), "
           f"{opts.steps} steps (from step 2 timed), {opts.rounds} alternating rounds; load {os.getloadavg()}", flush=True)
