@@ -232,8 +232,8 @@ def main() -> None:
     parser.add_argument("--ckpt", action="store_true",
                         help="a third side: llmtrain with trainer.activation_checkpointing=true")
     parser.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
-                        help="every side's MALLOC_MMAP_THRESHOLD_ (glibc), the same allocator for both sides: llmtrain "
-                             "sets 65536 itself (trainer.malloc_mmap_threshold), TRL leaves glibc's dynamic default")
+                        help="every side's MALLOC_MMAP_THRESHOLD_ (glibc), the same allocator for both sides (llmtrain's "
+                             "trainer.malloc_mmap_threshold, default 0, leaves the environment's setting alone)")
     parser.add_argument("--child", choices=["llmtrain", "llmtrain_ckpt", "trl"], help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child:
