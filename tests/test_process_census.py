@@ -140,7 +140,7 @@ def test_a_request_to_a_killed_server_is_one_line_naming_it_and_the_fix(tmp_path
     engine = _engine(tmp_path)
     os.kill(census.pid("server"), signal.SIGKILL)
     with pytest.raises(ChildDied) as err:
-        engine._complete((0, 0, [1, 2, 3], 7, 0))
+        engine._complete((0, 0, [1, 2, 3], 7, 0, []))  # (group, member, prompt ids, seed, server, images)
     message = str(err.value)
     assert "\n" not in message and "was killed by SIGKILL mid-run" in message and "Rerun the same command" in message
     engine.close()
