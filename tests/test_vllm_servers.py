@@ -286,6 +286,7 @@ def _real_engine(cfg, policy_model, step):
     tokenizer = build_tokenizer(cfg.model)
     engine = build_sampler(cfg, tokenizer, [256])
     policy = SimpleNamespace(full_state_dict=lambda: policy_model.state_dict(), env=SimpleNamespace(is_main=True),
+                             model=policy_model,  # the weights-only sync reads its frozen blocks
                              optimizer_step_count=lambda: step[0])
     engine.publish = lambda directory, part: write_policy(policy, cfg, tokenizer, directory, part, [256])
     prompts = [{"prompt_ids": list(tokenizer(f"What is {a}+{a}?")["input_ids"]), "record": a} for a in range(8)]
