@@ -83,6 +83,16 @@ def steps(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(run_dir) if "train/loss" in r}
 
 
+def assert_resumed(want: Path, got: Path) -> None:
+    """``got`` (resumed from ``want``'s step-4 checkpoint on another world size) trained steps 5
+    and 6 only, on ``want``'s samples, with its losses within 1e-5."""
+    want, got = steps(want), steps(got)
+    assert sorted(got) == [5, 6]
+    for step in (5, 6):
+        assert got[step]["data/sample_digest"] == want[step]["data/sample_digest"]
+        assert abs(got[step]["train/loss"] - want[step]["train/loss"]) < 1e-5, (step, got[step], want[step])
+
+
 def test_the_data_gives_ranks_without_images(data_file):
     """The training order the runs read (file order less the validation sample) is LAYOUT's:
     rank 1 holds no image in step 1, rank 0 two images beside rank 1's one in step 2, no rank an
@@ -102,15 +112,8 @@ def test_two_processes_equal_one_with_ranks_without_images(recipe, runs):
     """Losses per step within 1e-5 and the exported weights within 1e-5 of one process; the
     vision tower trained (its weights moved from their initial values)."""
     plain, ours = runs["plain"], runs[recipe]
-    want, got = steps(plain), steps(ours)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in got:
-        assert abs(got[step]["train/loss"] - want[step]["train/loss"]) < 1e-5, (step, got[step], want[step])
-        assert got[step]["data/sample_digest"] == want[step]["data/sample_digest"]
-    exported, base = load_file(str(ours / "hf" / "model.safetensors")), load_file(str(plain / "hf" / "model.safetensors"))
-    assert exported.keys() == base.keys()
-    for name in base:
-        torch.testing.assert_close(exported[name], base[name], rtol=0, atol=1e-5, msg=name)
+    assert_same_run(plain, ours, STEPS)
+    base = assert_same_weights(plain, ours)
     from llmtrain.models.build import build_model
 
     cfg = make_cfg(COMMON)
@@ -124,11 +127,7 @@ def test_two_processes_equal_one_with_ranks_without_images(recipe, runs):
 def test_a_two_rank_checkpoint_resumes_on_one_process(name, saved, runs):
     """Steps 5 and 6 on one process from the 2-rank step-4 checkpoint: the same samples and the
     2-rank run's losses within 1e-5."""
-    want, got = steps(runs[saved]), steps(runs[name])
-    assert sorted(got) == [5, 6]
-    for step in (5, 6):
-        assert got[step]["data/sample_digest"] == want[step]["data/sample_digest"]
-        assert abs(got[step]["train/loss"] - want[step]["train/loss"]) < 1e-5, (step, got[step], want[step])
+    assert_resumed(runs[saved], runs[name])
 
 
 @pytest.mark.slow
@@ -278,12 +277,12 @@ def assert_same_run(want: Path, got: Path, steps: int, keys: tuple[str, ...] = (
             assert abs(y[key] - x[key]) < 1e-5, (x["step"], key, y[key], x[key])
 
 
-def assert_same_weights(want: Path, got: Path) -> dict[str, torch.Tensor]:
-    """The exports' tensors are the same names, each within 1e-5; returns ``want``'s."""
+def assert_same_weights(want: Path, got: Path, atol: float = 1e-5) -> dict[str, torch.Tensor]:
+    """The exports' tensors are the same names, each within ``atol``; returns ``want``'s."""
     base, exported = (load_file(str(run / "hf" / "model.safetensors")) for run in (want, got))
     assert exported.keys() == base.keys()
     for name in base:
-        torch.testing.assert_close(exported[name], base[name], rtol=0, atol=1e-5, msg=name)
+        torch.testing.assert_close(exported[name], base[name], rtol=0, atol=atol, msg=name)
     return base
 
 
@@ -328,11 +327,7 @@ def test_gemma3_two_processes_equal_one_with_ranks_without_images(recipe, runs, 
 @pytest.mark.slow
 @pytest.mark.parametrize("saved", GEMMA3_RECIPES)
 def test_gemma3_two_rank_checkpoint_resumes_on_one_process(saved, runs):
-    want, got = steps(runs[f"gemma3_{saved}"]), steps(runs[f"gemma3_{saved}_2_to_1"])
-    assert sorted(got) == [5, 6]
-    for step in (5, 6):
-        assert got[step]["data/sample_digest"] == want[step]["data/sample_digest"]
-        assert abs(got[step]["train/loss"] - want[step]["train/loss"]) < 1e-5, (step, got[step], want[step])
+    assert_resumed(runs[f"gemma3_{saved}"], runs[f"gemma3_{saved}_2_to_1"])
 
 
 @pytest.mark.slow
@@ -421,15 +416,8 @@ def test_qwen2vl_two_processes_equal_one_with_ranks_without_images(recipe, qwen_
     gradient moves its weight more: measured 1.0e-5 for zero3 on one element, 8.7e-7 for fsdp);
     the tower and its merger trained."""
     plain, ours = qwen_runs["plain"], qwen_runs[recipe]
-    want, got = steps(plain), steps(ours)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step in got:
-        assert abs(got[step]["train/loss"] - want[step]["train/loss"]) < 1e-5, (step, got[step], want[step])
-        assert got[step]["data/sample_digest"] == want[step]["data/sample_digest"]
-    exported, base = load_file(str(ours / "hf" / "model.safetensors")), load_file(str(plain / "hf" / "model.safetensors"))
-    assert exported.keys() == base.keys()
-    for name in base:
-        torch.testing.assert_close(exported[name], base[name], rtol=0, atol=2e-5, msg=name)
+    assert_same_run(plain, ours, STEPS)
+    base = assert_same_weights(plain, ours, atol=2e-5)
     from llmtrain.models.build import build_model
 
     cfg = make_cfg(QWEN)
@@ -443,11 +431,7 @@ def test_qwen2vl_two_processes_equal_one_with_ranks_without_images(recipe, qwen_
 def test_qwen2vl_two_rank_fsdp_checkpoint_resumes_on_one_process(qwen_runs):
     """Steps 5 and 6 on one process from tiny_qwen2vl's 2-rank fsdp step-4 checkpoint: the same
     samples and the 2-rank run's losses within 1e-5."""
-    want, got = steps(qwen_runs["fsdp"]), steps(qwen_runs["fsdp_2_to_1"])
-    assert sorted(got) == [5, 6]
-    for step in (5, 6):
-        assert got[step]["data/sample_digest"] == want[step]["data/sample_digest"]
-        assert abs(got[step]["train/loss"] - want[step]["train/loss"]) < 1e-5, (step, got[step], want[step])
+    assert_resumed(qwen_runs["fsdp"], qwen_runs["fsdp_2_to_1"])
 
 
 @pytest.mark.slow
