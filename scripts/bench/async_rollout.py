@@ -14,23 +14,11 @@ Needs the vLLM environment (docs/online-rl.md, vLLM) and the model's weights (``
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import statistics
 import tempfile
 from pathlib import Path
 
 import benchlib
-
-
-def questions(path: Path) -> Path:
-    rng = random.Random(0)
-    lines = []
-    for _ in range(400):
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        lines.append(json.dumps({"question": f"What is {a} + {b}? Answer with the number.", "answer": f"#### {a + b}"}))
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def main() -> None:
@@ -40,7 +28,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2_135m")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        data = questions(Path(tmp) / "q.jsonl")
+        data = benchlib.sum_questions(Path(tmp) / "q.jsonl")
         common = [f"model={args.model}", "+peft=lora", "objective=grpo", "data=prompts", f"data.path={data}",
                   "data.columns.prompt=question", "data.seq_len=128", "reward.functions=[gsm8k]", "rollout.engine=vllm",
                   "rollout.max_completion_length=48", "objective.num_generations=4", "trainer.global_batch_size=4",

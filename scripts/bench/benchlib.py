@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import resource
 import subprocess
 import sys
@@ -27,6 +28,18 @@ if str(REPO) not in sys.path:
 DATA = Path(os.environ.get("LLMTRAIN_BENCH_DATA", REPO.parent / "shared" / "data"))
 
 T = TypeVar("T")
+
+
+def sum_questions(path: Path, count: int = 400) -> Path:
+    """Write ``count`` seeded two-digit sum questions to ``path`` as ``data=prompts`` JSON lines
+    (``question``, and an ``answer`` the gsm8k reward reads: ``#### N``); returns ``path``."""
+    rng = random.Random(0)
+    lines = []
+    for _ in range(count):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        lines.append(json.dumps({"question": f"What is {a} + {b}? Answer with the number.", "answer": f"#### {a + b}"}))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
 
 
 def children_cpu_s() -> float:

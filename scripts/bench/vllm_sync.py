@@ -16,23 +16,11 @@ get one core each.
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import statistics
 import tempfile
 from pathlib import Path
 
 import benchlib
-
-
-def questions(path: Path) -> Path:
-    rng = random.Random(0)
-    lines = []
-    for _ in range(400):
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        lines.append(json.dumps({"question": f"What is {a} + {b}? Answer with the number.", "answer": f"#### {a + b}"}))
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def main() -> None:
@@ -42,7 +30,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2_135m")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        data = questions(Path(tmp) / "q.jsonl")
+        data = benchlib.sum_questions(Path(tmp) / "q.jsonl")
         prompts, group = 8, 4
         common = [f"model={args.model}", "objective=grpo", "data=prompts", f"data.path={data}",
                   "data.columns.prompt=question", "data.seq_len=128", "reward.functions=[gsm8k]", "rollout.engine=vllm",
