@@ -92,6 +92,14 @@ def test_a_missing_environment_and_an_unreachable_server_are_refused_before_anyt
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
 
 
+def stand_in_policy(model, step: list[int]) -> SimpleNamespace:
+    """What the vLLM engine reads of the trainer's engine, for ``model`` at optimizer step
+    ``step[0]``: its full state dict, the main rank, the step count, and the model itself (the
+    weights-only sync looks for frozen blocks there)."""
+    return SimpleNamespace(full_state_dict=lambda: model.state_dict(), env=SimpleNamespace(is_main=True),
+                           optimizer_step_count=lambda: step[0], model=model)
+
+
 def _tiny_policy(seed: int = 0):
     from llmtrain.models.build import build_model
 
@@ -165,8 +173,7 @@ def test_vllm_samples_with_the_policys_weights_before_and_after_a_sync(questions
     model = _tiny_policy()
     engine = build_sampler(cfg, tokenizer, [256])
     step = [0]
-    policy = SimpleNamespace(full_state_dict=lambda: model.state_dict(), env=SimpleNamespace(is_main=True),
-                             optimizer_step_count=lambda: step[0], model=model)  # (model: the frozen blocks)
+    policy = stand_in_policy(model, step)
     engine.publish = lambda directory, part: write_policy(policy, cfg, tokenizer, directory, part, [256])
     prompts = [{"prompt_ids": list(tokenizer(f"What is {a}+{a}?")["input_ids"])} for a in (3, 17, 42)]
     largest = []

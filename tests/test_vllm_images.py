@@ -16,13 +16,12 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import assert_ok, make_cfg, run_cli, train_rows
-from test_grpo_vllm import PYTHON, needs_vllm
+from test_grpo_vllm import PYTHON, needs_vllm, stand_in_policy
 from test_vision_grpo import write_prompts
 
 # vLLM's CPU attention takes head sizes 32, 64, ... (CPUAttentionBackend.get_supported_head_sizes):
@@ -179,8 +178,7 @@ def test_vllm_samples_image_prompts_with_the_policys_weights_before_and_after_a_
     model = build_model(cfg.model, 0).eval()
     engine = build_sampler(cfg, tokenizer, [256])
     step = [0]
-    policy = SimpleNamespace(full_state_dict=lambda: model.state_dict(), env=SimpleNamespace(is_main=True),
-                             optimizer_step_count=lambda: step[0], model=model)  # (model: the frozen blocks)
+    policy = stand_in_policy(model, step)
     engine.publish = lambda directory, part: write_policy(policy, cfg, tokenizer, directory, part, [256])
     samples = [s for s in _samples(cfg, tokenizer)][:3]
     (image_id,) = engine.sampling.suppress

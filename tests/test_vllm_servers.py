@@ -28,17 +28,9 @@ import pytest
 
 import standin_vllm
 from conftest import FAST, REPO, cores_for, read_metrics, subprocess_env, train_rows
-from test_process_census import Census
+from test_process_census import Census, census  # noqa: F401  (census: a fixture, the stand-in servers' processes, killed after)
 
 FIXTURES = "tests.grpo_fixtures"
-
-
-@pytest.fixture
-def census(tmp_path, monkeypatch):
-    found = Census(tmp_path)
-    monkeypatch.setenv("STANDIN_PIDS", str(found.file))
-    yield found
-    found.kill_all()
 
 
 def _engine(tmp_path: Path, servers: int, *extra: str, python: Path | None = None):
@@ -273,21 +265,17 @@ def test_a_server_that_cannot_come_back_ends_the_run_in_one_line_and_the_rerun_c
 
 
 # ---- with vLLM ---------------------------------------------------------------------------------------
-from test_grpo_vllm import needs_vllm, overrides, questions  # noqa: E402,F401  (questions: a fixture)
+from test_grpo_vllm import needs_vllm, overrides, questions, stand_in_policy  # noqa: E402,F401  (questions: a fixture)
 
 
 def _real_engine(cfg, policy_model, step):
-    from types import SimpleNamespace
-
     from llmtrain.checkpoint.export import write_policy
     from llmtrain.models.build import build_tokenizer
     from llmtrain.rollout import build_sampler
 
     tokenizer = build_tokenizer(cfg.model)
     engine = build_sampler(cfg, tokenizer, [256])
-    policy = SimpleNamespace(full_state_dict=lambda: policy_model.state_dict(), env=SimpleNamespace(is_main=True),
-                             model=policy_model,  # the weights-only sync reads its frozen blocks
-                             optimizer_step_count=lambda: step[0])
+    policy = stand_in_policy(policy_model, step)
     engine.publish = lambda directory, part: write_policy(policy, cfg, tokenizer, directory, part, [256])
     prompts = [{"prompt_ids": list(tokenizer(f"What is {a}+{a}?")["input_ids"]), "record": a} for a in range(8)]
     return engine, policy, prompts
