@@ -49,6 +49,10 @@ FAST = ["tracker=none", "tracker.report=false", "trainer.progress_bar=false", "d
 #   machine alone: rank 0 stalls on entering the next step (``test_resume.stalled_after``), so
 #   the kill lands there however busy the cores are. In-process tests (the TRL comparisons) and
 #   ``mp.spawn`` workers (``with cores_for(2)``) are never alone.
+# - a one-rank run beside a vLLM server (marked ``server``) holds what a 2-rank launch does: the
+#   trainer and the server mostly take turns (the server samples while the trainer waits, then the
+#   trainer trains), so a one-process test fits beside them; they held the machine alone until
+#   the suite's 13 min of real-vLLM tests left the second core idle most of that time.
 # Without xdist there is one worker and no lock. Levels only rise within a nested hold.
 # ``alone`` is scheduling only; ``slow`` is the tier (``-m "not slow"``: the fast tier, in-process
 # tests and one-process runs) and takes no lock of its own, so the full suite schedules as before.
@@ -190,7 +194,9 @@ def _module_cores(request):
 
 @pytest.fixture(autouse=True)
 def _test_cores(request):
-    with _holding(_EXCLUSIVE if request.node.get_closest_marker("alone") else _SHARED):
+    node = request.node
+    with _holding(_EXCLUSIVE if node.get_closest_marker("alone") else
+                  _LAUNCH if node.get_closest_marker("server") else _SHARED):
         yield
 
 

@@ -8,8 +8,10 @@ real server, checked against the policy itself (transformers): its greedy comple
 ``hf`` engine's, the log-probs it reports for sampled tokens equal the policy's recomputed ones
 (fp32, 1e-3) before and after weights change and are synced; and training runs (LoRA on 2 ranks,
 full fine-tuning on 1) whose every step reports ``rollout/logp_diff_max`` within 1e-3, and whose
-server is gone at the end and after SIGTERM; and SIGKILL of the API server or of the trainer mid-run
-leaves no process of the server's session (its engine core and workers) and no ``/dev/shm`` file.
+server is gone at the end and after SIGTERM; a server SIGKILLed mid-run is restarted and the run
+keeps the undisturbed full fine-tuning run's losses (that run is shared: a module fixture); and
+SIGKILL of the API server or of the trainer mid-run leaves no process of the server's session (its
+engine core and workers) and no ``/dev/shm`` file.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +30,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import FAST, assert_ok, live_processes_in, run_cli, train_rows
+from conftest import FAST, assert_ok, cores_for, live_processes_in, read_metrics, run_cli, train_rows
 from llmtrain.common.errors import ConfigError
 from llmtrain.config.compose import compose
 from llmtrain.rollout.vllm_server import vllm_python
@@ -48,13 +51,17 @@ def questions(tmp_path_factory) -> Path:
 
 
 def overrides(questions: Path, *extra: str) -> list[str]:
+    """The tests' vLLM GRPO job on ``questions``, then ``extra``. The server runs eager
+    (``--enforce-eager``): vLLM's start-up compilation of a full fine-tune's model took 20-80 s
+    of each server start on 2 cores, where a tiny model's few tokens gain nothing from it."""
+    eager = [] if any(e.startswith("rollout.vllm_args=") for e in extra) else ["rollout.vllm_args=[--enforce-eager]"]
     return [o for o in FAST if not o.startswith(("data.max_bytes", "data.seq_len", "trainer.eval"))] + [
         "objective=grpo", "data=prompts", f"data.path={questions}", "data.columns.prompt=question", "data.seq_len=64",
         f"reward.functions=[{FIXTURES}:odd_tokens,{FIXTURES}:answer_seen]", "rollout.engine=vllm",
         "rollout.max_completion_length=10", "objective.num_generations=4", "trainer.max_steps=5",
         "data.val_fraction=0.1", "trainer.eval_samples=4", "trainer.eval_every=0", "trainer.global_batch_size=4",
         "trainer.micro_batch_size=2", "trainer.lr=3e-3", "trainer.warmup_steps=1", "trainer.precision=fp32",
-        "trainer.export_hf=false", *extra]
+        "trainer.export_hf=false", *eager, *extra]
 
 
 # ---- everywhere --------------------------------------------------------------------------------
@@ -208,21 +215,80 @@ def test_vllm_samples_with_the_policys_weights_before_and_after_a_sync(questions
     assert process.poll() is not None and not (tmp_path / "run" / "rollout-weights").exists()
 
 
+def _trained_with_weights_in_sync(run_dir: Path, name: str) -> list[dict]:
+    """The 5 train rows of a finished vLLM run, checked: every step's ``rollout/logp_diff_max``
+    within 1e-3 (fp32), the reward scored, the server gone and its log kept in the run folder."""
+    rows = train_rows(run_dir, 5)
+    diffs = [r["rollout/logp_diff_max"] for r in rows]
+    print(name, "rollout/logp_diff_max per step:", [f"{d:.1e}" for d in diffs])
+    assert len(diffs) == 5 and max(diffs) <= 1e-3, diffs
+    assert rows[-1]["train/reward"] == rows[-1]["train/reward"]  # scored
+    assert not _servers_of(run_dir), "the vLLM server outlived its run"
+    assert (run_dir / "vllm_server.log").stat().st_size > 0  # the server's log stays in the run folder
+    return rows
+
+
+@pytest.fixture(scope="module")
+def full_fine_tuning(questions, tmp_path_factory) -> Path:
+    """One undisturbed full fine-tuning run (fp32, 1 rank) on vLLM: checked by itself, and the
+    losses a run whose server is killed must keep."""
+    run_dir = tmp_path_factory.mktemp("vllm-full") / "calm"
+    with cores_for(2):  # the trainer and its server (conftest: the ``server`` marker)
+        assert_ok(run_cli(overrides(questions, f"run_dir={run_dir}"), timeout=900))
+    return run_dir
+
+
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.alone
-def test_lora_on_two_ranks_and_full_fine_tuning_train_with_weights_in_sync(questions, tmp_path):
-    runs = {"lora": (2, ["+peft=lora", "peft.r=4", "+recipe=ddp"]), "full": (1, [])}
-    for name, (nproc, extra) in runs.items():
-        run_dir = tmp_path / name
-        assert_ok(run_cli(overrides(questions, f"run_dir={run_dir}", *extra), nproc=nproc, timeout=900))
-        rows = train_rows(run_dir, 5)
-        diffs = [r["rollout/logp_diff_max"] for r in rows]
-        print(name, "rollout/logp_diff_max per step:", [f"{d:.1e}" for d in diffs])
-        assert len(diffs) == 5 and max(diffs) <= 1e-3, diffs
-        assert rows[-1]["train/reward"] == rows[-1]["train/reward"]  # scored
-        assert not _servers_of(run_dir), "the vLLM server outlived its run"
-        assert (run_dir / "vllm_server.log").stat().st_size > 0  # the server's log stays in the run folder
+@pytest.mark.server
+def test_full_fine_tuning_trains_with_weights_in_sync(full_fine_tuning):
+    _trained_with_weights_in_sync(full_fine_tuning, "full")
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.server
+def test_lora_on_two_ranks_trains_with_weights_in_sync(questions, tmp_path):
+    run_dir = tmp_path / "lora"
+    assert_ok(run_cli(overrides(questions, f"run_dir={run_dir}", "+peft=lora", "peft.r=4", "+recipe=ddp"), nproc=2,
+                      timeout=900))
+    _trained_with_weights_in_sync(run_dir, "lora")
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.server
+def test_a_vllm_server_killed_mid_run_is_restarted_and_the_run_keeps_its_losses(questions, full_fine_tuning, tmp_path):
+    """Full fine-tuning, fp32: SIGKILL to the server once step 2 is logged; it is restarted with
+    the weights of the step the trainer had reached (2, or later when the trainer ran on before the
+    kill landed), and the run's losses equal the undisturbed run's."""
+    from conftest import subprocess_env
+
+    run_dir = tmp_path / "killed"
+    log = tmp_path / "out.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "llmtrain", *overrides(questions, f"run_dir={run_dir}")],
+                                env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 800
+        while not ((run_dir / "metrics.jsonl").exists() and
+                   [r for r in read_metrics(run_dir) if r.get("step", 0) >= 2 and "train/loss" in r]):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.2)
+        records = json.loads((run_dir / ".children.json").read_text())
+        os.kill(next(r["pid"] for r in records if r["kind"] == "vLLM server"), signal.SIGKILL)
+        assert proc.wait(timeout=800) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = log.read_text()
+    restart = re.search(r"restarting it on port \d+ with the weights of step (\d+)", out)
+    assert restart and 2 <= int(restart.group(1)) <= 4, out[-4000:]
+    calm, killed = train_rows(full_fine_tuning, 5), _trained_with_weights_in_sync(run_dir, "killed")
+    print("losses", [r["train/loss"] for r in calm], [r["train/loss"] for r in killed])
+    assert [r["train/loss"] for r in killed] == pytest.approx([r["train/loss"] for r in calm], abs=1e-6)
+    assert killed[-1]["rollout/vllm_restarts"] == 1.0 and calm[-1]["rollout/vllm_restarts"] == 0.0
 
 
 @needs_vllm
@@ -260,7 +326,7 @@ def _servers_of(run_dir: Path) -> list[int]:
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.alone
+@pytest.mark.server
 @pytest.mark.parametrize("ending", ["sigterm", "reward error"])
 def test_the_server_stops_with_the_run_on_sigterm_and_on_errors(questions, tmp_path, ending):
     from conftest import subprocess_env
@@ -295,7 +361,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.alone
+@pytest.mark.server
 @pytest.mark.parametrize("killed", ["api server", "trainer"])
 def test_no_vllm_process_outlives_a_run_whose_server_or_trainer_was_killed(questions, tmp_path, killed):
     """Issue 61: SIGKILL of the API server mid-run (the OOM killer) left its ``VLLM::EngineCore``

@@ -50,7 +50,7 @@ def image_cfg(path: Path, run_dir: Path, model: str = "tiny_idefics3", *extra: s
                      "rollout.engine=vllm", "rollout.max_completion_length=6", "objective.num_generations=2",
                      "trainer.global_batch_size=2", "trainer.micro_batch_size=1", "trainer.eval_every=0",
                      "tracker=none", "trainer.progress_bar=false", "trainer.export_hf=false", "trainer.precision=fp32",
-                     "data.seq_len=128", f"run_dir={run_dir}", *extra])
+                     "data.seq_len=128", "rollout.vllm_args=[--enforce-eager]", f"run_dir={run_dir}", *extra])
 
 
 def _samples(cfg, tokenizer) -> list[dict]:
@@ -216,7 +216,7 @@ def test_vllm_samples_image_prompts_with_the_policys_weights_before_and_after_a_
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.alone
+@pytest.mark.server
 def test_grpo_on_the_digits_images_trains_on_vllm(tmp_path, shared_data):
     """3 steps of GRPO on the digits' images, sampled by vLLM: every step logged, rewarded, and
     vLLM's log-probs of the sampled tokens within 1e-2 of the policy's (their difference is the
@@ -230,7 +230,7 @@ def test_grpo_on_the_digits_images_trains_on_vllm(tmp_path, shared_data):
             "rollout.max_completion_length=2", "objective.num_generations=4", "trainer.global_batch_size=4",
             "trainer.micro_batch_size=4", "trainer.max_steps=3", "trainer.lr=1e-3", "trainer.eval_every=0",
             "trainer.precision=fp32", "trainer.export_hf=false", "tracker=none", "trainer.progress_bar=false",
-            "data.seq_len=128", f"run_dir={run_dir}"]
+            "data.seq_len=128", "rollout.vllm_args=[--enforce-eager]", f"run_dir={run_dir}"]
     assert_ok(run_cli(args, timeout=900))
     rows = train_rows(run_dir, 3)
     diffs = [r["rollout/logp_diff_max"] for r in rows]
