@@ -275,8 +275,10 @@ def test_a_vllm_server_killed_mid_run_is_restarted_and_the_run_keeps_its_losses(
                    [r for r in read_metrics(run_dir) if r.get("step", 0) >= 2 and "train/loss" in r]):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGSTOP)  # the trainer waits while its server is killed: no step passes meanwhile
         records = json.loads((run_dir / ".children.json").read_text())
         os.kill(next(r["pid"] for r in records if r["kind"] == "vLLM server"), signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGCONT)
         assert proc.wait(timeout=800) == 0, log.read_text()[-4000:]
     finally:
         if proc.poll() is None:
