@@ -55,6 +55,20 @@ def cross_entropy_by_hand(logits: torch.Tensor, labels: torch.Tensor) -> tuple[t
     return -(picked * mask).sum() / mask.sum(), mask
 
 
+def assert_three_losses_agree(model, batch: dict, logits: torch.Tensor) -> torch.Tensor:
+    """Our objective's loss on the model's ``logits`` for ``batch``, the model's own cross-entropy
+    with labels and :func:`cross_entropy_by_hand` agree within 1e-5; returns the target mask."""
+    from llmtrain.engine.base import model_inputs
+    from llmtrain.objectives import CausalLM
+
+    objective = CausalLM()
+    ours = objective.loss_sums(logits, batch).loss / objective.normaliser(batch)
+    theirs = model(**model_inputs(batch), labels=batch["labels"]).loss
+    by_hand, mask = cross_entropy_by_hand(logits, batch["labels"])
+    assert torch.allclose(ours, theirs, atol=1e-5) and torch.allclose(ours.double(), by_hand, atol=1e-5)
+    return mask
+
+
 def loaded(model: str, path: Path, *extra: str):
     """(config, tokenizer, splits) of ``model`` on the vision chat data at ``path``."""
     from llmtrain import data
@@ -91,7 +105,6 @@ def test_loss_equals_the_models_own_on_the_same_batch_and_the_images_reach_the_f
     from llmtrain import data
     from llmtrain.engine.base import model_inputs
     from llmtrain.models.build import build_model
-    from llmtrain.objectives import CausalLM
 
     cfg, tokenizer, splits = loaded("tiny_idefics3", write_dataset(tmp_path))
     batch = data.collator_for(cfg.data, tokenizer)([splits.train[0], splits.train[1]])
@@ -99,13 +112,9 @@ def test_loss_equals_the_models_own_on_the_same_batch_and_the_images_reach_the_f
     model = build_model(cfg.model, seed=0).eval()
     with torch.no_grad():
         logits = model(**model_inputs(batch)).logits
-        objective = CausalLM()
-        ours = objective.loss_sums(logits, batch).loss / objective.normaliser(batch)
-        theirs = model(**model_inputs(batch), labels=batch["labels"]).loss
-        by_hand, mask = cross_entropy_by_hand(logits, batch["labels"])
+        mask = assert_three_losses_agree(model, batch, logits)
         # Other pixels (not zeros: Idefics3 drops all-zero images as padding).
         blank = model(**model_inputs({**batch, "pixel_values": batch["pixel_values"] + 0.5})).logits
-    assert torch.allclose(ours, theirs, atol=1e-5) and torch.allclose(ours.double(), by_hand, atol=1e-5)
     # The answers' bytes (the byte tokenizer: one token each) and their <|im_end|>s.
     assert int(mask.sum()) == sum(len(Path(splits.train[i]["images"][0]).stem) + 1 for i in (0, 1))
     first_image = int((batch["input_ids"][0] == 261).nonzero()[0])
@@ -122,7 +131,6 @@ def test_gemma3_loss_equals_the_models_own_and_image_tokens_attend_both_ways(tmp
     from llmtrain.common.images import image_token_id, processor_of
     from llmtrain.engine.base import model_inputs
     from llmtrain.models.build import build_model
-    from llmtrain.objectives import CausalLM
 
     cfg, tokenizer, splits = loaded("tiny_gemma3", write_dataset(tmp_path))
     batch = data.collator_for(cfg.data, tokenizer)([splits.train[0], splits.train[1]])
@@ -131,13 +139,9 @@ def test_gemma3_loss_equals_the_models_own_and_image_tokens_attend_both_ways(tmp
     image = batch["input_ids"] == image_token_id(processor_of(tokenizer))
     with torch.no_grad():
         logits = model(**model_inputs(batch)).logits
-        objective = CausalLM()
-        ours = objective.loss_sums(logits, batch).loss / objective.normaliser(batch)
-        theirs = model(**model_inputs(batch), labels=batch["labels"]).loss
-        by_hand, mask = cross_entropy_by_hand(logits, batch["labels"])
+        mask = assert_three_losses_agree(model, batch, logits)
         explicit = model(**model_inputs(batch), token_type_ids=image.long()).logits  # what the processor gives
         causal = model(**model_inputs(batch), token_type_ids=torch.zeros_like(batch["input_ids"])).logits
-    assert torch.allclose(ours, theirs, atol=1e-5) and torch.allclose(ours.double(), by_hand, atol=1e-5)
     assert int(mask.sum()) == sum(len(Path(splits.train[i]["images"][0]).stem) + 1 for i in (0, 1))
     assert int(image.sum()) == 2 * IMAGE_TOKENS["tiny_gemma3"]
     assert torch.equal(logits, explicit)
@@ -161,7 +165,6 @@ def test_qwen2vl_loss_equals_the_models_own_and_image_tokens_get_their_mrope_pos
     from llmtrain.common.images import processor_of
     from llmtrain.engine.base import model_inputs
     from llmtrain.models.build import build_model
-    from llmtrain.objectives import CausalLM
 
     cfg, tokenizer, splits = loaded(preset, write_dataset(tmp_path))
     samples = [splits.train[0], splits.train[1]]
@@ -176,14 +179,10 @@ def test_qwen2vl_loss_equals_the_models_own_and_image_tokens_get_their_mrope_pos
     assert by_processor["mm_token_type_ids"][0] == [int(t == processor.image_token_id) for t in by_processor["input_ids"][0]]
     with torch.no_grad():
         logits = model(**model_inputs(batch)).logits
-        objective = CausalLM()
-        ours = objective.loss_sums(logits, batch).loss / objective.normaliser(batch)
-        theirs = model(**model_inputs(batch), labels=batch["labels"]).loss
-        by_hand, mask = cross_entropy_by_hand(logits, batch["labels"])
+        mask = assert_three_losses_agree(model, batch, logits)
         explicit = model(**model_inputs(batch), mm_token_type_ids=image.long()).logits
         flat = torch.arange(batch["input_ids"].shape[1]).expand(3, 2, -1)  # text positions on every axis
         plain = model(**model_inputs(batch), position_ids=flat).logits
-    assert torch.allclose(ours, theirs, atol=1e-5) and torch.allclose(ours.double(), by_hand, atol=1e-5)
     assert int(mask.sum()) == sum(len(Path(s["images"][0]).stem) + 1 for s in samples)
     assert int(image.sum()) == 2 * IMAGE_TOKENS[preset]
     assert torch.equal(logits, explicit)
