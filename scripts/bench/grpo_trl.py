@@ -17,13 +17,15 @@ Each side runs in its default configuration otherwise: TRL's ``GRPOConfig`` turn
 checkpointing on by default (``--trl-no-checkpointing`` turns it off); llmtrain's
 ``trainer.activation_checkpointing`` is off by default (``--llmtrain=...`` adds overrides).
 
-Each (side, round) is a fresh process (``torchrun`` with ``--nproc 2``); the order flips every
-round. Measured on rank 0 over steps 2..N (step 1 warms up): CPU time (``time.process_time``)
-and wall clock per optimizer step (from one step's start to the next's; the last step to its
-end), sampling tokens/s (the completion tokens each side's generation call returned over its
-wall and CPU seconds: llmtrain's ``Rollout._sample_step``, TRL's ``_generate_single_turn``),
-peak RSS over the training steps (``VmHWM`` reset at step 1's start) and of the whole process
-(``ru_maxrss``, model loading included).
+Each (side, round) is a fresh process (``torchrun`` with ``--nproc 2``, gloo); the order flips
+every round. On N processes each rank runs the 1-process job (``--prompts`` prompts a step; the
+same prompts on both sides, rank by rank: each rank's prompt token ids per generation call are
+compared and the result printed). Measured on rank 0 over steps 2..N (step 1 warms up): CPU time
+(``time.process_time``) and wall clock per optimizer step (from one step's start to the next's;
+the last step to its end), sampling tokens/s (the completion tokens each side's generation call
+returned over its wall and CPU seconds: llmtrain's ``Rollout._sample_step``, TRL's
+``_generate_single_turn``), peak RSS over the training steps (``VmHWM`` reset at step 1's start)
+and of the whole process (``ru_maxrss``, model loading included).
 
     python scripts/bench/grpo_trl.py --rounds 3 --steps 3
     python scripts/bench/grpo_trl.py --rounds 3 --steps 3 --precision bf16
@@ -57,7 +59,8 @@ def llmtrain_overrides(opts: argparse.Namespace, run_dir: str) -> list[str]:
             f"objective.num_generations={opts.g}", "objective.loss_type=dapo", "objective.beta=0.0", "data=prompts",
             f"data.path={GSM8K}", "data.columns.prompt=question", "data.shuffle=false", "data.val_fraction=0.01",
             "reward.functions=[gsm8k]", f"rollout.max_completion_length={opts.tokens}", "rollout.temperature=1.0",
-            f"trainer.global_batch_size={opts.prompts * opts.nproc}", "trainer.micro_batch_size=1", f"trainer.max_steps={opts.steps}",
+            f"trainer.global_batch_size={opts.prompts * opts.nproc}", "trainer.micro_batch_size=1",
+            f"trainer.max_steps={opts.steps}",
             f"trainer.precision={opts.precision}", "trainer.lr=2e-4", "trainer.warmup_steps=0",
             "trainer.eval_every=0", "trainer.eval_samples=1", "tracker=none", "trainer.progress_bar=false",
             "trainer.export_hf=false", f"run_dir={run_dir}", *opts.llmtrain]
