@@ -17,13 +17,15 @@ Each side runs in its default configuration otherwise: TRL's ``GRPOConfig`` turn
 checkpointing on by default (``--trl-no-checkpointing`` turns it off); llmtrain's
 ``trainer.activation_checkpointing`` is off by default (``--llmtrain=...`` adds overrides).
 
-Each (side, round) is a fresh process (``torchrun`` with ``--nproc 2``); the order flips every
-round. Measured on rank 0 over steps 2..N (step 1 warms up): CPU time (``time.process_time``)
-and wall clock per optimizer step (from one step's start to the next's; the last step to its
-end), sampling tokens/s (the completion tokens each side's generation call returned over its
-wall and CPU seconds: llmtrain's ``Rollout._sample_step``, TRL's ``_generate_single_turn``),
-peak RSS over the training steps (``VmHWM`` reset at step 1's start) and of the whole process
-(``ru_maxrss``, model loading included).
+Each (side, round) is a fresh process (``torchrun`` with ``--nproc 2``, gloo); the order flips
+every round. On N processes each rank runs the 1-process job (``--prompts`` prompts a step; the
+same prompts on both sides, rank by rank: each rank's prompt token ids per generation call are
+compared and the result printed). Measured on rank 0 over steps 2..N (step 1 warms up): CPU time
+(``time.process_time``) and wall clock per optimizer step (from one step's start to the next's;
+the last step to its end), sampling tokens/s (the completion tokens each side's generation call
+returned over its wall and CPU seconds: llmtrain's ``Rollout._sample_step``, TRL's
+``_generate_single_turn``), peak RSS over the training steps (``VmHWM`` reset at step 1's start)
+and of the whole process (``ru_maxrss``, model loading included).
 
     python scripts/bench/grpo_trl.py --rounds 3 --steps 3
     python scripts/bench/grpo_trl.py --rounds 3 --steps 3 --precision bf16
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import os
 import statistics
@@ -49,12 +52,15 @@ GSM8K = DATA / "gsm8k_train.jsonl.gz"
 
 
 def llmtrain_overrides(opts: argparse.Namespace, run_dir: str) -> list[str]:
-    """The job as llmtrain overrides."""
+    """The job as llmtrain overrides: ``--prompts`` a process, as TRL's per-device batch is, so the
+    global batch is ``prompts x nproc`` and each rank takes a contiguous ``prompts`` of it
+    (``data.order.StepBatchSampler``), as TRL's ``RepeatSampler`` under accelerate's shards does."""
     return ["model=smollm2_135m", "+peft=lora", "peft.r=16", "peft.alpha=32", "objective=grpo",
             f"objective.num_generations={opts.g}", "objective.loss_type=dapo", "objective.beta=0.0", "data=prompts",
             f"data.path={GSM8K}", "data.columns.prompt=question", "data.shuffle=false", "data.val_fraction=0.01",
             "reward.functions=[gsm8k]", f"rollout.max_completion_length={opts.tokens}", "rollout.temperature=1.0",
-            f"trainer.global_batch_size={opts.prompts}", "trainer.micro_batch_size=1", f"trainer.max_steps={opts.steps}",
+            f"trainer.global_batch_size={opts.prompts * opts.nproc}", "trainer.micro_batch_size=1",
+            f"trainer.max_steps={opts.steps}",
             f"trainer.precision={opts.precision}", "trainer.lr=2e-4", "trainer.warmup_steps=0",
             "trainer.eval_every=0", "trainer.eval_samples=1", "tracker=none", "trainer.progress_bar=false",
             "trainer.export_hf=false", f"run_dir={run_dir}", *opts.llmtrain]
@@ -74,6 +80,7 @@ class Meter:
         self.starts: list[tuple[float, float]] = []
         self.end: tuple[float, float] | None = None
         self.samples: list[tuple[int, float, float]] = []
+        self.prompts: list[list[str]] = []
         self.load_peak = 0
 
     def step_start(self) -> None:
@@ -86,10 +93,14 @@ class Meter:
     def step_end(self) -> None:
         self.end = (time.perf_counter(), time.process_time())
 
-    def timed_generation(self, fn, count):
-        """``fn`` wrapped: each call's completion tokens (``count(result)``), wall and CPU seconds."""
+    def timed_generation(self, fn, count, prompts):
+        """``fn`` wrapped: each call's completion tokens (``count(result)``), wall and CPU seconds,
+        and a digest of each distinct prompt's token ids (``prompts(args)``, in order), which the
+        parent compares between the sides rank by rank."""
 
         def wrapper(*a, **k):
+            ids = [hashlib.sha1(json.dumps(list(map(int, p))).encode()).hexdigest()[:12] for p in prompts(a)]
+            self.prompts.append([d for i, d in enumerate(ids) if i == 0 or d != ids[i - 1]])  # TRL repeats G times
             wall, cpu = time.perf_counter(), time.process_time()
             out = fn(*a, **k)
             self.samples.append((count(out), time.perf_counter() - wall, time.process_time() - cpu))
@@ -133,7 +144,8 @@ def run_llmtrain(opts: argparse.Namespace, run_dir: str, meter: Meter) -> None:
 
     trainer.forward_backward = timed
     Rollout._sample_step = meter.timed_generation(sampling_step,
-                                                  lambda groups: sum(len(c.ids) for g in groups for c in g))
+                                                  lambda groups: sum(len(c.ids) for g in groups for c in g),
+                                                  lambda a: [s["prompt_ids"] for s in a[1]])  # (self, samples, ...)
     trainer.train(compose(llmtrain_overrides(opts, run_dir)))
 
 
@@ -181,7 +193,8 @@ def run_trl(opts: argparse.Namespace, run_dir: str, meter: Meter) -> None:
             meter.step_end()
 
     GRPOTrainer._generate_single_turn = meter.timed_generation(GRPOTrainer._generate_single_turn,
-                                                               lambda out: sum(len(c) for c in out[0]))
+                                                               lambda out: sum(len(c) for c in out[0]),
+                                                               lambda a: a[1])  # (self, prompt_ids, ...)
     peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     GRPOTrainer(model=model, reward_funcs=[gsm8k_reward], args=args, train_dataset=datasets.Dataset.from_list(rows),
                 processing_class=tokenizer, peft_config=peft, callbacks=[Clock()]).train()
@@ -194,15 +207,19 @@ def child(side: str, opts: argparse.Namespace) -> None:
     if side == "llmtrain_ckpt":  # llmtrain with activation checkpointing, as TRL's default
         opts.llmtrain = [*opts.llmtrain, "trainer.activation_checkpointing=true"]
 
+    opts.nproc = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     meter = Meter()
     with tempfile.TemporaryDirectory() as run_dir:
         (run_trl if side == "trl" else run_llmtrain)(opts, run_dir, meter)
-    if int(os.environ.get("RANK", "0")) == 0:
+    rank = int(os.environ.get("RANK", "0"))
+    print(f"PROMPTS {rank} " + json.dumps(meter.prompts), flush=True)
+    if rank == 0:
         print("RESULT " + json.dumps(meter.result()), flush=True)
 
 
-def launch(side: str, opts: argparse.Namespace, passed: list[str]) -> dict:
+def launch(side: str, opts: argparse.Namespace, passed: list[str]) -> tuple[dict, dict]:
+    """One (side, round) run: rank 0's figures and every rank's prompt digests per generation call."""
     cmd = ([sys.executable] if opts.nproc == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={opts.nproc}"])
     env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", **os.environ,
@@ -212,7 +229,12 @@ def launch(side: str, opts: argparse.Namespace, passed: list[str]) -> dict:
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         raise SystemExit(f"{side} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    prompts = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("PROMPTS "):
+            rank, digests = line[len("PROMPTS "):].split(" ", 1)
+            prompts[int(rank)] = json.loads(digests)
+    return json.loads(lines[-1][len("RESULT "):]), prompts
 
 
 KEYS = ("step_cpu", "step_wall", "sample_tok_s", "sample_tok_cpu_s", "train_peak_gib", "process_peak_gib")
@@ -239,19 +261,27 @@ def main() -> None:
     if opts.child:
         return child(opts.child, opts)
     passed = [f"--steps={opts.steps}", f"--prompts={opts.prompts}", f"--g={opts.g}", f"--tokens={opts.tokens}",
-              f"--precision={opts.precision}", f"--nproc={opts.nproc}", *[f"--llmtrain={o}" for o in opts.llmtrain],
-              *(["--trl-no-checkpointing"] if opts.trl_no_checkpointing else [])]  # not --rounds / --ckpt
+              f"--precision={opts.precision}", *[f"--llmtrain={o}" for o in opts.llmtrain],
+              *(["--trl-no-checkpointing"] if opts.trl_no_checkpointing else [])]
+    # not --rounds / --ckpt; nor --nproc, which torchrun's parser would take for its own --nproc-per-node
+    # (argparse matches abbreviations anywhere on the line): a child reads WORLD_SIZE
     print(f"MALLOC_MMAP_THRESHOLD_={opts.mmap_threshold or 'unset'}", flush=True)
     print(f"GRPO, SmolLM2-135M-Instruct (GGUF weights), LoRA r=16, "
           f"{opts.prompts} prompts x G={opts.g} x {opts.tokens} tokens, {opts.precision}, {opts.nproc} process(es), "
           f"{opts.steps} steps (from step 2 timed), {opts.rounds} alternating rounds; load {os.getloadavg()}", flush=True)
     sides = ("llmtrain", "trl", *(["llmtrain_ckpt"] if opts.ckpt else []))
     got: dict[str, list[dict]] = {side: [] for side in sides}
+    prompts: dict[str, dict] = {}
     for r in range(opts.rounds):
         for side in benchlib.alternating(sides, r):
-            got[side].append(launch(side, opts, passed))
+            result, prompts[side] = launch(side, opts, passed)
+            got[side].append(result)
             print(f"round {r} {side:13s} " + " ".join(f"{k} {got[side][-1][k]:.2f}" for k in KEYS)
                   + f" tokens/call {got[side][-1]['sample_tokens']:.0f}; load {os.getloadavg()[0]:.1f}", flush=True)
+    same = all(prompts[s] == prompts["trl"] for s in sides)
+    print(f"prompts per rank and step the same on every side: {same}")
+    for rank in sorted(prompts["trl"]):
+        print(f"  rank {rank}: " + "; ".join(f"{s} {prompts[s].get(rank)}" for s in sides), flush=True)
     med = {s: {k: statistics.median(x[k] for x in v) for k in KEYS} for s, v in got.items()}
     print(f"\n{'':22s}" + "".join(f"{k:>18s}" for k in KEYS))
     for side in got:
