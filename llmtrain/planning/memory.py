@@ -26,8 +26,9 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   (:func:`optimizer_state_per_param`).
 - Activations: bytes saved for backward per decoder layer (measured under FakeTensorMode on a
   layer with the tensor-parallel rank's share of heads and MLP width), times the stage's layers,
-  plus the embedding and the loss (logits); with activation checkpointing, each layer keeps
-  its input and one layer is recomputed at a time. A pipeline's first stage holds ``pp``
+  plus the embedding and the loss (logits); under LoRA the layers carry the run's adapters and a
+  frozen base (``peft``'s own modules, measured the same way); with activation checkpointing,
+  each layer keeps its input and one layer is recomputed at a time. A pipeline's first stage holds ``pp``
   micro-batches in flight under 1F1B and all of them under GPipe (Narayanan et al. SC'21,
   section 2.2).
 - Image-text models (:mod:`llmtrain.planning.vision`): the vision tower's and projector's
@@ -274,7 +275,7 @@ def _setting(cfg: Any, world_size: int, hf_config: Any, dims: Any, shape: ModelS
     acts = measure_activations(hf_config, rows, local_seq, t.precision, dims.tp,
                                bf16_weights=bf16 and ((r.engine == "deepspeed" and r.zero_stage >= 1) or fsdp
                                                       or replicated_bf16),
-                               loss_chunk_tokens=chunk)
+                               loss_chunk_tokens=chunk, adapters=cfg.get("peft"))
     if r.get("tp_sequence_parallel") and dims.tp > 1:  # norms run on 1/tp of the sequence
         acts = replace(acts, per_layer=acts.per_layer - acts.norms_per_layer + acts.norms_per_layer // dims.tp,
                        layer_input=acts.layer_input // dims.tp)
