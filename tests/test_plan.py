@@ -489,6 +489,19 @@ def test_bf16_ddp_plans_its_weight_casts_and_a_bf16_reference_unless_it_keeps_au
     for autocast in (["recipe.compile=true"], ["recipe.fp8=true", "recipe.fp8_emulate=true"]):
         kept = plan_recipe(make_cfg(pairs + ["trainer.precision=bf16"] + autocast), 2)
         assert casts not in kept.temporaries and kept.buffers["frozen reference model"] == 4 * n, autocast
+    # LoRA: the frozen base is stored as its bf16 cast (2 bytes, not cast again); the fp32 adapters
+    # are cast each micro-batch. FSDP2 keeps its sharded fp32 base.
+    from llmtrain.planning.memory import adapter_elements
+    from llmtrain.planning.shapes import model_shape
+    from llmtrain.models.build import language_config
+
+    lora_cfg = make_cfg(pairs + ["trainer.precision=bf16", "+peft=lora"])
+    lora_n = adapter_elements(model_shape(language_config(lora_cfg.model)), lora_cfg.peft)[0]
+    lora = {p: plan_recipe(make_cfg(pairs + [f"trainer.precision={p}", "+peft=lora"]), 2) for p in ("bf16", "fp32")}
+    assert lora["fp32"].params == 4 * n + 4 * lora_n and lora["bf16"].params == 2 * n + 4 * lora_n
+    assert lora["bf16"].temporaries[casts] == 2 * lora_n and casts not in lora["fp32"].temporaries
+    fsdp = plan_recipe(make_cfg(pairs[:-1] + ["+recipe=fsdp", "trainer.precision=bf16", "+peft=lora"]), 2)
+    assert fsdp.params == (4 * n) // 2 + (4 * lora_n) // 2
     # DeepSpeed: ZeRO-1/2's reference holds bf16 weights as the policy's working copy does; ZeRO-0's
     # bf16 is autocast over fp32 weights.
     for stage, size in ((0, 4), (1, 2), (2, 2)):

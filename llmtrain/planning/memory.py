@@ -328,7 +328,7 @@ def _stage_plan(s: _Setting, plan: RankPlan, pp_rank: int) -> RankPlan:
     candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={}, vision=s.vision)
     if cfg.get("peft") is not None:  # LoRA / QLoRA: the base frozen (data-parallel recipes only)
         _partial_model_states(candidate, cfg, n, dims, s.compute, s.bf16, shape, s.layer_n, s.embedding_n, s.head_n,
-                              s.communication)
+                              s.communication, replicated_bf16=s.replicated_bf16)
     else:
         _model_states(candidate, r, n, dims, s.compute, s.bf16, shape, s.layer_n, s.embedding_n, s.head_n,
                       s.communication, experts_n=layers * shape.experts_layer, optimizer=plan.optimizer_name)
@@ -338,7 +338,9 @@ def _stage_plan(s: _Setting, plan: RankPlan, pp_rank: int) -> RankPlan:
         from llmtrain.models.quantize import is_quantized
 
         quantized = sum(i * o for _, i, o in shape.decoder_linears) if is_quantized(cfg) else 0
-        candidate.temporaries["bf16 casts of the weights (one micro-batch's graph)"] = 2 * (n - quantized)
+        # A LoRA base is stored in bf16 already: only the adapters are cast.
+        cast = adapter_elements(shape, cfg.peft)[0] if cfg.get("peft") is not None else n - quantized
+        candidate.temporaries["bf16 casts of the weights (one micro-batch's graph)"] = 2 * cast
     if dims.ep > 1:
         # Dispatch and combine of one MoE layer: this rank's N k assignment rows sent and as
         # many received (uniform routing), in the compute dtype.
@@ -503,10 +505,13 @@ def adapted_linears(shape: ModelShape, peft_cfg: Any) -> list[tuple[int, int]]:
 
 
 def _partial_model_states(plan: RankPlan, cfg: Any, n: int, dims: Any, compute: int, bf16: bool, shape: ModelShape,
-                          layer_n: int, embedding_n: int, head_n: int, sizes: dict[str, int]) -> None:
+                          layer_n: int, embedding_n: int, head_n: int, sizes: dict[str, int],
+                          replicated_bf16: bool = False) -> None:
     """Model-state bytes of LoRA on a frozen base of ``n`` elements: gradients, master copy and
     optimizer state for the adapters only (:func:`_model_states` on their elements), plus the
-    frozen base's storage: fp32 on the torch engine (FSDP2 shards it over dp_shard x cp), the
+    frozen base's storage: fp32 on the torch engine (FSDP2 shards it over dp_shard x cp) except
+    bf16 where one process or DDP computes on bf16 casts (``replicated_bf16``: the base is stored
+    as its cast, :func:`llmtrain.engine.mixed_precision.store_frozen_in_bf16`), the
     working dtype on DeepSpeed (ZeRO-3 partitions it), and with ``model.quantize=nf4`` every
     decoder Linear weight at :func:`llmtrain.models.quantize.stored_bytes_per_weight` bytes
     (QLoRA's NF4 codes and scales) with one layer's weight dequantized at a time."""
@@ -519,7 +524,7 @@ def _partial_model_states(plan: RankPlan, cfg: Any, n: int, dims: Any, compute: 
     linear_n = sum(i * o for _, i, o in shape.decoder_linears)
     quantized = linear_n if is_quantized(cfg) else 0
     deepspeed = r.engine == "deepspeed"
-    frozen_elt = (2 if bf16 else 4) if deepspeed else 4
+    frozen_elt = (2 if bf16 else 4) if deepspeed else (2 if replicated_bf16 else 4)
     base = int(quantized * stored_bytes_per_weight()) + (n - quantized) * frozen_elt
     shards = dims.world_size if deepspeed and r.zero_stage == 3 else (1 if deepspeed else dims.dp_shard * dims.cp)
     plan.params += base // shards
