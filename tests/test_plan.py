@@ -392,6 +392,9 @@ def test_grpo_plans_g_rows_a_prompt_its_reference_and_the_sampling_peak():
     assert ddp.activations == sft_rows.activations
     assert ddp.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] == 2 * 1024 * 128256 * 4
     assert "logits and their gradient" not in ddp.temporaries
+    # The label head runs on completion positions only: 4 rows x 64 completion tokens, under a chunk.
+    short = plan_recipe(make_cfg(grpo + ["+recipe=ddp", "rollout.max_completion_length=64"]), 2)
+    assert short.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] == 2 * 4 * 64 * 128256 * 4
     assert "frozen reference model" not in ddp.buffers and "weights gathered whole for sampling" not in ddp.sampling
     # Llama-3 8B: 32 layers, 8 KV heads of 128; bf16 off: fp32 (4 bytes); 4 rows x 512 positions.
     assert ddp.sampling["KV cache of one group (4 x data.seq_len tokens)"] == 2 * 32 * 4 * 512 * 8 * 128 * 4

@@ -372,10 +372,12 @@ def _add_buffers(s: _Setting, candidate: RankPlan, n: int, last: bool) -> None:
     outputs = 1 if s.pairs and s.cfg.objective.name == "reward" else shape.vocab
     if last and s.chunk:  # one chunk's logits (recomputed in backward, gradient formed in place)
         vocab_local = shape.vocab // (dims.tp if shape.head_tp else 1)
-        # GRPO's entropy metric holds a second chunk-sized tensor (the exponentials) in the forward.
+        # GRPO's entropy metric holds a second chunk-sized tensor (the exponentials) in the forward;
+        # its label head runs on the completions' positions only (at most max_completion_length a row).
         copies = 2 if s.online else 1
+        labelled = min(tokens, s.rows * int(s.cfg.rollout.max_completion_length)) if s.online else tokens
         candidate.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] = (
-            copies * min(s.chunk, tokens) * vocab_local * 4)
+            copies * min(s.chunk, labelled) * vocab_local * 4)
     elif last:
         candidate.temporaries["logits and their gradient"] = 2 * tokens * outputs * 4
     if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps
