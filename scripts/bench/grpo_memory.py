@@ -188,6 +188,8 @@ def main() -> None:
                           f"{out['full_logits_gib']:10.2f} {out['cpu_s']:7.1f}"
                           + (f" {out['base_gib']:8.2f} {live:9.2f} {planned:8.2f} {live / planned:6.2f}"
                              if args.plan else ""), flush=True)
+    if args.plan:
+        return
     print("\nsummary (medians; chunked / whole)")
     for (cell, micro), modes in results.items():
         if len(modes) < 2:
