@@ -392,6 +392,9 @@ def test_grpo_plans_g_rows_a_prompt_its_reference_and_the_sampling_peak():
     assert ddp.activations == sft_rows.activations
     assert ddp.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] == 2 * 1024 * 128256 * 4
     assert "logits and their gradient" not in ddp.temporaries
+    # The label head runs on completion positions only: 4 rows x 64 completion tokens, under a chunk.
+    short = plan_recipe(make_cfg(grpo + ["+recipe=ddp", "rollout.max_completion_length=64"]), 2)
+    assert short.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] == 2 * 4 * 64 * 128256 * 4
     assert "frozen reference model" not in ddp.buffers and "weights gathered whole for sampling" not in ddp.sampling
     # Llama-3 8B: 32 layers, 8 KV heads of 128; bf16 off: fp32 (4 bytes); 4 rows x 512 positions.
     assert ddp.sampling["KV cache of one group (4 x data.seq_len tokens)"] == 2 * 32 * 4 * 512 * 8 * 128 * 4
@@ -489,6 +492,19 @@ def test_bf16_ddp_plans_its_weight_casts_and_a_bf16_reference_unless_it_keeps_au
     for autocast in (["recipe.compile=true"], ["recipe.fp8=true", "recipe.fp8_emulate=true"]):
         kept = plan_recipe(make_cfg(pairs + ["trainer.precision=bf16"] + autocast), 2)
         assert casts not in kept.temporaries and kept.buffers["frozen reference model"] == 4 * n, autocast
+    # LoRA: the frozen base is stored as its bf16 cast (2 bytes, not cast again); the fp32 adapters
+    # are cast each micro-batch. FSDP2 keeps its sharded fp32 base.
+    from llmtrain.planning.memory import adapter_elements
+    from llmtrain.planning.shapes import model_shape
+    from llmtrain.models.build import language_config
+
+    lora_cfg = make_cfg(pairs + ["trainer.precision=bf16", "+peft=lora"])
+    lora_n = adapter_elements(model_shape(language_config(lora_cfg.model)), lora_cfg.peft)[0]
+    lora = {p: plan_recipe(make_cfg(pairs + [f"trainer.precision={p}", "+peft=lora"]), 2) for p in ("bf16", "fp32")}
+    assert lora["fp32"].params == 4 * n + 4 * lora_n and lora["bf16"].params == 2 * n + 4 * lora_n
+    assert lora["bf16"].temporaries[casts] == 2 * lora_n and casts not in lora["fp32"].temporaries
+    fsdp = plan_recipe(make_cfg(pairs[:-1] + ["+recipe=fsdp", "trainer.precision=bf16", "+peft=lora"]), 2)
+    assert fsdp.params == (4 * n) // 2 + (4 * lora_n) // 2
     # DeepSpeed: ZeRO-1/2's reference holds bf16 weights as the policy's working copy does; ZeRO-0's
     # bf16 is autocast over fp32 weights.
     for stage, size in ((0, 4), (1, 2), (2, 2)):
@@ -496,3 +512,58 @@ def test_bf16_ddp_plans_its_weight_casts_and_a_bf16_reference_unless_it_keeps_au
         for precision, want in (("bf16", size), ("fp32", 4)):
             plan = plan_recipe(make_cfg(zero + [f"trainer.precision={precision}"]), 2)
             assert plan.buffers["frozen reference model"] == want * n, (stage, precision)
+
+
+def saved_by_a_grpo_forward(cfg, rows: int) -> int:
+    """Bytes autograd saves for backward (unique storages, not parameters) in one GRPO forward of
+    ``rows`` rows of ``data.seq_len`` tokens, every position labelled, on the model as the trainer
+    builds it (``cfg``'s LoRA adapters injected, the base frozen) with GRPO's bounded label head
+    (chunked log-probs at temperature 0.7 and the entropy metric): real tensors, fp32, CPU."""
+    from llmtrain.models import adapters
+    from llmtrain.models.build import build_model
+    from llmtrain.models.chunked_loss import install
+
+    model = build_model(cfg.model, seed=0)
+    if cfg.get("peft") is not None:
+        adapters.apply(model, cfg)
+    model.train()
+    head = install(model, 0, bounded=True)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage()._cdata not in params:
+            seen.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+        return t
+
+    ids = torch.randint(0, 256, (rows, cfg.data.seq_len), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), head.targeting(ids, 0.7):
+        head.entropy = True
+        model(input_ids=ids).logits.sum().backward()
+    return sum(seen.values())
+
+
+def test_grpo_plan_under_lora_counts_what_the_adapters_save():
+    """Under LoRA the planner measures the layers with the run's adapters injected and the base
+    frozen: its activations are within 1% of the bytes a real LoRA forward saves (counted with
+    saved_tensors_hooks on tiny_llama as the trainer builds it), where the plain model's
+    measurement is 4.6% short (it has none of the adapters' rank-wide intermediates, r=64 here,
+    and saves inputs only the frozen weights' gradients would need)."""
+    from llmtrain.planning.memory import plan_recipe
+    from llmtrain.planning.shapes import measure_activations
+
+    grpo = ["objective=grpo", "data=prompts", "data.path=/x", "reward.functions=[gsm8k]", "data.seq_len=96",
+            "rollout.max_completion_length=32",
+            "trainer.micro_batch_size=1", "objective.num_generations=4", "+recipe=ddp"]
+    cfg = make_cfg(grpo + ["+peft=lora", "peft.r=64", "peft.alpha=128"])
+    saved = saved_by_a_grpo_forward(cfg, rows=4)
+    plan = plan_recipe(cfg, 1)
+    from llmtrain.models.build import language_config
+
+    plain = measure_activations(language_config(cfg.model), 4, 96, "fp32", loss_chunk_tokens=1024)
+    plain_total = cfg.model.architecture.num_hidden_layers * plain.per_layer + plain.outside
+    assert abs(plan.activations / saved - 1) < 0.01, (plan.activations, saved)
+    assert abs(plain_total / saved - 1) > 0.03, (plain_total, saved)
+    # Without adapters the same count is what the plan of a full fine-tune says.
+    full = make_cfg(grpo)
+    assert abs(plan_recipe(full, 1).activations / saved_by_a_grpo_forward(full, rows=4) - 1) < 0.01

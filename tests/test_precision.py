@@ -255,6 +255,55 @@ def test_torch_engine_bf16_gradients_are_a_bf16_models_summed_in_fp32(model):
     assert all(p is before[name] for name, p in model.named_parameters())
 
 
+def test_torch_engine_bf16_lora_stores_its_frozen_base_in_bf16_with_the_same_losses(monkeypatch):
+    # A LoRA base is frozen: the torch engine stores it as the bf16 cast it computes on. Against
+    # the same run with the base kept in fp32 and cast every micro-batch (the engine before), three
+    # optimizer steps give the same losses and adapters to the last bit, and the base's resident
+    # bytes halve (the adapters stay fp32 masters).
+    from conftest import make_cfg
+    from llmtrain.engine import torch_engine
+    from llmtrain.engine.torch_engine import TorchEngine
+    from llmtrain.models import adapters
+    from llmtrain.models.build import build_model
+    from llmtrain.objectives import CausalLM
+    from llmtrain.parallel.distributed import DistEnv
+
+    cfg = make_cfg(["+peft=lora", "trainer.precision=bf16", "trainer.global_batch_size=8", "trainer.micro_batch_size=2"])
+    gen = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": (ids := torch.randint(0, 256, (2, 32), generator=gen)), "labels": ids.clone(),
+                "attention_mask": torch.ones_like(ids)} for _ in range(4)]
+
+    def run(keep_fp32_base: bool):
+        with monkeypatch.context() as patch:
+            if keep_fp32_base:
+                patch.setattr(torch_engine, "store_frozen_in_bf16", lambda model: 0)
+            engine = TorchEngine(cfg, DistEnv(0, 1, 0, torch.device("cpu"), "gloo"), accumulation_steps=4,
+                                 objective=CausalLM())
+            engine.setup(adapters.apply(build_model(cfg.model, cfg.trainer.seed), cfg))
+        losses = []
+        for _ in range(3):
+            losses.append(float(engine.accumulate_gradients(batches, 100.0)))
+            engine.step()
+        frozen = {id(p): p for p in engine.model.parameters() if not p.requires_grad}.values()
+        trained = {n: p.detach().clone() for n, p in engine.model.named_parameters() if p.requires_grad}
+        assert trained and all(p.dtype == torch.float32 for p in trained.values())
+        return (losses, trained, sum(p.numel() * p.element_size() for p in frozen), {p.dtype for p in frozen},
+                engine)
+
+    before, after = run(keep_fp32_base=True), run(keep_fp32_base=False)
+    assert before[3] == {torch.float32} and after[3] == {torch.bfloat16}
+    assert after[2] * 2 == before[2] > 0
+    assert after[0] == before[0] and len(set(before[0])) == 3, (before[0], after[0])
+    assert all(torch.equal(after[1][n], p) for n, p in before[1].items())
+    # Exports see the fp32 base as built (rebuilt from its source), with the trained adapters.
+    from llmtrain.checkpoint.export import trained_state
+
+    exported, built = trained_state(after[4], cfg), adapters.apply(build_model(cfg.model, cfg.trainer.seed), cfg).state_dict()
+    assert exported.keys() == built.keys() and all(v.dtype == torch.float32 for v in exported.values())
+    for name, value in exported.items():
+        assert torch.equal(value, after[1][name] if name in after[1] else built[name]), name
+
+
 def test_bf16_casts_give_every_parameter_back_when_a_cast_or_the_body_fails():
     from llmtrain.engine.mixed_precision import Bf16ComputeWeights
     from llmtrain.models.build import build_model

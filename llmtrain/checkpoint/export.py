@@ -65,19 +65,24 @@ def export_hf(engine, cfg: Any, tokenizer: Any, run_dir: Path, end_token_ids: li
     return {"export": str(save_hf_folder(state, cfg.model, tokenizer, run_dir / "hf", end_token_ids))}
 
 
-def trained_state(engine, cfg: Any) -> dict[str, torch.Tensor] | None:
+def trained_state(engine, cfg: Any, base: bool = True) -> dict[str, torch.Tensor] | None:
     """The live engine's whole fp32 state dict (in-place LoRA names) on rank 0, None elsewhere.
-    Collective call (ZeRO-3 and FSDP2 gather)."""
+    Collective call (ZeRO-3 and FSDP2 gather). ``base`` False: the caller reads the trained
+    tensors only (a LoRA adapter folder), so a base held in bf16 or 4 bits is not rebuilt; its
+    tensors are then the held values, upcast."""
     state = engine.full_state_dict()
     if not engine.env.is_main:
         return None
-    if adapters.is_partial(cfg) and (quantize.is_quantized(cfg) or (cfg.recipe.engine == "deepspeed"
-                                                                   and cfg.trainer.precision == "bf16")):
-        # DeepSpeed holds frozen parameters in bf16 only (no fp32 master), a QLoRA run its base in
-        # 4 bits: export the trained tensors on the fp32 base rebuilt from its source (for QLoRA,
-        # dequantized: the weights it trained on), as users load it.
+    low_base = engine.frozen_in_bf16 or (cfg.recipe.engine == "deepspeed" and cfg.trainer.precision == "bf16")
+    if base and adapters.is_partial(cfg) and (quantize.is_quantized(cfg) or low_base):
+        # DeepSpeed's bf16 and the torch engine's bf16 LoRA hold frozen parameters in bf16 only
+        # (no fp32 master), a QLoRA run its base in 4 bits: export the trained tensors on the fp32
+        # base rebuilt from its source (for QLoRA, dequantized: the weights it trained on), as
+        # users load it.
         trainable = {n for n, p in engine.model.named_parameters(remove_duplicate=False) if p.requires_grad}
         state = adapters.whole_state({k: v for k, v in state.items() if k in trainable}, cfg)
+    elif low_base:
+        state = {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in state.items()}
     return state
 
 
@@ -99,7 +104,7 @@ def write_policy(engine, cfg: Any, tokenizer: Any, directory: Path, part: str,
     """
     if part not in ("model", "adapter", "weights") or (part != "model" and (cfg.get("peft") is None) == (part == "adapter")):
         raise ValueError(f"write_policy: part={part!r} (model; adapter for a +peft run, weights for one without)")
-    state = trained_state(engine, cfg)
+    state = trained_state(engine, cfg, base=part != "adapter")
     if state is None:
         return None
     directory.mkdir(parents=True, exist_ok=True)

@@ -206,6 +206,9 @@ class Engine(ABC):
         # Set by an engine's setup when the output layer computes label log-probs
         # (llmtrain.models.chunked_loss.LabelHead): trainer.logits_at_labels_only or loss_chunk_tokens.
         self.label_head = None
+        # Set by an engine's setup when it stores frozen parameters in bf16 only (no fp32 values):
+        # exports that need the base rebuild it from the model's source (checkpoint.export.trained_state).
+        self.frozen_in_bf16 = False
         # Set by an engine's setup for a mixture-of-experts model (_install_router_monitors):
         # one llmtrain.models.moe.RouterMonitor per local model part, the MoeShape, the aux coefficient.
         self.routers: list = []

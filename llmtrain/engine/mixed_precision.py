@@ -35,6 +35,34 @@ def uses_bf16_casts(cfg: Any, world_size: int) -> bool:
             and not (cfg.recipe.get("compile") and world_size > 1))
 
 
+def store_frozen_in_bf16(model: nn.Module) -> int:
+    """Store every frozen fp32 parameter of ``model`` (a LoRA run's base, ``requires_grad``
+    False) as its bf16 cast, in place (the same ``nn.Parameter`` objects, their ``.data``
+    replaced); returns the bytes freed.
+
+    Why: a frozen parameter has no gradient, no optimizer state and no update, so its fp32 value
+    is only ever read to make the bf16 cast :class:`Bf16ComputeWeights` computes on, the same
+    cast every micro-batch. Stored as that cast it takes 2 bytes an element instead of 4 between
+    steps and no cast copy (2 more) during each micro-batch: the step's peak holds 2 bytes of the
+    base where it held 6, and forward and backward read the very values they read before (the
+    losses do not change). What DeepSpeed's bf16 ZeRO does with frozen parameters (it keeps no
+    fp32 master for them); as there, an export that needs the base's fp32 values rebuilds it from
+    the model's source (:func:`llmtrain.checkpoint.export.trained_state`).
+
+    Only plain fp32 ``nn.Parameter`` objects are converted (the filter of
+    :class:`Bf16ComputeWeights`): DTensor, float8 and quantized weights are left alone.
+    """
+    freed, done = 0, set()
+    for param in model.parameters():  # each tied parameter once
+        if (param.requires_grad or id(param) in done or param.dtype != torch.float32
+                or type(param) is not nn.Parameter):
+            continue
+        done.add(id(param))
+        param.data = param.data.to(torch.bfloat16)
+        freed += 2 * param.numel()
+    return freed
+
+
 class Bf16ComputeWeights:
     """Inside :meth:`computing`, the model's fp32 parameters are replaced by their bf16 casts.
 

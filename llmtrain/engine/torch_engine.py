@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 import llmtrain.engine.dcp_state as dcp_state
 from llmtrain.engine.base import (Engine, advance_schedule_only, apply_schedule, autocast, build_scheduler,
                                   clip_gradients, model_inputs, replicated_frozen_copy)
-from llmtrain.engine.mixed_precision import Bf16ComputeWeights, uses_bf16_casts
+from llmtrain.engine.mixed_precision import Bf16ComputeWeights, store_frozen_in_bf16, uses_bf16_casts
 from llmtrain.engine.optimizers import build_optimizer
 
 LEGACY_STATE = "state.pt"  # torch-engine checkpoints before DCP: {"model", "optimizer", "scheduler"}
@@ -24,7 +24,9 @@ class TorchEngine(Engine):
     ``trainer.precision=bf16``: the model computes on bf16 casts of its fp32 master weights, with
     fp32 gradients (:class:`~llmtrain.engine.mixed_precision.Bf16ComputeWeights`), as FSDP2's
     ``param_dtype`` and DeepSpeed's bf16 ZeRO do; with ``recipe.fp8`` and compiled DDP, fp32
-    weights under bf16 autocast (:func:`~llmtrain.engine.mixed_precision.uses_bf16_casts`)."""
+    weights under bf16 autocast (:func:`~llmtrain.engine.mixed_precision.uses_bf16_casts`). A
+    LoRA run's frozen base is then stored in bf16 only
+    (:func:`~llmtrain.engine.mixed_precision.store_frozen_in_bf16`)."""
 
     def setup(self, model: torch.nn.Module) -> None:
         t = self.cfg.trainer
@@ -51,7 +53,14 @@ class TorchEngine(Engine):
             self.wrapped = DistributedDataParallel(self._model, device_ids=device_ids, gradient_as_bucket_view=True)
         self.optimizer = build_optimizer(self._model, t, model_cfg=self.cfg.model)
         self.scheduler = build_scheduler(self.optimizer, t)
-        self.bf16_compute = Bf16ComputeWeights(self._model) if uses_bf16_casts(self.cfg, self.env.world_size) else None
+        self.bf16_compute = None
+        if uses_bf16_casts(self.cfg, self.env.world_size):
+            if self.cfg.get("peft") is not None:
+                # A LoRA base computes on its bf16 cast only: store the cast (after DDP's broadcast
+                # of the fp32 weights; it registered the trained parameters only).
+                store_frozen_in_bf16(self._model)
+                self.frozen_in_bf16 = True
+            self.bf16_compute = Bf16ComputeWeights(self._model)
 
     @property
     def model(self) -> torch.nn.Module:

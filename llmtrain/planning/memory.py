@@ -26,8 +26,9 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   (:func:`optimizer_state_per_param`).
 - Activations: bytes saved for backward per decoder layer (measured under FakeTensorMode on a
   layer with the tensor-parallel rank's share of heads and MLP width), times the stage's layers,
-  plus the embedding and the loss (logits); with activation checkpointing, each layer keeps
-  its input and one layer is recomputed at a time. A pipeline's first stage holds ``pp``
+  plus the embedding and the loss (logits); under LoRA the layers carry the run's adapters and a
+  frozen base (``peft``'s own modules, measured the same way); with activation checkpointing,
+  each layer keeps its input and one layer is recomputed at a time. A pipeline's first stage holds ``pp``
   micro-batches in flight under 1F1B and all of them under GPipe (Narayanan et al. SC'21,
   section 2.2).
 - Image-text models (:mod:`llmtrain.planning.vision`): the vision tower's and projector's
@@ -274,7 +275,7 @@ def _setting(cfg: Any, world_size: int, hf_config: Any, dims: Any, shape: ModelS
     acts = measure_activations(hf_config, rows, local_seq, t.precision, dims.tp,
                                bf16_weights=bf16 and ((r.engine == "deepspeed" and r.zero_stage >= 1) or fsdp
                                                       or replicated_bf16),
-                               loss_chunk_tokens=chunk)
+                               loss_chunk_tokens=chunk, adapters=cfg.get("peft"))
     if r.get("tp_sequence_parallel") and dims.tp > 1:  # norms run on 1/tp of the sequence
         acts = replace(acts, per_layer=acts.per_layer - acts.norms_per_layer + acts.norms_per_layer // dims.tp,
                        layer_input=acts.layer_input // dims.tp)
@@ -327,7 +328,7 @@ def _stage_plan(s: _Setting, plan: RankPlan, pp_rank: int) -> RankPlan:
     candidate = replace(plan, stage=pp_rank, activations=activations, temporaries={}, buffers={}, vision=s.vision)
     if cfg.get("peft") is not None:  # LoRA / QLoRA: the base frozen (data-parallel recipes only)
         _partial_model_states(candidate, cfg, n, dims, s.compute, s.bf16, shape, s.layer_n, s.embedding_n, s.head_n,
-                              s.communication)
+                              s.communication, replicated_bf16=s.replicated_bf16)
     else:
         _model_states(candidate, r, n, dims, s.compute, s.bf16, shape, s.layer_n, s.embedding_n, s.head_n,
                       s.communication, experts_n=layers * shape.experts_layer, optimizer=plan.optimizer_name)
@@ -337,7 +338,9 @@ def _stage_plan(s: _Setting, plan: RankPlan, pp_rank: int) -> RankPlan:
         from llmtrain.models.quantize import is_quantized
 
         quantized = sum(i * o for _, i, o in shape.decoder_linears) if is_quantized(cfg) else 0
-        candidate.temporaries["bf16 casts of the weights (one micro-batch's graph)"] = 2 * (n - quantized)
+        # A LoRA base is stored in bf16 already: only the adapters are cast.
+        cast = adapter_elements(shape, cfg.peft)[0] if cfg.get("peft") is not None else n - quantized
+        candidate.temporaries["bf16 casts of the weights (one micro-batch's graph)"] = 2 * cast
     if dims.ep > 1:
         # Dispatch and combine of one MoE layer: this rank's N k assignment rows sent and as
         # many received (uniform routing), in the compute dtype.
@@ -369,10 +372,12 @@ def _add_buffers(s: _Setting, candidate: RankPlan, n: int, last: bool) -> None:
     outputs = 1 if s.pairs and s.cfg.objective.name == "reward" else shape.vocab
     if last and s.chunk:  # one chunk's logits (recomputed in backward, gradient formed in place)
         vocab_local = shape.vocab // (dims.tp if shape.head_tp else 1)
-        # GRPO's entropy metric holds a second chunk-sized tensor (the exponentials) in the forward.
+        # GRPO's entropy metric holds a second chunk-sized tensor (the exponentials) in the forward;
+        # its label head runs on the completions' positions only (at most max_completion_length a row).
         copies = 2 if s.online else 1
+        labelled = min(tokens, s.rows * int(s.cfg.rollout.max_completion_length)) if s.online else tokens
         candidate.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] = (
-            copies * min(s.chunk, tokens) * vocab_local * 4)
+            copies * min(s.chunk, labelled) * vocab_local * 4)
     elif last:
         candidate.temporaries["logits and their gradient"] = 2 * tokens * outputs * 4
     if dims.pp > 1:  # torch.distributed.pipelining keeps these per micro-batch between steps
@@ -502,10 +507,13 @@ def adapted_linears(shape: ModelShape, peft_cfg: Any) -> list[tuple[int, int]]:
 
 
 def _partial_model_states(plan: RankPlan, cfg: Any, n: int, dims: Any, compute: int, bf16: bool, shape: ModelShape,
-                          layer_n: int, embedding_n: int, head_n: int, sizes: dict[str, int]) -> None:
+                          layer_n: int, embedding_n: int, head_n: int, sizes: dict[str, int],
+                          replicated_bf16: bool = False) -> None:
     """Model-state bytes of LoRA on a frozen base of ``n`` elements: gradients, master copy and
     optimizer state for the adapters only (:func:`_model_states` on their elements), plus the
-    frozen base's storage: fp32 on the torch engine (FSDP2 shards it over dp_shard x cp), the
+    frozen base's storage: fp32 on the torch engine (FSDP2 shards it over dp_shard x cp) except
+    bf16 where one process or DDP computes on bf16 casts (``replicated_bf16``: the base is stored
+    as its cast, :func:`llmtrain.engine.mixed_precision.store_frozen_in_bf16`), the
     working dtype on DeepSpeed (ZeRO-3 partitions it), and with ``model.quantize=nf4`` every
     decoder Linear weight at :func:`llmtrain.models.quantize.stored_bytes_per_weight` bytes
     (QLoRA's NF4 codes and scales) with one layer's weight dequantized at a time."""
@@ -518,7 +526,7 @@ def _partial_model_states(plan: RankPlan, cfg: Any, n: int, dims: Any, compute: 
     linear_n = sum(i * o for _, i, o in shape.decoder_linears)
     quantized = linear_n if is_quantized(cfg) else 0
     deepspeed = r.engine == "deepspeed"
-    frozen_elt = (2 if bf16 else 4) if deepspeed else 4
+    frozen_elt = (2 if bf16 else 4) if deepspeed else (2 if replicated_bf16 else 4)
     base = int(quantized * stored_bytes_per_weight()) + (n - quantized) * frozen_elt
     shards = dims.world_size if deepspeed and r.zero_stage == 3 else (1 if deepspeed else dims.dp_shard * dims.cp)
     plan.params += base // shards

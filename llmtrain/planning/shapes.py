@@ -139,7 +139,7 @@ _ACTIVATION_CACHE: dict[tuple, Activations] = {}
 
 
 def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precision: str, tp: int = 1,
-                        bf16_weights: bool = False, loss_chunk_tokens: int = 0) -> Activations:
+                        bf16_weights: bool = False, loss_chunk_tokens: int = 0, adapters: Any = None) -> Activations:
     """Bytes saved for backward, measured by running a one- and a two-layer copy of the model
     under ``FakeTensorMode`` (shapes only, no memory) with ``saved_tensors_hooks`` counting
     unique storages that are not parameters; the difference is one layer. A tensor-parallel
@@ -150,9 +150,15 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
     autocast (DeepSpeed's bf16 ZeRO, FSDP2's ``param_dtype``, the torch engine's bf16 casts).
     ``loss_chunk_tokens``: the output layer is :mod:`llmtrain.models.chunked_loss`'s (it saves the
     hidden states and one log-sum-exp per token, not the logits). A context-parallel rank is
-    measured at its share of the sequence (``seq_len`` / cp).
+    measured at its share of the sequence (``seq_len`` / cp). ``adapters``: the ``peft`` config
+    group of a LoRA run; its adapters are injected as the run injects them
+    (:func:`llmtrain.models.adapters.lora_config`) and the base frozen, so what is measured is what
+    a frozen base and its adapters save (each adapter's input and ``r``-wide intermediate, not the
+    inputs kept only for a frozen weight's gradient).
     """
-    key = (hf_config.to_json_string(), micro_batch, seq_len, precision, tp, bf16_weights, loss_chunk_tokens)
+    adapters_key = _adapters_key(adapters)
+    key = (hf_config.to_json_string(), micro_batch, seq_len, precision, tp, bf16_weights, loss_chunk_tokens,
+           adapters_key)
     if key in _ACTIVATION_CACHE:
         return _ACTIVATION_CACHE[key]
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -169,10 +175,9 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
         kv = getattr(cfg, "num_key_value_heads", None) or hf_config.num_attention_heads
         cfg.num_key_value_heads = max(1, kv // tp)
         cfg.intermediate_size = max(1, cfg.intermediate_size // tp)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if bf16_weights else torch.float32)
             model.train()
-            params = {p.untyped_storage()._cdata for p in model.parameters()}
             seen: dict[int, int] = {}
             in_norm, norm_seen = [0], set()
             for layer in model.base_model.layers:
@@ -190,6 +195,9 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
                 return t
 
             _dense_stand_in_for_experts(model)
+            if adapters is not None:
+                _inject_adapters(model, adapters, fake_mode)
+            params = {p.untyped_storage()._cdata for p in model.parameters()}
             ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
             if loss_chunk_tokens:
                 from llmtrain.models.chunked_loss import install
@@ -207,6 +215,46 @@ def measure_activations(hf_config: Any, micro_batch: int, seq_len: int, precisio
                          norms_per_layer=norms_two - norms_one)
     _ACTIVATION_CACHE[key] = result
     return result
+
+
+def _adapters_key(adapters: Any) -> str | None:
+    """A cache key of the ``peft`` config group (None without adapters)."""
+    if adapters is None:
+        return None
+    import json
+
+    from omegaconf import OmegaConf
+
+    return json.dumps(OmegaConf.to_container(adapters, resolve=True) if OmegaConf.is_config(adapters) else adapters,
+                      sort_keys=True, default=str)
+
+
+def _inject_adapters(model: torch.nn.Module, adapters: Any, fake_mode: Any) -> None:
+    """LoRA adapters of the ``peft`` config group ``adapters`` injected into ``model`` (built under
+    ``FakeTensorMode``) in place, as :func:`llmtrain.models.adapters.apply` does (peft freezes
+    every other parameter; the ``modules_to_save`` train in full), for measuring what they save.
+
+    The adapters are made outside ``fake_mode``, as real tensors (``r x (in + out)`` elements per
+    adapted layer of the one or two layers measured): peft moves each to its base layer's device
+    and dtype with ``Module.to``, which cannot swap a fake parameter; a real one it converts. Each
+    is then replaced by its fake copy, so that the count of saved storages knows it as a parameter
+    (a real tensor would become a fresh fake one at each use)."""
+    import peft
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    from llmtrain.models.adapters import ADAPTER_NAME, lora_config
+
+    with unset_fake_temporarily():
+        peft.inject_adapter_in_model(lora_config(adapters, model), model, adapter_name=ADAPTER_NAME)
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and not isinstance(param, FakeTensor):
+                module._parameters[name] = torch.nn.Parameter(fake_mode.from_tensor(param),
+                                                              requires_grad=param.requires_grad)
+    modules = dict(model.named_modules())
+    for name in adapters.get("modules_to_save") or []:
+        if name in modules:
+            modules[name].requires_grad_(True)
 
 
 def _dense_stand_in_for_experts(model: torch.nn.Module) -> None:

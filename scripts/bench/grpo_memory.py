@@ -15,6 +15,14 @@ up); ``--mmap-threshold 65536`` makes it follow the live tensors more closely.
 
     python scripts/bench/grpo_memory.py --model tiny --grid 2x4x64,2x8x128 --micro 1,2 --rounds 2
     python scripts/bench/grpo_memory.py --model smollm2 --lora --grid 2x8x128 --micro 1
+
+``--plan`` runs the chunked mode only (what GRPO runs) and sets each cell beside the memory
+planner's figure for the same job (:func:`llmtrain.planning.memory.plan_recipe`: the shape as
+``model=tiny_llama`` with its architecture overridden, ``objective=grpo``, ``data.seq_len`` the
+prompt and completion, LoRA as ``+peft=lora peft.r=16``): the planner counts the tensors, so the
+measured figure to set beside it is the peak RSS less what the process held before the model was
+built (interpreter and libraries, ``base``). Each child also holds AdamW's state and the
+gradients, as a training step's peak does, which the planner counts.
 """
 
 from __future__ import annotations
@@ -46,7 +54,8 @@ def rss_bytes() -> int:
 
 def one_cell(model_name: str, mode: str, prompts: int, g: int, length: int, micro: int, chunk: int,
              lora: bool) -> dict:
-    """One step's training pass in this process; the figures as a dict."""
+    """One step's training pass in this process (AdamW's state already there, the gradients
+    accumulating); the figures as a dict."""
     from types import SimpleNamespace
 
     import torch
@@ -57,16 +66,23 @@ def one_cell(model_name: str, mode: str, prompts: int, g: int, length: int, micr
     from llmtrain.models.chunked_loss import install
     from llmtrain.objectives.grpo import GRPO
 
+    if lora:
+        from peft import LoraConfig, get_peft_model
+    base = rss_bytes()  # the interpreter and libraries, before any tensor of the model
     torch.manual_seed(0)
     config = LlamaConfig(max_position_embeddings=2048, **SHAPES[model_name])
     model = LlamaForCausalLM(config).float().train()
     if lora:
-        from peft import LoraConfig, get_peft_model
-
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     objective = GRPO({"loss_type": "dapo", "num_generations": g})
     objective.temperature, objective.max_completion_length = 0.7, length
     head = install(model, chunk, bounded=True) if mode == "chunked" else None
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained)
+    for p in trained:  # AdamW's two moments exist from the first step on, as in a run's later steps
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
     class Bare:  # the engine's loss path around the bare model (one process)
         _loss_sums, _padded_rows = Engine._loss_sums, Engine._padded_rows
@@ -99,9 +115,27 @@ def one_cell(model_name: str, mode: str, prompts: int, g: int, length: int, micr
     cpu = time.process_time() - began
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"mode": mode, "cell": f"{prompts}x{g}x{length}", "micro": micro, "peak_rss_gib": peak / 2**30,
-            "step_extra_gib": (peak - before) / 2**30, "cpu_s": cpu,
+            "step_extra_gib": (peak - before) / 2**30, "base_gib": base / 2**30, "cpu_s": cpu,
             "full_logits_gib": rows * seq * config.vocab_size * 4 / 2**30,
             "entropy": float(sums.metrics["entropy"] / sums.metrics["_tokens"])}
+
+
+def planned_gib(model_name: str, lora: bool, prompts: int, g: int, length: int, micro: int, chunk: int) -> float:
+    """The memory planner's figure (GiB, one process, fp32) for a cell's GRPO step."""
+    from llmtrain.config.compose import compose
+    from llmtrain.planning.memory import plan_recipe
+
+    shape = [f"model.architecture.{k}={v}" for k, v in SHAPES[model_name].items()]
+    cfg = compose(["model=tiny_llama", *shape, "model.architecture.max_position_embeddings=2048", "objective=grpo",
+                   f"objective.num_generations={g}", "objective.loss_type=dapo", "reward.functions=[gsm8k]", "data=prompts",
+                   f"data.seq_len={PROMPT_TOKENS + length}", f"rollout.max_completion_length={length}",
+                   f"trainer.micro_batch_size={micro}", f"trainer.global_batch_size={prompts}",
+                   "trainer.precision=fp32", f"trainer.loss_chunk_tokens={chunk}",
+                   *(["+peft=lora", "peft.r=16", "peft.alpha=32"] if lora else [])])
+    plan = plan_recipe(cfg, 1)
+    if plan.error:
+        raise SystemExit(f"the planner refuses cell {prompts}x{g}x{length} mb {micro}: {plan.error}")
+    return plan.total / 2**30
 
 
 def main() -> None:
@@ -115,6 +149,8 @@ def main() -> None:
     parser.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
                         help="children's MALLOC_MMAP_THRESHOLD_ (glibc): allocations above it go back to the system "
                              "when freed, so peak RSS follows live tensors rather than the heap's high-water mark")
+    parser.add_argument("--plan", action="store_true",
+                        help="the chunked mode only, beside the memory planner's figure for each cell")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -126,15 +162,18 @@ def main() -> None:
           f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold or 'glibc default'}, "
           f"chunk {args.chunk or 'default'}, {os.cpu_count()} cores, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
     print(f"{'cell':>10} {'mb':>3} {'round':>5} {'mode':>8} {'peak GiB':>9} {'step +GiB':>9} {'logits GiB':>10} "
-          f"{'CPU s':>7}", flush=True)
+          f"{'CPU s':>7}" + (f" {'base GiB':>8} {'peak-base':>9} {'planned':>8} {'ratio':>6}" if args.plan else ""),
+          flush=True)
     results: dict[tuple, dict[str, list[dict]]] = {}
     env = {**os.environ, "PYTHONPATH": str(benchlib.REPO)}
     if args.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     for cell in args.grid.split(","):
+        prompts, g, length = (int(x) for x in cell.split("x"))
         for micro in (int(m) for m in args.micro.split(",")):
+            planned = planned_gib(args.model, args.lora, prompts, g, length, micro, args.chunk) if args.plan else 0.0
             for r in range(args.rounds):
-                for mode in benchlib.alternating(("whole", "chunked"), r):
+                for mode in (["chunked"] if args.plan else benchlib.alternating(("whole", "chunked"), r)):
                     run = subprocess.run([sys.executable, __file__, "--model", args.model, "--chunk", str(args.chunk),
                                           *(["--lora"] if args.lora else []), "--child", f"{mode}:{cell}:{micro}"],
                                          capture_output=True, text=True, env=env)
@@ -144,8 +183,13 @@ def main() -> None:
                         continue
                     out = json.loads(run.stdout.strip().splitlines()[-1])
                     results.setdefault((cell, micro), {}).setdefault(mode, []).append(out)
+                    live = out["peak_rss_gib"] - out["base_gib"]
                     print(f"{cell:>10} {micro:>3} {r:>5} {mode:>8} {out['peak_rss_gib']:9.2f} {out['step_extra_gib']:9.2f} "
-                          f"{out['full_logits_gib']:10.2f} {out['cpu_s']:7.1f}", flush=True)
+                          f"{out['full_logits_gib']:10.2f} {out['cpu_s']:7.1f}"
+                          + (f" {out['base_gib']:8.2f} {live:9.2f} {planned:8.2f} {live / planned:6.2f}"
+                             if args.plan else ""), flush=True)
+    if args.plan:
+        return
     print("\nsummary (medians; chunked / whole)")
     for (cell, micro), modes in results.items():
         if len(modes) < 2:

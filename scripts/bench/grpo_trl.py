@@ -30,6 +30,7 @@ and of the whole process (``ru_maxrss``, model loading included).
     python scripts/bench/grpo_trl.py --rounds 3 --steps 3
     python scripts/bench/grpo_trl.py --rounds 3 --steps 3 --precision bf16
     python scripts/bench/grpo_trl.py --rounds 3 --steps 3 --nproc 2
+    python scripts/bench/grpo_trl.py --rounds 6 --steps 3 --sides llmtrain,llmtrain_mmap
 """
 
 from __future__ import annotations
@@ -206,6 +207,8 @@ def child(side: str, opts: argparse.Namespace) -> None:
 
     if side == "llmtrain_ckpt":  # llmtrain with activation checkpointing, as TRL's default
         opts.llmtrain = [*opts.llmtrain, "trainer.activation_checkpointing=true"]
+    if side == "llmtrain_mmap":  # llmtrain with glibc's mmap threshold fixed at 64 KiB by the trainer
+        opts.llmtrain = [*opts.llmtrain, "trainer.malloc_mmap_threshold=65536"]
 
     opts.nproc = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -237,6 +240,7 @@ def launch(side: str, opts: argparse.Namespace, passed: list[str]) -> tuple[dict
     return json.loads(lines[-1][len("RESULT "):]), prompts
 
 
+SIDES = ("llmtrain", "llmtrain_ckpt", "llmtrain_mmap", "trl")
 KEYS = ("step_cpu", "step_wall", "sample_tok_s", "sample_tok_cpu_s", "train_peak_gib", "process_peak_gib")
 
 
@@ -256,7 +260,11 @@ def main() -> None:
     parser.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
                         help="every side's MALLOC_MMAP_THRESHOLD_ (glibc), the same allocator for both sides (llmtrain's "
                              "trainer.malloc_mmap_threshold, default 0, leaves the environment's setting alone)")
-    parser.add_argument("--child", choices=["llmtrain", "llmtrain_ckpt", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--sides", default="",
+                        help="comma-separated sides to run instead of llmtrain,trl[,llmtrain_ckpt]; llmtrain_mmap is "
+                             "llmtrain with trainer.malloc_mmap_threshold=65536 (its CPU cost against llmtrain: "
+                             "--sides llmtrain,llmtrain_mmap)")
+    parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child:
         return child(opts.child, opts)
@@ -269,7 +277,10 @@ def main() -> None:
     print(f"GRPO, SmolLM2-135M-Instruct (GGUF weights), LoRA r=16, "
           f"{opts.prompts} prompts x G={opts.g} x {opts.tokens} tokens, {opts.precision}, {opts.nproc} process(es), "
           f"{opts.steps} steps (from step 2 timed), {opts.rounds} alternating rounds; load {os.getloadavg()}", flush=True)
-    sides = ("llmtrain", "trl", *(["llmtrain_ckpt"] if opts.ckpt else []))
+    sides = tuple(opts.sides.split(",")) if opts.sides else ("llmtrain", "trl", *(["llmtrain_ckpt"] if opts.ckpt else []))
+    if not set(sides) <= set(SIDES):
+        raise SystemExit(f"--sides: {opts.sides!r}; each one of {', '.join(SIDES)}")
+    reference = "trl" if "trl" in sides else sides[0]
     got: dict[str, list[dict]] = {side: [] for side in sides}
     prompts: dict[str, dict] = {}
     for r in range(opts.rounds):
@@ -287,8 +298,8 @@ def main() -> None:
     for side in got:
         print(f"{side:22s}" + "".join(f"{med[side][k]:18.2f}" for k in KEYS))
     for side in sides:
-        if side != "trl":
-            print(f"{side + ' / trl':22s}" + "".join(f"{med[side][k] / med['trl'][k]:17.2f}x" for k in KEYS))
+        if side != reference:
+            print(f"{side + ' / ' + reference:22s}" + "".join(f"{med[side][k] / med[reference][k]:17.2f}x" for k in KEYS))
 
 
 if __name__ == "__main__":
