@@ -103,7 +103,7 @@ def stand_in_policy(model, step: list[int]) -> SimpleNamespace:
     """What the vLLM engine reads of the trainer's engine, for ``model`` at optimizer step
     ``step[0]``: its full state dict, the main rank, the step count, and the model itself (the
     weights-only sync looks for frozen blocks there)."""
-    return SimpleNamespace(full_state_dict=lambda: model.state_dict(), env=SimpleNamespace(is_main=True),
+    return SimpleNamespace(full_state_dict=lambda: model.state_dict(), frozen_in_bf16=False, env=SimpleNamespace(is_main=True),
                            optimizer_step_count=lambda: step[0], model=model)
 
 
@@ -122,7 +122,7 @@ def test_the_folder_written_for_a_server_has_an_untied_head_and_the_policys_logi
 
     cfg = compose(overrides(questions))
     model = _tiny_policy()
-    engine = SimpleNamespace(full_state_dict=lambda: model.state_dict(), env=SimpleNamespace(is_main=True))
+    engine = SimpleNamespace(full_state_dict=lambda: model.state_dict(), frozen_in_bf16=False, env=SimpleNamespace(is_main=True))
     folder = write_policy(engine, cfg, build_tokenizer(cfg.model), tmp_path / "w", "model", [256])
     config = json.loads((folder / "config.json").read_text())
     assert config["tie_word_embeddings"] is False and model.config.tie_word_embeddings
@@ -145,7 +145,7 @@ def test_a_syncs_weights_are_the_model_folders_tensors_in_the_servers_dtype_with
     from llmtrain.models.build import build_tokenizer
 
     model = _tiny_policy()
-    engine = SimpleNamespace(full_state_dict=lambda: model.state_dict(), env=SimpleNamespace(is_main=True), model=model)
+    engine = SimpleNamespace(full_state_dict=lambda: model.state_dict(), frozen_in_bf16=False, env=SimpleNamespace(is_main=True), model=model)
     for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         cfg = compose(overrides(questions, f"trainer.precision={precision}"))
         tokenizer = build_tokenizer(cfg.model)

@@ -290,16 +290,32 @@ def test_a_grpo_run_leaves_no_process_and_no_shm_file_after_each_ending(tmp_path
 
 
 @pytest.mark.slow
-def test_a_rerun_stops_the_server_engine_a_killed_run_left_before_it_starts(tmp_path, census):
-    """The trainer and its server's leader SIGKILLed together: nothing stops the engine core and
-    its worker, re-parented to init, until the rerun in the same folder, which names them."""
+@pytest.mark.parametrize("guard", ["alive", "killed too"])
+def test_a_killed_run_leaves_no_server_engine_its_guard_or_the_rerun_stops_it(tmp_path, census, guard):
+    """The trainer and its server's leader SIGKILLed together. With the server's guard alive
+    (vllm_server._GROUP_GUARD), the trainer's death ends the server's group: the engine core and
+    its worker are gone without a rerun. With the guard killed too (the OOM killer or ``kill -9``
+    taking the whole job), nothing stops them, re-parented to init, until the rerun in the same
+    folder, which names them."""
+    from llmtrain.common.children import GRACE_S
+
     with cores_for(1):
         process = _start(tmp_path, census, 10_000)
         try:
             census.pid("served", timeout_s=240)
+            records = json.loads((tmp_path / "run" / ".children.json").read_text())
+            if guard == "killed too":
+                os.kill(next(r["pid"] for r in records if r["kind"] == "vLLM server guard"), signal.SIGKILL)
             os.kill(census.pid("server"), signal.SIGKILL)
             os.kill(process.pid, signal.SIGKILL)
             process.wait()
+            if guard == "alive":
+                deadline = time.monotonic() + GRACE_S + 15
+                while (_live(census.pid("engine")) or _live(census.pid("worker"))) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert not _live(census.pid("engine")) and not _live(census.pid("worker"))
+                assert census.left(timeout_s=10) == ([], [])
+                return
             time.sleep(0.5)
             assert _live(census.pid("engine")) and _live(census.pid("worker"))
             rerun = _start(tmp_path, census, 1)

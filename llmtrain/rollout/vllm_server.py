@@ -176,6 +176,16 @@ def user_urls(cfg: Any) -> list[str]:
     return [u.strip().rstrip("/") for item in items for u in str(item).split(",") if u.strip()]
 
 
+# A server's guard: a shell with the trainer's death as its SIGTERM, in a session of its own, that
+# then ends the server's whole process group as close() does (SIGTERM, up to $1 seconds, SIGKILL).
+# The server's own parent-death SIGTERM starts vLLM's graceful shutdown, which can wait without end
+# on a request the SIGKILLed trainer left in flight (uvicorn: "Waiting for background tasks to
+# complete"), its engine core and worker with it.
+_GROUP_GUARD = ('trap \'kill -TERM -"$0" 2>/dev/null; i=0; while kill -0 -"$0" 2>/dev/null && [ "$i" -lt "$1" ]; '
+                'do sleep 1; i=$((i + 1)); done; kill -KILL -"$0" 2>/dev/null; exit 0\' TERM INT HUP; '
+                'while :; do sleep 1; done')
+
+
 class Server:
     """One vLLM server of the run: number ``index`` of ``rollout.vllm_servers``, at ``url``;
     one the run started (:meth:`spawn`: ``process``, ``port``, its log ``logfile``) or a user's."""
@@ -184,6 +194,7 @@ class Server:
         self.index, self.count, self.run_dir, self.url = index, count, Path(run_dir), url
         self.logfile = server_log(run_dir, index)
         self.process: subprocess.Popen | None = None
+        self.guard: subprocess.Popen | None = None  # ends the server's group if the trainer dies (_GROUP_GUARD)
         self.port = 0
 
     def name(self) -> str:
@@ -211,6 +222,9 @@ class Server:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True, preexec_fn=prepare)
         children.remember(self.run_dir, "vLLM server", self.process.pid, port=port)  # a rerun stops it if we cannot
+        self.guard = subprocess.Popen(["sh", "-c", _GROUP_GUARD, str(self.process.pid), str(int(children.GRACE_S))],
+                                      start_new_session=True, preexec_fn=lambda: distributed.die_with_parent(signal.SIGTERM))
+        children.remember(self.run_dir, "vLLM server guard", self.guard.pid, group=self.process.pid)
         self.port, self.url = port, f"http://127.0.0.1:{port}"
 
     def wait_up(self, timeout_s: float) -> float:
@@ -234,10 +248,13 @@ class Server:
 
     def stop(self) -> None:
         """Stop the process this run started, its whole group (engine core and workers), also when
-        the API server itself has died (:func:`llmtrain.common.children.stop`)."""
+        the API server itself has died (:func:`llmtrain.common.children.stop`), then its guard."""
         process, self.process = self.process, None
         if process is not None and (left := children.stop(self.run_dir, process)):
             log.warning("rollout: vLLM server processes %s did not end after SIGKILL", left)
+        guard, self.guard = self.guard, None
+        if guard is not None:  # its group is gone: it ends at once
+            children.stop(self.run_dir, guard)
 
     def ended(self) -> str:
         """How the process this run started ended ("" while it runs, or for a user's server)."""

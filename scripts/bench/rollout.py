@@ -77,7 +77,7 @@ class VLLMRollout:
                            "num_key_value_heads")])
         tokenizer = build_tokenizer(cfg.model)
         self.engine = build_sampler(cfg, tokenizer, [])
-        self.policy = SimpleNamespace(full_state_dict=lambda: model.state_dict(), env=SimpleNamespace(is_main=True),
+        self.policy = SimpleNamespace(full_state_dict=lambda: model.state_dict(), frozen_in_bf16=False, env=SimpleNamespace(is_main=True),
                                       optimizer_step_count=lambda: 0)
         self.engine.publish = lambda d, part: write_policy(self.policy, cfg, tokenizer, d, part, [])
         self.engine.check()
