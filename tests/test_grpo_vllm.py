@@ -262,19 +262,10 @@ def test_a_vllm_server_killed_mid_run_is_restarted_and_the_run_keeps_its_losses(
     """Full fine-tuning, fp32: SIGKILL to the server once step 2 is logged; it is restarted with
     the weights of the step the trainer had reached (2, or later when the trainer ran on before the
     kill landed), and the run's losses equal the undisturbed run's."""
-    from conftest import subprocess_env
-
-    run_dir = tmp_path / "killed"
-    log = tmp_path / "out.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "llmtrain", *overrides(questions, f"run_dir={run_dir}")],
-                                env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT)
+    run_dir, log = tmp_path / "killed", tmp_path / "out.log"
+    proc = _launch(questions, run_dir, log)
     try:
-        deadline = time.monotonic() + 800
-        while not ((run_dir / "metrics.jsonl").exists() and
-                   [r for r in read_metrics(run_dir) if r.get("step", 0) >= 2 and "train/loss" in r]):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
-            time.sleep(0.2)
+        _wait_for_step(proc, run_dir, log, 2, timeout=800)
         os.kill(proc.pid, signal.SIGSTOP)  # the trainer waits while its server is killed: no step passes meanwhile
         records = json.loads((run_dir / ".children.json").read_text())
         os.kill(next(r["pid"] for r in records if r["kind"] == "vLLM server"), signal.SIGKILL)
@@ -331,21 +322,12 @@ def _servers_of(run_dir: Path) -> list[int]:
 @pytest.mark.server
 @pytest.mark.parametrize("ending", ["sigterm", "reward error"])
 def test_the_server_stops_with_the_run_on_sigterm_and_on_errors(questions, tmp_path, ending):
-    from conftest import subprocess_env
-
-    run_dir = tmp_path / "run"
+    run_dir, log = tmp_path / "run", tmp_path / "out.log"
     extra = ["trainer.max_steps=200"] if ending == "sigterm" else [
         f"reward.functions=[{FIXTURES}:raises_at_step_two]"]
-    log = tmp_path / "out.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "llmtrain", *overrides(questions, f"run_dir={run_dir}", *extra)],
-                                env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT)
+    proc = _launch(questions, run_dir, log, *extra)
     if ending == "sigterm":
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not (
-                (run_dir / "metrics.jsonl").exists() and "train/loss" in (run_dir / "metrics.jsonl").read_text()):
-            assert proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(1)
+        _wait_for_step(proc, run_dir, log, 1)
         assert _servers_of(run_dir), "no vLLM server while training"
         proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=600) == (0 if ending == "sigterm" else 1), log.read_text()[-3000:]
@@ -356,6 +338,25 @@ def test_the_server_stops_with_the_run_on_sigterm_and_on_errors(questions, tmp_p
             break
         time.sleep(1)
     assert not _servers_of(run_dir), f"the vLLM server outlived the run ({ending})"
+
+
+def _launch(questions: Path, run_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
+    """``python -m llmtrain`` on the tests' vLLM job (:func:`overrides`) in ``run_dir``, its output to ``log``."""
+    from conftest import subprocess_env
+
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "llmtrain", *overrides(questions, f"run_dir={run_dir}", *extra)],
+                                env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def _wait_for_step(proc: subprocess.Popen, run_dir: Path, log: Path, step: int, timeout: float = 600) -> None:
+    """Until the train row of ``step`` (or a later one) is logged; the run ending or ``timeout``
+    seconds passing first fails the test with the end of its ``log``."""
+    deadline = time.monotonic() + timeout
+    while not ((run_dir / "metrics.jsonl").exists() and
+               [r for r in read_metrics(run_dir) if r.get("step", 0) >= step and "train/loss" in r]):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.2)
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -369,22 +370,11 @@ def test_no_vllm_process_outlives_a_run_whose_server_or_trainer_was_killed(quest
     """Issue 61: SIGKILL of the API server mid-run (the OOM killer) left its ``VLLM::EngineCore``
     and ``VLLM::Worker`` running; now the run ends in one line (exit status 5) and nothing of the
     server's session, nor a ``/dev/shm`` file it made, remains. SIGKILL of the trainer: the
-    server's parent-death signal shuts it down."""
-    from conftest import subprocess_env
-
-    run_dir = tmp_path / "run"
+    server's guard ends its whole group (vLLM's own shutdown could wait on a request left in flight)."""
+    run_dir, log = tmp_path / "run", tmp_path / "out.log"
     shm_before = set(Path("/dev/shm").iterdir())
-    log = tmp_path / "out.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "llmtrain", *overrides(questions, f"run_dir={run_dir}",
-                                                                               "trainer.max_steps=200",
-                                                                               "rollout.vllm_restarts=0")],
-                                env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and not (
-            (run_dir / "metrics.jsonl").exists() and "train/loss" in (run_dir / "metrics.jsonl").read_text()):
-        assert proc.poll() is None, log.read_text()[-3000:]
-        time.sleep(1)
+    proc = _launch(questions, run_dir, log, "trainer.max_steps=200", "rollout.vllm_restarts=0")
+    _wait_for_step(proc, run_dir, log, 1)
     server = json.loads((run_dir / ".children.json").read_text())[0]["pid"]
     assert len(live_processes_in({server})) > 1, "no engine process beside the API server"
     os.kill(server if killed == "api server" else proc.pid, signal.SIGKILL)
@@ -393,9 +383,14 @@ def test_no_vllm_process_outlives_a_run_whose_server_or_trainer_was_killed(quest
         text = log.read_text()
         assert status == 5 and "Traceback" not in text, text[-3000:]
         assert f"llmtrain: error: rollout.engine=vllm: the vLLM server (pid {server}) was killed by SIGKILL" in text
+    def new_shm() -> list[Path]:
+        return [p for p in set(Path("/dev/shm").iterdir()) - shm_before if p.exists()]
+
+    # Both guards (the server's group, the weights folder) act on the trainer's death within their
+    # shell's current `sleep 1`, and the server's within its 30 s grace: wait as the census does.
     for _ in range(60):
-        if not live_processes_in({server}):
+        if not live_processes_in({server}) and not new_shm():
             break
         time.sleep(1)
     assert not live_processes_in({server}), f"vLLM processes outlived the run ({killed})"
-    assert not [p for p in set(Path("/dev/shm").iterdir()) - shm_before if p.exists()], "/dev/shm files left"
+    assert not new_shm(), "/dev/shm files left"

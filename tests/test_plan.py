@@ -7,8 +7,10 @@ auto choice, its errors and a 64-rank 3D dry run are checked in-process.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -528,6 +530,17 @@ def saved_by_a_grpo_forward(cfg, rows: int) -> int:
         adapters.apply(model, cfg)
     model.train()
     head = install(model, 0, bounded=True)
+    ids = torch.randint(0, 256, (rows, cfg.data.seq_len), generator=torch.Generator().manual_seed(0))
+    with saved_storages(model) as seen, head.targeting(ids, 0.7):
+        head.entropy = True
+        model(input_ids=ids).logits.sum().backward()
+    return sum(seen.values())
+
+
+@contextlib.contextmanager
+def saved_storages(model: torch.nn.Module) -> Iterator[dict[int, int]]:
+    """Inside: storage -> bytes of every tensor autograd saves for backward, each storage once,
+    ``model``'s parameters left out (real tensors: the measurement the planner's is checked against)."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -536,11 +549,8 @@ def saved_by_a_grpo_forward(cfg, rows: int) -> int:
             seen.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
         return t
 
-    ids = torch.randint(0, 256, (rows, cfg.data.seq_len), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), head.targeting(ids, 0.7):
-        head.entropy = True
-        model(input_ids=ids).logits.sum().backward()
-    return sum(seen.values())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
 
 
 def test_grpo_plan_under_lora_counts_what_the_adapters_save():

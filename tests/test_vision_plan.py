@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import make_cfg
+from test_plan import saved_storages
 from test_vision import IMAGE_TOKENS, write_dataset
 
 
@@ -28,15 +29,7 @@ def measured_step(cfg, micro: int) -> tuple[int, int, int]:
     for name in cfg.model.get("freeze") or []:  # tiny_llava's unused post_layernorm
         for n, p in model.named_parameters():
             p.requires_grad_(p.requires_grad and not __import__("fnmatch").fnmatchcase(n, name))
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage()._cdata not in params:
-            seen.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_storages(model) as seen:
         loss = CausalLM().loss_sums(model(**model_inputs(batch)).logits, batch).loss
     loss.backward()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])

@@ -252,3 +252,22 @@ def port_holder(port: int) -> str:
         except OSError:
             continue
     return "a process this user cannot see"
+
+
+def guard_group(group: int, parent: int) -> None:
+    """Wait for SIGTERM, SIGINT or SIGHUP (the parent-death signal the caller set, or a stop) or
+    for process ``parent`` to be gone, then end process group ``group`` as a closing run does
+    (:func:`stop_group`: SIGTERM, grace, SIGKILL, the group's ``/dev/shm`` files removed). Run as
+    ``python -m llmtrain.common.children GROUP PARENT`` in a session of its own."""
+    signals = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    # The parent may have died before the signals were blocked: then it is no longer our parent.
+    while os.getppid() == parent and signal.sigtimedwait(signals, 1.0) is None:
+        pass
+    stop_group(group)
+
+
+if __name__ == "__main__":
+    import sys
+
+    guard_group(int(sys.argv[1]), int(sys.argv[2]))

@@ -132,18 +132,26 @@ def apply(model: nn.Module, cfg: Any) -> nn.Module:
     p = cfg.get("peft")
     if p is not None:
         _check_targets(model, p)
-        import peft
-
-        peft.inject_adapter_in_model(lora_config(p, model), model, adapter_name=ADAPTER_NAME)
-        modules = dict(model.named_modules())
-        for name in p.modules_to_save:
-            for param in modules[name].parameters():
-                param.requires_grad_(True)
+        inject(model, p)
         init_weights(model, cfg.trainer.seed, only=lambda name: ".lora_A." in name or ".lora_B." in name)
     _freeze(model, list(cfg.model.get("freeze") or []))
     if not any(param.requires_grad for param in model.parameters()):
         raise ConfigError("model.freeze froze every parameter: nothing would train")
     return model
+
+
+def inject(model: nn.Module, peft_cfg: Any) -> None:
+    """peft's LoRA adapters of the ``peft`` config group injected into ``model`` in place (peft
+    freezes every other parameter), and the ``peft.modules_to_save`` present in ``model`` trained
+    in full; the adapters keep peft's own initial values (:func:`apply` re-draws them). The
+    planner injects them into its one- and two-layer copies the same way."""
+    import peft
+
+    peft.inject_adapter_in_model(lora_config(peft_cfg, model), model, adapter_name=ADAPTER_NAME)
+    modules = dict(model.named_modules())
+    for name in peft_cfg.get("modules_to_save") or []:
+        if name in modules:  # apply() checked them against the whole model; a planner copy has fewer layers
+            modules[name].requires_grad_(True)
 
 
 def _freeze(model: nn.Module, entries: list[str]) -> None:

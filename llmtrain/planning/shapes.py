@@ -231,30 +231,26 @@ def _adapters_key(adapters: Any) -> str | None:
 
 def _inject_adapters(model: torch.nn.Module, adapters: Any, fake_mode: Any) -> None:
     """LoRA adapters of the ``peft`` config group ``adapters`` injected into ``model`` (built under
-    ``FakeTensorMode``) in place, as :func:`llmtrain.models.adapters.apply` does (peft freezes
-    every other parameter; the ``modules_to_save`` train in full), for measuring what they save.
+    ``FakeTensorMode``) in place by :func:`llmtrain.models.adapters.inject`, as a run injects them
+    (peft freezes every other parameter; the ``modules_to_save`` train in full), for measuring
+    what they save.
 
     The adapters are made outside ``fake_mode``, as real tensors (``r x (in + out)`` elements per
     adapted layer of the one or two layers measured): peft moves each to its base layer's device
     and dtype with ``Module.to``, which cannot swap a fake parameter; a real one it converts. Each
     is then replaced by its fake copy, so that the count of saved storages knows it as a parameter
     (a real tensor would become a fresh fake one at each use)."""
-    import peft
     from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-    from llmtrain.models.adapters import ADAPTER_NAME, lora_config
+    from llmtrain.models.adapters import inject
 
     with unset_fake_temporarily():
-        peft.inject_adapter_in_model(lora_config(adapters, model), model, adapter_name=ADAPTER_NAME)
+        inject(model, adapters)
     for module in model.modules():
         for name, param in module._parameters.items():
             if param is not None and not isinstance(param, FakeTensor):
                 module._parameters[name] = torch.nn.Parameter(fake_mode.from_tensor(param),
                                                               requires_grad=param.requires_grad)
-    modules = dict(model.named_modules())
-    for name in adapters.get("modules_to_save") or []:
-        if name in modules:
-            modules[name].requires_grad_(True)
 
 
 def _dense_stand_in_for_experts(model: torch.nn.Module) -> None:

@@ -39,6 +39,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -176,16 +177,6 @@ def user_urls(cfg: Any) -> list[str]:
     return [u.strip().rstrip("/") for item in items for u in str(item).split(",") if u.strip()]
 
 
-# A server's guard: a shell with the trainer's death as its SIGTERM, in a session of its own, that
-# then ends the server's whole process group as close() does (SIGTERM, up to $1 seconds, SIGKILL).
-# The server's own parent-death SIGTERM starts vLLM's graceful shutdown, which can wait without end
-# on a request the SIGKILLed trainer left in flight (uvicorn: "Waiting for background tasks to
-# complete"), its engine core and worker with it.
-_GROUP_GUARD = ('trap \'kill -TERM -"$0" 2>/dev/null; i=0; while kill -0 -"$0" 2>/dev/null && [ "$i" -lt "$1" ]; '
-                'do sleep 1; i=$((i + 1)); done; kill -KILL -"$0" 2>/dev/null; exit 0\' TERM INT HUP; '
-                'while :; do sleep 1; done')
-
-
 class Server:
     """One vLLM server of the run: number ``index`` of ``rollout.vllm_servers``, at ``url``;
     one the run started (:meth:`spawn`: ``process``, ``port``, its log ``logfile``) or a user's."""
@@ -194,7 +185,7 @@ class Server:
         self.index, self.count, self.run_dir, self.url = index, count, Path(run_dir), url
         self.logfile = server_log(run_dir, index)
         self.process: subprocess.Popen | None = None
-        self.guard: subprocess.Popen | None = None  # ends the server's group if the trainer dies (_GROUP_GUARD)
+        self.guard: subprocess.Popen | None = None  # ends the server's group if the trainer dies (children.guard_group)
         self.port = 0
 
     def name(self) -> str:
@@ -222,8 +213,12 @@ class Server:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True, preexec_fn=prepare)
         children.remember(self.run_dir, "vLLM server", self.process.pid, port=port)  # a rerun stops it if we cannot
-        self.guard = subprocess.Popen(["sh", "-c", _GROUP_GUARD, str(self.process.pid), str(int(children.GRACE_S))],
-                                      start_new_session=True, preexec_fn=lambda: distributed.die_with_parent(signal.SIGTERM))
+        # vLLM's own shutdown on its parent-death SIGTERM can wait without end on a request the
+        # SIGKILLed trainer left in flight (uvicorn: "Waiting for background tasks to complete"),
+        # its engine core and worker with it: the guard ends the group as close() would.
+        self.guard = subprocess.Popen([sys.executable, "-m", "llmtrain.common.children", str(self.process.pid),
+                                       str(os.getpid())], start_new_session=True,
+                                      preexec_fn=lambda: distributed.die_with_parent(signal.SIGTERM))
         children.remember(self.run_dir, "vLLM server guard", self.guard.pid, group=self.process.pid)
         self.port, self.url = port, f"http://127.0.0.1:{port}"
 
