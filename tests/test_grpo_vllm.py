@@ -371,12 +371,17 @@ def test_no_vllm_process_outlives_a_run_whose_server_or_trainer_was_killed(quest
     and ``VLLM::Worker`` running; now the run ends in one line (exit status 5) and nothing of the
     server's session, nor a ``/dev/shm`` file it made, remains. SIGKILL of the trainer: the
     server's guard ends its whole group (vLLM's own shutdown could wait on a request left in flight)."""
+    from llmtrain.common.children import members, shm_files
+
     run_dir, log = tmp_path / "run", tmp_path / "out.log"
-    shm_before = set(Path("/dev/shm").iterdir())
     proc = _launch(questions, run_dir, log, "trainer.max_steps=200", "rollout.vllm_restarts=0")
     _wait_for_step(proc, run_dir, log, 1)
     server = json.loads((run_dir / ".children.json").read_text())[0]["pid"]
     assert len(live_processes_in({server})) > 1, "no engine process beside the API server"
+    # This run's /dev/shm files only (tests beside it make their own): what the server's processes
+    # hold now, and the trainer's weights folder (vllm_server.MemoryFolder names it by the trainer's pid).
+    held = shm_files(members(server))
+    assert held, "the vLLM server's processes hold no /dev/shm file"
     os.kill(server if killed == "api server" else proc.pid, signal.SIGKILL)
     status = proc.wait(timeout=600)
     if killed == "api server":
@@ -384,13 +389,13 @@ def test_no_vllm_process_outlives_a_run_whose_server_or_trainer_was_killed(quest
         assert status == 5 and "Traceback" not in text, text[-3000:]
         assert f"llmtrain: error: rollout.engine=vllm: the vLLM server (pid {server}) was killed by SIGKILL" in text
     def new_shm() -> list[Path]:
-        return [p for p in set(Path("/dev/shm").iterdir()) - shm_before if p.exists()]
+        return [p for p in held | set(Path("/dev/shm").glob(f"llmtrain-weights-{proc.pid}-*")) if p.exists()]
 
-    # Both guards (the server's group, the weights folder) act on the trainer's death within their
-    # shell's current `sleep 1`, and the server's within its 30 s grace: wait as the census does.
+    # Both guards (the server's group, the weights folder) act on the trainer's death within a
+    # second, and the server's group goes within its 30 s grace: wait as the census does.
     for _ in range(60):
         if not live_processes_in({server}) and not new_shm():
             break
         time.sleep(1)
     assert not live_processes_in({server}), f"vLLM processes outlived the run ({killed})"
-    assert not new_shm(), "/dev/shm files left"
+    assert not new_shm(), f"/dev/shm files left: {new_shm()}"

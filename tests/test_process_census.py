@@ -147,6 +147,27 @@ def test_a_request_to_a_killed_server_is_one_line_naming_it_and_the_fix(tmp_path
     assert census.left(timeout_s=2) == ([], [])
 
 
+def test_a_weights_load_after_the_watcher_gave_up_on_a_server_names_how_it_died(tmp_path, census):
+    """The watcher found the server dead first and, its restarts used, wrote the run's last line
+    (and let go of the process): a weights load that then finds the server gone ends with that
+    line, not with "stopped answering" (test_grpo_vllm's killed API server, when the kill landed
+    during a sync)."""
+    from llmtrain.common.errors import ChildDied
+
+    engine = _engine(tmp_path, "rollout.vllm_restarts=0")
+    engine.work.mkdir()  # (a run's first sync makes it)
+    os.kill(census.pid("server"), signal.SIGKILL)
+    with engine.lock:
+        engine._revive(engine.servers[0])  # what the watcher does
+    assert engine.servers[0].process is None
+    with pytest.raises(ChildDied) as err:
+        engine._load_all(tmp_path / "run" / "step_1", 1)
+    message = str(err.value)
+    assert "\n" not in message and "was killed by SIGKILL" in message and "vllm_restarts=0" in message, message
+    engine.close()
+    assert census.left(timeout_s=2) == ([], [])
+
+
 def test_a_rerun_stops_what_a_killed_run_left_and_no_reused_pid(tmp_path, census):
     """The trainer and its server's leader killed at once (nobody closes the engine): the next
     lock of the run folder stops the orphaned engine and worker. A record whose pid now belongs
@@ -176,6 +197,73 @@ def test_a_rerun_stops_what_a_killed_run_left_and_no_reused_pid(tmp_path, census
         bystander.wait()
         protocol._RUN_LOCKS[-1].close()
         protocol._RUN_LOCKS.pop()
+
+
+_FOLDER_OWNER = """
+import sys, time
+from pathlib import Path
+from llmtrain.rollout.vllm_server import MemoryFolder
+
+folder = MemoryFolder(Path(sys.argv[1]))
+if sys.argv[2] == "parent-death signal":
+    print(folder.open(1), flush=True)
+else:  # the guard without a parent-death signal: only its check of its parent pid can see us go
+    import os, subprocess
+    folder.path.mkdir()
+    subprocess.Popen([sys.executable, "-m", "llmtrain.common.children", "folder", str(folder.path), str(os.getpid())],
+                     start_new_session=True)
+    print(folder.path, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["parent-death signal", "parent pid check"])
+def test_the_weights_folder_in_memory_goes_when_its_trainer_is_sigkilled(tmp_path, how):
+    """A full fine-tune's weights sync writes to ``/dev/shm`` (vllm_server.MemoryFolder), which no
+    one frees if the trainer is SIGKILLed: its guard removes it, on the parent-death signal or, if
+    that never came, on seeing its parent gone."""
+    owner = subprocess.Popen([sys.executable, "-c", _FOLDER_OWNER, str(tmp_path), how], stdout=subprocess.PIPE,
+                             text=True, env=subprocess_env())
+    try:
+        folder = Path(owner.stdout.readline().strip())
+        assert folder.parent == SHM and folder.is_dir()
+        (folder / "model.safetensors").write_bytes(b"0" * 4096)
+        time.sleep(0.5)  # the guard is up (a python interpreter)
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 10
+        while folder.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not folder.exists()
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+def test_a_rerun_removes_the_weights_folder_whose_guard_was_killed_with_the_job(tmp_path):
+    """An OOM kill of the whole job takes the weights folder's guard too: the rerun, taking the
+    run folder's lock, removes the folder recorded beside the guard."""
+    from llmtrain.checkpoint import protocol
+    from llmtrain.common import children
+    from llmtrain.rollout.vllm_server import MemoryFolder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    folder = MemoryFolder(run)
+    path = folder.open(1)
+    try:
+        (path / "model.safetensors").write_bytes(b"0" * 4096)
+        folder.guard.kill()
+        folder.guard.wait()
+        assert path.is_dir()
+        assert protocol.lock_run_dir(run)
+        protocol._RUN_LOCKS[-1].close()
+        protocol._RUN_LOCKS.pop()
+        assert not path.exists() and not (run / children.RECORD).exists()
+    finally:
+        folder.guard = None
+        folder.close()
 
 
 def test_a_fixed_port_held_by_another_process_is_named_in_one_line(tmp_path, census):

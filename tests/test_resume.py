@@ -154,7 +154,9 @@ def mlflow_server(tmp_path_factory):
     server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1",
                                "--port", str(port), "--workers", "1", "--backend-store-uri",
                                f"sqlite:///{root / 'store.db'}", "--default-artifact-root", str(root / "artifacts")],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                              # Its job runner (unused here) makes a /dev/shm folder that it never removes.
+                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     uri = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:

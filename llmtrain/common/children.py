@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import time
@@ -212,6 +213,8 @@ left alive. Returns one line per child stopped (also logged)."""
         # Boot and start time identify a process (the command line does not: vLLM retitles its processes).
         if now is not None and any(now[k] != record.get(k) for k in ("start", "boot")):
             continue  # the pid is another process's now (and so is any group of that id)
+        if record.get("folder"):  # a guard killed with the job (an OOM kill of all) left its folder
+            shutil.rmtree(record["folder"], ignore_errors=True)
         if now is None and not members(record["pid"]):
             continue  # ended with all of its group
         # A leader that died leaves its group's id to its members: no new process gets that pid meanwhile.
@@ -254,20 +257,37 @@ def port_holder(port: int) -> str:
     return "a process this user cannot see"
 
 
-def guard_group(group: int, parent: int) -> None:
-    """Wait for SIGTERM, SIGINT or SIGHUP (the parent-death signal the caller set, or a stop) or
-    for process ``parent`` to be gone, then end process group ``group`` as a closing run does
-    (:func:`stop_group`: SIGTERM, grace, SIGKILL, the group's ``/dev/shm`` files removed). Run as
-    ``python -m llmtrain.common.children GROUP PARENT`` in a session of its own."""
+def _wait_for_end(parent: int) -> None:
+    """Return on SIGTERM, SIGINT or SIGHUP (the parent-death signal the caller set, or a stop), or
+    once process ``parent`` is no longer this process's parent (it died: the check covers a
+    parent-death signal that never came, e.g. a parent that died before it was set)."""
     signals = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
     signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    # The parent may have died before the signals were blocked: then it is no longer our parent.
     while os.getppid() == parent and signal.sigtimedwait(signals, 1.0) is None:
         pass
+
+
+def guard_group(group: int, parent: int) -> None:
+    """Once the parent ends (:func:`_wait_for_end`), end process group ``group`` as a closing run
+    does (:func:`stop_group`: SIGTERM, grace, SIGKILL, the group's ``/dev/shm`` files removed). Run
+    as ``python -m llmtrain.common.children group GROUP PARENT`` in a session of its own."""
+    _wait_for_end(parent)
     stop_group(group)
+
+
+def guard_folder(folder: Path, parent: int) -> None:
+    """Once the parent ends (:func:`_wait_for_end`), remove ``folder`` (weights written to
+    ``/dev/shm``, which nothing else would free). Run as ``python -m llmtrain.common.children
+    folder PATH PARENT`` in a session of its own."""
+    _wait_for_end(parent)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
     import sys
 
-    guard_group(int(sys.argv[1]), int(sys.argv[2]))
+    kind, what, parent = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if kind == "group":
+        guard_group(int(what), parent)
+    else:
+        guard_folder(Path(what), parent)

@@ -274,6 +274,8 @@ class VLLMEngine(RolloutEngine):
                                                                  self.servers)):
                     if result is None:
                         continue
+                    if failed := self._failed(server):  # the watcher found it dead first, and could not revive it
+                        raise ChildDied(failed)
                     if not (self.own_server and server.ended()):
                         raise server.gone(result)
                     self._revive_with(server, folder, step)  # it comes back with these weights

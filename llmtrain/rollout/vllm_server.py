@@ -216,7 +216,7 @@ class Server:
         # vLLM's own shutdown on its parent-death SIGTERM can wait without end on a request the
         # SIGKILLed trainer left in flight (uvicorn: "Waiting for background tasks to complete"),
         # its engine core and worker with it: the guard ends the group as close() would.
-        self.guard = subprocess.Popen([sys.executable, "-m", "llmtrain.common.children", str(self.process.pid),
+        self.guard = subprocess.Popen([sys.executable, "-m", "llmtrain.common.children", "group", str(self.process.pid),
                                        str(os.getpid())], start_new_session=True,
                                       preexec_fn=lambda: distributed.die_with_parent(signal.SIGTERM))
         children.remember(self.run_dir, "vLLM server guard", self.guard.pid, group=self.process.pid)
@@ -302,8 +302,8 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 class MemoryFolder:
     """A folder in ``/dev/shm`` (memory) for the weights a sync sends to servers on this host:
-    writing there costs no disk, and the server reads it from memory. A guard process (a shell
-    with the trainer's death as its SIGTERM, in a session of its own, recorded for a rerun)
+    writing there costs no disk, and the server reads it from memory. A guard process
+    (:func:`llmtrain.common.children.guard_folder`, in a session of its own, recorded for a rerun)
     removes it on every ending, the trainer's SIGKILL included, as nothing else would free that
     memory. :meth:`open` returns None where ``/dev/shm`` is missing or has under ``need_bytes`` free."""
 
@@ -318,8 +318,8 @@ class MemoryFolder:
         if not children.SHM.is_dir() or shutil.disk_usage(children.SHM).free < need_bytes:
             return None
         self.path.mkdir(exist_ok=True)
-        script = 'trap \'rm -rf "$0"; exit 0\' TERM INT HUP; while :; do sleep 1; done'
-        self.guard = subprocess.Popen(["sh", "-c", script, str(self.path)], start_new_session=True,
+        self.guard = subprocess.Popen([sys.executable, "-m", "llmtrain.common.children", "folder", str(self.path),
+                                       str(os.getpid())], start_new_session=True,
                                       preexec_fn=lambda: distributed.die_with_parent(signal.SIGTERM))
         children.remember(self.run_dir, "weights folder guard", self.guard.pid, folder=str(self.path))
         return self.path
