@@ -225,6 +225,8 @@ def _trained_with_weights_in_sync(run_dir: Path, name: str) -> list[dict]:
     assert rows[-1]["train/reward"] == rows[-1]["train/reward"]  # scored
     assert not _servers_of(run_dir), "the vLLM server outlived its run"
     assert (run_dir / "vllm_server.log").stat().st_size > 0  # the server's log stays in the run folder
+    # Each step's sampling follows a sync (sync_every=1): its writing is a part of it.
+    assert all(0 < r["rollout/sync_write_s"] < r["rollout/sync_s"] for r in rows[1:]), rows
     return rows
 
 

@@ -77,6 +77,7 @@ class VLLMEngine(RolloutEngine):
         self.lock = threading.Lock()  # one restart or weight load at a time
         self.restarts = 0
         self.sync_s = 0.0
+        self.sync_write_s = 0.0
         self.watcher: threading.Thread | None = None
         self.closing = threading.Event()
         self.memory = MemoryFolder(self.run_dir)
@@ -91,9 +92,11 @@ class VLLMEngine(RolloutEngine):
         return self.servers[0].process
 
     def metrics(self) -> dict[str, float]:
-        """``rollout/vllm_restarts`` (servers restarted so far, rank 0's count) and
-        ``rollout/sync_s`` (seconds the last weight sync took: writing and loading)."""
-        return {"rollout/vllm_restarts": float(self.restarts), "rollout/sync_s": self.sync_s}
+        """``rollout/vllm_restarts`` (servers restarted so far, rank 0's count),
+        ``rollout/sync_s`` (seconds the last weight sync took: writing and loading) and
+        ``rollout/sync_write_s`` (of those, writing the weights; the rest is the servers' loads)."""
+        return {"rollout/vllm_restarts": float(self.restarts), "rollout/sync_s": self.sync_s,
+                "rollout/sync_write_s": self.sync_write_s}
 
     # ---- the servers' lives --------------------------------------------------------------------
     def _start(self, policy: Any) -> None:
@@ -237,6 +240,7 @@ class VLLMEngine(RolloutEngine):
         # A user's server gets the whole folder first: frozen blocks are sent once, and only where
         # llmtrain did not start the server on them.
         self.publish(folder, "adapter" if self.lora else "model" if self.version < 0 else "weights")
+        written = time.perf_counter()
         error, died = "", False
         if policy.env.is_main:
             try:
@@ -251,6 +255,7 @@ class VLLMEngine(RolloutEngine):
         previous, self.version = self.version, step
         self.model_name = f"policy-step{step}" if self.lora else SERVED_NAME
         self.sync_s = time.perf_counter() - started
+        self.sync_write_s = written - started
         if policy.env.is_main and previous is not None and previous >= 0:
             shutil.rmtree(folder.parent / f"step_{previous}", ignore_errors=True)
 

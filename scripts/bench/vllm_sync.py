@@ -43,6 +43,7 @@ def main() -> None:
                                   what=f"{servers} server(s)")
             steps = run.steps(warmup=1)
             sync = [s.get("rollout/sync_s", float("nan")) for s in steps]
+            write = [s.get("rollout/sync_write_s", float("nan")) for s in steps]
             step = [s["train/step_time_s"] for s in steps]
             tokens = [s["train/completions/mean_length"] * prompts * group for s in steps]
             sampling = [s["rollout/generation_s"] - s.get("rollout/sync_s", 0.0) for s in steps]
@@ -50,7 +51,8 @@ def main() -> None:
                   f"({100 * statistics.median(a / b for a, b in zip(sync, step)):.1f}%), sampling "
                   f"{sum(tokens) / sum(sampling):.1f} tokens/s ({statistics.median(sampling):.1f} s/step), "
                   f"logp_diff_max {max(s['rollout/logp_diff_max'] for s in steps):.1e}; per step: sync "
-                  f"{[round(x, 2) for x in sync]}, step {[round(x, 1) for x in step]}", flush=True)
+                  f"{[round(x, 2) for x in sync]} (of which writing {[round(x, 2) for x in write]}), step "
+                  f"{[round(x, 1) for x in step]}", flush=True)
 
 
 if __name__ == "__main__":
