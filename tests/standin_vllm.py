@@ -10,7 +10,7 @@ As in vLLM, the API server shuts its engine down on SIGTERM and exits when its e
 engine stops its worker on SIGTERM and shuts down (cleanly) when its worker dies, and an engine whose API server was killed stays
 alive, re-parented to init.
 
-The server answers ``/health``, ``/v1/models``, ``/v1/completions`` (a few token ids below 256
+The server answers ``/health``, ``/metrics`` (its start time), ``/v1/models``, ``/v1/completions`` (a few token ids below 256
 drawn from the request's seed and the weights it holds: digests of the tensors of its
 ``--model`` folder, updated by each in-place reload, and the adapter named; no log-probs: the
 trainer computes them), ``/collective_rpc`` and the
@@ -102,6 +102,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(raw)
 
     def do_GET(self):
+        if self.path == "/metrics":  # Prometheus' text format, as vLLM's: the gauge a restart changes
+            raw = f"process_start_time_seconds {self.server.started!r}\n".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            return self.wfile.write(raw)
         self._answer({"data": [{"id": "policy", "max_model_len": 4096}]} if self.path == "/v1/models" else None)
 
     def do_POST(self):
@@ -148,6 +154,7 @@ def server(port: int, model: str) -> None:
     ThreadingHTTPServer.request_queue_size = 256  # a rank sends up to 32 requests at once (uvicorn's backlog: 2048)
     http = ThreadingHTTPServer(("127.0.0.1", port), _Handler)
     http.served = False
+    http.started = time.time()
     http.weights = _digests(model)  # the weights it holds: its completions depend on them, as a model's do
     http.serve_forever()
 

@@ -200,29 +200,25 @@ def test_a_rerun_stops_what_a_killed_run_left_and_no_reused_pid(tmp_path, census
 
 
 _FOLDER_OWNER = """
-import sys, time
+import os, subprocess, sys, time
 from pathlib import Path
 from llmtrain.rollout.vllm_server import MemoryFolder
 
 folder = MemoryFolder(Path(sys.argv[1]))
-if sys.argv[2] == "parent-death signal":
-    print(folder.open(1), flush=True)
-else:  # the guard without a parent-death signal: only its check of its parent pid can see us go
-    import os, subprocess
-    folder.path.mkdir()
-    subprocess.Popen([sys.executable, "-m", "llmtrain.common.children", "folder", str(folder.path), str(os.getpid())],
-                     start_new_session=True)
-    print(folder.path, flush=True)
+folder.path.mkdir()
+# The guard without a parent-death signal: only its look at its parent pid can see this one go.
+subprocess.Popen([sys.executable, "-m", "llmtrain.common.children", "folder", str(folder.path), str(os.getpid())],
+                 start_new_session=True)
+print(folder.path, flush=True)
 time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("how", ["parent-death signal", "parent pid check"])
-def test_the_weights_folder_in_memory_goes_when_its_trainer_is_sigkilled(tmp_path, how):
-    """A full fine-tune's weights sync writes to ``/dev/shm`` (vllm_server.MemoryFolder), which no
-    one frees if the trainer is SIGKILLed: its guard removes it, on the parent-death signal or, if
-    that never came, on seeing its parent gone."""
-    owner = subprocess.Popen([sys.executable, "-c", _FOLDER_OWNER, str(tmp_path), how], stdout=subprocess.PIPE,
+def test_the_weights_folder_guard_sees_its_trainer_go_without_a_parent_death_signal(tmp_path):
+    """The guard of the /dev/shm weights folder also acts when its parent-death signal never
+    comes (a parent that died before it was set): it looks at its parent pid each second. (With
+    the signal: tests/test_vllm_servers.py, the memory folder's test.)"""
+    owner = subprocess.Popen([sys.executable, "-c", _FOLDER_OWNER, str(tmp_path)], stdout=subprocess.PIPE,
                              text=True, env=subprocess_env())
     try:
         folder = Path(owner.stdout.readline().strip())

@@ -131,6 +131,153 @@ def test_two_servers_answer_as_one_and_a_killed_one_comes_back_with_the_same_req
     assert census.left(timeout_s=5) == ([], [])
 
 
+class UserServer:
+    """A stand-in server a user started on ``port`` (its own session), which the user's supervisor
+    can :meth:`restart` on the same port with the weights it was started on."""
+
+    def __init__(self, port: int):
+        self.port, self.process = port, None
+        self.restart()
+
+    def restart(self) -> None:
+        from llmtrain.rollout.vllm_server import _request
+
+        self.stop()
+        self.process = subprocess.Popen([sys.executable, standin_vllm.__file__, "--port", str(self.port)],
+                                        start_new_session=True, env=dict(os.environ))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _request(f"http://127.0.0.1:{self.port}", "/v1/models", None, timeout=2)
+                return
+            except OSError:
+                assert time.monotonic() < deadline, "the stand-in did not start"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            from llmtrain.common.children import members, shm_files, stop_group
+
+            held = shm_files(members(self.process.pid))
+            os.killpg(self.process.pid, signal.SIGKILL)  # the OOM killer, say
+            stop_group(self.process.pid, self.process)
+            for path in held:  # what the user's supervisor cleans after a killed server
+                path.unlink(missing_ok=True)
+            self.process = None
+
+
+@pytest.mark.parametrize("when", ["between batches", "during a batch"])
+def test_a_users_server_that_restarts_gets_the_runs_weights_before_any_request(tmp_path, census, when):
+    """``rollout.vllm_url``: a user's server that comes back as a new process (on the weights it
+    was started with) is told apart by its start time (``/metrics``), given the run's weights again
+    by rank 0's watcher (counted in ``rollout/vllm_restarts``), and no completion comes from its
+    own weights: a restart between batches is caught before the next one, one during a batch after
+    it, and that server's requests are sent again with the same seeds."""
+    import threading
+
+    import torch
+    from safetensors.torch import save_file
+
+    from llmtrain.config.compose import compose
+    from llmtrain.models.build import build_tokenizer
+    from llmtrain.rollout.generate import Sampling
+    from llmtrain.rollout.vllm_engine import VLLMEngine
+    from llmtrain.rollout.vllm_server import _free_port
+
+    step_7 = tmp_path / "step_7"
+    step_7.mkdir()
+    save_file({"w": torch.ones(3)}, str(step_7 / "model.safetensors"))
+    user = UserServer(_free_port())
+    cfg = compose(["objective=grpo", "data=prompts", "rollout.engine=vllm", f"rollout.vllm_url=http://127.0.0.1:{user.port}",
+                   f"run_dir={tmp_path / 'run'}", "rollout.vllm_start_timeout_s=60"])
+    (tmp_path / "run" / "rollout-weights").mkdir(parents=True)
+    engine = VLLMEngine(cfg, build_tokenizer(cfg.model), Sampling(max_new=4, end_ids=frozenset({256})))
+    try:
+        own = [[c.ids for c in g] for g in engine._requests(SAMPLES, SEEDS)]  # nothing held yet: no check
+        engine._load_all(step_7, 7)
+        engine.watcher = threading.Thread(target=engine._watch_users, daemon=True)
+        engine.watcher.start()
+        expected = [[c.ids for c in g] for g in engine._requests(SAMPLES, SEEDS)]
+        assert expected != own
+        first = engine._held(engine.servers[0])
+        if when == "between batches":
+            user.restart()  # back within the watcher's second: only its start time tells
+            assert [[c.ids for c in g] for g in user_completions(user.port)] == own  # its own weights
+        else:
+            complete, restarted = engine._complete, threading.Event()
+
+            def restart_midway(job):
+                if job[:2] == (4, 0) and not restarted.is_set():
+                    restarted.set()
+                    user.restart()
+                return complete(job)
+
+            engine._complete = restart_midway
+        again = [[c.ids for c in g] for g in engine._requests(SAMPLES, SEEDS)]
+        assert again == expected
+        assert engine.restarts == 1 and engine._held(engine.servers[0]) not in (None, first)
+        assert engine.metrics()["rollout/vllm_restarts"] == 1.0
+    finally:
+        engine.close()
+        user.stop()
+    assert census.left(timeout_s=5) == ([], [])
+
+
+@pytest.mark.parametrize("why", ["restarts used", "gone"])
+def test_a_users_server_that_cannot_get_the_weights_back_is_one_line(tmp_path, census, why):
+    """Once ``rollout.vllm_restarts`` are used, a user's server that restarted ends the run in one
+    line; so does one that does not answer for ``rollout.vllm_start_timeout_s``."""
+    import threading
+
+    import torch
+    from safetensors.torch import save_file
+
+    from llmtrain.common.errors import ChildDied
+    from llmtrain.config.compose import compose
+    from llmtrain.models.build import build_tokenizer
+    from llmtrain.rollout.generate import Sampling
+    from llmtrain.rollout.vllm_engine import VLLMEngine
+    from llmtrain.rollout.vllm_server import _free_port
+
+    step_7 = tmp_path / "step_7"
+    step_7.mkdir()
+    save_file({"w": torch.ones(3)}, str(step_7 / "model.safetensors"))
+    user = UserServer(_free_port())
+    url = f"http://127.0.0.1:{user.port}"
+    cfg = compose(["objective=grpo", "data=prompts", "rollout.engine=vllm", f"rollout.vllm_url={url}",
+                   f"run_dir={tmp_path / 'run'}", "rollout.vllm_start_timeout_s=3", "rollout.vllm_restarts=0"])
+    (tmp_path / "run" / "rollout-weights").mkdir(parents=True)
+    engine = VLLMEngine(cfg, build_tokenizer(cfg.model), Sampling(max_new=4, end_ids=frozenset({256})))
+    try:
+        engine._load_all(step_7, 7)
+        engine.watcher = threading.Thread(target=engine._watch_users, daemon=True)
+        engine.watcher.start()
+        user.restart() if why == "restarts used" else user.stop()
+        with pytest.raises(ChildDied) as err:
+            engine._requests(SAMPLES, SEEDS)
+    finally:
+        engine.close()
+        user.stop()
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"rollout.engine=vllm: the vLLM server at {url} "), message
+    assert ("restarted mid-run on weights not the run's; rollout.vllm_restarts=0 reloads used" if why == "restarts used"
+            else "did not come back within rollout.vllm_start_timeout_s=3") in message, message
+    assert "Rerun the same command" in message or "rerun the same command" in message
+    assert census.left(timeout_s=5) == ([], [])
+
+
+def user_completions(port: int):
+    """What the user's server at ``port`` answers SAMPLES with SEEDS on its own, with no run's watcher."""
+    from llmtrain.config.compose import compose
+    from llmtrain.models.build import build_tokenizer
+    from llmtrain.rollout.generate import Sampling
+    from llmtrain.rollout.vllm_engine import VLLMEngine
+
+    cfg = compose(["objective=grpo", "data=prompts", "rollout.engine=vllm", f"rollout.vllm_url=http://127.0.0.1:{port}"])
+    return VLLMEngine(cfg, build_tokenizer(cfg.model), Sampling(max_new=4, end_ids=frozenset({256})))._requests(
+        SAMPLES, SEEDS)
+
+
 @pytest.mark.parametrize("why", ["restarts used", "cannot start"])
 def test_a_server_that_cannot_come_back_is_one_line_naming_its_log(tmp_path, census, monkeypatch, why):
     from llmtrain.common.errors import ChildDied

@@ -565,7 +565,8 @@ class RolloutConfig:
             and of every step's prompts, whole groups; the weights reach each at every sync).
         vllm_restarts: ``vllm``: how many times in a run a server llmtrain started is restarted
             after it died (with the current weights; the step goes on with the same seeded
-            requests); once they are used, a dead server ends the run (exit status 5).
+            requests), or a user's server that came back as a new process is given the run's
+            weights again; once they are used, a dead server ends the run (exit status 5).
         vllm_port: ``vllm``: the port of the server llmtrain starts (0: a free one; server K of
             several: this + K).
         vllm_start_timeout_s: ``vllm``: seconds to wait for the server to answer ``/health``.

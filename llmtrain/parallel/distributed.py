@@ -163,9 +163,10 @@ def init_distributed(timeout_s: float = PROCESS_GROUP_TIMEOUT_S, need_group: boo
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
 
 
-def die_with_parent(signum: int) -> None:
+def die_with_parent(signum: int, leave_if_orphaned: bool = True) -> None:
     """Ask Linux to send ``signum`` to this process when its parent dies (``PR_SET_PDEATHSIG``;
-    kept across ``exec``), and leave at once if the parent died before the request took effect.
+    kept across ``exec``), and leave at once if the parent died before the request took effect
+    (unless ``leave_if_orphaned`` is False: a guard that must act on that death sees it itself).
     torchrun starts workers in their own session, so killing the launcher's process group leaves
     them running (and racing a restarted run): workers ask for SIGKILL, which the checkpoint
     protocol makes a clean crash. A task evaluation (``preexec_fn`` of its process) asks for
@@ -180,7 +181,7 @@ def die_with_parent(signum: int) -> None:
         libc.prctl(1, int(signum), 0, 0, 0)  # PR_SET_PDEATHSIG
     except OSError:
         return
-    if os.getppid() != launcher:  # the launcher died before the request took effect
+    if leave_if_orphaned and os.getppid() != launcher:  # the launcher died before the request took effect
         os._exit(1)
 
 

@@ -16,8 +16,15 @@
   logged and counted in ``rollout/vllm_restarts``), and the requests it lost are sent again with
   the same seeds, from every rank. One that cannot come back ends the run with one line naming
   its log (:class:`~llmtrain.common.errors.ChildDied`, exit status 5): the last checkpoint stays
-  the run's, and a rerun continues from it. A user's server (``rollout.vllm_url``) is not
-  restarted.
+  the run's, and a rerun continues from it.
+* **A user's server** (``rollout.vllm_url``) is not llmtrain's to restart, but one that comes
+  back (its own supervisor restarted it) serves its own weights, not the run's. Its process is
+  known by its start time (vLLM's ``/metrics``: :func:`~llmtrain.rollout.vllm_server.start_time`),
+  which rank 0 records after every weights load (``server-K.held``, read by every rank). Rank 0
+  watches it: a new process gets the run's weights again (counted against
+  ``rollout.vllm_restarts``), and no request goes to it before it holds them. Each rank reads the
+  start time before and after a batch of requests and sends again, with the same seeds, the
+  requests of a server that restarted in between: no completion comes from the wrong weights.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from llmtrain.rollout.engines import RolloutEngine
 from llmtrain.rollout.generate import Completion, Sampling
 from llmtrain.rollout.vllm_images import ImagePrompts, check_architecture
 from llmtrain.rollout.vllm_server import (SERVED_NAME, MemoryFolder, Server, VLLMServerError, _free_port, _request,
-                                          check_environment, refused, server_cores, user_urls, vllm_python)
+                                          check_environment, refused, server_cores, start_time, user_urls,
+                                          vllm_python)
 
 log = logging.getLogger("llmtrain")
 
@@ -73,6 +81,7 @@ class VLLMEngine(RolloutEngine):
         self.version: int | None = None  # the optimizer step whose weights the servers hold
         self.model_name = SERVED_NAME
         self.loaded: tuple[Path, int] | None = None  # the weights loaded on top of the start folder's
+        self.user_model: tuple[Path, int] | None = None  # a user's server's first, whole-model folder (kept)
         self.background: ThreadPoolExecutor | None = None  # the thread that waits on this rank's requests
         self.lock = threading.Lock()  # one restart or weight load at a time
         self.restarts = 0
@@ -106,9 +115,11 @@ class VLLMEngine(RolloutEngine):
         if self.own_server:
             self.publish(model_dir, "model")
         error = ""
-        if policy.env.is_main and self.own_server:
+        if policy.env.is_main:
             for server in self.servers:  # a killed run's word on its servers is not this run's
-                self._failed_file(server).unlink(missing_ok=True)
+                for what in ("failed", "held", "restarting"):
+                    self._failed_file(server, what).unlink(missing_ok=True)
+        if policy.env.is_main and self.own_server:
             try:
                 self._launch(model_dir)
             except VLLMServerError as err:
@@ -119,8 +130,9 @@ class VLLMEngine(RolloutEngine):
         if error:
             self.close()
             raise VLLMServerError(error)
-        if policy.env.is_main and self.own_server:
-            self.watcher = threading.Thread(target=self._watch, name="vllm-watch", daemon=True)
+        if policy.env.is_main:
+            self.watcher = threading.Thread(target=self._watch if self.own_server else self._watch_users,
+                                             name="vllm-watch", daemon=True)
             self.watcher.start()
 
     def _ports(self) -> list[int]:
@@ -206,6 +218,99 @@ class VLLMEngine(RolloutEngine):
             return
         log.warning("rollout: vLLM server %d is back in %.0f s at %s", server.index, took, server.url)
 
+    # ---- a user's servers: known by their process's start time ---------------------------------
+    def _held(self, server: Server) -> float | None:
+        """The start time of the user's server process that holds the run's weights (rank 0's
+        record; None before the first load, or where the server's ``/metrics`` gives none)."""
+        try:
+            return float(self._failed_file(server, "held").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _hold(self, server: Server, folders: list[tuple[Path, int]]) -> None:
+        """Rank 0: load ``folders`` in order into the user's ``server`` and record its process as
+        holding them; OSError if it restarted meanwhile (the next look loads them again)."""
+        before = start_time(server.url)
+        for folder, step in folders:
+            self._load(server, folder, step)
+        if before is not None and start_time(server.url) != before:
+            raise OSError(f"{server.url} restarted while loading the weights")
+        self._failed_file(server, "held").write_text(repr(before) if before is not None else "")
+
+    def _replaced(self, server: Server) -> bool:
+        """Whether the user's ``server`` is down or another process than the one holding the run's weights."""
+        try:
+            return start_time(server.url, timeout=5) != self._held(server)
+        except (OSError, VLLMServerError):
+            return True
+
+    def _watch_users(self) -> None:
+        """Rank 0's thread: give a user's server that came back (a new process) the run's weights
+        again (:meth:`_revive_user`); one silent for ``rollout.vllm_start_timeout_s`` ends the run."""
+        down: dict[int, float] = {}
+        timeout = float(self.cfg.rollout.vllm_start_timeout_s)
+        while not self.closing.wait(WATCH_S):
+            for server in self.servers:
+                held = self._held(server)
+                if held is None or self._failed(server):
+                    continue  # nothing loaded yet, or no start time to tell processes apart
+                try:
+                    now = start_time(server.url, timeout=5)
+                except (OSError, VLLMServerError):
+                    if time.monotonic() - down.setdefault(server.index, time.monotonic()) > timeout:
+                        self._failed_file(server).write_text(
+                            f"rollout.engine=vllm: the vLLM server at {server.url} stopped answering mid-run and did "
+                            f"not come back within rollout.vllm_start_timeout_s={timeout:g}; restart it, then rerun "
+                            "the same command: the run continues from its last checkpoint")
+                    continue
+                down.pop(server.index, None)
+                if now != held:
+                    with self.lock:
+                        self._revive_user(server)
+
+    def _revive_user(self, server: Server) -> None:
+        """Rank 0, holding the lock: send the user's restarted ``server`` the run's weights again
+        (its first whole-model folder, then the last loaded), or write the run's last line once
+        ``rollout.vllm_restarts`` are used. Requests wait meanwhile (:meth:`_restarting`)."""
+        limit = int(self.cfg.rollout.vllm_restarts)
+        if self.restarts >= limit:
+            self._failed_file(server).write_text(
+                f"rollout.engine=vllm: the vLLM server at {server.url} restarted mid-run on weights not the run's; "
+                f"rollout.vllm_restarts={limit} reloads used. Rerun the same command: the run continues from its "
+                "last checkpoint")
+            return
+        self.restarts += 1
+        log.warning("rollout: the vLLM server at %s restarted mid-run; sending it the weights of step %s again "
+                    "(restart %d of rollout.vllm_restarts=%d)", server.url, self.loaded[1] if self.loaded else "0",
+                    self.restarts, limit)
+        marker = self._failed_file(server, "restarting")
+        marker.touch()
+        try:
+            self._hold(server, list(dict.fromkeys(f for f in (self.user_model, self.loaded) if f)))
+        except (OSError, VLLMServerError) as err:  # gone again: the next look counts it
+            log.warning("rollout: the vLLM server at %s: %s", server.url, err)
+        finally:
+            marker.unlink(missing_ok=True)
+
+    def _wait_held(self, server: Server, deadline: float) -> float | None:
+        """Every rank, before and after a batch of requests: wait until a user's ``server`` is the
+        process that holds the run's weights; its start time (None: not known, no check)."""
+        while True:
+            if failed := self._failed(server):
+                raise ChildDied(failed)
+            held = self._held(server)
+            if held is None:
+                return None
+            try:
+                if start_time(server.url, timeout=5) == held and not self._restarting(server):
+                    return held
+            except (OSError, VLLMServerError):
+                pass
+            if time.monotonic() > deadline:
+                raise ChildDied(f"rollout.engine=vllm: the vLLM server at {server.url} did not get the run's weights "
+                                f"back within rollout.vllm_start_timeout_s; its last answer was from another process")
+            time.sleep(0.5)
+
     def close(self) -> None:
         """Stop the servers this run started (:meth:`Server.stop`) and remove the weights written
         for them."""
@@ -256,7 +361,10 @@ class VLLMEngine(RolloutEngine):
         self.model_name = f"policy-step{step}" if self.lora else SERVED_NAME
         self.sync_s = time.perf_counter() - started
         self.sync_write_s = written - started
-        if policy.env.is_main and previous is not None and previous >= 0:
+        if not (self.own_server or self.lora) and previous is not None and previous < 0:
+            self.user_model = (folder, step)  # a user's server that restarts gets it again (frozen blocks)
+        if (policy.env.is_main and previous is not None and previous >= 0
+                and (self.user_model is None or self.user_model[1] != previous)):
             shutil.rmtree(folder.parent / f"step_{previous}", ignore_errors=True)
 
     def _steps_folder(self, policy: Any) -> Path:
@@ -298,7 +406,12 @@ class VLLMEngine(RolloutEngine):
 
     def _try_load(self, server: Server, folder: Path, step: int) -> Exception | None:
         try:
-            self._load(server, folder, step)
+            if self.own_server:
+                self._load(server, folder, step)
+            elif self.user_model and self._held(server) is not None and self._replaced(server):
+                self._hold(server, [self.user_model, (folder, step)])  # a new process: not the run's frozen blocks
+            else:
+                self._hold(server, [(folder, step)])
         except (OSError, VLLMServerError) as err:
             return err
         return None
@@ -332,14 +445,21 @@ class VLLMEngine(RolloutEngine):
         return self.background.submit(self._requests, samples, seeds)
 
     def _requests(self, samples: list[dict], seeds: list[list[int | None]]) -> list[list[Completion]]:
+        """This rank's completions; a user's server's are sent again (same seeds) when its process
+        changed during the batch (:meth:`_wait_held` before and after)."""
         count = len(self.servers)
         jobs = [(i, j, list(sample["prompt_ids"]), seed, server_of(sample, i, count), sample.get("images") or [])
                 for i, (sample, row) in enumerate(zip(samples, seeds)) for j, seed in enumerate(row)]
         groups: list[list[Completion | None]] = [[None] * len(row) for row in seeds]
-        if jobs:
+        deadline = time.monotonic() + float(self.cfg.rollout.vllm_start_timeout_s) + 60
+        while jobs:
+            used = sorted({job[4] for job in jobs})
+            before = {k: None if self.own_server else self._wait_held(self.servers[k], deadline) for k in used}
             with ThreadPoolExecutor(max_workers=min(32 * count, len(jobs))) as pool:
                 for (i, j, *_), completion in zip(jobs, pool.map(self._complete, jobs)):
                     groups[i][j] = completion
+            changed = {k for k in used if before[k] is not None and self._wait_held(self.servers[k], deadline) != before[k]}
+            jobs = [job for job in jobs if job[4] in changed]
         return groups  # type: ignore[return-value]
 
     def _complete(self, job: tuple[int, int, list[int], int | None, int, list[str]]) -> Completion:
@@ -360,6 +480,11 @@ class VLLMEngine(RolloutEngine):
             except (OSError, VLLMServerError) as err:
                 if failed := self._failed(server):
                     raise ChildDied(failed) from None
+                if (not self.own_server and not self.closing.is_set() and self._held(server) is not None
+                        and self._replaced(server)):
+                    deadline = deadline or time.monotonic() + float(self.cfg.rollout.vllm_start_timeout_s) + 60
+                    self._wait_held(server, deadline)  # rank 0 gives it the weights once it is back
+                    continue
                 # Rank 0 restarts the servers it started (its watcher); the other ranks wait for it.
                 restarting = self.watcher is not None or server.process is None
                 if not (self.own_server and restarting and (refused(err) or server.ended())) or self.closing.is_set():

@@ -32,6 +32,7 @@ samples with the policy's weights.
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -129,7 +130,7 @@ def _request(url: str, path: str, body: dict | None, timeout: float = 600) -> An
 
     Raises:
         VLLMServerError: an HTTP error status (with the server's message).
-        OSError: the server cannot be reached.
+        OSError: the server cannot be reached, or went away mid-answer.
     """
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
@@ -138,12 +139,29 @@ def _request(url: str, path: str, body: dict | None, timeout: float = 600) -> An
             raw = response.read()
     except urllib.error.HTTPError as err:
         raise VLLMServerError(f"{path}: HTTP {err.code}: {err.read().decode(errors='replace')[:500]}") from None
+    except http.client.HTTPException as err:  # cut off mid-answer (IncompleteRead): the server went away
+        raise ConnectionResetError(f"{path}: {err!r}") from None
     if not raw:
         return None
     try:
         return json.loads(raw)
     except ValueError:
         return raw.decode(errors="replace")
+
+
+def start_time(url: str, timeout: float = 10) -> float | None:
+    """When the process serving ``url`` started (Unix seconds): the Prometheus gauge
+    ``process_start_time_seconds`` of vLLM's ``/metrics``; None where it is missing. A server
+    restarted on the same URL has a new one: this is how a user's server that came back (on its
+    own weights) is told from one that kept the run's.
+
+    Raises:
+        OSError, VLLMServerError: the server does not answer.
+    """
+    for line in str(_request(url, "/metrics", None, timeout) or "").splitlines():
+        if line.startswith("process_start_time_seconds "):
+            return float(line.split()[1])
+    return None
 
 
 def _free_port() -> int:
@@ -175,6 +193,15 @@ def user_urls(cfg: Any) -> list[str]:
     value = cfg.rollout.vllm_url
     items = [value] if isinstance(value, str) else list(value or [])
     return [u.strip().rstrip("/") for item in items for u in str(item).split(",") if u.strip()]
+
+
+def _guard_preexec() -> None:
+    """``preexec_fn`` of a guard (:func:`llmtrain.common.children.guard_group`, ``guard_folder``):
+    its stop signals blocked before it execs, so that a trainer dying while the guard's interpreter
+    starts leaves the signal pending, not the guard dead; the trainer's death as SIGTERM. A guard
+    whose trainer died even earlier sees it by its parent pid."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+    distributed.die_with_parent(signal.SIGTERM, leave_if_orphaned=False)
 
 
 class Server:
@@ -217,8 +244,7 @@ class Server:
         # SIGKILLed trainer left in flight (uvicorn: "Waiting for background tasks to complete"),
         # its engine core and worker with it: the guard ends the group as close() would.
         self.guard = subprocess.Popen([sys.executable, "-m", "llmtrain.common.children", "group", str(self.process.pid),
-                                       str(os.getpid())], start_new_session=True,
-                                      preexec_fn=lambda: distributed.die_with_parent(signal.SIGTERM))
+                                       str(os.getpid())], start_new_session=True, preexec_fn=_guard_preexec)
         children.remember(self.run_dir, "vLLM server guard", self.guard.pid, group=self.process.pid)
         self.port, self.url = port, f"http://127.0.0.1:{port}"
 
@@ -319,8 +345,7 @@ class MemoryFolder:
             return None
         self.path.mkdir(exist_ok=True)
         self.guard = subprocess.Popen([sys.executable, "-m", "llmtrain.common.children", "folder", str(self.path),
-                                       str(os.getpid())], start_new_session=True,
-                                      preexec_fn=lambda: distributed.die_with_parent(signal.SIGTERM))
+                                       str(os.getpid())], start_new_session=True, preexec_fn=_guard_preexec)
         children.remember(self.run_dir, "weights folder guard", self.guard.pid, folder=str(self.path))
         return self.path
 
