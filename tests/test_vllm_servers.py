@@ -166,13 +166,14 @@ class UserServer:
             self.process = None
 
 
-@pytest.mark.parametrize("when", ["between batches", "during a batch"])
+@pytest.mark.parametrize("when", ["between batches", "during a batch", "during a sync"])
 def test_a_users_server_that_restarts_gets_the_runs_weights_before_any_request(tmp_path, census, when):
     """``rollout.vllm_url``: a user's server that comes back as a new process (on the weights it
     was started with) is told apart by its start time (``/metrics``), given the run's weights again
     by rank 0's watcher (counted in ``rollout/vllm_restarts``), and no completion comes from its
     own weights: a restart between batches is caught before the next one, one during a batch after
-    it, and that server's requests are sent again with the same seeds."""
+    it, and that server's requests are sent again with the same seeds; a sync that finds it down
+    waits for it and sends it the whole model, then the sync's weights."""
     import threading
 
     import torch
@@ -200,7 +201,11 @@ def test_a_users_server_that_restarts_gets_the_runs_weights_before_any_request(t
         expected = [[c.ids for c in g] for g in engine._requests(SAMPLES, SEEDS)]
         assert expected != own
         first = engine._held(engine.servers[0])
-        if when == "between batches":
+        if when == "during a sync":
+            user.stop()
+            threading.Timer(1.5, user.restart).start()
+            engine._load_all(step_7, 8)  # the same weights as a later step's: the same completions
+        elif when == "between batches":
             user.restart()  # back within the watcher's second: only its start time tells
             assert [[c.ids for c in g] for g in user_completions(user.port)] == own  # its own weights
         else:

@@ -237,12 +237,13 @@ class VLLMEngine(RolloutEngine):
             raise OSError(f"{server.url} restarted while loading the weights")
         self._failed_file(server, "held").write_text(repr(before) if before is not None else "")
 
-    def _replaced(self, server: Server) -> bool:
-        """Whether the user's ``server`` is down or another process than the one holding the run's weights."""
+    def _replaced(self, server: Server, down: bool = True) -> bool:
+        """Whether the user's ``server`` is another process than the one holding the run's
+        weights; ``down``: the answer when it does not answer."""
         try:
             return start_time(server.url, timeout=5) != self._held(server)
         except (OSError, VLLMServerError):
-            return True
+            return down
 
     def _watch_users(self) -> None:
         """Rank 0's thread: give a user's server that came back (a new process) the run's weights
@@ -258,39 +259,65 @@ class VLLMEngine(RolloutEngine):
                     now = start_time(server.url, timeout=5)
                 except (OSError, VLLMServerError):
                     if time.monotonic() - down.setdefault(server.index, time.monotonic()) > timeout:
-                        self._failed_file(server).write_text(
-                            f"rollout.engine=vllm: the vLLM server at {server.url} stopped answering mid-run and did "
-                            f"not come back within rollout.vllm_start_timeout_s={timeout:g}; restart it, then rerun "
-                            "the same command: the run continues from its last checkpoint")
+                        self._give_up_silent(server)
                     continue
                 down.pop(server.index, None)
                 if now != held:
                     with self.lock:
-                        self._revive_user(server)
+                        if not self._failed(server) and self._replaced(server, down=False):  # a sync may have first
+                            self._revive_user(server)
 
-    def _revive_user(self, server: Server) -> None:
+    def _give_up_silent(self, server: Server) -> None:
+        timeout = float(self.cfg.rollout.vllm_start_timeout_s)
+        self._failed_file(server).write_text(
+            f"rollout.engine=vllm: the vLLM server at {server.url} stopped answering mid-run and did not come back "
+            f"within rollout.vllm_start_timeout_s={timeout:g}; restart it, then rerun the same command: the run "
+            "continues from its last checkpoint")
+
+    def _revive_user(self, server: Server, weights: tuple[Path, int] | None = None) -> bool:
         """Rank 0, holding the lock: send the user's restarted ``server`` the run's weights again
-        (its first whole-model folder, then the last loaded), or write the run's last line once
-        ``rollout.vllm_restarts`` are used. Requests wait meanwhile (:meth:`_restarting`)."""
+        (its first whole-model folder, then ``weights``, default the last loaded), or write the
+        run's last line once ``rollout.vllm_restarts`` are used. Requests wait meanwhile
+        (:meth:`_restarting`). Whether it holds them now."""
         limit = int(self.cfg.rollout.vllm_restarts)
         if self.restarts >= limit:
             self._failed_file(server).write_text(
                 f"rollout.engine=vllm: the vLLM server at {server.url} restarted mid-run on weights not the run's; "
                 f"rollout.vllm_restarts={limit} reloads used. Rerun the same command: the run continues from its "
                 "last checkpoint")
-            return
+            return False
+        weights = weights or self.loaded
         self.restarts += 1
         log.warning("rollout: the vLLM server at %s restarted mid-run; sending it the weights of step %s again "
-                    "(restart %d of rollout.vllm_restarts=%d)", server.url, self.loaded[1] if self.loaded else "0",
+                    "(restart %d of rollout.vllm_restarts=%d)", server.url, weights[1] if weights else "0",
                     self.restarts, limit)
         marker = self._failed_file(server, "restarting")
         marker.touch()
         try:
-            self._hold(server, list(dict.fromkeys(f for f in (self.user_model, self.loaded) if f)))
+            self._hold(server, list(dict.fromkeys(f for f in (self.user_model, weights) if f)))
+            return True
         except (OSError, VLLMServerError) as err:  # gone again: the next look counts it
             log.warning("rollout: the vLLM server at %s: %s", server.url, err)
+            return False
         finally:
             marker.unlink(missing_ok=True)
+
+    def _reload_user(self, server: Server, folder: Path, step: int) -> None:
+        """Rank 0, holding the lock, in a sync: the user's ``server`` failed to load ``folder``
+        because it is down or a new process: wait for it to answer, then :meth:`_revive_user` it
+        with these weights; ChildDied with the run's last line when it cannot be."""
+        deadline = time.monotonic() + float(self.cfg.rollout.vllm_start_timeout_s)
+        while not (failed := self._failed(server)):
+            try:
+                start_time(server.url, timeout=5)
+            except (OSError, VLLMServerError):
+                if time.monotonic() > deadline:
+                    self._give_up_silent(server)
+                time.sleep(1.0)
+                continue
+            if self._revive_user(server, (folder, step)):
+                return
+        raise ChildDied(failed)
 
     def _wait_held(self, server: Server, deadline: float) -> float | None:
         """Every rank, before and after a batch of requests: wait until a user's ``server`` is the
@@ -389,6 +416,9 @@ class VLLMEngine(RolloutEngine):
                         continue
                     if failed := self._failed(server):  # the watcher found it dead first, and could not revive it
                         raise ChildDied(failed)
+                    if not self.own_server and self._held(server) is not None and self._replaced(server):
+                        self._reload_user(server, folder, step)  # down, or back on its own weights
+                        continue
                     if not (self.own_server and server.ended()):
                         raise server.gone(result)
                     self._revive_with(server, folder, step)  # it comes back with these weights

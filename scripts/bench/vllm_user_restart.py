@@ -1,6 +1,7 @@
 """A user's own vLLM server (``rollout.vllm_url``) restarted mid-run by its supervisor: the same
 GRPO job (a tiny Llama built from its config, full fine-tuning, fp32, 5 steps, a real vLLM
-server) run twice against it, undisturbed and with the server SIGKILLed once step 2 is logged and
+server; the reward is whether a completion holds a letter a-m, which a random model's bytes
+sometimes do, so that the losses are not all 0) run twice against it, undisturbed and with the server SIGKILLed once step 2 is logged and
 started again on the same port with the weights it was first started on. Prints both runs' losses
 (they must be equal: the run sends the restarted server its weights again before any request),
 ``rollout/vllm_restarts`` and ``rollout/logp_diff_max`` per step.
@@ -29,7 +30,7 @@ import benchlib
 
 def _overrides(questions: Path, run_dir: Path, *extra: str) -> list[str]:
     return ["tracker=none", "trainer.progress_bar=false", "model=tiny_llama", "objective=grpo", "data=prompts",
-            f"data.path={questions}", "data.columns.prompt=question", "data.seq_len=64", "reward.functions=[gsm8k]",
+            f"data.path={questions}", "data.columns.prompt=question", "data.seq_len=64", "reward.functions=['format:[a-m]']",
             "rollout.engine=vllm", "rollout.max_completion_length=10", "objective.num_generations=4",
             "trainer.max_steps=5", "trainer.eval_every=0", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
             "trainer.lr=3e-3", "trainer.warmup_steps=1", "trainer.precision=fp32", "trainer.export_hf=false",
