@@ -39,6 +39,7 @@ def _overrides(questions: Path, run_dir: Path, *extra: str) -> list[str]:
 
 def main() -> None:
     from llmtrain.checkpoint.export import write_policy
+    from llmtrain.common.children import members, shm_files
     from llmtrain.config.compose import compose
     from llmtrain.models.build import build_model, build_tokenizer
     from llmtrain.rollout.vllm_server import _free_port, _request, server_command
@@ -70,6 +71,13 @@ def main() -> None:
                     assert process.poll() is None, (root / "server.log").read_text()[-3000:]
                     time.sleep(1)
 
+        def kill(process: subprocess.Popen) -> None:  # and clean up after it, as a supervisor would
+            held = shm_files(members(process.pid))
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            for path in held:
+                path.unlink(missing_ok=True)
+
         server = start()
         try:
             rows = {}
@@ -83,8 +91,7 @@ def main() -> None:
                                                         for line in metrics.read_text().splitlines())):
                         assert trainer.poll() is None, (root / f"{name}.log").read_text()[-3000:]
                         time.sleep(0.2)
-                    os.killpg(server.pid, signal.SIGKILL)
-                    server.wait()
+                    kill(server)
                     print("SIGKILLed the user's server after step 2; its supervisor starts it again", flush=True)
                     server = start()
                 assert trainer.wait() == 0, (root / f"{name}.log").read_text()[-3000:]
@@ -95,8 +102,7 @@ def main() -> None:
                       f"{rs[-1]['rollout/vllm_restarts']:g}, rollout/logp_diff_max per step {diffs}")
             print("largest loss difference:", max(abs(a["train/loss"] - b["train/loss"]) for a, b in zip(*rows.values())))
         finally:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+            kill(server)
 
 
 if __name__ == "__main__":
