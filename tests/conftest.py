@@ -256,18 +256,31 @@ def run_cli(overrides: list[str], nproc: int = 1, launcher: str = "torchrun", ti
 
 
 def run_scenarios(runs: dict[str, list[str]], nproc: int, root: Path, timeout: int = 900,
-                  envs: dict[str, dict[str, str]] | None = None, alone: bool = False) -> dict[str, Path]:
+                  envs: dict[str, dict[str, str]] | None = None, alone: bool = False,
+                  logs: bool = False) -> dict[str, Path]:
     """Train every ``name -> overrides`` run in one torchrun launch of ``nproc`` processes
     (``tests/scenarios.py``), each with the environment variables ``envs[name]`` (if any) set for
     it alone; returns ``name -> run_dir`` (under ``root``). ``alone``: the launch needs the
-    machine's memory, no one-process test runs beside it (:func:`cores_for`)."""
+    machine's memory, no one-process test runs beside it (:func:`cores_for`). ``logs``: each run's
+    log lines are kept for :func:`scenario_log`."""
     spec = [[str(root / name), overrides, (envs or {}).get(name, {})] for name, overrides in runs.items()]
     (root / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(REPO / "tests" / "scenarios.py"), str(root / "spec.json")]
+    env = subprocess_env()
+    if logs:
+        env["LLMTRAIN_SCENARIO_LOGS"] = "1"
     with cores_for(nproc, alone):
-        assert_ok(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=REPO))
+        assert_ok(subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO))
     return {name: root / name for name in runs}
+
+
+def scenario_log(run_dir: Path) -> str:
+    """What llmtrain logged in one run of a ``run_scenarios(..., logs=True)`` launch, every rank's
+    lines (rank 0's first): the lines ``python -m llmtrain`` prints at INFO and up."""
+    files = sorted(Path(run_dir).parent.glob(f"{Path(run_dir).name}.rank*.log"))
+    assert files, f"no log of {run_dir}: run_scenarios(..., logs=True) keeps them"
+    return "".join(f.read_text() for f in files)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FAST, assert_ok, make_cfg, read_metrics, run_cli, run_scenarios, train_rows
+from conftest import FAST, make_cfg, read_metrics, run_scenarios, train_rows
 from test_vision import QUESTION, record, write_dataset
 
 STEPS = 6
@@ -131,19 +131,11 @@ def test_a_two_rank_checkpoint_resumes_on_one_process(name, saved, runs):
 
 
 @pytest.mark.slow
-def test_sigkill_then_rerun_continues_exactly(runs, data_file, tmp_path):
+def test_sigkill_then_rerun_continues_exactly(runs, killed_and_rerun):
     """fsdp on 2 ranks held at step 6 (``LLMTRAIN_FAULT=stall``) after the step-4 checkpoint,
     SIGKILLed, and the same command run again: every step's loss, learning rate and samples are
     the uninterrupted run's, bit for bit."""
-    from test_resume import kill_after, per_step
-
-    overrides = COMMON + [f"data.path={data_file}"] + TWO + ["+recipe=fsdp", f"run_dir={tmp_path}"]
-    kill_after(overrides, tmp_path, 5, nproc=2, rank=1)
-    assert (tmp_path / "checkpoints" / "step_4").is_dir() and not (tmp_path / "hf").exists()
-    assert_ok(run_cli(overrides, nproc=2))
-    got = per_step(tmp_path)
-    assert [row[0] for row in got] == list(range(1, STEPS + 1))
-    assert got == per_step(runs["fsdp"])
+    assert_rerun_continued(killed_and_rerun["fsdp"], runs["fsdp"])
 
 
 @pytest.mark.parametrize("overrides, field", [(["+recipe=tp"], "recipe.tp=-1 (tensor parallel)"),
@@ -331,19 +323,11 @@ def test_gemma3_two_rank_checkpoint_resumes_on_one_process(saved, runs):
 
 
 @pytest.mark.slow
-def test_gemma3_sigkill_then_rerun_continues_exactly(runs, data_file, tmp_path):
+def test_gemma3_sigkill_then_rerun_continues_exactly(runs, killed_and_rerun):
     """Gemma 3 on zero3 (2 ranks) SIGKILLed after step 5 (its step-4 checkpoint saved) and run
     again with the same command: every step's loss, learning rate and samples are the
     uninterrupted run's, bit for bit."""
-    from test_resume import kill_after, per_step
-
-    overrides = GEMMA3 + [f"data.path={data_file}"] + TWO + ["+recipe=zero3", f"run_dir={tmp_path}"]
-    kill_after(overrides, tmp_path, 5, nproc=2, rank=1)
-    assert (tmp_path / "checkpoints" / "step_4").is_dir() and not (tmp_path / "hf").exists()
-    assert_ok(run_cli(overrides, nproc=2))
-    got = per_step(tmp_path)
-    assert [row[0] for row in got] == list(range(1, STEPS + 1))
-    assert got == per_step(runs["gemma3_zero3"])
+    assert_rerun_continued(killed_and_rerun["gemma3_zero3"], runs["gemma3_zero3"])
 
 
 @pytest.mark.slow
@@ -435,16 +419,33 @@ def test_qwen2vl_two_rank_fsdp_checkpoint_resumes_on_one_process(qwen_runs):
 
 
 @pytest.mark.slow
-def test_qwen2vl_sigkill_then_rerun_continues_exactly(qwen_runs, data_file, tmp_path):
+def test_qwen2vl_sigkill_then_rerun_continues_exactly(qwen_runs, killed_and_rerun):
     """tiny_qwen2vl on zero3 (2 ranks) SIGKILLed after step 5 (its step-4 checkpoint saved) and
     run again with the same command: every step's loss, learning rate and samples are the
     uninterrupted 2-rank run's, bit for bit."""
-    from test_resume import kill_after, per_step
+    assert_rerun_continued(killed_and_rerun["qwen2vl_zero3"], qwen_runs["zero3"])
 
-    overrides = QWEN + [f"data.path={data_file}"] + TWO + ["+recipe=zero3", f"run_dir={tmp_path}"]
-    kill_after(overrides, tmp_path, 5, nproc=2, rank=1)
-    assert (tmp_path / "checkpoints" / "step_4").is_dir() and not (tmp_path / "hf").exists()
-    assert_ok(run_cli(overrides, nproc=2))
-    got = per_step(tmp_path)
+
+@pytest.fixture(scope="module")
+def killed_and_rerun(data_file, tmp_path_factory):
+    """Idefics3 on fsdp, Gemma 3 and Qwen2-VL on zero3 (2 ranks, rank 1 held at step 6 after the
+    step-4 checkpoint), each SIGKILLed after step 5 in a launch of its own, and the same commands
+    run again, in one launch (``test_resume.kill_then_rerun_together``)."""
+    from test_resume import kill_then_rerun_together
+
+    runs = {"fsdp": COMMON + [f"data.path={data_file}"] + TWO + ["+recipe=fsdp"],
+            "gemma3_zero3": GEMMA3 + [f"data.path={data_file}"] + TWO + ["+recipe=zero3"],
+            "qwen2vl_zero3": QWEN + [f"data.path={data_file}"] + TWO + ["+recipe=zero3"]}
+    return kill_then_rerun_together(runs, tmp_path_factory.mktemp("killed"), rank=1)
+
+
+def assert_rerun_continued(run, uninterrupted: Path) -> None:
+    """The killed process of ``run`` (a ``test_resume.Rerun``) had saved step 4 and exported
+    nothing; the rerun's every step's loss, learning rate and samples are ``uninterrupted``'s,
+    bit for bit."""
+    from test_resume import per_step
+
+    assert "checkpoints/step_4" in run.files_after_kill and "hf" not in run.files_after_kill
+    got = per_step(run.run_dir)
     assert [row[0] for row in got] == list(range(1, STEPS + 1))
-    assert got == per_step(qwen_runs["zero3"])
+    assert got == per_step(uninterrupted)
