@@ -14,6 +14,13 @@ changes them by ~1e-6 (fp32; GEMM kernels pick their blocking by shape): BENCHMA
 "Batched sampling". The one extra pad column keeps the attention mask from ever being all ones,
 which ``transformers`` would drop for causal attention, another kernel with other rounding.
 Image prompts decode one prompt's group of G rows at a time (:func:`sample_group`, no padding).
+A batch of whole groups (``sample_batch``'s ``group``) prefills each prompt once, ``rows / G``
+rows of the same width, and copies the KV cache to the group's rows (a GRPO step's prefill is the
+larger part of its sampling at 16 rows x ~140 columns x 64 new tokens). Its decoder GEMMs then
+have another row count; on this CPU that changed no bit of the cache (SmolLM2-135M with LoRA at
+4 against 16 rows; the test model), and the output layer is given the rows' copies laid out as
+the whole batch's prefill would give them (:func:`_repeated_rows`), so its logits round as that
+prefill's: a contiguous copy moved them by ~1e-6.
 
 Sampling follows ``transformers``' processors on the whole batch at once: logits / temperature,
 then top-k, then top-p (nucleus, the smallest set whose probability reaches ``top_p``, at least
