@@ -131,3 +131,70 @@ def test_a_rows_logits_are_bitwise_the_same_in_any_batch_of_the_fixed_shape(dtyp
         assert torch.equal(logits([4, 4, 4, 4], 3), longest)
     finally:
         hook.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_group_is_prefilled_once_with_the_logits_and_completions_of_a_prefill_of_every_row(dtype):
+    """3 prompts x G = 4 rows in a batch of 16 (a dummy group after them): with ``group=4`` the
+    prefill runs on 4 rows where it ran on 16, and every row's output-layer logits, at the prefill
+    and at each decoding step, and its completion are bit for bit those of the prefill of every row."""
+    from llmtrain.rollout.generate import Sampling, sample_batch
+
+    model, samples = _model(dtype), _prompts()
+    batch = [samples[k]["prompt_ids"] for k in (1, 4, 0) for _ in range(4)]
+    sampling = Sampling(max_new=8, temperature=1.0, top_k=50)
+    seen: list[torch.Tensor] = []
+    prefill_rows: list[int] = []
+    hooks = [model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out[:, -1].float().clone())),
+             model.model.register_forward_pre_hook(lambda module, args, kwargs: prefill_rows.append(
+                 kwargs["input_ids"].shape[0]) if not prefill_rows else None, with_kwargs=True)]
+
+    def run(group: int):
+        seen.clear(), prefill_rows.clear()
+        out = sample_batch(model, batch, list(range(12)), sampling, torch.device("cpu"), rows=16, width=25, group=group)
+        return [c.ids for c in out], list(seen), prefill_rows[0]
+
+    try:
+        whole, whole_logits, whole_rows = run(1)
+        once, once_logits, once_rows = run(4)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert (whole_rows, once_rows) == (16, 4)
+    assert once == whole and len({tuple(ids) for ids in whole}) > 6  # seeded draws: the rows differ
+    assert len(once_logits) == len(whole_logits) == 8
+    assert all(torch.equal(a, b) for a, b in zip(once_logits, whole_logits))
+
+
+def test_grouped_batches_give_the_same_completions_on_any_layout(monkeypatch):
+    """Batches of 8 rows hold whole groups of G = 4 (3 seeded rows and a greedy one), so the engine
+    prefills each prompt once: on 1, 2, 3 and 7 simulated ranks and in reverse order the completions
+    are those of 1 rank with a prefill of every row (``group`` forced to 1)."""
+    from llmtrain.rollout import engines
+
+    model, samples = _model(torch.float32), _prompts()
+    groups: list[int] = []
+    real = engines.sample_batch
+
+    def spy(*args, **kwargs):
+        groups.append(args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engines, "sample_batch", spy)
+    one = _layout(monkeypatch, model, samples, ranks=1, rows=8, temperature=1.0)
+    assert set(groups) == {4}
+    for ranks in (2, 3, 7):
+        assert _layout(monkeypatch, model, samples, ranks, rows=8, temperature=1.0) == one
+    assert _layout(monkeypatch, model, samples[::-1], 1, rows=8, temperature=1.0) == one
+    monkeypatch.setattr(engines, "sample_batch", lambda *args, **kwargs: real(*args[:-1], 1, **kwargs))
+    assert _layout(monkeypatch, model, samples, ranks=1, rows=8, temperature=1.0) == one
+
+
+def test_a_grouped_batch_refuses_rows_that_are_not_runs_of_one_prompt():
+    from llmtrain.rollout.generate import Sampling, sample_batch
+
+    model = _model(torch.float32)
+    with pytest.raises(ValueError, match="runs of 2 copies"):
+        sample_batch(model, [[2], [3]], [None] * 2, Sampling(max_new=1), torch.device("cpu"), rows=4, width=4, group=2)
+    with pytest.raises(ValueError, match="group=3 must divide rows=4"):
+        sample_batch(model, [[2]] * 3, [None] * 3, Sampling(max_new=1), torch.device("cpu"), rows=4, width=4, group=3)

@@ -117,14 +117,20 @@ class PolicySampler(RolloutEngine):
                       text: list[int], width: int, decode: Any, groups: list[list[Completion]]) -> None:
         """The completions of the text prompts ``text`` (indices into ``samples``) into ``groups``:
         their (prompt, seed) rows in order, ``rollout.generation_batch`` at a time; a prompt counts
-        as sampled (``on_sampled``) with the batch that ends its group."""
+        as sampled (``on_sampled``) with the batch that ends its group. Where every prompt has the
+        same number G of seeds and G divides the batch, every batch holds whole groups (each rank's
+        rows start at a group) and prefills each prompt once (``sample_batch``'s ``group``): the
+        same shape on every layout, as G and the batch are the run's."""
         rows = [(i, seed) for i in text for seed in seeds[i]]
         size = int(self.cfg.rollout.generation_batch)
+        sizes = {len(seeds[i]) for i in text}
+        group = next(iter(sizes)) if len(sizes) == 1 else 1
+        group = group if group >= 1 and size % group == 0 else 1
         for start in range(0, len(rows), size):
             chunk = rows[start:start + size]
             out = sample_batch(model, [list(samples[i]["prompt_ids"]) for i, _ in chunk], [s for _, s in chunk],
                                self.sampling, policy.env.device, size, width, decode, policy.generation_autocast,
-                               self.stop_when)
+                               self.stop_when, group)
             for (i, _), completion in zip(chunk, out):
                 groups[i].append(completion)
             finished = sum(1 for i in dict.fromkeys(i for i, _ in chunk) if len(groups[i]) == len(seeds[i]))
