@@ -389,14 +389,14 @@ def test_grpo_plans_g_rows_a_prompt_its_reference_and_the_sampling_peak():
     sft_rows = plan_recipe(make_cfg(["model=llama3_8b", "data.seq_len=512", "trainer.micro_batch_size=4",
                                      "+recipe=ddp", "trainer.loss_chunk_tokens=1024"]), 2)
     ddp = plan_recipe(make_cfg(grpo + ["+recipe=ddp"]), 2)
-    # GRPO's bounded label head: the output layer in chunks of 1024 tokens, as SFT's chunked loss,
-    # with two chunks of fp32 logits (the entropy's exponentials beside them).
+    # GRPO's bounded label head: the output layer in chunks, as SFT's chunked loss, of 16 tokens
+    # (two chunks of fp32 logits, the entropy's exponentials beside them, within 16 MiB).
     assert ddp.activations == sft_rows.activations
-    assert ddp.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] == 2 * 1024 * 128256 * 4
+    assert ddp.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] == 2 * 16 * 128256 * 4 <= 2**24
     assert "logits and their gradient" not in ddp.temporaries
-    # The label head runs on completion positions only: 4 rows x 64 completion tokens, under a chunk.
-    short = plan_recipe(make_cfg(grpo + ["+recipe=ddp", "rollout.max_completion_length=64"]), 2)
-    assert short.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] == 2 * 4 * 64 * 128256 * 4
+    # The label head runs on completion positions only: 4 rows x 3 completion tokens, under a chunk.
+    short = plan_recipe(make_cfg(grpo + ["+recipe=ddp", "rollout.max_completion_length=3"]), 2)
+    assert short.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] == 2 * 4 * 3 * 128256 * 4
     assert "frozen reference model" not in ddp.buffers and "weights gathered whole for sampling" not in ddp.sampling
     # Llama-3 8B: 32 layers, 8 KV heads of 128; bf16 off: fp32 (4 bytes); 4 rows x 512 positions.
     assert ddp.sampling["KV cache of one group (4 x data.seq_len tokens)"] == 2 * 32 * 4 * 512 * 8 * 128 * 4

@@ -48,8 +48,8 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   hidden states and a log-sum-exp per token), and the logits temporary is one chunk's.
 - Online RL (``objective=grpo``): a micro-batch of m prompts trains m x G completion rows, whose
   loss runs the output layer in chunks as ``trainer.loss_chunk_tokens`` does (of
-  ``BOUNDED_CHUNK_TOKENS`` by default, where the engine installs GRPO's label head: two
-  chunk-sized tensors with the entropy's exponentials); with
+  ``bounded_chunk_tokens`` by default, where the engine installs GRPO's label head: two
+  chunk-sized tensors with the entropy's exponentials, within ``BOUNDED_CHUNK_BYTES``); with
   ``beta`` > 0 and no adapters, the frozen reference copy as for DPO. Sampling happens between
   optimizer steps, so its bytes (:attr:`RankPlan.sampling`) peak apart from the step's: the
   resident bytes, the weights gathered whole under ZeRO-3 and FSDP2 (the compute dtype, less the
@@ -294,16 +294,20 @@ def _setting(cfg: Any, world_size: int, hf_config: Any, dims: Any, shape: ModelS
 
 def _bounded_chunk(cfg: Any, hf_config: Any, dims: Any, online: bool) -> int:
     """Tokens per chunk of GRPO's bounded label head with ``trainer.loss_chunk_tokens`` 0
-    (:data:`llmtrain.models.chunked_loss.BOUNDED_CHUNK_TOKENS`) where the engine installs it:
+    (:func:`llmtrain.models.chunked_loss.bounded_chunk_tokens` of the rank's vocabulary rows, the
+    entropy's second copy counted) where the engine installs it:
     ``trainer.logits_at_labels_only``, no pipeline stages, a model type whose forward leaves the
     output layer's result as it is; else 0 (whole logits)."""
-    from llmtrain.models.chunked_loss import BOUNDED_CHUNK_TOKENS, PLAIN_HEAD_MODEL_TYPES, head_transform
+    from llmtrain.models.chunked_loss import PLAIN_HEAD_MODEL_TYPES, bounded_chunk_tokens, head_transform
 
     if not (online and cfg.objective.name == "grpo" and cfg.trainer.get("logits_at_labels_only", True)
             and dims.pp == 1):
         return 0
     plain = getattr(hf_config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES and head_transform(hf_config) is None
-    return BOUNDED_CHUNK_TOKENS if plain else 0
+    if not plain:
+        return 0
+    shape = _shape(hf_config, cfg.model)
+    return bounded_chunk_tokens(shape.vocab // (dims.tp if shape.head_tp else 1), copies=2)
 
 
 def _stage_plan(s: _Setting, plan: RankPlan, pp_rank: int) -> RankPlan:
