@@ -53,9 +53,10 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   ``beta`` > 0 and no adapters, the frozen reference copy as for DPO. Sampling happens between
   optimizer steps, so its bytes (:attr:`RankPlan.sampling`) peak apart from the step's: the
   resident bytes, the weights gathered whole under ZeRO-3 and FSDP2 (the compute dtype, less the
-  share the rank already holds), one group's KV cache (2 x layers x G x ``data.seq_len`` tokens
-  x the key/value heads / tp x head size, in the compute dtype; :func:`kv_cache_bytes`) and one
-  decode step's fp32 logits. The plan's total is the larger of the two peaks.
+  share the rank already holds), one generation batch's KV cache (2 x layers x
+  ``rollout.generation_batch`` rows, or G where larger, x ``data.seq_len`` tokens x the
+  key/value heads / tp x head size, in the compute dtype; :func:`kv_cache_bytes`) and one decode
+  step's fp32 logits. The plan's total is the larger of the two peaks.
 """
 
 from __future__ import annotations
@@ -398,9 +399,12 @@ def _add_sampling(s: _Setting, candidate: RankPlan, n: int) -> None:
     elif s.online:
         if (r.engine == "deepspeed" and r.zero_stage == 3) or s.fsdp:
             candidate.sampling["weights gathered whole for sampling"] = max(0, s.compute * n - candidate.params)
-        candidate.sampling[f"KV cache of one group ({s.group} x data.seq_len tokens)"] = kv_cache_bytes(
-            s.hf_config, s.group, cfg.data.seq_len, s.compute, dims.tp)
-        candidate.sampling["logits of one decode step (fp32)"] = s.group * s.shape.vocab * 4
+        # Text prompts decode rollout.generation_batch rows at a time, always that many (dummy
+        # rows fill a short batch); an image prompt decodes its group of G rows.
+        rows = max(int(cfg.rollout.get("generation_batch", s.group)), s.group)
+        candidate.sampling[f"KV cache of one generation batch ({rows} rows x data.seq_len tokens)"] = kv_cache_bytes(
+            s.hf_config, rows, cfg.data.seq_len, s.compute, dims.tp)
+        candidate.sampling["logits of one decode step (fp32)"] = rows * s.shape.vocab * 4
 
 
 def kv_cache_bytes(hf_config: Any, rows: int, tokens: int, dtype_bytes: int, tp: int = 1) -> int:
