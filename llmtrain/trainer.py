@@ -128,6 +128,7 @@ class Trainer:
         self.env = distributed.init_distributed(need_group=cfg.recipe.engine == "deepspeed")
         self.dims, self.accumulation = self._setup_layout()
         allocator.set_mmap_threshold(self.t.malloc_mmap_threshold)  # validated; before the model and data
+        self.trim = allocator.trimmer(self.t.malloc_mmap_threshold)
         seed_everything(self.t.seed)
         self.run_dir = run_dir_of(cfg)
         phases.begin("tokenizer", f"model {cfg.model.name}")
@@ -252,7 +253,9 @@ class Trainer:
         loss or norm is not finite or spikes), and the train state advanced."""
         started = time.perf_counter()
         self.watchdog.set("data", step + 1)
+        self.trim()  # the last step's freed pages back before sampling and before the training pass
         host_batches, source_metrics = self.batches.for_step(step)
+        self.trim()
         data_wait_s, source_metrics = self.micro_batches.take_wait(), {**source_metrics, **self.micro_batches.take_work()}
         # Fingerprint on the host copies: on an accelerator this avoids a device-to-host sync.
         digest = sample_digest(host_batches)

@@ -45,6 +45,37 @@ def test_freed_tensors_go_back_with_a_fixed_threshold():
     assert flag == "True" and returned > 90
 
 
+TRIM_PROBE = textwrap.dedent("""
+    import sys
+    import torch
+    from llmtrain.common.allocator import set_mmap_threshold, trimmer
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    set_mmap_threshold(65536)
+    held = [torch.ones(4096) for _ in range(3000)]  # 3000 x 16 KiB from the heap (below the threshold), touched
+    del held[:-1]  # all but the last: ~47 MiB free inside the heap, its top still in use
+    before = rss()
+    trimmer(int(sys.argv[1]))()
+    print((before - rss()) / 2**20)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_the_trimmer_gives_back_small_freed_tensors_inside_the_heap():
+    # Below the threshold freed tensors stay resident in the heap (trainer.malloc_mmap_threshold 0:
+    # no trim, the reference); the trimmer between phases hands their pages back.
+    def returned(threshold: int) -> float:
+        out = subprocess.run([sys.executable, "-c", TRIM_PROBE, str(threshold)], capture_output=True, text=True,
+                             check=True)
+        return float(out.stdout.split()[-1])
+
+    assert returned(0) < 5
+    assert returned(65536) > 35
+
+
 def test_threshold_out_of_range_is_a_config_error():
     from llmtrain.config.compose import compose
     from llmtrain.config.validate import validate

@@ -137,6 +137,36 @@ def test_a_bounded_head_never_holds_more_than_a_chunk_of_logits(monkeypatch):
     assert sum(seen) == 3 * 25  # forward, backward's recomputation, the old-policy pass
 
 
+def test_the_default_chunk_holds_its_logits_within_a_byte_bound(monkeypatch):
+    """With ``chunk_tokens`` 0 a bounded head's chunks hold as many positions as keep their fp32
+    logits within ``BOUNDED_CHUNK_BYTES`` (6 positions' worth here): 3 positions with the
+    entropy's second copy (the training forward and its recomputation in backward), 6 without
+    (the old-policy pass); the loss and every gradient as from whole logits."""
+    from llmtrain.models import chunked_loss
+
+    seen: list[int] = []
+    real = chunked_loss.ChunkedLabelLogps._logits
+
+    def logits(hidden, weight, bias, temperature=1.0):
+        seen.append(hidden.shape[0])
+        return real(hidden, weight, bias, temperature)
+
+    objective = GRPO({"loss_type": "dapo", "beta": 0.04})
+    objective.temperature = TEMPERATURE
+    batch = _batch(objective, packed=False)
+    loss, _, grads, _ = _step(objective, batch, None)
+    monkeypatch.setattr(chunked_loss, "BOUNDED_CHUNK_BYTES", 6 * VOCAB * 4)
+    monkeypatch.setattr(chunked_loss.ChunkedLabelLogps, "_logits", staticmethod(logits))
+    got_loss, _, got_grads, _ = _step(objective, batch, 0)
+    assert seen == 2 * ([3] * 8 + [1]) + [6] * 4 + [1]  # 25 completion positions
+    assert got_loss == pytest.approx(loss, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-6, atol=1e-6, msg=name)
+    assert chunked_loss.bounded_chunk_tokens(49152) == 1  # never 0, however large the vocabulary
+    monkeypatch.undo()
+    assert chunked_loss.bounded_chunk_tokens(49152) == 42 and chunked_loss.bounded_chunk_tokens(49152, 1) == 85
+
+
 def test_a_frozen_output_layer_gets_no_gradient_and_the_rest_the_same():
     """LoRA's frozen output layer: the chunks' backward skips its weight gradient (no
     ``[vocab, hidden]`` matmul per chunk), and every trained parameter's gradient is unchanged."""

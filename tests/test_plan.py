@@ -381,7 +381,8 @@ def test_the_planner_plans_the_default_batch_on_any_world_size(capsys):
 def test_grpo_plans_g_rows_a_prompt_its_reference_and_the_sampling_peak():
     """Online RL: a micro-batch of m prompts is m x G rows of activations; beta > 0 without
     adapters adds the frozen reference; sampling adds the weights gathered whole (ZeRO-3 and
-    FSDP2 only) and one group's KV cache to the resident bytes, and the total is the larger peak."""
+    FSDP2 only) and one generation batch's KV cache to the resident bytes, and the total is the
+    larger peak."""
     from llmtrain.planning.memory import plan_recipe
 
     grpo = ["objective=grpo", "data=prompts", "data.path=/x", "reward.functions=[gsm8k]", "model=llama3_8b",
@@ -389,17 +390,20 @@ def test_grpo_plans_g_rows_a_prompt_its_reference_and_the_sampling_peak():
     sft_rows = plan_recipe(make_cfg(["model=llama3_8b", "data.seq_len=512", "trainer.micro_batch_size=4",
                                      "+recipe=ddp", "trainer.loss_chunk_tokens=1024"]), 2)
     ddp = plan_recipe(make_cfg(grpo + ["+recipe=ddp"]), 2)
-    # GRPO's bounded label head: the output layer in chunks of 1024 tokens, as SFT's chunked loss,
-    # with two chunks of fp32 logits (the entropy's exponentials beside them).
+    # GRPO's bounded label head: the output layer in chunks, as SFT's chunked loss, of 16 tokens
+    # (two chunks of fp32 logits, the entropy's exponentials beside them, within 16 MiB).
     assert ddp.activations == sft_rows.activations
-    assert ddp.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] == 2 * 1024 * 128256 * 4
+    assert ddp.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] == 2 * 16 * 128256 * 4 <= 2**24
     assert "logits and their gradient" not in ddp.temporaries
-    # The label head runs on completion positions only: 4 rows x 64 completion tokens, under a chunk.
-    short = plan_recipe(make_cfg(grpo + ["+recipe=ddp", "rollout.max_completion_length=64"]), 2)
-    assert short.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] == 2 * 4 * 64 * 128256 * 4
+    # The label head runs on completion positions only: 4 rows x 3 completion tokens, under a chunk.
+    short = plan_recipe(make_cfg(grpo + ["+recipe=ddp", "rollout.max_completion_length=3"]), 2)
+    assert short.temporaries["logits of one loss chunk (trainer.loss_chunk_tokens)"] == 2 * 4 * 3 * 128256 * 4
     assert "frozen reference model" not in ddp.buffers and "weights gathered whole for sampling" not in ddp.sampling
     # Llama-3 8B: 32 layers, 8 KV heads of 128; bf16 off: fp32 (4 bytes); 4 rows x 512 positions.
-    assert ddp.sampling["KV cache of one group (4 x data.seq_len tokens)"] == 2 * 32 * 4 * 512 * 8 * 128 * 4
+    # The hf engine decodes rollout.generation_batch (16) rows at a time, every batch that many.
+    kv = "KV cache of one generation batch (16 rows x data.seq_len tokens)"
+    assert ddp.sampling[kv] == 2 * 32 * 16 * 512 * 8 * 128 * 4
+    assert ddp.sampling["logits of one decode step (fp32)"] == 16 * 128256 * 4
     assert ddp.total == max(ddp.step_peak, ddp.resident + sum(ddp.sampling.values()))
     for recipe in ("zero3", "fsdp"):
         plan = plan_recipe(make_cfg(grpo + [f"+recipe={recipe}", "objective.beta=0.04"]), 2)
@@ -409,8 +413,7 @@ def test_grpo_plans_g_rows_a_prompt_its_reference_and_the_sampling_peak():
         lora = plan_recipe(make_cfg(grpo + [f"+recipe={recipe}", "objective.beta=0.04", "+peft=lora"]), 2)
         assert "frozen reference model" not in lora.buffers
     tp = plan_recipe(make_cfg(grpo + ["+recipe=tp"]), 2)
-    assert tp.sampling["KV cache of one group (4 x data.seq_len tokens)"] * 2 == ddp.sampling[
-        "KV cache of one group (4 x data.seq_len tokens)"]
+    assert tp.sampling[kv] * 2 == ddp.sampling[kv]
     # rollout.engine=vllm: the server holds the KV cache; rank 0 holds the whole fp32 model three
     # times while writing it for the server (Llama-3 8B: ddp.params is the fp32 model's bytes).
     served = plan_recipe(make_cfg(grpo + ["+recipe=zero3", "rollout.engine=vllm"]), 2)

@@ -42,3 +42,20 @@ def set_mmap_threshold(nbytes: int) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, int(nbytes)))
+
+
+def trimmer(nbytes: int):
+    """What the trainer calls between a step's phases (before its sampling, before its training
+    pass): with ``trainer.malloc_mmap_threshold`` set (``nbytes`` > 0), glibc's ``malloc_trim(0)``,
+    which hands back every whole free page in the heap's arenas (``madvise``), not only those at
+    the top: the small tensors and Python buffers (below the threshold) that the last phase freed
+    leave their pages resident otherwise, under the next phase's peak. Values are untouched (free
+    memory only). 0, or a C library without ``malloc_trim``: a no-op."""
+    if not nbytes:
+        return lambda: None
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)

@@ -168,8 +168,9 @@ class LabelHead:
     asks for each labelled position's entropy of that distribution too, left in :attr:`entropies`
     (fp32 ``[B, T]``, detached, 0 where no label; :meth:`take_entropies`): GRPO's log-probs and
     entropy metric. ``bounded`` (GRPO's head): with ``chunk_tokens`` 0, a plain ``nn.Linear`` layer
-    still runs in chunks of :data:`BOUNDED_CHUNK_TOKENS`, so the step's full-vocabulary memory is
-    one chunk's, not the completions' (an adapted layer keeps the whole path).
+    still runs in chunks of :func:`bounded_chunk_tokens` (a chunk's fp32 logits within
+    :data:`BOUNDED_CHUNK_BYTES`), so the step's full-vocabulary memory is one chunk's, not the
+    completions' (an adapted layer keeps the whole path).
     """
 
     def __init__(self, head: torch.nn.Module, chunk_tokens: int, bounded: bool = False):
@@ -203,12 +204,15 @@ class LabelHead:
         out, self.entropies = self.entropies, None
         return out
 
-    def _chunk_for(self, module: torch.nn.Module) -> int:
+    def _chunk_for(self, module: torch.nn.Module, vocab_local: int) -> int:
         """Tokens per chunk: ``chunk_tokens``, else with ``bounded`` and a plain linear layer
-        :data:`BOUNDED_CHUNK_TOKENS`, else 0 (the layer's own forward on every kept row)."""
+        :func:`bounded_chunk_tokens` of its ``vocab_local`` output rows (with the entropy's
+        second copy), else 0 (the layer's own forward on every kept row)."""
         if self.chunk or not self.bounded:
             return self.chunk
-        return BOUNDED_CHUNK_TOKENS if isinstance(module, torch.nn.Linear) else 0  # FSDP2 subclasses it
+        if not isinstance(module, torch.nn.Linear):  # FSDP2 subclasses it
+            return 0
+        return bounded_chunk_tokens(vocab_local, copies=2 if self.entropy else 1)
 
     def _label_logps(self, module: torch.nn.Module, hidden, targets: torch.Tensor, plain):
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -248,7 +252,7 @@ class LabelHead:
         wanted = flat if every else flat.index_select(0, kept)
         if empty:
             wanted = wanted.clamp(min=0)
-        chunk, entropy = self._chunk_for(module), None
+        chunk, entropy = self._chunk_for(module, weight.shape[0]), None
         if chunk == 0 and mesh is None:
             logits = plain(picked).float()
             if self.temperature != 1.0:
@@ -284,10 +288,19 @@ class LabelHead:
             (kept // length, kept % length), values)
 
 
-# Tokens per chunk of a bounded head (:class:`LabelHead`) when ``trainer.loss_chunk_tokens`` is 0:
-# at a 49,152-token vocabulary 192 MiB of fp32 logits a chunk, few enough that memory is set by
-# the model, many enough that the matmul runs at full speed.
-BOUNDED_CHUNK_TOKENS = 1024
+# Bytes of fp32 logits a bounded head (:class:`LabelHead`) holds at once when
+# ``trainer.loss_chunk_tokens`` is 0 (both of the forward's chunk-sized tensors where it takes the
+# entropy too). Sized in bytes, not tokens, so the bound is the same whatever the vocabulary:
+# at 49,152 entries 42 tokens a chunk with the entropy (85 without); the [chunk, hidden] x
+# [hidden, vocab] matmul still runs at full speed at that many rows on a CPU.
+BOUNDED_CHUNK_BYTES = 16 * 2**20
+
+
+def bounded_chunk_tokens(vocab: int, copies: int = 2) -> int:
+    """Tokens per chunk of a bounded head over ``vocab`` output rows (this rank's share of the
+    vocabulary): as many as keep ``copies`` chunk-sized fp32 ``[tokens, vocab]`` tensors within
+    :data:`BOUNDED_CHUNK_BYTES` (2: GRPO's forward with its entropy's exponentials), at least 1."""
+    return max(1, BOUNDED_CHUNK_BYTES // (copies * 4 * max(1, int(vocab))))
 
 
 # Model types whose causal-LM forward returns the output layer's result unchanged
@@ -338,7 +351,7 @@ def applies_by_default(model: torch.nn.Module) -> bool:
 
 def install(model: torch.nn.Module, chunk_tokens: int, bounded: bool = False) -> LabelHead:
     """Swap ``model``'s output embedding (``get_output_embeddings()``) for a :class:`LabelHead`
-    (``chunk_tokens`` 0: whole, or with ``bounded`` chunks of :data:`BOUNDED_CHUNK_TOKENS`;
+    (``chunk_tokens`` 0: whole, or with ``bounded`` chunks of :func:`bounded_chunk_tokens`;
     > 0: :class:`ChunkedLabelLogps` chunks of that many tokens).
 
     Raises:

@@ -48,14 +48,15 @@ after the tensor-parallel split and its pipeline stage's share; d = data-paralle
   hidden states and a log-sum-exp per token), and the logits temporary is one chunk's.
 - Online RL (``objective=grpo``): a micro-batch of m prompts trains m x G completion rows, whose
   loss runs the output layer in chunks as ``trainer.loss_chunk_tokens`` does (of
-  ``BOUNDED_CHUNK_TOKENS`` by default, where the engine installs GRPO's label head: two
-  chunk-sized tensors with the entropy's exponentials); with
+  ``bounded_chunk_tokens`` by default, where the engine installs GRPO's label head: two
+  chunk-sized tensors with the entropy's exponentials, within ``BOUNDED_CHUNK_BYTES``); with
   ``beta`` > 0 and no adapters, the frozen reference copy as for DPO. Sampling happens between
   optimizer steps, so its bytes (:attr:`RankPlan.sampling`) peak apart from the step's: the
   resident bytes, the weights gathered whole under ZeRO-3 and FSDP2 (the compute dtype, less the
-  share the rank already holds), one group's KV cache (2 x layers x G x ``data.seq_len`` tokens
-  x the key/value heads / tp x head size, in the compute dtype; :func:`kv_cache_bytes`) and one
-  decode step's fp32 logits. The plan's total is the larger of the two peaks.
+  share the rank already holds), one generation batch's KV cache (2 x layers x
+  ``rollout.generation_batch`` rows, or G where larger, x ``data.seq_len`` tokens x the
+  key/value heads / tp x head size, in the compute dtype; :func:`kv_cache_bytes`) and one decode
+  step's fp32 logits. The plan's total is the larger of the two peaks.
 """
 
 from __future__ import annotations
@@ -294,16 +295,20 @@ def _setting(cfg: Any, world_size: int, hf_config: Any, dims: Any, shape: ModelS
 
 def _bounded_chunk(cfg: Any, hf_config: Any, dims: Any, online: bool) -> int:
     """Tokens per chunk of GRPO's bounded label head with ``trainer.loss_chunk_tokens`` 0
-    (:data:`llmtrain.models.chunked_loss.BOUNDED_CHUNK_TOKENS`) where the engine installs it:
+    (:func:`llmtrain.models.chunked_loss.bounded_chunk_tokens` of the rank's vocabulary rows, the
+    entropy's second copy counted) where the engine installs it:
     ``trainer.logits_at_labels_only``, no pipeline stages, a model type whose forward leaves the
     output layer's result as it is; else 0 (whole logits)."""
-    from llmtrain.models.chunked_loss import BOUNDED_CHUNK_TOKENS, PLAIN_HEAD_MODEL_TYPES, head_transform
+    from llmtrain.models.chunked_loss import PLAIN_HEAD_MODEL_TYPES, bounded_chunk_tokens, head_transform
 
     if not (online and cfg.objective.name == "grpo" and cfg.trainer.get("logits_at_labels_only", True)
             and dims.pp == 1):
         return 0
     plain = getattr(hf_config, "model_type", None) in PLAIN_HEAD_MODEL_TYPES and head_transform(hf_config) is None
-    return BOUNDED_CHUNK_TOKENS if plain else 0
+    if not plain:
+        return 0
+    shape = _shape(hf_config, cfg.model)
+    return bounded_chunk_tokens(shape.vocab // (dims.tp if shape.head_tp else 1), copies=2)
 
 
 def _stage_plan(s: _Setting, plan: RankPlan, pp_rank: int) -> RankPlan:
@@ -394,9 +399,12 @@ def _add_sampling(s: _Setting, candidate: RankPlan, n: int) -> None:
     elif s.online:
         if (r.engine == "deepspeed" and r.zero_stage == 3) or s.fsdp:
             candidate.sampling["weights gathered whole for sampling"] = max(0, s.compute * n - candidate.params)
-        candidate.sampling[f"KV cache of one group ({s.group} x data.seq_len tokens)"] = kv_cache_bytes(
-            s.hf_config, s.group, cfg.data.seq_len, s.compute, dims.tp)
-        candidate.sampling["logits of one decode step (fp32)"] = s.group * s.shape.vocab * 4
+        # Text prompts decode rollout.generation_batch rows at a time, always that many (dummy
+        # rows fill a short batch); an image prompt decodes its group of G rows.
+        rows = max(int(cfg.rollout.get("generation_batch", s.group)), s.group)
+        candidate.sampling[f"KV cache of one generation batch ({rows} rows x data.seq_len tokens)"] = kv_cache_bytes(
+            s.hf_config, rows, cfg.data.seq_len, s.compute, dims.tp)
+        candidate.sampling["logits of one decode step (fp32)"] = rows * s.shape.vocab * 4
 
 
 def kv_cache_bytes(hf_config: Any, rows: int, tokens: int, dtype_bytes: int, tp: int = 1) -> int:

@@ -289,9 +289,9 @@ def main() -> None:
             got[side].append(result)
             print(f"round {r} {side:13s} " + " ".join(f"{k} {got[side][-1][k]:.2f}" for k in KEYS)
                   + f" tokens/call {got[side][-1]['sample_tokens']:.0f}; load {os.getloadavg()[0]:.1f}", flush=True)
-    same = all(prompts[s] == prompts["trl"] for s in sides)
+    same = all(prompts[s] == prompts[reference] for s in sides)  # a run without TRL: against its first side
     print(f"prompts per rank and step the same on every side: {same}")
-    for rank in sorted(prompts["trl"]):
+    for rank in sorted(prompts[reference]):
         print(f"  rank {rank}: " + "; ".join(f"{s} {prompts[s].get(rank)}" for s in sides), flush=True)
     med = {s: {k: statistics.median(x[k] for x in v) for k in KEYS} for s, v in got.items()}
     print(f"\n{'':22s}" + "".join(f"{k:>18s}" for k in KEYS))
