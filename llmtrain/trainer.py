@@ -180,7 +180,7 @@ class Trainer:
         self.preemption = Preemption(self.t.preempt_signal, self.t.save_every_minutes, distributed.scheduler_signal())
         self.micro_batches.stop_when = lambda: self.preemption.requested  # a step waiting on a hung store stops
         if self.objective.online:  # so does a step's sampling (llmtrain.rollout.rollout: the step is dropped)
-            self.batches.stop_when = self.micro_batches.stop_when
+            self.batches.stop_when = self._sampling_tick
         self.checkpointer = Checkpointer(self.checkpoints, self.engine, self.tracker, self.preemption, cfg,
                                          self.config_yaml, self.env.world_size, self.resume_from)
         self.task_evals = self._setup_task_evals()
@@ -420,6 +420,12 @@ class Trainer:
                               " on this rank: as long as one evaluation")
             reference.annotate_batches(self.reference, self.engine, batches, self.env.device)
         return batches
+
+    def _sampling_tick(self) -> str | None:
+        """Asked at each decode step of a step's sampling: whether a preemption asks it to stop;
+        and the step moves on for the hang watchdog (a rank with longer completions is not hung)."""
+        self.watchdog.moved()
+        return self.preemption.requested
 
     def _setup_watchdog(self) -> Watchdog:
         """The hang watchdog (:mod:`llmtrain.monitoring.watchdog`), started: this rank's step and phase as a

@@ -144,6 +144,26 @@ def test_a_rank_that_moves_or_ranks_all_at_one_position_are_no_hang(tmp_path):
     assert not (dog.dir / "HANG").exists()
 
 
+def test_a_rank_still_sampling_moves_while_the_others_wait_and_is_no_hang_until_it_stops(tmp_path):
+    """GRPO: a rank whose completions run longer is still in its step's sampling (phase data)
+    while the other waits for it in the step's collectives; each decode step calls
+    :meth:`Watchdog.moved`, so it is no hang however long it samples, and is one once it stops."""
+    from llmtrain.monitoring.watchdog import Watchdog
+
+    dog = Watchdog(tmp_path, rank=0, world_size=2, timeout_s=0.3, step=4)
+    dog.dir.mkdir()
+    dog.set("data", 5)  # rank 0 samples
+    _beat(dog, 1, 5, "forward_backward", 9)  # rank 1 is done and waits
+    dog._check()
+    for _ in range(5):  # 0.5 s of decoding, past the 0.3 s timeout
+        time.sleep(0.1)
+        dog.moved()
+        assert dog._check() is None
+    time.sleep(0.4)
+    hang = dog._check()
+    assert hang is not None and hang["late"] == [0]
+
+
 def test_one_process_or_a_zero_timeout_starts_no_watchdog(tmp_path):
     from llmtrain.monitoring.watchdog import Watchdog
 

@@ -23,7 +23,8 @@ reporting rank signals such a rank when it runs on its own host and copies that 
 (``kill -USR2 PID`` dumps a rank's stacks there by hand, at any time).
 
 Not a hang here: all ranks at the same step and phase with none moving (a slow checkpoint save,
-or a hang inside one phase). That is left to the process-group timeout, so a slow phase never
+or a hang inside one phase); a rank that is still sampling its step's completions while the
+others wait for it (each decoded token is a move: :meth:`Watchdog.moved`). That is left to the process-group timeout, so a slow phase never
 kills a healthy run. The watchdog is off for one process and for ``trainer.hang_timeout_s=0``.
 
 Across nodes: the heartbeat folder lives in ``run_dir``, which must then be on a file system every
@@ -157,6 +158,13 @@ class Watchdog:
         self._where = (step, phase, where[2] + 1)
         if self._stall == (step, phase):
             self._stall_forever(step, phase)
+
+    def moved(self) -> None:
+        """The training thread made progress inside its phase (a rollout decoded a token): a rank
+        that samples longer than the others, which wait for it in the step's collectives, moves
+        and is not taken for a hang (one attribute store, as :meth:`set`)."""
+        step, phase, changes = self._where
+        self._where = (step, phase, changes + 1)
 
     def _stall_forever(self, step: int, phase: str) -> None:
         log.warning("LLMTRAIN_FAULT: rank %d stalls at step %d, phase %s", self.rank, step, phase)
