@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -252,8 +253,8 @@ def test_transient_faults_are_retried_and_counted_then_one_error(monkeypatch):
 
 
 def test_a_store_down_for_a_while_is_waited_out_and_counted(store, server, monkeypatch):
-    """The server stopped (connections refused) and started again 1 s later, while a block is
-    read: the read retries until it is back, and the retries are counted; stopped for good, the
+    """The server stopped (connections refused) and started again 1 s after the read's first
+    retry: the read retries until it is back, and the retries are counted; stopped for good, the
     read ends in one error naming the URL and AWS_ENDPOINT_URL."""
     import threading
 
@@ -266,7 +267,15 @@ def test_a_store_down_for_a_while_is_waited_out_and_counted(store, server, monke
     file = remote.RemoteTokenFile(f"s3://{BUCKET}/outage/tokens.bin", "uint32", ids.nbytes, "data.path")
     before = remote.retries()
     _stop(server)
-    restart = threading.Timer(1.0, server.start)
+
+    def restart_once_refused() -> None:  # not on a clock: a loaded machine could start the read after it
+        deadline = time.monotonic() + 120
+        while remote.retries() == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # and down a while longer
+        server.start()
+
+    restart = threading.Thread(target=restart_once_refused)
     restart.start()
     try:
         assert np.array_equal(file[100:200], ids[100:200])

@@ -156,6 +156,7 @@ def test_a_weights_load_after_the_watcher_gave_up_on_a_server_names_how_it_died(
 
     engine = _engine(tmp_path, "rollout.vllm_restarts=0")
     engine.work.mkdir()  # (a run's first sync makes it)
+    census.pid("worker")  # the engine is up: its /dev/shm file made, its SIGTERM handler set
     os.kill(census.pid("server"), signal.SIGKILL)
     with engine.lock:
         engine._revive(engine.servers[0])  # what the watcher does

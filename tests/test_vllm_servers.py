@@ -145,14 +145,18 @@ class UserServer:
         self.stop()
         self.process = subprocess.Popen([sys.executable, standin_vllm.__file__, "--port", str(self.port)],
                                         start_new_session=True, env=dict(os.environ))
+        from llmtrain.common.children import members, shm_files
+
         deadline = time.monotonic() + 60
-        while True:
+        while True:  # answering, and its engine's /dev/shm file made (for stop() to remove)
             try:
                 _request(f"http://127.0.0.1:{self.port}", "/v1/models", None, timeout=2)
-                return
+                if shm_files(members(self.process.pid)):
+                    return
             except OSError:
-                assert time.monotonic() < deadline, "the stand-in did not start"
-                time.sleep(0.05)
+                pass
+            assert time.monotonic() < deadline, "the stand-in did not start"
+            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.process is not None:
