@@ -438,8 +438,8 @@ class VLLMEngine(RolloutEngine):
         try:
             if self.own_server:
                 self._load(server, folder, step)
-            elif self.user_model and self._held(server) is not None and self._replaced(server):
-                self._hold(server, [self.user_model, (folder, step)])  # a new process: not the run's frozen blocks
+            elif self._held(server) is not None and self._replaced(server):
+                return OSError(f"{server.url} is down or a new process")  # _load_all revives it (_reload_user)
             else:
                 self._hold(server, [(folder, step)])
         except (OSError, VLLMServerError) as err:
